@@ -1,0 +1,226 @@
+"""SamplingParams: vLLM's names and semantics, validated with errors that name the field.
+
+Checks that need the model (vocabulary size, max_model_len, max_logprobs) run
+when the engine admits a request; everything else runs here, at construction.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from dataclasses import dataclass, field, fields
+
+logger = logging.getLogger(__name__)
+
+# Below this a temperature means greedy decoding (vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+# Between GREEDY_TEMPERATURE and this, logits/temperature overflows in fp32; vLLM
+# clamps to the same floor.
+MIN_RANDOM_TEMPERATURE = 1e-2
+MAX_SEED = 2**63 - 1
+LOGIT_BIAS_LIMIT = 100.0
+
+
+class RequestOutputKind(enum.Enum):
+    """What each engine step reports for a request (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the last report (streaming)
+    FINAL_ONLY = 2  # nothing until the request finishes
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters (field names and defaults follow vLLM)."""
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Normalised forms, filled in by __post_init__.
+    _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._validate_types()
+        self._validate_ranges()
+        self._normalise()
+
+    # ----------------------------------------------------------------- checks
+    def _validate_types(self) -> None:
+        for name in ("n", "top_k", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens", "seed"):
+            v = getattr(self, name)
+            if v is not None and not _is_int(v):
+                raise ValueError(f"{name} must be an integer or None, got {v!r}")
+        for name in (
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "temperature",
+            "top_p",
+            "min_p",
+        ):
+            v = getattr(self, name)
+            if not _is_number(v) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+        for name in (
+            "ignore_eos",
+            "detokenize",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            allowed = ", ".join(k.name for k in RequestOutputKind)
+            raise ValueError(f"output_kind must be one of {allowed}, got {self.output_kind!r}")
+
+    def _validate_ranges(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not -MAX_SEED - 1 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ValueError(f"{name} must be non-negative, got {v}")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise ValueError(
+                f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}"
+            )
+        self._validate_stop()
+        self._validate_token_lists()
+
+    def _validate_stop(self) -> None:
+        stop = self.stop
+        if stop is None:
+            return
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, list | tuple) or not all(isinstance(s, str) for s in items):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        if any(s == "" for s in items):
+            raise ValueError("stop must not contain an empty string")
+
+    def _validate_token_lists(self) -> None:
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if not isinstance(v, list | tuple) or not all(_is_int(t) for t in v):
+                raise ValueError(f"{name} must be a list of integers, got {v!r}")
+            if any(t < 0 for t in v):
+                raise ValueError(f"{name} must not contain negative token ids, got {v!r}")
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
+            raise ValueError("allowed_token_ids must not be empty")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(
+                    f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}"
+                )
+            for k, b in self.logit_bias.items():
+                if not _is_int(k) or k < 0:
+                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {k!r}")
+                if not _is_number(b) or not math.isfinite(b):
+                    raise ValueError(f"logit_bias values must be finite numbers, got {b!r} for {k}")
+
+    def _normalise(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.stop is None:
+            self._stop_list = []
+        elif isinstance(self.stop, str):
+            self._stop_list = [self.stop]
+        else:
+            self._stop_list = list(self.stop)
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            # vLLM clamps biases to +-100: beyond that a bias already decides alone.
+            self.logit_bias = {
+                int(k): max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(b)))
+                for k, b in self.logit_bias.items()
+            }
+        if GREEDY_TEMPERATURE <= self.temperature < MIN_RANDOM_TEMPERATURE:
+            logger.warning(
+                "temperature %s is below %s and is raised to it to avoid overflow",
+                self.temperature,
+                MIN_RANDOM_TEMPERATURE,
+            )
+            self.temperature = MIN_RANDOM_TEMPERATURE
+
+    # -------------------------------------------------------------- derived
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop_list
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self, **changes: object) -> SamplingParams:
+        """A validated copy with some fields changed."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        values.update(changes)
+        return SamplingParams(**values)

@@ -1,0 +1,158 @@
+"""Shared fixtures: the demo model, tiny random HF models, GPU markers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
+
+# Tiny shapes of each supported architecture (fast on a CPU, all code paths).
+TINY_CONFIGS = {
+    "llama": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    ),
+    "llama3-rope-tied": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "qwen2": dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+    ),
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+    ),
+}
+
+
+def build_tiny_hf_model(kind: str, out_dir: Path, seed: int = 0, max_shard_size: str | None = None):
+    """A random HF model of a tiny shape, saved as safetensors; returns the HF model."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = dict(TINY_CONFIGS[kind])
+    model_type = raw.pop("model_type")
+    raw.pop("architectures")
+    config = AutoConfig.for_model(model_type, **raw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # HF initialises with std 0.02: give the norms and biases random values too so
+    # the test sees their effect.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.copy_(
+                    1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p)
+                )
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kwargs)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """Factory: tiny_model(kind) -> (model_dir, hf_model), cached for the session."""
+    cache: dict[tuple, tuple[Path, object]] = {}
+
+    def make(kind: str, max_shard_size: str | None = None):
+        key = (kind, max_shard_size)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"tiny-{kind}")
+            cache[key] = (out, build_tiny_hf_model(kind, out, max_shard_size=max_shard_size))
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model) -> Path:
+    return tiny_model("llama")[0]
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir() -> Path:
+    """The demo model (SmolLM2-135M-Instruct), prepared on first use (idempotent)."""
+    from common.models.prepare import prepare_demo_model
+
+    path, _ = prepare_demo_model(DEMO_MODEL_DIR)
+    return path
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer(demo_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_model_dir)
+
+
+def write_config_dir(tmp_path: Path, raw: dict) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests skip cleanly (with a reason) where CUDA is missing."""
+    try:
+        import torch
+
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # pragma: no cover - torch missing entirely
+        num_gpus = 0
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_multi = pytest.mark.skip(reason="needs two or more CUDA GPUs")
+    for item in items:
+        if "multi_gpu" in item.keywords and num_gpus < 2:
+            item.add_marker(skip_multi)
+        elif "gpu" in item.keywords and num_gpus < 1:
+            item.add_marker(skip_gpu)
