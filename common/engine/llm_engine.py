@@ -1,0 +1,203 @@
+"""LLMEngine: the step-level API that the offline LLM and both node kinds drive.
+
+Life cycle of a request inside the engine:
+
+1. ``add_request`` checks the prompt and parameters (InputProcessor; a bad
+   request raises ValueError and leaves no state behind), then creates one
+   Sequence per completion (``n``) and queues them WAITING.
+2. Each ``step``: the Scheduler picks (sequence, new tokens) pairs — decodes
+   first, then chunks of prefills starting past their verified prefix-cache
+   hit — and claims KV blocks, preempting by recompute if the pool is full.
+3. The ModelRunner writes the new tokens' KV into their blocks, runs the model
+   and samples for sequences whose last uncomputed token was in the step.
+4. The Scheduler advances ``num_computed_tokens`` and registers newly full
+   blocks in the prefix cache; the OutputProcessor attaches logprobs,
+   detokenizes, applies stop conditions and frees finished sequences' blocks.
+5. ``step`` returns a RequestOutput for each request with news, per its
+   ``output_kind``; finished requests are forgotten.
+
+``abort_request`` frees a request's blocks immediately; its final output
+(finish_reason "abort") comes from the next ``step``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from common.block_hash import BlockHasher
+from common.engine.block_manager import BlockManager
+from common.engine.config import EngineConfig
+from common.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo
+from common.engine.input_processor import InputProcessor, PromptType
+from common.engine.model_runner import ModelRunner
+from common.engine.output_processor import OutputProcessor
+from common.engine.outputs import RequestOutput
+from common.engine.sampling_params import SamplingParams
+from common.engine.scheduler import Scheduler
+from common.engine.sequence import Request, Sequence
+from common.engine.tokenizer import load_tokenizer
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_cached_free_kv_blocks: int
+    num_preemptions: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer)
+        tok_info = TokenizerInfo.from_tokenizer(self.tokenizer) if self.tokenizer else None
+        eos = set(config.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.model_runner = ModelRunner(config, self.eos_token_ids)
+        self.block_manager = BlockManager(
+            self.model_runner.num_kvcache_blocks,
+            config.kvcache_block_size,
+            config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.input_processor = InputProcessor(config, self.tokenizer)
+        self.output_processor = OutputProcessor(
+            self.scheduler, self.model_runner, tok_info, self.eos_token_ids, config.max_model_len
+        )
+        self._tok_info = tok_info
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self._seq_ids = itertools.count()
+        self._hashers: dict[str | None, BlockHasher] = {}
+
+    @classmethod
+    def from_engine_args(cls, model: str, **kwargs) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(model, **kwargs))
+
+    # ------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        processed = self.input_processor.process(prompt, params)
+        hasher = self._hasher(processed.cache_salt)
+        seqs = []
+        for index in range(params.n):
+            seq = Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=request_id,
+                index=index,
+                token_ids=list(processed.token_ids),
+                num_prompt_tokens=len(processed.token_ids),
+                params=params,
+                hasher=hasher,
+            )
+            if self._tok_info is not None and params.detokenize:
+                seq.detokenizer = IncrementalDetokenizer(
+                    self._tok_info, processed.token_ids, params
+                )
+            seqs.append(seq)
+        self.requests[request_id] = Request(
+            request_id=request_id,
+            prompt=processed.prompt,
+            prompt_token_ids=processed.token_ids,
+            params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            seqs=seqs,
+            cache_salt=processed.cache_salt,
+        )
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Free the requests' KV blocks now; unknown or finished ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            req = self.requests.pop(request_id, None)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                self.scheduler.abort([seq])
+                self.model_runner.release(seq)
+            req.aborted = True
+            req.finished_time = time.monotonic()
+            self._aborted.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self._aborted)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        outputs = [out for req in self._aborted if (out := self.output_processor.make_output(req))]
+        self._aborted.clear()
+        if not self.scheduler.has_unfinished():
+            return outputs
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            if batch.preempted:
+                return outputs  # memory was reclaimed; the next step admits again
+            raise RuntimeError("the scheduler could not schedule any pending sequence")
+        result = self.model_runner.execute(batch)
+        self.scheduler.update(batch, result.sampled)
+        for request_id in self.output_processor.process(self.requests, batch, result):
+            req = self.requests[request_id]
+            out = self.output_processor.make_output(req)
+            if out is not None:
+                outputs.append(out)
+            if req.finished:
+                del self.requests[request_id]
+        return outputs
+
+    # --------------------------------------------------------------- misc
+    def _hasher(self, cache_salt: str | None) -> BlockHasher | None:
+        if not self.config.enable_prefix_caching:
+            return None
+        hasher = self._hashers.get(cache_salt)
+        if hasher is None:
+            hasher = BlockHasher(
+                self.config.served_model_name, self.config.kvcache_block_size, cache_salt
+            )
+            self._hashers[cache_salt] = hasher
+        return hasher
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks=bm.num_blocks,
+            num_free_kv_blocks=bm.num_free_blocks,
+            num_cached_free_kv_blocks=bm.num_cached_free_blocks,
+            num_preemptions=s.num_preemptions,
+            prefix_cache_queried_tokens=s.prefix_cache_queried_tokens,
+            prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
+        )

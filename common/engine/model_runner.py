@@ -1,0 +1,372 @@
+"""Runs the model for one scheduled batch: builds inputs, forwards, samples.
+
+It owns everything on the device: weights, the paged KV cache (one tensor of
+shape ``[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]``; each
+layer sees views ``kv[0, i]`` and ``kv[1, i]``), the sampler, and per-request
+random generators. What it returns is plain Python data, so the scheduler and
+output processing stay free of torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from common.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DeviceKind, EngineConfig, LoadFormat
+from common.engine.scheduler import ScheduledBatch
+from common.engine.sequence import Sequence
+from common.layers.attention import AttentionMetadata, select_backend
+from common.layers.sampler import Sampler, SamplingRow, TokenLogprobs, top_logprobs
+from common.models.decoder import DecoderForCausalLM
+from common.models.loader import init_dummy_weights, load_weights
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class PromptTokenLogprob:
+    """Logprob of prompt token ``token_id`` (at ``position``) given the tokens before it."""
+
+    position: int
+    token_id: int
+    logprob: TokenLogprobs
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """One step's results, aligned with ``ScheduledBatch.seqs``."""
+
+    sampled: list[int | None]  # None for a prefill chunk that is not the last
+    logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: list[list[PromptTokenLogprob] | None]
+
+
+@dataclass(slots=True)
+class ModelInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+
+
+def resolve_device(kind: DeviceKind) -> torch.device:
+    if kind is DeviceKind.CUDA and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but CUDA is not available on this host")
+    if kind is DeviceKind.CPU or (kind is DeviceKind.AUTO and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        # fp32 on CPU: half-precision matmuls are slow on most CPUs and fp32 is
+        # what the correctness tests compare against.
+        return torch.float32
+    if checkpoint_dtype in ("float16", "bfloat16"):
+        return _DTYPES[checkpoint_dtype]
+    return torch.bfloat16
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        cfg = config.model_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, cfg.torch_dtype, self.device)
+        self.block_size = config.kvcache_block_size
+        backend_cls = select_backend(config.attention_backend, self.device)
+        self.attention_backend = backend_cls(
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.head_dim**-0.5,
+            self.block_size,
+        )
+        torch.manual_seed(config.seed)
+        with torch.device(self.device), _default_dtype(self.dtype):
+            self.model = DecoderForCausalLM(cfg, self.attention_backend, config.max_model_len)
+        if config.load_format is LoadFormat.DUMMY:
+            init_dummy_weights(self.model, config.seed)
+        else:
+            load_weights(self.model, config.model)
+        self.model.eval()
+        self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
+        self._generators: dict[int, torch.Generator] = {}
+        self.num_kvcache_blocks = self._decide_num_blocks()
+        self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
+
+    # ------------------------------------------------------------- KV cache
+    @property
+    def kv_block_bytes(self) -> int:
+        cfg = self.config.model_config
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return (
+            2
+            * cfg.num_hidden_layers
+            * self.block_size
+            * cfg.num_key_value_heads
+            * cfg.head_dim
+            * elem
+        )
+
+    def _decide_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kvcache_blocks > 0:
+            num_blocks = cfg.num_kvcache_blocks
+        else:
+            if cfg.kv_cache_memory_bytes is not None:
+                budget = cfg.kv_cache_memory_bytes
+            elif self.device.type == "cuda":
+                budget = self._profile_cuda_budget()
+            else:
+                budget = min(DEFAULT_CPU_KV_CACHE_BYTES, _available_host_memory() // 2)
+            num_blocks = budget // self.kv_block_bytes
+            if num_blocks < 1:
+                raise ValueError(
+                    f"no memory is left for the KV cache (budget {budget / GiB:.2f} GiB); raise "
+                    "gpu_memory_utilization or kv_cache_memory_bytes, or set num_kvcache_blocks"
+                )
+        capacity = num_blocks * self.block_size
+        if capacity < cfg.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
+                f"{self.block_size}), fewer than max_model_len ({cfg.max_model_len}); lower "
+                "max_model_len or raise num_kvcache_blocks / gpu_memory_utilization"
+            )
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %.1f full-length sequences)",
+            num_blocks,
+            self.block_size,
+            capacity,
+            num_blocks * self.kv_block_bytes / GiB,
+            capacity / cfg.max_model_len,
+        )
+        return num_blocks
+
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        cfg = self.config.model_config
+        kv = torch.empty(
+            2,
+            cfg.num_hidden_layers,
+            num_blocks,
+            self.block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        for i, attn in enumerate(self.model.attention_layers):
+            attn.k_cache = kv[0, i]
+            attn.v_cache = kv[1, i]
+        return kv
+
+    def _profile_cuda_budget(self) -> int:
+        """KV budget = utilisation x total - (weights + peak activations + non-torch memory)."""
+        cfg = self.config
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        weights = torch.cuda.memory_allocated()
+        # The largest batch the scheduler can form: the token budget, split into
+        # as few sequences as max_model_len allows.
+        num_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
+        num_seqs = -(-num_tokens // cfg.max_model_len)
+        lens = [num_tokens // num_seqs] * num_seqs
+        lens[-1] += num_tokens - sum(lens)
+        temp_blocks = sum(-(-n // self.block_size) for n in lens)
+        temp_kv = self._allocate_kv_cache(temp_blocks)
+        temp_bytes = temp_kv.numel() * temp_kv.element_size()
+        self.profile_run(lens)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - temp_bytes
+        del temp_kv
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        non_torch = total - free - torch.cuda.memory_reserved()
+        budget = int(total * cfg.gpu_memory_utilization - peak - non_torch)
+        logger.info(
+            "memory: weights %.2f GiB, peak activations %.2f GiB, non-torch %.2f GiB, "
+            "GPU total %.2f GiB x %.2f utilisation -> KV budget %.2f GiB",
+            weights / GiB,
+            (peak - weights) / GiB,
+            non_torch / GiB,
+            total / GiB,
+            cfg.gpu_memory_utilization,
+            budget / GiB,
+        )
+        return budget
+
+    @torch.inference_mode()
+    def profile_run(self, lens: list[int]) -> None:
+        """A forward + logits pass over prompts of these lengths (uses blocks from 0 on)."""
+        tables: list[list[int]] = []
+        next_block = 0
+        for n in lens:
+            num_blocks = -(-n // self.block_size)
+            tables.append(list(range(next_block, next_block + num_blocks)))
+            next_block += num_blocks
+        inputs = self.build_inputs([[0] * n for n in lens], [0] * len(lens), lens, tables)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        last = inputs.meta.query_start_loc[1:].long() - 1
+        logits = self.model.compute_logits(hidden[last])
+        torch.softmax(logits.float(), dim=-1)
+
+    # --------------------------------------------------------------- inputs
+    def build_inputs(
+        self,
+        token_ids: list[list[int]],
+        starts: list[int],
+        num_new: list[int],
+        block_tables: list[list[int]],
+    ) -> ModelInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        for ids, start, n, table in zip(token_ids, starts, num_new, block_tables, strict=True):
+            end = start + n
+            input_ids.extend(ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+        max_blocks = max(len(t) for t in block_tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        dev = self.device
+        meta = AttentionMetadata(
+            num_seqs=len(num_new),
+            num_tokens=len(input_ids),
+            query_start_loc=_to_device(qsl, torch.int32, dev),
+            seq_lens=_to_device(seq_lens, torch.int32, dev),
+            slot_mapping=_to_device(slots, torch.int64, dev),
+            block_tables=_to_device(padded, torch.int32, dev),
+            max_query_len=max(num_new),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+        )
+        return ModelInputs(
+            _to_device(input_ids, torch.int64, dev), _to_device(positions, torch.int64, dev), meta
+        )
+
+    # -------------------------------------------------------------- execute
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        seqs = batch.seqs
+        inputs = self.build_inputs(
+            [s.token_ids for s in seqs],
+            [s.num_computed_tokens for s in seqs],
+            batch.num_new_tokens,
+            [s.block_table for s in seqs],
+        )
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        qsl = inputs.meta.query_start_loc_cpu
+        num = len(seqs)
+        sampled: list[int | None] = [None] * num
+        logprobs: list[TokenLogprobs | None] = [None] * num
+        prompt_logprobs: list[list[PromptTokenLogprob] | None] = [None] * num
+
+        # Only sequences whose last uncomputed token is in this step sample.
+        sampling = [
+            i
+            for i, (s, n) in enumerate(zip(seqs, batch.num_new_tokens, strict=True))
+            if s.num_computed_tokens + n == s.num_tokens
+        ]
+        if sampling:
+            last = torch.tensor([qsl[i + 1] - 1 for i in sampling], device=self.device)
+            logits = self.model.compute_logits(hidden[last])
+            out = self.sampler(logits, [self._sampling_row(seqs[i]) for i in sampling])
+            for j, i in enumerate(sampling):
+                sampled[i] = out.token_ids[j]
+                logprobs[i] = out.logprobs[j]
+        for i, (seq, n) in enumerate(zip(seqs, batch.num_new_tokens, strict=True)):
+            if seq.params.prompt_logprobs is not None and seq.index == 0:
+                prompt_logprobs[i] = self._prompt_logprobs(seq, n, hidden[qsl[i] : qsl[i + 1]])
+        return StepOutput(sampled, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, seq: Sequence, num_new: int, hidden: torch.Tensor
+    ) -> list[PromptTokenLogprob]:
+        start = seq.num_computed_tokens
+        # Position p predicts prompt token p + 1.
+        end = min(start + num_new, seq.num_prompt_tokens - 1)
+        if end <= start:
+            return []
+        targets = seq.token_ids[start + 1 : end + 1]
+        logits = self.model.compute_logits(hidden[: end - start]).float()
+        lps = torch.log_softmax(logits, dim=-1)
+        chosen = torch.tensor(targets, device=self.device)
+        lp, rank, top_ids, top_lp = (
+            t.tolist() for t in top_logprobs(lps, chosen, seq.params.prompt_logprobs)
+        )
+        return [
+            PromptTokenLogprob(
+                start + 1 + j, tok, TokenLogprobs(lp[j], rank[j], top_ids[j], top_lp[j])
+            )
+            for j, tok in enumerate(targets)
+        ]
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        p = seq.params
+        stop_ids: list[int] = []
+        if p.min_tokens > 0:
+            if not p.ignore_eos:
+                stop_ids.extend(self.eos_token_ids)
+            stop_ids.extend(p.stop_token_ids or ())
+        return SamplingRow(
+            params=p,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            generator=self._generator_for(seq),
+            min_tokens_stop_ids=stop_ids,
+        )
+
+    def _generator_for(self, seq: Sequence) -> torch.Generator | None:
+        if seq.params.seed is None:
+            return None
+        gen = self._generators.get(seq.seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            # Completion i of an n>1 request uses seed + i, so they differ.
+            gen.manual_seed((seq.params.seed + seq.index) & 0xFFFF_FFFF_FFFF_FFFF)
+            self._generators[seq.seq_id] = gen
+        return gen
+
+    def release(self, seq: Sequence) -> None:
+        """Forget per-sequence state (its random generator) once it finished."""
+        self._generators.pop(seq.seq_id, None)
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def _available_host_memory() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX hosts
+        return 8 * GiB

@@ -1,0 +1,1 @@
+"""Neural-network building blocks: norms, rotary embeddings, attention backends, sampler."""

@@ -1,0 +1,125 @@
+"""Model definitions against HF transformers on the same (tiny, random) weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from common.engine.config import EngineConfig
+from common.engine.model_runner import ModelRunner
+from tests.conftest import TINY_CONFIGS, write_config_dir
+
+KINDS = list(TINY_CONFIGS)
+
+
+def make_runner(model_dir, **kwargs) -> ModelRunner:
+    config = EngineConfig(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        num_kvcache_blocks=64,
+        kvcache_block_size=8,
+        device="cpu",
+        **kwargs,
+    )
+    return ModelRunner(config, frozenset())
+
+
+@torch.inference_mode()
+def our_logits(runner: ModelRunner, ids: list[int], chunks: list[int]) -> torch.Tensor:
+    """Logits for every position, computing the prompt in the given chunk sizes
+    (later chunks attend to earlier ones through the paged KV cache)."""
+    table = list(range(-(-len(ids) // runner.block_size)))
+    out, start = [], 0
+    for n in chunks:
+        inputs = runner.build_inputs([ids], [start], [n], [table])
+        hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
+        out.append(runner.model.compute_logits(hidden))
+        start += n
+    assert start == len(ids)
+    return torch.cat(out)
+
+
+@torch.inference_mode()
+def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    return hf_model(torch.tensor([ids])).logits[0]
+
+
+PROMPT = [(i * 37 + 11) % 500 for i in range(45)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_match_transformers(tiny_model, kind):
+    model_dir, hf = tiny_model(kind)
+    runner = make_runner(model_dir)
+    ours = our_logits(runner, PROMPT, [len(PROMPT)])
+    ref = hf_logits(hf, PROMPT)
+    assert torch.allclose(ours, ref, atol=2e-5, rtol=1e-4), (ours - ref).abs().max()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_prefill_over_paged_prefix_matches(tiny_model, kind):
+    model_dir, hf = tiny_model(kind)
+    runner = make_runner(model_dir)
+    # Chunks that end mid-block, then single-token "decode" steps.
+    ours = our_logits(runner, PROMPT, [13, 20, 10, 1, 1])
+    ref = hf_logits(hf, PROMPT)
+    assert torch.allclose(ours, ref, atol=2e-5, rtol=1e-4), (ours - ref).abs().max()
+
+
+def test_sharded_checkpoint_loads_the_same(tiny_model):
+    model_dir, hf = tiny_model("llama", max_shard_size="100KB")
+    assert (model_dir / "model.safetensors.index.json").is_file()
+    assert len(list(model_dir.glob("*.safetensors"))) > 1
+    ours = our_logits(make_runner(model_dir), PROMPT, [len(PROMPT)])
+    assert torch.allclose(ours, hf_logits(hf, PROMPT), atol=2e-5, rtol=1e-4)
+
+
+def test_dummy_weights_from_config_alone(tmp_path):
+    model_dir = write_config_dir(tmp_path / "cfg-only", TINY_CONFIGS["qwen3"])
+    a = our_logits(make_runner(model_dir, load_format="dummy", seed=1), PROMPT, [len(PROMPT)])
+    b = our_logits(make_runner(model_dir, load_format="dummy", seed=1), PROMPT, [len(PROMPT)])
+    c = our_logits(make_runner(model_dir, load_format="dummy", seed=2), PROMPT, [len(PROMPT)])
+    assert torch.isfinite(a).all()
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        make_runner(model_dir)
+
+
+def copy_with_tensors(src, dst, edit):
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_missing_and_unexpected_tensors_are_named(tiny_model, tmp_path):
+    model_dir, _ = tiny_model("llama")
+    missing = copy_with_tensors(
+        model_dir, tmp_path / "missing", lambda t: t.pop("model.layers.1.self_attn.v_proj.weight")
+    )
+    with pytest.raises(ValueError, match="layers.1.self_attn.qkv_proj.weight"):
+        make_runner(missing)
+    extra = copy_with_tensors(
+        model_dir, tmp_path / "extra", lambda t: t.update(extra=torch.zeros(2))
+    )
+    with pytest.raises(ValueError, match="does not use.*extra"):
+        make_runner(extra)
+    wrong = copy_with_tensors(
+        model_dir, tmp_path / "wrong", lambda t: t.update({"model.norm.weight": torch.zeros(3)})
+    )
+    with pytest.raises(ValueError, match="model.norm.weight has shape"):
+        make_runner(wrong)
+
+
+def test_generation_config_eos_ids_are_merged(tiny_model, tmp_path):
+    model_dir, _ = tiny_model("qwen2")
+    target = tmp_path / "gen"
+    shutil.copytree(model_dir, target)
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    config = EngineConfig(model=str(target), skip_tokenizer_init=True)
+    assert {7, 9} <= set(config.model_config.eos_token_ids)

@@ -1,0 +1,83 @@
+"""Incremental detokenization and stop strings on the demo model's real tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.engine.detokenizer import (
+    IncrementalDetokenizer,
+    TokenizerInfo,
+    find_stop_string,
+    stop_holdback,
+)
+from common.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def info(demo_tokenizer):
+    return TokenizerInfo.from_tokenizer(demo_tokenizer)
+
+
+def stream(info, tokenizer, text, params=None, prompt="Hi"):
+    params = params or SamplingParams()
+    detok = IncrementalDetokenizer(info, tokenizer.encode(prompt), params)
+    ids = tokenizer.encode(text)
+    deltas = [detok.add_token(t) for t in ids]
+    return detok, deltas, ids
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "plain ascii words, with punctuation!",
+        "héllo wörld — ça va? 你好，世界",
+        "emoji 🙂👍🏽🇫🇷 end",
+        "  two leading spaces and\nnew\tlines",
+        "code: def f(x):\n    return x ** 2",
+    ],
+)
+def test_incremental_text_equals_full_decode(info, demo_tokenizer, text):
+    detok, deltas, ids = stream(info, demo_tokenizer, text)
+    assert "".join(deltas) == detok.output_text == demo_tokenizer.decode(ids) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_multibyte_characters_are_held_until_complete(info, demo_tokenizer):
+    _, deltas, ids = stream(info, demo_tokenizer, "🙂")
+    assert len(ids) > 1  # byte-level BPE splits the emoji across tokens
+    assert deltas[:-1] == [""] * (len(ids) - 1) and deltas[-1] == "🙂"
+
+
+def test_special_tokens(info, demo_tokenizer):
+    text = "a<|im_end|>b"
+    skipped, _, _ = stream(info, demo_tokenizer, text)
+    assert skipped.output_text == "ab"
+    kept, _, _ = stream(
+        info,
+        demo_tokenizer,
+        text,
+        SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False),
+    )
+    assert kept.output_text == "a<|im_end|>b"
+    spaced, _, _ = stream(info, demo_tokenizer, text, SamplingParams(skip_special_tokens=False))
+    assert spaced.output_text == "a <|im_end|> b"
+
+
+def test_stop_string_spanning_tokens():
+    text = "Hello wor"
+    assert find_stop_string(text, 3, ["world"], False) is None
+    text += "ld!"
+    assert find_stop_string(text, 3, ["world"], False) == ("world", 6)
+    assert find_stop_string(text, 3, ["world"], True) == ("world", 11)
+
+
+def test_stop_string_must_end_in_new_text():
+    # "abc" was already in the text before: it cannot stop the sequence now.
+    assert find_stop_string("abcxyz", 3, ["abc"], False) is None
+    assert find_stop_string("abcxyz", 3, ["yz", "x"], False) == ("x", 3)  # the earliest wins
+
+
+def test_holdback_covers_partial_stop_strings():
+    assert stop_holdback(SamplingParams(stop=["END", "x"])) == 2
+    assert stop_holdback(SamplingParams(stop=["END"], include_stop_str_in_output=True)) == 0
+    assert stop_holdback(SamplingParams()) == 0
