@@ -108,8 +108,10 @@ class LLM:
             return self._drain(ids, use_tqdm)
         except BaseException:
             # Bad input or Ctrl-C: free what this call added so the engine stays
-            # usable (their "abort" outputs are ignored by later calls).
+            # usable, and collect the "abort" outputs nobody will read.
             engine.abort_request(added)
+            if not engine.requests:
+                engine.step()
             raise
 
     def _drain(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -170,3 +170,16 @@ def test_no_progress_is_impossible_when_pool_fits_max_len():
                 sched.finish(s, FinishReason.LENGTH)
     assert not sched.has_unfinished()
     assert all(s.num_tokens >= 12 for s in seqs)
+
+
+def test_prompt_logprobs_requests_compute_the_whole_prompt():
+    from common.engine.sampling_params import SamplingParams
+
+    sched = make()
+    a = make_seq(list(range(20)), BS)
+    sched.add(a)
+    step(sched)
+    b = make_seq(list(range(20)), BS, params=SamplingParams(prompt_logprobs=1))
+    sched.add(b)
+    assert scheduled(step(sched))[b.seq_id] == 20  # no cache read: every position has logits
+    assert b.num_cached_tokens == 0
