@@ -1,0 +1,72 @@
+"""Shared benchmark plumbing: environment facts and JSON records."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=5,
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "pdserve_revision": git_revision(),
+        "host": platform.node(),
+        "cpu_count": __import__("os").cpu_count(),
+    }
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    else:
+        env["device"] = f"cpu ({platform.processor() or platform.machine()})"
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """The command that reproduces this run, as a user would type it."""
+    return shlex.join(["python", f"benchmarks/{script}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def write_record(
+    name: str, record: dict[str, Any], command: str, out_dir: Path | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """Write the record with its name, time and command line; returns (path, full record)."""
+    out_dir = out_dir or RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = out_dir / f"{name}-{stamp}.json"
+    record = {"benchmark": name, "timestamp": stamp, "command": command, **record}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path, record
