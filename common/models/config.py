@@ -149,6 +149,8 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(
-            scaling.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
+            scaling.get(
+                "original_max_position_embeddings", raw.get("max_position_embeddings", 8192)
+            )
         ),
     )

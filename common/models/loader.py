@@ -85,7 +85,9 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
             if param is None:
                 unexpected.append(ckpt_name)
                 continue
-            target = param if shard is None else param[_shard_slice(model, name.split(".")[-2], shard)]
+            target = (
+                param if shard is None else param[_shard_slice(model, name.split(".")[-2], shard)]
+            )
             if target.shape != tensor.shape:
                 raise ValueError(
                     f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}, "

@@ -114,7 +114,11 @@ def prepare_demo_model(
         convert_gguf(source, tmp)
         (tmp / MARKER).write_text(
             json.dumps(
-                {"source": source.name, "source_sha256": sha, "converter_version": CONVERTER_VERSION},
+                {
+                    "source": source.name,
+                    "source_sha256": sha,
+                    "converter_version": CONVERTER_VERSION,
+                },
                 indent=2,
             )
         )
@@ -185,7 +189,11 @@ def _hf_config(reader: Any) -> dict[str, Any]:
 def _unpermute(w: Any, n_heads: int) -> Any:
     # Inverse of llama.cpp's convert-time permute(w, n_head): rows grouped per
     # head as (2, head_dim/2) are swapped back to (head_dim/2, 2).
-    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def _write_weights(reader: Any, config: dict[str, Any], out_dir: Path) -> None:
@@ -205,7 +213,12 @@ def _write_weights(reader: Any, config: dict[str, Any], out_dir: Path) -> None:
             w = _unpermute(w, config["num_key_value_heads"])
         tensors[name] = np.ascontiguousarray(w)
         if show or i == total or i % 68 == 0:
-            print(f"\rconverting tensors {i}/{total}", end="" if show and i < total else "\n", file=sys.stderr, flush=True)
+            print(
+                f"\rconverting tensors {i}/{total}",
+                end="" if show and i < total else "\n",
+                file=sys.stderr,
+                flush=True,
+            )
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
