@@ -123,3 +123,26 @@ def test_generation_config_eos_ids_are_merged(tiny_model, tmp_path):
     (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
     config = EngineConfig(model=str(target), skip_tokenizer_init=True)
     assert {7, 9} <= set(config.model_config.eos_token_ids)
+
+
+@torch.inference_mode()
+def test_unwritten_cache_slots_are_never_read(tiny_model):
+    """Cache memory starts as garbage (torch.empty): fill it with NaN, then decode a
+    batch of sequences of different lengths; every logit must stay finite and match HF."""
+    model_dir, hf = tiny_model("llama")
+    runner = make_runner(model_dir)
+    runner.kv_cache.fill_(float("nan"))
+    prompts = [PROMPT[:5], PROMPT[:19], PROMPT[:30]]
+    tables = [[0], [1, 2, 3], [4, 5, 6, 7]]
+    prefill = runner.build_inputs(
+        [p[:-1] for p in prompts], [0, 0, 0], [len(p) - 1 for p in prompts], tables
+    )
+    runner.model(prefill.input_ids, prefill.positions, prefill.meta)
+    decode = runner.build_inputs(prompts, [len(p) - 1 for p in prompts], [1, 1, 1], tables)
+    assert decode.meta.is_decode_only
+    logits = runner.model.compute_logits(
+        runner.model(decode.input_ids, decode.positions, decode.meta)
+    )
+    assert torch.isfinite(logits).all()
+    for i, p in enumerate(prompts):
+        assert torch.allclose(logits[i], hf_logits(hf, p)[-1], atol=2e-5, rtol=1e-4)

@@ -59,11 +59,16 @@ class TorchAttention(AttentionBackend):
         # [batch, blocks, block_size, kv_heads, dim] -> [batch, kv_heads, ctx, dim]
         keys = k_cache[tables].reshape(batch, ctx, self.num_kv_heads, -1).transpose(1, 2)
         values = v_cache[tables].reshape(batch, ctx, self.num_kv_heads, -1).transpose(1, 2)
+        valid = torch.arange(ctx, device=q.device)[None, :] < meta.seq_lens[:, None]
+        # Padding slots hold whatever the cache memory held (possibly NaN bit
+        # patterns): masking their scores is not enough, since 0 * NaN = NaN.
+        pad = ~valid[:, None, :, None]
+        keys = keys.masked_fill(pad, 0.0)
+        values = values.masked_fill(pad, 0.0)
         if self.num_kv_heads != self.num_heads:
             groups = self.num_heads // self.num_kv_heads
             keys = keys.repeat_interleave(groups, dim=1)
             values = values.repeat_interleave(groups, dim=1)
-        valid = torch.arange(ctx, device=q.device)[None, :] < meta.seq_lens[:, None]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :], scale=self.scale
         )
