@@ -1,17 +1,17 @@
 """Incremental detokenization and stop strings, free of torch.
 
-Text is produced a token at a time by decoding a small window of tokens twice
-(up to the last read position, and through the new token) and emitting the
-difference. A byte-level BPE token can hold part of a UTF-8 character; while the
-window ends in a partial character the decoder yields U+FFFD, and nothing is
-emitted until the character is complete. The window starts a few tokens back
-into the prompt so that tokenizers which decide spacing from context
-(SentencePiece's leading "▁") print the first output token correctly.
+Text is produced a token at a time and equals what ``tokenizer.decode`` gives
+for the whole output. Fast tokenizers (a tokenizer.json) use tokenizers'
+``DecodeStream``, as vLLM v1 does; others decode a small window of ids twice
+and emit the difference. Either way a token holding part of a UTF-8 character
+yields nothing until the character is complete, and decoding starts a few
+tokens back in the prompt so that tokenizers which decide spacing from context
+(SentencePiece's "▁") print the first output token right.
 
-Special-token semantics follow vLLM: ``skip_special_tokens`` drops special
-tokens from the text; when added tokens are kept, ``spaces_between_special_tokens``
-joins them and the surrounding text with single spaces (as Hugging Face's
-Python tokenizers do) instead of nothing.
+``skip_special_tokens`` drops special tokens from the text. With
+``spaces_between_special_tokens=False`` (and special tokens kept), two added
+tokens in a row are joined with no space even where the tokenizer's decoder
+would insert one (vLLM v1's semantics; byte-level BPE inserts none anyway).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from common.engine.sampling_params import SamplingParams
 
-# How many prompt tokens the first window reaches back (vLLM uses the same 5).
+# How many prompt tokens decoding starts back (vLLM uses the same 5).
 INITIAL_OFFSET = 5
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -31,39 +31,14 @@ class TokenizerInfo:
     """What detokenization needs from a Hugging Face tokenizer, computed once."""
 
     tokenizer: Any
-    special_ids: frozenset[int]
-    added_tokens: frozenset[str]
+    backend: Any | None  # the tokenizers.Tokenizer behind a fast tokenizer
+    added_tokens: dict[int, str]  # id -> content of every added token
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any) -> TokenizerInfo:
-        special = set(tokenizer.all_special_ids)
         decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        special.update(i for i, tok in decoder.items() if getattr(tok, "special", False))
-        return cls(tokenizer, frozenset(special), frozenset(tokenizer.get_added_vocab()))
-
-    def tokens_to_string(self, tokens: list[str], spaces_between_special_tokens: bool) -> str:
-        if not tokens:
-            return ""
-        if not self.added_tokens.intersection(tokens):
-            return self.tokenizer.convert_tokens_to_string(tokens)
-        sub_texts: list[str] = []
-        run: list[str] = []
-        for tok in tokens:
-            if tok in self.added_tokens:
-                if run:
-                    sub_texts.append(self.tokenizer.convert_tokens_to_string(run))
-                    run = []
-                sub_texts.append(tok)
-            else:
-                run.append(tok)
-        if run:
-            sub_texts.append(self.tokenizer.convert_tokens_to_string(run))
-        return (" " if spaces_between_special_tokens else "").join(sub_texts)
-
-    def id_to_tokens(self, token_ids: list[int], skip_special_tokens: bool) -> list[str]:
-        if skip_special_tokens:
-            token_ids = [t for t in token_ids if t not in self.special_ids]
-        return [t if t is not None else "" for t in self.tokenizer.convert_ids_to_tokens(token_ids)]
+        added = {i: getattr(tok, "content", str(tok)) for i, tok in decoder.items()}
+        return cls(tokenizer, getattr(tokenizer, "_tokenizer", None), added)
 
     def decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -71,41 +46,68 @@ class TokenizerInfo:
 
 class IncrementalDetokenizer:
     __slots__ = (
+        "_ids",
         "_info",
+        "_last_added",
         "_prefix_offset",
         "_read_offset",
         "_skip_special",
         "_spaces",
-        "_tokens",
+        "_stream",
         "output_text",
     )
 
     def __init__(self, info: TokenizerInfo, prompt_token_ids: list[int], params: SamplingParams):
         self._info = info
         self._skip_special = params.skip_special_tokens
-        self._spaces = params.spaces_between_special_tokens
-        self._tokens = info.id_to_tokens(
-            prompt_token_ids[-(INITIAL_OFFSET + 2) :], self._skip_special
-        )
-        self._read_offset = len(self._tokens)
-        self._prefix_offset = max(self._read_offset - INITIAL_OFFSET, 0)
+        self._spaces = params.skip_special_tokens or params.spaces_between_special_tokens
+        self._last_added = False
         self.output_text = ""
+        tail = list(prompt_token_ids[-INITIAL_OFFSET:])
+        self._ids = tail
+        self._prefix_offset = 0
+        self._read_offset = len(tail)
+        self._stream = None
+        if info.backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(ids=tail, skip_special_tokens=self._skip_special)
 
     def add_token(self, token_id: int) -> str:
         """Feed one generated token; returns the text it completes (maybe empty)."""
-        self._tokens.extend(self._info.id_to_tokens([token_id], self._skip_special))
-        prefix_text = self._info.tokens_to_string(
-            self._tokens[self._prefix_offset : self._read_offset], self._spaces
-        )
-        full_text = self._info.tokens_to_string(self._tokens[self._prefix_offset :], self._spaces)
-        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
-            # Part of a multi-byte character, or a token with no text yet.
-            return ""
-        delta = full_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._tokens)
+        delta = self._step(token_id)
+        if not self._spaces:
+            content = self._info.added_tokens.get(token_id)
+            if content is not None and self._last_added and delta:
+                delta = content
+            self._last_added = content is not None
         self.output_text += delta
         return delta
+
+    def _step(self, token_id: int) -> str:
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self._info.backend, token_id) or ""
+                self._ids.append(token_id)
+                return text
+            except Exception:
+                # DecodeStream rejects some id sequences (invalid byte prefixes);
+                # window decoding takes over from here for this sequence.
+                self._stream = None
+                self._read_offset = len(self._ids)
+                self._prefix_offset = max(self._read_offset - INITIAL_OFFSET, 0)
+        self._ids.append(token_id)
+        decode = self._info.tokenizer.decode
+        prefix_text = decode(
+            self._ids[self._prefix_offset : self._read_offset],
+            skip_special_tokens=self._skip_special,
+        )
+        full_text = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip_special)
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+            return ""  # part of a multi-byte character, or a token with no text yet
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return full_text[len(prefix_text) :]
 
     def truncate(self, length: int) -> None:
         self.output_text = self.output_text[:length]

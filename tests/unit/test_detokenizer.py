@@ -48,19 +48,64 @@ def test_multibyte_characters_are_held_until_complete(info, demo_tokenizer):
     assert deltas[:-1] == [""] * (len(ids) - 1) and deltas[-1] == "🙂"
 
 
-def test_special_tokens(info, demo_tokenizer):
-    text = "a<|im_end|>b"
-    skipped, _, _ = stream(info, demo_tokenizer, text)
-    assert skipped.output_text == "ab"
-    kept, _, _ = stream(
-        info,
-        demo_tokenizer,
-        text,
-        SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False),
+def test_special_tokens_decode_as_the_tokenizer_does(info, demo_tokenizer):
+    text = "a<|im_end|>\n<|im_start|>assistant b"
+    skipped, _, ids = stream(info, demo_tokenizer, text)
+    assert (
+        skipped.output_text
+        == demo_tokenizer.decode(ids, skip_special_tokens=True)
+        == "a\nassistant b"
     )
-    assert kept.output_text == "a<|im_end|>b"
-    spaced, _, _ = stream(info, demo_tokenizer, text, SamplingParams(skip_special_tokens=False))
-    assert spaced.output_text == "a <|im_end|> b"
+    for spaces in (True, False):
+        kept, _, _ = stream(
+            info,
+            demo_tokenizer,
+            text,
+            SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=spaces),
+        )
+        assert kept.output_text == demo_tokenizer.decode(ids) == text
+
+
+@pytest.fixture(scope="module")
+def spaced_tokenizer():
+    """A tokenizer whose decoder joins tokens with spaces (WordPiece-style)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "<a>": 3, "<b>": 4}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    tok.add_special_tokens({"additional_special_tokens": ["<a>", "<b>"]})
+    return tok
+
+
+def test_spaces_between_special_tokens_false_joins_consecutive_added_tokens(spaced_tokenizer):
+    info = TokenizerInfo.from_tokenizer(spaced_tokenizer)
+    ids = [1, 3, 4, 2]  # hello <a> <b> world
+    assert spaced_tokenizer.decode(ids) == "hello <a> <b> world"
+
+    def run(spaces):
+        detok = IncrementalDetokenizer(
+            info,
+            [1],
+            SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=spaces),
+        )
+        for t in ids:
+            detok.add_token(t)
+        return detok.output_text
+
+    assert run(True) == " hello <a> <b> world"
+    assert run(False) == " hello <a><b> world"
+
+
+def test_window_decoding_without_a_fast_backend(info, demo_tokenizer):
+    slow = TokenizerInfo(demo_tokenizer, None, info.added_tokens)
+    for text in ("héllo wörld 你好 🙂", "a<|im_end|>b"):
+        detok, deltas, ids = stream(slow, demo_tokenizer, text)
+        assert detok.output_text == demo_tokenizer.decode(ids, skip_special_tokens=True)
+        assert all("\ufffd" not in d for d in deltas)
 
 
 def test_stop_string_spanning_tokens():
