@@ -39,6 +39,8 @@ from common.engine.scheduler import Scheduler
 from common.engine.sequence import Request, Sequence
 from common.engine.tokenizer import load_tokenizer
 
+MAX_CACHED_HASHERS = 256
+
 
 @dataclass(slots=True)
 class EngineStats:
@@ -96,9 +98,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        else:
+            # A private, re-validated copy: the caller may reuse and edit its object.
+            params = params.clone()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
@@ -129,6 +135,8 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             seqs=seqs,
             cache_salt=processed.cache_salt,
+            # The first prompt token has no context, so no logprob.
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
         for seq in seqs:
             self.scheduler.add(seq)
@@ -180,12 +188,15 @@ class LLMEngine:
     def _hasher(self, cache_salt: str | None) -> BlockHasher | None:
         if not self.config.enable_prefix_caching:
             return None
-        hasher = self._hashers.get(cache_salt)
+        hasher = self._hashers.pop(cache_salt, None)
         if hasher is None:
             hasher = BlockHasher(
                 self.config.served_model_name, self.config.kvcache_block_size, cache_salt
             )
-            self._hashers[cache_salt] = hasher
+        # Keep the most recently used ones only: salts are per tenant, unbounded.
+        self._hashers[cache_salt] = hasher
+        if len(self._hashers) > MAX_CACHED_HASHERS:
+            del self._hashers[next(iter(self._hashers))]
         return hasher
 
     def stats(self) -> EngineStats:

@@ -115,8 +115,6 @@ class OutputProcessor:
         seq.cumulative_logprob += lp.logprob
 
     def _add_prompt_logprobs(self, req: Request, entries: list[PromptTokenLogprob]) -> None:
-        if req.prompt_logprobs is None:
-            req.prompt_logprobs = [None]  # the first prompt token has no context
         for entry in entries:
             # A recompute after preemption yields positions already recorded.
             if entry.position == len(req.prompt_logprobs):
@@ -134,6 +132,8 @@ class OutputProcessor:
         holdback = stop_holdback(req.params)
         completions = []
         for seq in req.seqs:
+            if delta and seq.finish_reported:
+                continue  # a finished completion of an n > 1 request: nothing new
             text = seq.output_text
             text_end = len(text) if seq.is_finished else max(0, len(text) - holdback)
             text_end = max(text_end, seq.num_text_reported)
@@ -148,6 +148,7 @@ class OutputProcessor:
                 out_text, out_ids, out_lps = text[:text_end], list(ids), seq.logprobs
             seq.num_text_reported = text_end
             seq.num_tokens_reported = len(ids)
+            seq.finish_reported = seq.is_finished
             completions.append(
                 CompletionOutput(
                     index=seq.index,
@@ -159,11 +160,16 @@ class OutputProcessor:
                     stop_reason=seq.stop_reason,
                 )
             )
+        prompt_logprobs = req.prompt_logprobs
+        if delta:
+            # Streaming sends the prompt's logprobs once, with the first output.
+            prompt_logprobs = None if req.prompt_logprobs_reported else prompt_logprobs
+            req.prompt_logprobs_reported = True
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
-            prompt_logprobs=req.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             outputs=completions,
             finished=finished,
             num_cached_tokens=req.num_cached_tokens,

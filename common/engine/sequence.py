@@ -74,6 +74,7 @@ class Sequence:
     # Characters of the output text already reported (DELTA outputs).
     num_text_reported: int = 0
     num_tokens_reported: int = 0
+    finish_reported: bool = False
     num_preemptions: int = 0
 
     @property
@@ -130,6 +131,7 @@ class Request:
     seqs: list[Sequence]
     cache_salt: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_reported: bool = False
     first_token_time: float | None = None
     finished_time: float | None = None
     aborted: bool = False

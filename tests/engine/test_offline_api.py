@@ -204,3 +204,58 @@ def test_skip_tokenizer_init_takes_token_ids(demo_model_dir, demo_tokenizer):
         llm.generate(["text"], GREEDY)
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate([ids], SamplingParams(stop=["x"]))
+
+
+def drain(engine) -> list:
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    return outs
+
+
+def test_add_request_keeps_a_private_validated_copy_of_params(demo_llm):
+    engine = demo_llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request("copy", "Once upon a time", params)
+    params.max_tokens = 2  # the caller reuses its object for something else
+    params.repetition_penalty = -1.0
+    (out,) = [o for o in drain(engine) if o.finished]
+    assert len(out.outputs[0].token_ids) == 8
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        engine.add_request("bad", "x", params)  # the edited object is checked again
+
+
+def test_one_token_prompt_has_prompt_logprobs(demo_llm, demo_tokenizer):
+    ids = demo_tokenizer.encode("Hi")
+    assert len(ids) == 1
+    (out,) = demo_llm.generate([ids], SamplingParams(max_tokens=2, prompt_logprobs=1))
+    assert out.prompt_logprobs == [None]
+
+
+def test_delta_with_n_reports_each_finish_once(demo_llm):
+    engine = demo_llm.llm_engine
+    params = SamplingParams(
+        n=3,
+        temperature=1.0,
+        seed=5,
+        max_tokens=12,
+        stop_token_ids=list(range(0, 49152, 7)),
+        prompt_logprobs=1,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    engine.add_request("n3", "Tell me something.", params)
+    outs = drain(engine)
+    finishes = [(c.index, c.finish_reason) for o in outs for c in o.outputs if c.finish_reason]
+    assert sorted(i for i, _ in finishes) == [0, 1, 2]  # each completion's finish exactly once
+    assert outs[0].prompt_logprobs is not None
+    assert all(o.prompt_logprobs is None for o in outs[1:])  # sent once, with the first delta
+
+
+def test_hasher_cache_is_bounded(demo_llm):
+    from common.engine.llm_engine import MAX_CACHED_HASHERS
+
+    engine = demo_llm.llm_engine
+    p = SamplingParams(max_tokens=1)
+    prompts = [{"prompt": "x", "cache_salt": f"tenant-{i}"} for i in range(MAX_CACHED_HASHERS + 20)]
+    demo_llm.generate(prompts, p)
+    assert len(engine._hashers) == MAX_CACHED_HASHERS
