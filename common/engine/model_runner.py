@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DeviceKind, EngineConfig, LoadFormat
+from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
 from common.layers.attention import AttentionMetadata, select_backend
@@ -27,6 +28,7 @@ from common.models.loader import init_dummy_weights, load_weights
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+PROMPT_LOGPROBS_SLICE = 1024
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -198,6 +200,9 @@ class ModelRunner:
         self.profile_run(lens)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - temp_bytes
+        # The layers' views keep the temporary cache alive: drop them too.
+        for attn in self.model.attention_layers:
+            attn.k_cache = attn.v_cache = torch.empty(0)
         del temp_kv
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
@@ -226,9 +231,15 @@ class ModelRunner:
             next_block += num_blocks
         inputs = self.build_inputs([[0] * n for n in lens], [0] * len(lens), lens, tables)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        last = inputs.meta.query_start_loc[1:].long() - 1
-        logits = self.model.compute_logits(hidden[last])
-        torch.softmax(logits.float(), dim=-1)
+        # The sampler's peak: a decode step samples up to max_num_seqs rows with
+        # top-k/top-p (a full-vocabulary sort) and logprobs.
+        num_rows = self.config.max_num_seqs
+        rows_hidden = hidden[torch.arange(num_rows, device=self.device) % hidden.shape[0]]
+        logits = self.model.compute_logits(rows_hidden)
+        params = SamplingParams(
+            temperature=1.0, top_k=50, top_p=0.9, logprobs=self.config.max_logprobs
+        )
+        self.sampler(logits, [SamplingRow(params, [0], 1, None, [])] * num_rows)
 
     # --------------------------------------------------------------- inputs
     def build_inputs(
@@ -313,19 +324,24 @@ class ModelRunner:
         end = min(start + num_new, seq.num_prompt_tokens - 1)
         if end <= start:
             return []
-        targets = seq.token_ids[start + 1 : end + 1]
-        logits = self.model.compute_logits(hidden[: end - start]).float()
-        lps = torch.log_softmax(logits, dim=-1)
-        chosen = torch.tensor(targets, device=self.device)
-        lp, rank, top_ids, top_lp = (
-            t.tolist() for t in top_logprobs(lps, chosen, seq.params.prompt_logprobs)
-        )
-        return [
-            PromptTokenLogprob(
-                start + 1 + j, tok, TokenLogprobs(lp[j], rank[j], top_ids[j], top_lp[j])
+        entries: list[PromptTokenLogprob] = []
+        # Full-vocabulary fp32 logits for a long chunk would be huge (8k x 152k x 4
+        # bytes = 4.6 GiB): go a slice at a time.
+        for lo in range(start, end, PROMPT_LOGPROBS_SLICE):
+            hi = min(lo + PROMPT_LOGPROBS_SLICE, end)
+            targets = seq.token_ids[lo + 1 : hi + 1]
+            logits = self.model.compute_logits(hidden[lo - start : hi - start]).float()
+            lps = torch.log_softmax(logits, dim=-1)
+            chosen = torch.tensor(targets, device=self.device)
+            k = seq.params.prompt_logprobs
+            lp, rank, top_ids, top_lp = (t.tolist() for t in top_logprobs(lps, chosen, k))
+            entries.extend(
+                PromptTokenLogprob(
+                    lo + 1 + j, tok, TokenLogprobs(lp[j], rank[j], top_ids[j], top_lp[j])
+                )
+                for j, tok in enumerate(targets)
             )
-            for j, tok in enumerate(targets)
-        ]
+        return entries
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         p = seq.params
@@ -336,8 +352,8 @@ class ModelRunner:
             stop_ids.extend(p.stop_token_ids or ())
         return SamplingRow(
             params=p,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
+            token_ids=seq.token_ids,
+            num_prompt_tokens=seq.num_prompt_tokens,
             generator=self._generator_for(seq),
             min_tokens_stop_ids=stop_ids,
         )

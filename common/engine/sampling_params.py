@@ -13,10 +13,11 @@ from dataclasses import dataclass, field, fields
 
 logger = logging.getLogger(__name__)
 
-# Below this a temperature means greedy decoding (vLLM's _SAMPLING_EPS).
+# Below this a temperature means greedy decoding (vLLM's _SAMPLING_EPS); only 0
+# is below it once small positive values are raised to MIN_RANDOM_TEMPERATURE.
 GREEDY_TEMPERATURE = 1e-5
-# Between GREEDY_TEMPERATURE and this, logits/temperature overflows in fp32; vLLM
-# clamps to the same floor.
+# Positive temperatures below this are raised to it, as vLLM does: logits divided
+# by less overflow in fp32.
 MIN_RANDOM_TEMPERATURE = 1e-2
 MAX_SEED = 2**63 - 1
 LOGIT_BIAS_LIMIT = 100.0
@@ -114,8 +115,10 @@ class SamplingParams:
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {v}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(
+                f"repetition_penalty must be greater than 0, got {self.repetition_penalty}"
+            )
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -194,7 +197,7 @@ class SamplingParams:
                 int(k): max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(b)))
                 for k, b in self.logit_bias.items()
             }
-        if GREEDY_TEMPERATURE <= self.temperature < MIN_RANDOM_TEMPERATURE:
+        if 0.0 < self.temperature < MIN_RANDOM_TEMPERATURE:
             logger.warning(
                 "temperature %s is below %s and is raised to it to avoid overflow",
                 self.temperature,

@@ -24,14 +24,22 @@ from common.engine.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class SamplingRow:
-    """One sequence's sampling inputs for this step."""
+    """One sequence's sampling inputs for this step.
+
+    ``token_ids`` is the sequence's own list (prompt then output), not a copy:
+    only penalties read it, so building a row costs nothing per token.
+    """
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]
+    num_prompt_tokens: int
     generator: torch.Generator | None
     # EOS and stop ids to mask while fewer than min_tokens have been generated.
     min_tokens_stop_ids: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass(slots=True)
@@ -105,7 +113,7 @@ class Sampler:
                 ids = torch.tensor(list(p.logit_bias), device=logits.device)
                 bias = torch.tensor(list(p.logit_bias.values()), device=logits.device)
                 logits[i].index_add_(0, ids, bias)
-            if row.min_tokens_stop_ids and len(row.output_token_ids) < p.min_tokens:
+            if row.min_tokens_stop_ids and row.num_output_tokens < p.min_tokens:
                 logits[i, row.min_tokens_stop_ids] = float("-inf")
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -113,14 +121,12 @@ class Sampler:
             p = row.params
             if not p.needs_penalties:
                 continue
-            out_ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
-            counts = torch.bincount(out_ids, minlength=self.vocab_size)[: self.vocab_size]
+            ids = torch.tensor(row.token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(ids[row.num_prompt_tokens :], minlength=self.vocab_size)
+            counts = counts[: self.vocab_size]
             if p.repetition_penalty != 1.0:
                 seen = counts > 0
-                prompt_ids = torch.tensor(
-                    row.prompt_token_ids, dtype=torch.long, device=logits.device
-                )
-                seen[prompt_ids] = True
+                seen[ids[: row.num_prompt_tokens]] = True
                 penalised = torch.where(
                     logits[i] > 0,
                     logits[i] / p.repetition_penalty,
@@ -156,6 +162,9 @@ class Sampler:
         for i, row in enumerate(rows):
             if row.generator is not None and not row.params.greedy:
                 q[i].exponential_(generator=row.generator)
+        # exponential_ can return exactly 0, which would make probs / q inf (or NaN
+        # for a masked token): keep q strictly positive.
+        q.clamp_(min=torch.finfo(q.dtype).tiny)
         sampled = (probs / q).argmax(dim=-1)
         return torch.where(greedy, argmax, sampled)
 

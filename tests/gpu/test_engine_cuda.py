@@ -125,3 +125,32 @@ def test_greedy_generation_batched_equals_one_at_a_time(qwen3_0_6b_dir):
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     single = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert batched == single
+
+
+def test_sampling_many_rows_stays_within_the_memory_budget(tmp_path):
+    """The memory profile covers the sampler at max_num_seqs rows (full-vocabulary
+    sort, logprobs), so serving never goes past gpu_memory_utilization."""
+    import json
+
+    from common.models.shapes import SHAPES
+
+    raw = dict(SHAPES["qwen3-0.6b"], num_hidden_layers=4)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    util = 0.5
+    llm = LLM(
+        str(tmp_path),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=util,
+        max_num_seqs=1024,
+        max_model_len=2048,
+    )
+    torch.cuda.reset_peak_memory_stats()
+    params = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, logprobs=5, max_tokens=4, ignore_eos=True
+    )
+    llm.generate([[7, 8, 9]] * 1024, params, use_tqdm=False)
+    free, total = torch.cuda.mem_get_info()
+    non_torch = total - free - torch.cuda.memory_reserved()
+    peak = torch.cuda.max_memory_reserved() + non_torch
+    assert peak <= util * total * 1.02, (peak / 2**30, util * total / 2**30)

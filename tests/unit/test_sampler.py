@@ -14,8 +14,8 @@ V = 8
 def row(params=None, prompt=(), output=(), generator=None, stop_ids=()):
     return SamplingRow(
         params=params or SamplingParams(temperature=0.0),
-        prompt_token_ids=list(prompt),
-        output_token_ids=list(output),
+        token_ids=[*prompt, *output],
+        num_prompt_tokens=len(prompt),
         generator=generator,
         min_tokens_stop_ids=list(stop_ids),
     )

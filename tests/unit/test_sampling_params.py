@@ -36,7 +36,7 @@ def test_vllm_defaults():
         ("presence_penalty", 2.5),
         ("frequency_penalty", -2.5),
         ("repetition_penalty", 0.0),
-        ("repetition_penalty", 3.0),
+        ("repetition_penalty", -1.0),
         ("repetition_penalty", math.nan),
         ("max_tokens", 0),
         ("max_tokens", -5),
@@ -76,6 +76,9 @@ def test_normalisation():
     assert p.stop_strings == ["x"]
     assert p.logit_bias == {3: 100.0, 4: -100.0}
     assert SamplingParams(temperature=1e-3).temperature == pytest.approx(1e-2)
+    tiny = SamplingParams(temperature=1e-6)  # raised to 0.01 and sampled, as in vLLM
+    assert tiny.temperature == pytest.approx(1e-2) and not tiny.greedy
+    assert SamplingParams(repetition_penalty=2.5).repetition_penalty == 2.5
     assert SamplingParams(stop=["a", "bb"]).stop_strings == ["a", "bb"]
 
 
