@@ -26,10 +26,13 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer: Any | None) -> None:
+    def __init__(
+        self, config: EngineConfig, tokenizer: Any | None, eos_token_ids: frozenset[int]
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = config.model_config.vocab_size
+        self.eos_token_ids = eos_token_ids
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         text, token_ids, salt = self._parse(prompt)
@@ -106,6 +109,13 @@ class InputProcessor:
             v = getattr(p, name)
             if v is not None and v > limit:
                 raise ValueError(f"{name} must be at most max_logprobs ({limit}), got {v}")
+        if p.allowed_token_ids and p.min_tokens > 0:
+            stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else self.eos_token_ids)
+            if set(p.allowed_token_ids) <= stops:
+                raise ValueError(
+                    "allowed_token_ids holds only stop tokens, which min_tokens forbids: "
+                    "no token could be sampled"
+                )
         if self.tokenizer is None and p.stop_strings:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True)")
         if p.stop_strings and not p.detokenize:

@@ -76,7 +76,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        self.input_processor = InputProcessor(config, self.tokenizer)
+        self.input_processor = InputProcessor(config, self.tokenizer, self.eos_token_ids)
         self.output_processor = OutputProcessor(
             self.scheduler, self.model_runner, tok_info, self.eos_token_ids, config.max_model_len
         )

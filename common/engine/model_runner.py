@@ -382,7 +382,24 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
 
 
 def _available_host_memory() -> int:
+    """Free host memory, bounded by the container's cgroup limit where there is one."""
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX hosts
-        return 8 * GiB
+        free = 8 * GiB
+    for path, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",  # cgroup v1
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        try:
+            with open(path) as f, open(usage) as g:
+                limit_text, used = f.read().strip(), int(g.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text.isdigit():
+            free = min(free, max(0, int(limit_text) - used))
+        break
+    return free

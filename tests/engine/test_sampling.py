@@ -157,6 +157,7 @@ def test_truncate_prompt_tokens_and_detokenize(demo_llm, demo_tokenizer):
         (dict(logit_bias={10**7: 1.0}), "logit_bias"),
         (dict(logprobs=21), "logprobs"),
         (dict(prompt_logprobs=50), "prompt_logprobs"),
+        (dict(allowed_token_ids=[2], min_tokens=1), "allowed_token_ids holds only stop tokens"),
     ],
 )
 def test_engine_level_checks_reject_and_leave_the_engine_usable(
