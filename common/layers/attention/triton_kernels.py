@@ -1,0 +1,397 @@
+"""Triton kernels for paged attention: KV store, varlen prefill over a paged prefix,
+split-K decode with GQA.
+
+Cache layout (see backend.py): ``k_cache``/``v_cache`` are
+``[num_blocks, block_size, num_kv_heads, head_dim]``; token ``p`` of sequence
+``s`` lives at slot ``block_tables[s, p // block_size] * block_size + p % block_size``.
+
+Prefill reads every key, the new ones included, from the cache (the store
+kernel runs first), so one code path serves fresh prompts, chunks and prompts
+with a prefix-cache hit. Decode splits each sequence's context into
+``num_splits`` chunks so small batches still fill the GPU; one program handles
+all query heads of a KV head (the GQA group), so each K/V tile is read once per
+group, and a second kernel merges the chunks' partial softmaxes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Launch configurations (tile sizes, warps, pipeline stages); the defaults are the
+# best of benchmarks/tune_kernels.py on an H200 (see docs/performance.md).
+DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
+PREFILL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+PREFILL_CONFIG_SHORT = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_k_tok,
+    stride_v_tok,
+    stride_cache_slot,
+    ROW: tl.constexpr,  # num_kv_heads * head_dim
+    BLOCK: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok)
+    if slot < 0:  # padding rows of a CUDA graph batch
+        return
+    for start in range(0, ROW, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < ROW
+        k = tl.load(k_ptr + tok * stride_k_tok + offs, mask=mask)
+        v = tl.load(v_ptr + tok * stride_v_tok + offs, mask=mask)
+        tl.store(k_cache_ptr + slot * stride_cache_slot + offs, k, mask=mask)
+        tl.store(v_cache_ptr + slot * stride_cache_slot + offs, v, mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    row = num_kv_heads * head_dim
+    k2, v2 = k.reshape(num_tokens, row), v.reshape(num_tokens, row)
+    _store_kv_kernel[(num_tokens,)](
+        k2,
+        v2,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k2.stride(0),
+        v2.stride(0),
+        k_cache.stride(1),
+        ROW=row,
+        BLOCK=min(triton.next_power_of_2(row), 1024),
+    )
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    scale,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV block
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len
+    kv_head = head // GROUP
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    m_mask = offs_m < q_len
+    q = tl.load(
+        q_ptr + (q_start + offs_m)[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    # Bottom-right causal: new token i sits at position prefix_len + i.
+    q_pos = prefix_len + offs_m
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    qk_scale = scale * 1.44269504  # softmax in base 2
+    end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
+    bt = block_tables_ptr + seq * stride_bt
+    for start_n in range(0, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        blocks = tl.load(bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+        slots = blocks.to(tl.int64) * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot
+        kv_off = slots[:, None] + kv_head * stride_cache_head + offs_d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        qk = tl.where(causal, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # Rows with nothing visible yet keep m = -inf; guard the exponent.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        out_ptr
+        + (q_start + offs_m)[:, None] * stride_o_tok
+        + head * stride_o_head
+        + offs_d[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    config: dict[str, int] | None = None,
+) -> None:
+    _, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    cfg = dict(PREFILL_CONFIG if max_query_len > 32 else PREFILL_CONFIG_SHORT)
+    cfg.update(config or {})
+    block_m = cfg["BLOCK_M"]
+    grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=cfg["BLOCK_N"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
+    part_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32 (log-sum-exp, base 2)
+    scale,
+    stride_q_tok,
+    stride_q_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # GROUP padded to a tensor-core-friendly size
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+    seq_len = tl.load(seq_lens_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(seq_len, start + chunk)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(
+        q_ptr + seq * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    qk_scale = scale * 1.44269504
+    bt = block_tables_ptr + seq * stride_bt
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        blocks = tl.load(bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+        slots = blocks.to(tl.int64) * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot
+        kv_off = slots[:, None] + kv_head * stride_cache_head + offs_d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # An empty split (short sequence) reports lse = -inf and contributes nothing.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+    base = (seq * num_heads + heads) * NUM_SPLITS + split
+    tl.store(
+        part_out_ptr + base[:, None] * HEAD_DIM + offs_d[None, :],
+        out,
+        mask=g_mask[:, None] & d_mask[None, :],
+    )
+    tl.store(part_lse_ptr + base, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_o_tok,
+    stride_o_head,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    base = (seq * num_heads + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m)
+    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
+    parts = tl.load(
+        part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(parts * w[:, None], 0)
+    tl.store(
+        out_ptr + seq * stride_o_tok + head * stride_o_head + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Enough splits that the grid covers the GPU about twice, never below 256 keys a split."""
+    programs = max(1, num_seqs * num_kv_heads)
+    want = triton.cdiv(2 * num_sms, programs)
+    return int(max(1, min(want, triton.cdiv(max_seq_len, 256), 64)))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config: dict[str, int] | None = None,
+) -> None:
+    """One query token per sequence (q: [num_seqs, num_heads, head_dim])."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    cfg = dict(DECODE_CONFIG)
+    cfg.update(config or {})
+    if workspace is None:
+        part_out = torch.empty(
+            num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device
+        )
+    else:
+        part_out, part_lse = workspace
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        part_out,
+        part_lse,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        NUM_SPLITS=num_splits,
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_N=cfg["BLOCK_N"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        part_out,
+        part_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )
