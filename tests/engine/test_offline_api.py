@@ -191,8 +191,8 @@ def test_invalid_config_is_rejected_before_loading(demo_model_dir):
         LLM(str(demo_model_dir), num_kvcache_blocks=2, max_model_len=1024)
     with pytest.raises(ValueError, match="device 'cuda'"):
         LLM(str(demo_model_dir), device="cuda")
-    with pytest.raises(ValueError, match="attention_backend 'triton'"):
-        LLM(str(demo_model_dir), attention_backend="triton")
+    with pytest.raises(ValueError, match="attention_backend 'flash_attn' cannot run on cpu"):
+        LLM(str(demo_model_dir), attention_backend="flash_attn")
 
 
 def test_skip_tokenizer_init_takes_token_ids(demo_model_dir, demo_tokenizer):

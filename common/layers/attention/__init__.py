@@ -1,7 +1,8 @@
 """Attention backends and their selection.
 
-``attention_backend="auto"`` picks the fastest backend that runs on the device;
-the choice is logged once. Backends that are not available say why in one line.
+``attention_backend="auto"`` picks, on CUDA, flash_attn (FlashAttention-4 or -2)
+when it is importable, else our triton kernels; on the CPU, torch. The choice is
+logged once, and a backend that cannot run says why in one line.
 """
 
 from __future__ import annotations
@@ -18,31 +19,44 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttention", "select_backend"]
 
+_AUTO_ORDER_CUDA = (
+    AttentionBackendName.FLASH_ATTN,
+    AttentionBackendName.TRITON,
+    AttentionBackendName.TORCH,
+)
 
-def _backend_class(name: AttentionBackendName) -> type[AttentionBackend] | None:
-    if name is AttentionBackendName.TORCH:
-        return TorchAttention
-    return None
+
+def backend_class(name: AttentionBackendName) -> type[AttentionBackend]:
+    # Imported lazily: the GPU backends pull in triton / flash_attn.
+    if name is AttentionBackendName.TRITON:
+        from common.layers.attention.triton_backend import TritonAttention
+
+        return TritonAttention
+    if name is AttentionBackendName.FLASH_ATTN:
+        from common.layers.attention.flash_attn_backend import FlashAttention
+
+        return FlashAttention
+    return TorchAttention
 
 
 def select_backend(name: AttentionBackendName, device: torch.device) -> type[AttentionBackend]:
-    if name is AttentionBackendName.AUTO:
-        # GPU backends (triton, flash_attn) join this list in the GPU issue.
-        candidates = [AttentionBackendName.TORCH]
-        for candidate in candidates:
-            cls = _backend_class(candidate)
-            if cls is not None and cls.unavailable_reason(device) is None:
-                logger.info("attention backend: %s (auto, device %s)", cls.name, device)
-                return cls
-        raise RuntimeError(f"no attention backend runs on {device}")  # pragma: no cover
-    cls = _backend_class(name)
-    if cls is None:
-        raise ValueError(
-            f"attention_backend {name.value!r} is not available in this build; "
-            "available: 'auto', 'torch'"
-        )
-    reason = cls.unavailable_reason(device)
-    if reason is not None:
-        raise ValueError(f"attention_backend {name.value!r} cannot run on {device}: {reason}")
-    logger.info("attention backend: %s", cls.name)
-    return cls
+    if name is not AttentionBackendName.AUTO:
+        cls = backend_class(name)
+        reason = cls.unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(f"attention_backend {name.value!r} cannot run on {device}: {reason}")
+        logger.info("attention backend: %s", cls.name)
+        return cls
+    if device.type != "cuda":
+        logger.info("attention backend: torch (auto, device %s)", device)
+        return TorchAttention
+    skipped = []
+    for candidate in _AUTO_ORDER_CUDA:
+        cls = backend_class(candidate)
+        reason = cls.unavailable_reason(device)
+        if reason is None:
+            note = f"; not {', '.join(skipped)}" if skipped else ""
+            logger.info("attention backend: %s (auto%s)", cls.name, note)
+            return cls
+        skipped.append(f"{candidate.value} ({reason})")
+    raise RuntimeError(f"no attention backend runs on {device}")  # pragma: no cover

@@ -38,6 +38,9 @@ class AttentionMetadata:
     # Host copies for backends that loop in Python (the torch reference).
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Split-K factor for decode kernels, fixed when a CUDA graph is captured
+    # (None: the backend picks one per step).
+    decode_num_splits: int | None = None
 
     @property
     def is_decode_only(self) -> bool:
