@@ -100,6 +100,9 @@ class EngineConfig:
     num_kvcache_blocks: int = -1
     kv_cache_memory_bytes: int | None = None
     enforce_eager: bool = False
+    # pdserve-specific: fused Triton kernels for RMSNorm, SiLU-and-mul and RoPE on
+    # CUDA (False: the plain torch ops, e.g. to measure what they buy).
+    fused_ops: bool = True
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
@@ -158,6 +161,7 @@ class EngineConfig:
         _require_int("max_logprobs", self.max_logprobs, 0)
         for name in (
             "enforce_eager",
+            "fused_ops",
             "enable_prefix_caching",
             "enable_chunked_prefill",
             "skip_tokenizer_init",

@@ -10,13 +10,16 @@ output processing stay free of torch.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from common.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DeviceKind, EngineConfig, LoadFormat
+from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
@@ -29,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 PROMPT_LOGPROBS_SLICE = 1024
+# Backends whose decode path is all device work, so a CUDA graph can capture it.
+GRAPH_BACKENDS = ("triton", "flash_attn")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -104,8 +109,11 @@ class ModelRunner:
             self.block_size,
         )
         torch.manual_seed(config.seed)
+        fused = config.fused_ops and self.device.type == "cuda" and _triton_available()
         with torch.device(self.device), _default_dtype(self.dtype):
-            self.model = DecoderForCausalLM(cfg, self.attention_backend, config.max_model_len)
+            self.model = DecoderForCausalLM(
+                cfg, self.attention_backend, config.max_model_len, fused_ops=fused
+            )
         if config.load_format is LoadFormat.DUMMY:
             init_dummy_weights(self.model, config.seed)
         else:
@@ -115,6 +123,15 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}
         self.num_kvcache_blocks = self._decide_num_blocks()
         self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            if self.attention_backend.name in GRAPH_BACKENDS:
+                self.graphs = DecodeGraphs(self)
+            else:
+                logger.info(
+                    "CUDA graphs are off: the %s attention backend reads host values",
+                    self.attention_backend.name,
+                )
 
     # ------------------------------------------------------------- KV cache
     @property
@@ -166,7 +183,12 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         cfg = self.config.model_config
-        kv = torch.empty(
+        # Zeroed on a GPU: kernels that load whole pages (FlashAttention-4's TMA
+        # path) read the unused rows of a sequence's last page, and a NaN there
+        # would poison the output through 0 * NaN. Left lazy on a CPU, where
+        # touching every page would commit the whole pool up front.
+        alloc = torch.zeros if self.device.type == "cuda" else torch.empty
+        kv = alloc(
             2,
             cfg.num_hidden_layers,
             num_blocks,
@@ -249,37 +271,50 @@ class ModelRunner:
         num_new: list[int],
         block_tables: list[list[int]],
     ) -> ModelInputs:
+        """Sequence i contributes tokens ``token_ids[i][starts[i]:starts[i] + num_new[i]]``."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        for ids, start, n, table in zip(token_ids, starts, num_new, block_tables, strict=True):
-            end = start + n
-            input_ids.extend(ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(end)
-        max_blocks = max(len(t) for t in block_tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        num_seqs = len(num_new)
+        start_np = np.asarray(starts, dtype=np.int64)
+        count = np.asarray(num_new, dtype=np.int64)
+        ends = start_np + count
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(count, out=qsl[1:])
+        total = int(qsl[-1])
+        tables = np.zeros((num_seqs, max(len(t) for t in block_tables)), dtype=np.int32)
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = table
+        if total == num_seqs:  # one token each: a decode step
+            input_ids = np.fromiter(
+                (ids[s] for ids, s in zip(token_ids, starts, strict=True)), np.int64, num_seqs
+            )
+            positions = start_np
+            seq_index = np.arange(num_seqs)
+        else:
+            input_ids = np.fromiter(
+                itertools.chain.from_iterable(
+                    ids[s:e] for ids, s, e in zip(token_ids, starts, ends.tolist(), strict=True)
+                ),
+                np.int64,
+                total,
+            )
+            seq_index = np.repeat(np.arange(num_seqs), count)
+            positions = np.arange(total, dtype=np.int64) + np.repeat(start_np - qsl[:-1], count)
+        slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
         dev = self.device
+        qsl_list, seq_lens = qsl.tolist(), ends.tolist()
         meta = AttentionMetadata(
-            num_seqs=len(num_new),
-            num_tokens=len(input_ids),
-            query_start_loc=_to_device(qsl, torch.int32, dev),
-            seq_lens=_to_device(seq_lens, torch.int32, dev),
-            slot_mapping=_to_device(slots, torch.int64, dev),
-            block_tables=_to_device(padded, torch.int32, dev),
-            max_query_len=max(num_new),
+            num_seqs=num_seqs,
+            num_tokens=total,
+            query_start_loc=_to_device(qsl.astype(np.int32), dev),
+            seq_lens=_to_device(ends.astype(np.int32), dev),
+            slot_mapping=_to_device(slots, dev),
+            block_tables=_to_device(tables, dev),
+            max_query_len=int(count.max()),
             max_seq_len=max(seq_lens),
-            query_start_loc_cpu=qsl,
+            query_start_loc_cpu=qsl_list,
             seq_lens_cpu=seq_lens,
         )
-        return ModelInputs(
-            _to_device(input_ids, torch.int64, dev), _to_device(positions, torch.int64, dev), meta
-        )
+        return ModelInputs(_to_device(input_ids, dev), _to_device(positions, dev), meta)
 
     # -------------------------------------------------------------- execute
     @torch.inference_mode()
@@ -291,7 +326,10 @@ class ModelRunner:
             batch.num_new_tokens,
             [s.block_table for s in seqs],
         )
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            hidden = self.graphs.run(inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         qsl = inputs.meta.query_start_loc_cpu
         num = len(seqs)
         sampled: list[int | None] = [None] * num
@@ -305,7 +343,7 @@ class ModelRunner:
             if s.num_computed_tokens + n == s.num_tokens
         ]
         if sampling:
-            last = torch.tensor([qsl[i + 1] - 1 for i in sampling], device=self.device)
+            last = _to_device(np.array([qsl[i + 1] - 1 for i in sampling]), self.device)
             logits = self.model.compute_logits(hidden[last])
             out = self.sampler(logits, [self._sampling_row(seqs[i]) for i in sampling])
             for j, i in enumerate(sampling):
@@ -374,8 +412,17 @@ class ModelRunner:
         self._generators.pop(seq.seq_id, None)
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    t = torch.tensor(values, dtype=dtype)
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array -> device tensor without stalling the host: pinned, non-blocking copy."""
+    t = torch.from_numpy(np.ascontiguousarray(values))
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t

@@ -8,6 +8,14 @@ from torch import nn
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self, fused: bool = False) -> None:
+        super().__init__()
+        self.fused = fused  # one Triton kernel instead of three torch ops
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from common.layers.fused_kernels import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

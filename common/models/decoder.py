@@ -4,7 +4,8 @@ The three differ only in facts read from config.json (ModelArchConfig): Qwen2
 has biases on q/k/v, Qwen3 normalises q and k per head before RoPE, Llama may
 have neither. Projections are fused (q/k/v into ``qkv_proj``, gate/up into
 ``gate_up_proj``) so each layer runs two fewer matmuls; the loader splits the
-checkpoint's separate tensors into them.
+checkpoint's separate tensors into them. With ``fused_ops`` (CUDA), RMSNorm,
+SiLU-and-mul and q/k-norm + RoPE run as single Triton kernels.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ from common.models.config import ModelArchConfig
 
 class Attention(nn.Module):
     def __init__(
-        self, cfg: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend
+        self,
+        cfg: ModelArchConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        fused: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -37,6 +42,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.eps = cfg.rms_norm_eps
+        # Fused: q/k norm and RoPE in one in-place Triton kernel per tensor.
+        self.fused = fused
         # Shared, not owned: registering them as submodules would duplicate them.
         self._rotary = (rotary,)
         self.backend = backend
@@ -51,20 +59,35 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self._rotary[0](positions, q, k)
-        out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache, meta)
+        rotary = self._rotary[0]
+        if self.fused:
+            from common.layers.fused_kernels import rope_qk_
+
+            rope_qk_(
+                q,
+                k,
+                positions,
+                rotary.cos_cache,
+                rotary.sin_cache,
+                self.q_norm.weight if self.qk_norm else None,
+                self.k_norm.weight if self.qk_norm else None,
+                self.eps,
+            )
+        else:
+            if self.qk_norm:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
+            q, k = rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, fused: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -72,13 +95,17 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend
+        self,
+        cfg: ModelArchConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        fused: bool = False,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, backend)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary, backend, fused)
+        self.mlp = MLP(cfg, fused)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
 
     def forward(
         self,
@@ -88,7 +115,9 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            residual = x
+            # The residual stream is fp32 whatever the activation dtype (no bf16
+            # rounding of the running sum at every layer).
+            residual = x.to(torch.float32)
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
@@ -98,18 +127,25 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        backend: AttentionBackend,
+        max_positions: int,
+        fused_ops: bool = False,
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rotary, backend) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, self.rotary, backend, fused_ops) for _ in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self._fp32_logits_gemm = True
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -127,4 +163,12 @@ class DecoderForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """fp32 logits. Rounded to bf16 (8 mantissa bits on values of 10-30), the top
+        two tokens tie exactly at a few percent of positions; the GEMM accumulates in
+        fp32 anyway, so ask for fp32 output where torch can."""
+        if hidden.dtype != torch.float32 and hidden.is_cuda and self._fp32_logits_gemm:
+            try:
+                return torch.mm(hidden, self.lm_head.weight.t(), out_dtype=torch.float32)
+            except (TypeError, RuntimeError):  # a torch without mixed-precision GEMM output
+                self._fp32_logits_gemm = False
+        return self.lm_head(hidden).float()

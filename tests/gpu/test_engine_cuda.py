@@ -5,6 +5,8 @@ Run on a GPU host: ``python -m pytest tests/gpu -m gpu``. Skipped without CUDA.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -103,6 +105,7 @@ def test_kv_cache_sized_from_gpu_memory_utilization(qwen3_0_6b_dir):
     total = torch.cuda.get_device_properties(0).total_memory
     assert used <= 0.3 * total + (512 << 20)  # within the budget (plus the CUDA context slack)
     del small
+    gc.collect()
     torch.cuda.empty_cache()
     large = LLM(
         str(model_dir), skip_tokenizer_init=True, gpu_memory_utilization=0.6, max_model_len=4096
@@ -136,6 +139,8 @@ def test_sampling_many_rows_stays_within_the_memory_budget(tmp_path):
 
     raw = dict(SHAPES["qwen3-0.6b"], num_hidden_layers=4)
     (tmp_path / "config.json").write_text(json.dumps(raw))
+    gc.collect()
+    torch.cuda.empty_cache()
     util = 0.5
     llm = LLM(
         str(tmp_path),

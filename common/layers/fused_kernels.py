@@ -1,0 +1,188 @@
+"""Fused Triton kernels for the small per-layer ops: a decode step of a small model
+is dominated by kernel count, not by work (torch runs RMSNorm as ~8 kernels, RoPE
+as ~12). Each kernel here replaces a chain of torch ops with one launch and keeps
+the torch ops' rounding points where they matter (residual sums, normalised
+activations and products are rounded to the activation dtype as torch does).
+
+- ``rms_norm``: optional residual add (the sum kept in the residual's dtype),
+  then RMSNorm; one row per program.
+- ``silu_and_mul``: SwiGLU's ``silu(gate) * up`` over the fused gate/up output.
+- ``rope_qk_``: in place on the q and k views of the fused qkv output: optional
+  per-head RMSNorm (Qwen3's q/k norm), then rotary embedding (neox layout).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_res_out,
+    N,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    out_dtype = x.dtype
+    xf = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
+        # The sum is kept in the residual's dtype (fp32 in the decoder), rounded
+        # exactly as torch's `x.to(residual.dtype) + residual` is.
+        total = (xf + r.to(tl.float32)).to(r.dtype)
+        tl.store(res_out_ptr + row * stride_res_out + offs, total, mask=mask)
+        xf = total.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    y = (xf * tl.math.rsqrt(var + eps)).to(out_dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(
+        out_ptr + row * stride_out + offs,
+        (y.to(tl.float32) * w.to(tl.float32)).to(out_dtype),
+        mask=mask,
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(normed, x + residual) — or (normed, None) without a residual. x: [rows, N]."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    rows, n = x2.shape
+    out = torch.empty_like(x2)
+    res_out = None
+    res2 = None
+    if residual is not None:
+        res2 = residual.reshape(-1, n)
+        res_out = torch.empty_like(res2)
+    if rows:
+        _rms_norm_kernel[(rows,)](
+            x2,
+            res2 if res2 is not None else x2,
+            weight,
+            out,
+            res_out if res_out is not None else out,
+            x2.stride(0),
+            res2.stride(0) if res2 is not None else 0,
+            out.stride(0),
+            res_out.stride(0) if res_out is not None else 0,
+            n,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=triton.next_power_of_2(n),
+            num_warps=4 if n <= 2048 else 8,
+        )
+    return out.view(shape), (res_out.view(shape) if res_out is not None else None)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < N
+    gate = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + N + col, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # rounded, as F.silu's output is
+    tl.store(
+        out_ptr + row * stride_out + col,
+        (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype),
+        mask=mask,
+    )
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * n)
+    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    block = min(triton.next_power_of_2(n), 2048)
+    if x2.shape[0]:
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
+            x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
+        )
+    return out.view(*x.shape[:-1], n)
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    norm_w_ptr,
+    stride_tok,
+    stride_head,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    base = x_ptr + tok * stride_tok + head * stride_head
+    offs = tl.arange(0, HALF)
+    x1 = tl.load(base + offs)
+    x2 = tl.load(base + HALF + offs)
+    dtype = x1.dtype
+    if HAS_NORM:
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        inv = tl.math.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / HEAD_DIM + eps)
+        w1 = tl.load(norm_w_ptr + offs).to(tl.float32)
+        w2 = tl.load(norm_w_ptr + HALF + offs).to(tl.float32)
+        x1 = ((a * inv).to(dtype).to(tl.float32) * w1).to(dtype)
+        x2 = ((b * inv).to(dtype).to(tl.float32) * w2).to(dtype)
+    pos = tl.load(pos_ptr + tok)
+    # cos/sin caches hold [cos(f), cos(f)] per position; the first half suffices.
+    cos = tl.load(cos_ptr + pos * HEAD_DIM + offs).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * HEAD_DIM + offs).to(dtype).to(tl.float32)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    tl.store(base + offs, (a * cos - b * sin).to(dtype))
+    tl.store(base + HALF + offs, (b * cos + a * sin).to(dtype))
+
+
+def rope_qk_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> None:
+    """In place: q [T, Hq, D], k [T, Hkv, D] (views with unit stride in D)."""
+    num_tokens, head_dim = q.shape[0], q.shape[-1]
+    if num_tokens == 0:
+        return
+    for x, w in ((q, q_norm_weight), (k, k_norm_weight)):
+        _rope_kernel[(num_tokens, x.shape[1])](
+            x,
+            positions,
+            cos_cache,
+            sin_cache,
+            w if w is not None else cos_cache,
+            x.stride(0),
+            x.stride(1),
+            eps,
+            HEAD_DIM=head_dim,
+            HALF=head_dim // 2,
+            HAS_NORM=w is not None,
+            num_warps=1 if head_dim <= 64 else 2,
+        )
