@@ -169,7 +169,13 @@ class BlockManager:
         blocks yet) are claimed first and ``seq.num_computed_tokens`` moves past
         them. Returns False and changes nothing when too few blocks are free.
         """
-        if prefix_blocks and seq.block_table:
+        if not prefix_blocks:
+            # The common case (a decode token, a prefill chunk): often no new block.
+            bs = self.block_size
+            needed = -(-(seq.num_computed_tokens + num_new_tokens) // bs) - len(seq.block_table)
+            if needed <= 0:
+                return True
+        elif seq.block_table:
             raise RuntimeError("prefix blocks can only start an empty block table")
         num_prefix_tokens = len(prefix_blocks) * self.block_size
         total_tokens = seq.num_computed_tokens + num_prefix_tokens + num_new_tokens

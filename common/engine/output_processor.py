@@ -62,7 +62,8 @@ class OutputProcessor:
                 self._add_logprobs(seq, token, result.logprobs[i])
             self._check_stop(seq, token)
             touched.add(seq.request_id)
-            if req.finished and req.finished_time is None:
+            # req.finished looks at every sibling: only ask when this one just ended.
+            if seq.is_finished and req.finished_time is None and req.finished:
                 req.finished_time = now
         return touched
 

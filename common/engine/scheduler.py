@@ -107,14 +107,16 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
 
-        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        decoding, prefilling = [], []
+        for s in self.running:
+            (decoding if len(s.token_ids) - s.num_computed_tokens == 1 else prefilling).append(s)
+        running = SequenceStatus.RUNNING
         for seq in decoding + prefilling:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted earlier in this step
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if not self._allocate_or_preempt(seq, num_new, scheduled_ids, batch):
                 continue
             batch.seqs.append(seq)

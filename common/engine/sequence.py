@@ -138,7 +138,12 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.aborted or all(s.is_finished for s in self.seqs)
+        if self.aborted:
+            return True
+        for seq in self.seqs:  # a plain loop: this runs for every request every step
+            if seq.status is not SequenceStatus.FINISHED:
+                return False
+        return True
 
     @property
     def num_cached_tokens(self) -> int:

@@ -70,6 +70,12 @@ def top_logprobs(
     return chosen_lp, rank, top_ids, top_lp
 
 
+def _host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without a synchronous copy."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int) -> None:
         self.vocab_size = vocab_size
@@ -91,7 +97,7 @@ class Sampler:
         logprob_out: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             logprob_rows = [i for i, k in enumerate(want_logprobs) if k is not None]
-            idx = torch.tensor(logprob_rows, device=logits.device)
+            idx = _host_tensor(logprob_rows, torch.int64, logits.device)
             k_max = max(want_logprobs[i] for i in logprob_rows)
             lp, rank, top_ids, top_lp = top_logprobs(raw_logprobs[idx], token_ids[idx], k_max)
             lp, rank, top_ids, top_lp = (t.tolist() for t in (lp, rank, top_ids, top_lp))
@@ -139,18 +145,18 @@ class Sampler:
                 logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+        # Row facts are host data: deciding on them never waits for the GPU.
+        greedy_rows = [r.params.greedy for r in rows]
         argmax = logits.argmax(dim=-1)
-        if bool(greedy.all()):
+        if all(greedy_rows):
             return argmax
-        temps = torch.tensor(
-            [1.0 if r.params.greedy else r.params.temperature for r in rows],
-            device=logits.device,
-            dtype=logits.dtype,
+        dev = logits.device
+        temps = _host_tensor(
+            [1.0 if r.params.greedy else r.params.temperature for r in rows], torch.float32, dev
         )
         logits = logits / temps.unsqueeze(1)
         if any(r.params.min_p > 0.0 for r in rows):
-            min_p = torch.tensor([r.params.min_p for r in rows], device=logits.device)
+            min_p = _host_tensor([r.params.min_p for r in rows], torch.float32, dev)
             probs = torch.softmax(logits, dim=-1)
             threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
@@ -166,15 +172,18 @@ class Sampler:
         # for a masked token): keep q strictly positive.
         q.clamp_(min=torch.finfo(q.dtype).tiny)
         sampled = (probs / q).argmax(dim=-1)
-        return torch.where(greedy, argmax, sampled)
+        if not any(greedy_rows):
+            return sampled
+        return torch.where(_host_tensor(greedy_rows, torch.bool, dev), argmax, sampled)
 
     def _top_k_top_p(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         vocab = logits.shape[-1]
-        k = torch.tensor(
+        k = _host_tensor(
             [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows],
-            device=logits.device,
+            torch.int64,
+            logits.device,
         )
-        p = torch.tensor([r.params.top_p for r in rows], device=logits.device, dtype=logits.dtype)
+        p = _host_tensor([r.params.top_p for r in rows], logits.dtype, logits.device)
         sorted_logits, order = logits.sort(dim=-1, descending=False)
         # top_k: drop everything below the k-th largest value.
         kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
