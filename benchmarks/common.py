@@ -70,3 +70,44 @@ def write_record(
     record = {"benchmark": name, "timestamp": stamp, "command": command, **record}
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path, record
+
+
+# ----------------------------------------------------------------- GPU timing
+def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
+    """Median wall time of ``fn`` on the GPU in ms (CUDA events around each call)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure_copy_bandwidth(gib: float = 2.0) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read and written."""
+    import torch
+
+    n = int(gib * (1 << 30)) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src), warmup=3, iters=10)
+    return 2 * n * 2 / (ms / 1e3)
+
+
+def measure_matmul_flops(size: int = 8192) -> float:
+    """bf16 dense matmul rate in FLOP/s on random data."""
+    import torch
+
+    a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    ms = cuda_time_ms(lambda: a @ b, warmup=3, iters=10)
+    return 2 * size**3 / (ms / 1e3)

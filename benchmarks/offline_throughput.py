@@ -56,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-kvcache-blocks", type=int, default=-1)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-fused-ops", action="store_true", help="plain torch RMSNorm/SiLU/RoPE")
     p.add_argument("--hf-baseline", action="store_true", help="also run HF transformers generate")
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument(
@@ -102,6 +103,7 @@ def run_pdserve(model_dir: Path, args, prompts, out_lens) -> dict[str, Any]:
         num_kvcache_blocks=args.num_kvcache_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        fused_ops=not args.no_fused_ops,
         seed=args.seed,
     )
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up

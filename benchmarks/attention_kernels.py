@@ -1,0 +1,208 @@
+"""Paged attention kernels: our Triton kernels against FlashAttention-4, and both
+against the physical limits measured in the same run.
+
+    python benchmarks/attention_kernels.py            # decode and prefill sweeps
+
+Decode: one query token per sequence, 32 query / 8 KV heads x 128 (Llama-3.1-8B's
+attention), over batch, context and page size; the figure of merit is KV bytes
+read per second against the device-to-device copy rate. Prefill: 8 prompts of
+2048 tokens, causal, the same heads; TFLOP/s against the bf16 matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import (
+    command_line,
+    cuda_time_ms,
+    environment,
+    measure_copy_bandwidth,
+    measure_matmul_flops,
+    write_record,
+)
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def make_cache(torch, batch, ctx, page, kv_heads=KV_HEADS):
+    """Random bf16 K/V pages and a shuffled block table for `batch` sequences of `ctx` tokens."""
+    pages_per_seq = -(-ctx // page)
+    num_pages = batch * pages_per_seq
+    k = torch.randn(num_pages, page, kv_heads, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    perm = torch.randperm(num_pages, device="cuda")[: batch * pages_per_seq]
+    tables = perm.view(batch, pages_per_seq).to(torch.int32).contiguous()
+    return k, v, tables
+
+
+def fa4():
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception:
+        return None
+    return flash_attn_varlen_func
+
+
+def bench_decode(torch, copy_bw, batches, contexts, pages) -> list[dict[str, Any]]:
+    from common.layers.attention import triton_kernels as tk
+
+    fa = fa4()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for page in pages:
+        for ctx in contexts:
+            for batch in batches:
+                k, v, tables = make_cache(torch, batch, ctx, page)
+                q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+                lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+                out = torch.empty_like(q)
+                splits = tk.decode_num_splits(batch, KV_HEADS, ctx, sms)
+                kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
+                t_triton = cuda_time_ms(
+                    lambda: tk.decode_attention(q, k, v, out, tables, lens, HEAD_DIM**-0.5, splits)
+                )
+                row = {
+                    "page": page,
+                    "context": ctx,
+                    "batch": batch,
+                    "kv_bytes": kv_bytes,
+                    "triton_ms": t_triton,
+                    "triton_splits": splits,
+                    "triton_TBps": kv_bytes / t_triton / 1e9,
+                }
+                if fa is not None:
+                    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+                    t_fa = cuda_time_ms(
+                        lambda: fa(
+                            q,
+                            k,
+                            v,
+                            cu_seqlens_q=qsl,
+                            seqused_k=lens,
+                            page_table=tables,
+                            max_seqlen_q=1,
+                            softmax_scale=HEAD_DIM**-0.5,
+                            causal=True,
+                        )
+                    )
+                    row.update(
+                        fa4_ms=t_fa, fa4_TBps=kv_bytes / t_fa / 1e9, triton_vs_fa4=t_fa / t_triton
+                    )
+                row["triton_vs_copy"] = kv_bytes / (t_triton / 1e3) / (copy_bw / 2)
+                rows.append(row)
+                print(
+                    f"decode page {page:3d} ctx {ctx:5d} batch {batch:3d}: triton {t_triton:.3f} ms "
+                    f"({row['triton_TBps']:.2f} TB/s)"
+                    + (
+                        f", FA4 {row['fa4_ms']:.3f} ms ({row['fa4_TBps']:.2f} TB/s), triton/FA4 speed "
+                        f"{row['triton_vs_fa4']:.2f}"
+                        if fa is not None
+                        else ""
+                    ),
+                    flush=True,
+                )
+                torch.cuda.empty_cache()
+    return rows
+
+
+def bench_prefill(torch, peak_flops, pages, seqs=8, seq_len=2048) -> list[dict[str, Any]]:
+    from common.layers.attention import triton_kernels as tk
+
+    fa = fa4()
+    rows = []
+    for page in pages:
+        k, v, tables = make_cache(torch, seqs, seq_len, page)
+        q = torch.randn(seqs * seq_len, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        qsl = torch.arange(0, (seqs + 1) * seq_len, seq_len, dtype=torch.int32, device="cuda")
+        lens = torch.full((seqs,), seq_len, dtype=torch.int32, device="cuda")
+        out = torch.empty_like(q)
+        # Causal attention: QK^T and PV over half the (query, key) pairs.
+        flops = seqs * 4 * HEADS * HEAD_DIM * seq_len * seq_len / 2
+        t_triton = cuda_time_ms(
+            lambda: tk.prefill_attention(q, k, v, out, tables, qsl, lens, seq_len, HEAD_DIM**-0.5)
+        )
+        row = {
+            "page": page,
+            "seqs": seqs,
+            "seq_len": seq_len,
+            "flops": flops,
+            "triton_ms": t_triton,
+            "triton_TFLOPs": flops / t_triton / 1e9,
+        }
+        if fa is not None:
+            t_fa = cuda_time_ms(
+                lambda: fa(
+                    q,
+                    k,
+                    v,
+                    cu_seqlens_q=qsl,
+                    seqused_k=lens,
+                    page_table=tables,
+                    max_seqlen_q=seq_len,
+                    softmax_scale=HEAD_DIM**-0.5,
+                    causal=True,
+                )
+            )
+            row.update(fa4_ms=t_fa, fa4_TFLOPs=flops / t_fa / 1e9, triton_vs_fa4=t_fa / t_triton)
+        row["triton_vs_matmul_peak"] = row["triton_TFLOPs"] * 1e12 / peak_flops
+        rows.append(row)
+        print(
+            f"prefill page {page:3d} {seqs}x{seq_len}: triton {t_triton:.3f} ms ({row['triton_TFLOPs']:.0f} TFLOP/s)"
+            + (
+                f", FA4 {row['fa4_ms']:.3f} ms ({row['fa4_TFLOPs']:.0f} TFLOP/s), triton/FA4 speed "
+                f"{row['triton_vs_fa4']:.2f}"
+                if fa is not None
+                else ""
+            ),
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    import torch
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batches", default="1,16,64,256")
+    p.add_argument("--contexts", default="1024,4096")
+    p.add_argument("--pages", default="16,64,256")
+    p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--out-dir", type=Path)
+    args = p.parse_args(argv)
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    copy_bw = measure_copy_bandwidth()
+    peak = measure_matmul_flops()
+    print(
+        f"device copy {copy_bw / 1e12:.2f} TB/s (read + write); bf16 matmul {peak / 1e12:.0f} TFLOP/s"
+    )
+    results: dict[str, Any] = {
+        "copy_bytes_per_s": copy_bw,
+        "matmul_flops_per_s": peak,
+        "fa4_available": fa4() is not None,
+    }
+    results["decode"] = bench_decode(
+        torch, copy_bw, ints(args.batches), ints(args.contexts), ints(args.pages)
+    )
+    if not args.skip_prefill:
+        results["prefill"] = bench_prefill(torch, peak, ints(args.pages))
+    record = {
+        "environment": environment(),
+        "parameters": vars(args) | {"out_dir": str(args.out_dir)},
+        "results": results,
+    }
+    path, record = write_record(
+        "attention_kernels", record, command_line("attention_kernels.py", argv), args.out_dir
+    )
+    print(f"record: {path}")
+    return record
+
+
+if __name__ == "__main__":
+    main()
