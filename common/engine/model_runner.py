@@ -100,7 +100,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, cfg.torch_dtype, self.device)
         self.block_size = config.kvcache_block_size
-        backend_cls = select_backend(config.attention_backend, self.device)
+        backend_cls = select_backend(config.attention_backend, self.device, self.dtype)
         self.attention_backend = backend_cls(
             cfg.num_attention_heads,
             cfg.num_key_value_heads,

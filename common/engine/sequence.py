@@ -138,12 +138,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        if self.aborted:
-            return True
-        for seq in self.seqs:  # a plain loop: this runs for every request every step
-            if seq.status is not SequenceStatus.FINISHED:
-                return False
-        return True
+        return self.aborted or all(s.status is SequenceStatus.FINISHED for s in self.seqs)
 
     @property
     def num_cached_tokens(self) -> int:

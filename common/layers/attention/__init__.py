@@ -39,10 +39,12 @@ def backend_class(name: AttentionBackendName) -> type[AttentionBackend]:
     return TorchAttention
 
 
-def select_backend(name: AttentionBackendName, device: torch.device) -> type[AttentionBackend]:
+def select_backend(
+    name: AttentionBackendName, device: torch.device, dtype: torch.dtype
+) -> type[AttentionBackend]:
     if name is not AttentionBackendName.AUTO:
         cls = backend_class(name)
-        reason = cls.unavailable_reason(device)
+        reason = cls.unavailable_reason(device, dtype)
         if reason is not None:
             raise ValueError(f"attention_backend {name.value!r} cannot run on {device}: {reason}")
         logger.info("attention backend: %s", cls.name)
@@ -53,7 +55,7 @@ def select_backend(name: AttentionBackendName, device: torch.device) -> type[Att
     skipped = []
     for candidate in _AUTO_ORDER_CUDA:
         cls = backend_class(candidate)
-        reason = cls.unavailable_reason(device)
+        reason = cls.unavailable_reason(device, dtype)
         if reason is None:
             note = f"; not {', '.join(skipped)}" if skipped else ""
             logger.info("attention backend: %s (auto%s)", cls.name, note)

@@ -60,8 +60,8 @@ class AttentionBackend(ABC):
         self.block_size = block_size
 
     @classmethod
-    def unavailable_reason(cls, device: torch.device) -> str | None:
-        """None if this backend can run on ``device``, else a one-line reason."""
+    def unavailable_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """None if this backend can run on ``device`` in ``dtype``, else a one-line reason."""
         return None
 
     @abstractmethod

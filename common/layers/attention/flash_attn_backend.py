@@ -74,9 +74,13 @@ class FlashAttention(AttentionBackend):
         self._store = _store_kv_function()
 
     @classmethod
-    def unavailable_reason(cls, device: torch.device) -> str | None:
+    def unavailable_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
         if device.type != "cuda":
             return "it needs a CUDA GPU"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return (
+                f"FlashAttention needs float16 or bfloat16, not {str(dtype).removeprefix('torch.')}"
+            )
         if flash_attn_version(device) is None:
             return (
                 "neither FlashAttention-4 (flash_attn.cute) nor FlashAttention-2 is importable "

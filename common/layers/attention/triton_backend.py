@@ -25,7 +25,7 @@ class TritonAttention(AttentionBackend):
         self._num_sms: int | None = None
 
     @classmethod
-    def unavailable_reason(cls, device: torch.device) -> str | None:
+    def unavailable_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
         if device.type != "cuda" and not interpreter_enabled():
             return "it needs a CUDA GPU (or TRITON_INTERPRET=1 for tests)"
         try:
