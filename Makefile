@@ -9,7 +9,7 @@ TORCH_CPU ?= torch==2.13.0+cpu
 DEMO_MODEL ?= models/smollm2-135m-instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model run test lint format bench clean
+.PHONY: setup model run test lint format bench proto clean
 
 setup: $(VENV)/.setup-done
 
@@ -44,6 +44,11 @@ lint: setup
 format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+# Regenerate the gRPC stubs (committed; tests/unit/test_proto.py fails when stale).
+proto: setup
+	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. \
+		proto/pdserve.proto proto/internal.proto proto/admin.proto
 
 bench: model
 	$(BIN)/python benchmarks/offline_throughput.py
