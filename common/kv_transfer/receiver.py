@@ -1,0 +1,147 @@
+"""Decode-node side: hosts the TCPStore; one receiving thread per prefill node.
+
+A peer's thread posts a receive only while at least one transfer from that
+peer is expected (``expect``), reads the header, then exactly the payload the
+header announces, and hands both to ``on_transfer``, which decides whether the
+named reservation still wants it. A failure or a passed deadline closes the
+channel, bumps the peer's epoch (the next transfer rebuilds the group) and
+reports the peer to ``on_peer_failed`` so that waiting reservations fail fast.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from common.kv_transfer.channel import RECEIVER, PairChannel
+from common.kv_transfer.protocol import TransferHeader
+
+logger = logging.getLogger(__name__)
+
+OnTransfer = Callable[[str, TransferHeader, torch.Tensor, "torch.cuda.Stream | None"], None]
+OnPeerFailed = Callable[[str, Exception], None]
+
+
+@dataclass(slots=True)
+class _Peer:
+    node_id: str
+    epoch: int = 0
+    expected: int = 0
+    channel: PairChannel | None = None
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    thread: threading.Thread | None = None
+
+
+class KVReceiver:
+    def __init__(
+        self,
+        node_id: str,
+        host: str,
+        port: int,
+        device: torch.device,
+        on_transfer: OnTransfer,
+        on_peer_failed: OnPeerFailed,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.node_id = node_id
+        self.host = host
+        self.port = port
+        self.device = device
+        self.timeout_s = timeout_s
+        self.on_transfer = on_transfer
+        self.on_peer_failed = on_peer_failed
+        self.store = dist.TCPStore(
+            host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def expect(self, peer_id: str) -> int:
+        """One more transfer will come from ``peer_id``; returns the epoch it must use."""
+        with self._lock:
+            peer = self._peers.get(peer_id)
+            if peer is None:
+                peer = self._peers[peer_id] = _Peer(peer_id)
+                peer.thread = threading.Thread(
+                    target=self._run, args=(peer,), name=f"kv-recv-{peer_id}", daemon=True
+                )
+                peer.thread.start()
+        with peer.cond:
+            peer.expected += 1
+            peer.cond.notify()
+            return peer.epoch
+
+    def unexpect(self, peer_id: str) -> None:
+        """A transfer announced with ``expect`` will not come (its prefill failed)."""
+        peer = self._peers.get(peer_id)
+        if peer is not None:
+            with peer.cond:
+                peer.expected = max(0, peer.expected - 1)
+
+    def _run(self, peer: _Peer) -> None:
+        while not self._closed:
+            with peer.cond:
+                while peer.expected == 0 and not self._closed:
+                    peer.cond.wait(timeout=0.5)
+                if self._closed:
+                    return
+                epoch = peer.epoch
+            try:
+                if peer.channel is None or peer.channel.closed:
+                    peer.channel = PairChannel(
+                        self.store,
+                        f"pair/{peer.node_id}/{epoch}",
+                        RECEIVER,
+                        self.device,
+                        self.timeout_s,
+                    )
+                deadline = time.monotonic() + self.timeout_s
+                if self.stream is not None:
+                    with torch.cuda.stream(self.stream):
+                        header = peer.channel.recv_header(deadline)
+                        payload = peer.channel.recv_payload(header.num_bytes, deadline)
+                else:
+                    header = peer.channel.recv_header(deadline)
+                    payload = peer.channel.recv_payload(header.num_bytes, deadline)
+            except Exception as e:
+                with peer.cond:
+                    if peer.channel is not None:
+                        peer.channel.close()
+                    peer.channel = None
+                    peer.epoch += 1
+                    peer.expected = 0
+                if not self._closed:
+                    logger.warning(
+                        "KV channel from %s failed (epoch %d): %s", peer.node_id, epoch, e
+                    )
+                    self.on_peer_failed(peer.node_id, e)
+                continue
+            with peer.cond:
+                peer.expected = max(0, peer.expected - 1)
+            try:
+                self.on_transfer(peer.node_id, header, payload, self.stream)
+            except Exception:  # the channel is fine; this one transfer was not wanted
+                logger.exception("handling a KV transfer from %s failed", peer.node_id)
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            peers = list(self._peers.values())
+        for peer in peers:
+            with peer.cond:
+                peer.cond.notify_all()
+            if peer.channel is not None:
+                peer.channel.close()
