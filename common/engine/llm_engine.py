@@ -36,16 +36,33 @@ from common.engine.output_processor import OutputProcessor
 from common.engine.outputs import RequestOutput
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
-from common.engine.sequence import Request, Sequence
+from common.engine.sequence import Request, Sequence, SequenceStatus
 from common.engine.tokenizer import load_tokenizer
+from common.layers.sampler import TokenLogprobs
 
 MAX_CACHED_HASHERS = 256
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Blocks a decode node holds for a prompt that a prefill node computes."""
+
+    request_id: str
+    block_ids: list[int]  # the prompt's whole block table
+    first_block: int  # blocks before this came from this node's own prefix cache
+    num_prompt_tokens: int
+
+    @property
+    def blocks_to_fill(self) -> list[int]:
+        return self.block_ids[self.first_block :]
 
 
 @dataclass(slots=True)
 class EngineStats:
     num_running: int
     num_waiting: int
+    num_reserved: int
+    num_queued_prefill_tokens: int
     num_kv_blocks: int
     num_free_kv_blocks: int
     num_cached_free_kv_blocks: int
@@ -83,6 +100,7 @@ class LLMEngine:
         self._tok_info = tok_info
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
+        self._touched: set[str] = set()
         self._seq_ids = itertools.count()
         self._hashers: dict[str | None, BlockHasher] = {}
 
@@ -97,7 +115,86 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        hold_kv: bool = False,
     ) -> None:
+        """Queue a request. ``hold_kv`` (prefill node): keep its blocks when it
+        finishes, until ``release_held``."""
+        req = self._new_request(request_id, prompt, params, arrival_time)
+        for seq in req.seqs:
+            seq.hold_kv = hold_kv
+        self.requests[request_id] = req
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+
+    def reserve_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Reservation | None:
+        """Decode node: claim KV blocks for a prompt that a prefill node will compute.
+
+        Uses this node's own prefix cache first, so the prefill node only sends
+        blocks from ``first_block`` on. Returns None, changing nothing, when the
+        node lacks blocks or sequence slots. The request is not scheduled until
+        ``commit_request``; ``abort_request`` frees its blocks.
+        """
+        req = self._new_request(request_id, prompt, params, arrival_time)
+        if req.params.n != 1:
+            raise ValueError("a request prefilled remotely must have n = 1")
+        if req.params.prompt_logprobs is not None:
+            raise ValueError("a request prefilled remotely cannot ask for prompt_logprobs")
+        seq = req.seqs[0]
+        if not self.scheduler.reserve(seq):
+            return None
+        self.requests[request_id] = req
+        bs = self.config.kvcache_block_size
+        return Reservation(
+            request_id=request_id,
+            block_ids=list(seq.block_table),
+            first_block=seq.num_computed_tokens // bs,
+            num_prompt_tokens=seq.num_prompt_tokens,
+        )
+
+    def commit_request(
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprobs: TokenLogprobs | None = None,
+        cached_tokens: int = 0,
+    ) -> None:
+        """Decode node: the reserved prompt's KV has landed and the prefill node
+        sampled ``first_token``; the request joins the running batch (its first
+        output comes from the next ``step``)."""
+        req = self.requests.get(request_id)
+        if req is None or req.seqs[0].status is not SequenceStatus.RESERVED:
+            raise KeyError(f"request {request_id!r} has no reservation")
+        seq = req.seqs[0]
+        self.scheduler.commit(seq)
+        seq.num_cached_tokens = cached_tokens  # what the prefill node served from its cache
+        seq.token_ids.append(first_token)
+        req.first_token_time = time.monotonic()
+        self.output_processor.accept_token(req, seq, first_token, first_logprobs)
+        self._touched.add(request_id)
+
+    def take_held(self, request_id: str) -> Sequence | None:
+        """Prefill node: a finished request whose blocks are held for its transfer."""
+        return self.scheduler.held.get(request_id)
+
+    def release_held(self, request_id: str) -> None:
+        seq = self.scheduler.held.get(request_id)
+        if seq is not None:
+            self.scheduler.release_held(seq)
+            self.model_runner.release(seq)
+
+    def _new_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None,
+        arrival_time: float | None,
+    ) -> Request:
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
@@ -107,7 +204,7 @@ class LLMEngine:
             params = params.clone()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.scheduler.held:
             raise ValueError(f"request_id {request_id!r} is already in use")
         processed = self.input_processor.process(prompt, params)
         hasher = self._hasher(processed.cache_salt)
@@ -127,7 +224,7 @@ class LLMEngine:
                     self._tok_info, processed.token_ids, params
                 )
             seqs.append(seq)
-        self.requests[request_id] = Request(
+        return Request(
             request_id=request_id,
             prompt=processed.prompt,
             prompt_token_ids=processed.token_ids,
@@ -138,14 +235,15 @@ class LLMEngine:
             # The first prompt token has no context, so no logprob.
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
-        for seq in seqs:
-            self.scheduler.add(seq)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
-        """Free the requests' KV blocks now; unknown or finished ids are ignored."""
+        """Free the requests' KV blocks now (reserved and held ones too); unknown
+        or finished ids are ignored."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for request_id in request_ids:
+            self.release_held(request_id)
+            self._touched.discard(request_id)
             req = self.requests.pop(request_id, None)
             if req is None:
                 continue
@@ -159,6 +257,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self._aborted)
 
+    def has_work(self) -> bool:
+        """Whether ``step`` would do anything (reserved requests wait for their KV)."""
+        return bool(self._aborted or self._touched or self.scheduler.has_unfinished())
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
@@ -166,6 +268,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = [out for req in self._aborted if (out := self.output_processor.make_output(req))]
         self._aborted.clear()
+        # Requests that changed between steps (committed remote prefills).
+        for request_id in self._touched:
+            outputs.extend(self._output_for(request_id))
+        self._touched.clear()
         if not self.scheduler.has_unfinished():
             return outputs
         batch = self.scheduler.schedule()
@@ -176,13 +282,15 @@ class LLMEngine:
         result = self.model_runner.execute(batch)
         self.scheduler.update(batch, result.sampled)
         for request_id in self.output_processor.process(self.requests, batch, result):
-            req = self.requests[request_id]
-            out = self.output_processor.make_output(req)
-            if out is not None:
-                outputs.append(out)
-            if req.finished:
-                del self.requests[request_id]
+            outputs.extend(self._output_for(request_id))
         return outputs
+
+    def _output_for(self, request_id: str) -> list[RequestOutput]:
+        req = self.requests[request_id]
+        out = self.output_processor.make_output(req)
+        if req.finished:
+            del self.requests[request_id]
+        return [out] if out is not None else []
 
     # --------------------------------------------------------------- misc
     def _hasher(self, cache_salt: str | None) -> BlockHasher | None:
@@ -202,9 +310,16 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
         bm = self.block_manager
+        sched = self.scheduler
+        queued = sum(seq.num_uncomputed_tokens for seq in sched.waiting)
+        queued += sum(
+            seq.num_uncomputed_tokens for seq in sched.running if seq.num_uncomputed_tokens > 1
+        )
         return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_reserved=len(sched.reserved),
+            num_queued_prefill_tokens=queued,
             num_kv_blocks=bm.num_blocks,
             num_free_kv_blocks=bm.num_free_blocks,
             num_cached_free_kv_blocks=bm.num_cached_free_blocks,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -180,6 +181,23 @@ class ModelRunner:
             capacity / cfg.max_model_len,
         )
         return num_blocks
+
+    def gather_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """These blocks of every layer, K and V, in one contiguous tensor
+        ``[2, num_layers, len(block_ids), block_size, num_kv_heads, head_dim]``
+        (one kernel, whatever the number of blocks)."""
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return self.kv_cache.index_select(2, idx)
+
+    def scatter_kv(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write ``gather_kv``'s layout (or its raw bytes) into these blocks."""
+        shape = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
+        if data.dtype != self.kv_cache.dtype:
+            data = data.view(self.kv_cache.dtype)
+        if data.numel() != math.prod(shape):
+            raise ValueError(f"KV payload has {data.numel()} elements, {math.prod(shape)} expected")
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        self.kv_cache.index_copy_(2, idx, data.view(shape))
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         cfg = self.config.model_config
@@ -404,6 +422,12 @@ class ModelRunner:
             gen = torch.Generator(device=self.device)
             # Completion i of an n>1 request uses seed + i, so they differ.
             gen.manual_seed((seq.params.seed + seq.index) & 0xFFFF_FFFF_FFFF_FFFF)
+            if not seq.params.greedy:
+                # Tokens already there were sampled elsewhere (a prefill node's first
+                # token): skip their draws so the stream matches a single node's.
+                vocab = self.config.model_config.vocab_size
+                for _ in range(seq.num_output_tokens):
+                    torch.empty(vocab, device=self.device).exponential_(generator=gen)
             self._generators[seq.seq_id] = gen
         return gen
 

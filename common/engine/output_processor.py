@@ -58,14 +58,25 @@ class OutputProcessor:
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now
-            if result.logprobs[i] is not None:
-                self._add_logprobs(seq, token, result.logprobs[i])
-            self._check_stop(seq, token)
+            self.accept_token(req, seq, token, result.logprobs[i], now)
             touched.add(seq.request_id)
-            # req.finished looks at every sibling: only ask when this one just ended.
-            if seq.is_finished and req.finished_time is None and req.finished:
-                req.finished_time = now
         return touched
+
+    def accept_token(
+        self,
+        req: Request,
+        seq: Sequence,
+        token: int,
+        logprobs: TokenLogprobs | None,
+        now: float | None = None,
+    ) -> None:
+        """A token just appended to ``seq``: logprobs, text, stop conditions."""
+        if logprobs is not None:
+            self._add_logprobs(seq, token, logprobs)
+        self._check_stop(seq, token)
+        # req.finished looks at every sibling: only ask when this one just ended.
+        if seq.is_finished and req.finished_time is None and req.finished:
+            req.finished_time = now if now is not None else time.monotonic()
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params

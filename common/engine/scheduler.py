@@ -68,6 +68,10 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Decode node: sequences whose prompt KV a prefill node is computing.
+        self.reserved: dict[int, Sequence] = {}
+        # Prefill node: finished sequences whose blocks are held for a transfer.
+        self.held: dict[str, Sequence] = {}
         self.stats = SchedulerStats()
 
     # ------------------------------------------------------------ membership
@@ -85,17 +89,59 @@ class Scheduler:
     def finish(
         self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None
     ) -> None:
-        """Mark a sequence finished and free its blocks at once."""
+        """Mark a sequence finished and free its blocks at once (or hold them, for a
+        prefill node's transfer, unless it was aborted)."""
         if seq.is_finished:
+            if reason is FinishReason.ABORT:
+                self.release_held(seq)
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.RESERVED:
+            del self.reserved[seq.seq_id]
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
-        self.block_manager.free(seq)
+        if seq.hold_kv and reason is not FinishReason.ABORT:
+            self.held[seq.request_id] = seq
+        else:
+            self.block_manager.free(seq)
+
+    def release_held(self, seq: Sequence) -> None:
+        if self.held.pop(seq.request_id, None) is not None:
+            self.block_manager.free(seq)
+
+    # ------------------------------------------------------ remote prefill
+    def reserve(self, seq: Sequence) -> bool:
+        """Claim blocks for the whole prompt without scheduling it (decode node).
+
+        Starts from this node's own verified prefix-cache hit, so only the rest
+        has to arrive; False (nothing changed) when blocks or sequence slots are
+        short.
+        """
+        if len(self.running) + len(self.reserved) >= self.max_num_seqs:
+            return False
+        bm = self.block_manager
+        prefix = bm.find_cached_prefix(seq)
+        num_prefix_tokens = len(prefix) * bm.block_size
+        if not bm.allocate_slots(seq, seq.num_tokens - num_prefix_tokens, prefix):
+            return False
+        seq.num_cached_tokens = num_prefix_tokens
+        self.stats.prefix_cache_queried_tokens += seq.num_tokens
+        self.stats.prefix_cache_hit_tokens += num_prefix_tokens
+        seq.status = SequenceStatus.RESERVED
+        self.reserved[seq.seq_id] = seq
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """The reserved prompt's KV has landed: the sequence joins the running batch."""
+        del self.reserved[seq.seq_id]
+        seq.num_computed_tokens = seq.num_tokens
+        self.block_manager.cache_full_blocks(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def abort(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -163,7 +209,11 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) + len(self.reserved) < self.max_num_seqs
+        ):
             seq = self.waiting[0]
             # Prompt logprobs need logits at every prompt position, so such a
             # request computes its whole prompt (its blocks still get cached).

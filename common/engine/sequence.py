@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    # Decode node: blocks reserved for the prompt, which a prefill node computes;
+    # not scheduled until its KV lands and it is committed.
+    RESERVED = enum.auto()
     FINISHED = enum.auto()
 
 
@@ -76,6 +79,9 @@ class Sequence:
     num_tokens_reported: int = 0
     finish_reported: bool = False
     num_preemptions: int = 0
+    # Prefill node: keep the blocks when the sequence finishes, until the node has
+    # gathered them for the transfer (LLMEngine.release_held).
+    hold_kv: bool = False
 
     @property
     def num_tokens(self) -> int:
