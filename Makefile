@@ -31,8 +31,10 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 model: setup
 	$(BIN)/pdserve model prepare --out $(DEMO_MODEL)
 
+# The whole service on this machine (Redis, a prefill node, a decode node, the
+# router on port 50051). Ctrl-C stops it. The offline engine alone: `pdserve demo`.
 run: model
-	$(BIN)/pdserve demo --model $(DEMO_MODEL)
+	$(BIN)/pdserve up --model $(DEMO_MODEL) --max-model-len 2048
 
 test: model
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -1,13 +1,18 @@
 """`pdserve`: the command line for running and preparing pdserve.
 
-pdserve model prepare [--out DIR] [--force]   demo model -> HF directory
-pdserve demo [--model DIR] [...]              offline engine on chat prompts
+pdserve up --model DIR [--prefill N] [--decode M] [--port 50051] [--redis-url URL]
+pdserve router|prefill|decode --model DIR [...]   one component (flags or PDSERVE_* variables)
+pdserve generate PROMPT [--address HOST:PORT] [--max-tokens N] [--temperature T] [--chat]
+pdserve model prepare [--out DIR] [--force]      demo model -> HF directory
+pdserve demo [--model DIR] [...]                 offline engine on chat prompts
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -30,9 +35,11 @@ def _version() -> str:
 
 
 def _configure_logging(verbose: bool) -> None:
+    # Processes started by `pdserve up` share a terminal: say who is speaking.
+    who = os.environ.get("PDSERVE_LOG_NAME")
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s {who + ' ' if who else ''}%(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
 
@@ -80,6 +87,101 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_component(args: argparse.Namespace) -> int:
+    import asyncio
+
+    return asyncio.run(args.serve(args))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from common.launcher import ClusterSpec, LocalCluster
+
+    if not args.model:
+        raise ValueError("--model (or PDSERVE_MODEL) is required")
+    engine_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+    spec = ClusterSpec(
+        model=args.model,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        host=args.host,
+        port=args.port,
+        admin_port=args.admin_port,
+        redis_url=args.redis_url,
+        engine_args=engine_args,
+        node_args=["--verify-kv"] if args.verify_kv else [],
+        log_dir=args.log_dir,
+    )
+    cluster = LocalCluster(spec)
+    stopping = False
+
+    def stop(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        cluster.start(progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except RuntimeError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 1
+    print(f"router listening on {cluster.router_address}", flush=True)
+    print(
+        f'try: pdserve generate "What is the capital of France?" --chat '
+        f"--address {cluster.router_address}",
+        flush=True,
+    )
+    try:
+        while not stopping:
+            for c in cluster.components:
+                if c.process.poll() is not None and not stopping:
+                    print(
+                        f"pdserve: {c.name} exited with code {c.process.returncode}",
+                        file=sys.stderr,
+                    )
+                    stopping = True
+            time.sleep(0.5)
+    finally:
+        print("stopping...", file=sys.stderr, flush=True)
+        cluster.stop()
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from proto import pdserve_pb2
+    from proto.client import generate
+
+    kwargs = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+    prompt = None if args.chat else args.prompt
+    if args.chat:
+        kwargs["chat"] = [{"role": "user", "content": args.prompt}]
+    final = None
+    try:
+        for response in generate(args.address, prompt, timeout=args.timeout, **kwargs):
+            if response.HasField("delta"):
+                sys.stdout.write(response.delta.text)
+                sys.stdout.flush()
+            else:
+                final = response.final
+    except grpc.RpcError as e:
+        print(f"\npdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    sys.stdout.write("\n")
+    if final is not None:
+        u = final.usage
+        reason = final.completions[0].finish_reason if final.completions else 0
+        name = pdserve_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+        print(
+            f"[{u.prompt_tokens} prompt ({u.cached_tokens} cached) + {u.completion_tokens} "
+            f"completion tokens; first token in {u.time_to_first_token_ms:.0f} ms; finish: {name}; "
+            f"prefill: {u.prefill_node or 'on the decode node'}; decode: {u.decode_node}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
@@ -103,6 +205,47 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     demo.add_argument("--attention-backend", default="auto")
     demo.set_defaults(func=cmd_demo)
+
+    env = os.environ.get
+    up = sub.add_parser("up", help="run a whole cluster locally (Redis, nodes, router)")
+    up.add_argument(
+        "--model", default=env("PDSERVE_MODEL"), help="HF model directory [PDSERVE_MODEL]"
+    )
+    up.add_argument("--prefill", type=int, default=1, help="prefill nodes")
+    up.add_argument("--decode", type=int, default=1, help="decode nodes")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=50051, help="router port")
+    up.add_argument("--admin-port", type=int, default=50052)
+    up.add_argument(
+        "--redis-url", default=env("PDSERVE_REDIS_URL"), help="use this Redis, start none"
+    )
+    up.add_argument("--max-model-len", type=int, default=None)
+    up.add_argument("--verify-kv", action="store_true", help="checksum every KV transfer")
+    up.add_argument("--log-dir", default=None, help="write each process's log here")
+    up.set_defaults(func=cmd_up)
+
+    from decode_node import main as decode_main
+    from prefill_node import main as prefill_main
+    from router import main as router_main
+
+    for name, module, text in (
+        ("router", router_main, "run the router (public and admin API)"),
+        ("prefill", prefill_main, "run one prefill node"),
+        ("decode", decode_main, "run one decode node"),
+    ):
+        p = sub.add_parser(name, help=text)
+        module.add_arguments(p)
+        p.set_defaults(func=cmd_component, serve=module.serve)
+
+    gen = sub.add_parser("generate", help="stream a generation from a running router")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default=env("PDSERVE_ADDRESS", "127.0.0.1:50051"))
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--timeout", type=float, default=120.0, help="seconds")
+    gen.set_defaults(func=cmd_generate)
     return parser
 
 

@@ -187,6 +187,12 @@ class Cluster:
     async def nodes(self) -> list[NodeInfo]:
         return [c.node for c in await self.candidates([])]
 
+    async def block_counts(self, node_ids: list[str]) -> dict[str, int]:
+        pipe = self.redis.pipeline(transaction=False)
+        for node_id in node_ids:
+            pipe.scard(self._key("blocks", node_id))
+        return dict(zip(node_ids, await pipe.execute(), strict=True))
+
     async def node_blocks(self, node_id: str) -> set[bytes]:
         return set(await self.redis.smembers(self._key("blocks", node_id)))
 

@@ -66,6 +66,9 @@ class RedisServer:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            # Out of our process group: a terminal's Ctrl-C reaches only us, and we
+            # stop Redis after the nodes have deregistered.
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

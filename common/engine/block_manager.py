@@ -40,7 +40,8 @@ class Block:
 
 @dataclass(slots=True)
 class CacheEvents:
-    """Hashes that entered or left this cache since the last drain (for Redis)."""
+    """Net change of the cache since the last drain (for Redis): a hash stored and
+    then evicted is in ``removed`` only, and the other way round in ``stored``."""
 
     stored: list[bytes] = field(default_factory=list)
     removed: list[bytes] = field(default_factory=list)
@@ -64,7 +65,8 @@ class BlockManager:
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[bytes, int] = {}
         self._record_events = record_events
-        self._events = CacheEvents()
+        # hash -> True (stored) / False (removed); the last event wins.
+        self._events: dict[bytes, bool] = {}
         self.num_verification_failures = 0
 
     # ----------------------------------------------------------------- counts
@@ -142,7 +144,8 @@ class BlockManager:
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             self._hash_to_block[block_hash] = block.block_id
             if self._record_events:
-                self._events.stored.append(block_hash)
+                self._events.pop(block_hash, None)
+                self._events[block_hash] = True
         seq.num_cached_blocks = num_full
 
     def reset_prefix_cache(self) -> int:
@@ -155,9 +158,16 @@ class BlockManager:
         self._free_cached.clear()
         return n
 
+    def enable_events(self) -> None:
+        """Start recording stored/removed hashes (nodes publish them to Redis)."""
+        self._record_events = True
+
     def take_events(self) -> CacheEvents:
-        events, self._events = self._events, CacheEvents()
-        return events
+        events, self._events = self._events, {}
+        return CacheEvents(
+            stored=[h for h, stored in events.items() if stored],
+            removed=[h for h, stored in events.items() if not stored],
+        )
 
     # ------------------------------------------------------------- allocation
     def allocate_slots(
@@ -232,7 +242,8 @@ class BlockManager:
         if self._hash_to_block.get(block.block_hash) == block.block_id:
             del self._hash_to_block[block.block_hash]
             if self._record_events:
-                self._events.removed.append(block.block_hash)
+                self._events.pop(block.block_hash, None)
+                self._events[block.block_hash] = False
         block.block_hash = None
         block.parent_hash = None
         block.token_ids = None

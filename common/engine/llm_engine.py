@@ -275,6 +275,11 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             return outputs
         batch = self.scheduler.schedule()
+        now = time.monotonic()
+        for seq in batch.seqs:
+            req = self.requests[seq.request_id]
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
         if not batch.seqs:
             if batch.preempted:
                 return outputs  # memory was reclaimed; the next step admits again

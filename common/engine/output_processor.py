@@ -185,5 +185,7 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             num_cached_tokens=req.num_cached_tokens,
-            metrics=RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time),
+            metrics=RequestMetrics(
+                req.arrival_time, req.first_token_time, req.finished_time, req.first_scheduled_time
+            ),
         )

@@ -26,6 +26,7 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None
     finished_time: float | None
+    first_scheduled_time: float | None = None  # first admitted into a batch
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -138,6 +138,7 @@ class Request:
     cache_salt: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_reported: bool = False
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
     aborted: bool = False

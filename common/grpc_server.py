@@ -1,0 +1,65 @@
+"""What every pdserve gRPC server shares: health, reflection, error mapping, health probes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+OVERALL = ""  # the health service's name for the whole server
+
+
+def add_health(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
+    """Register grpc.health.v1 (all services NOT_SERVING until told otherwise)."""
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    return servicer
+
+
+async def set_serving(servicer: health.aio.HealthServicer, names: list[str], serving: bool) -> None:
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in [OVERALL, *names]:
+        await servicer.set(name, status)
+
+
+def add_reflection(server: grpc.aio.Server, service_names: list[str]) -> None:
+    from grpc_reflection.v1alpha import reflection
+
+    reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME], server)
+
+
+def health_check(address: str, service: str = OVERALL, timeout: float = 1.0) -> bool:
+    """True when the server at ``address`` answers SERVING (sync; for launchers and tests)."""
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            return resp.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def wait_serving(address: str, timeout: float, service: str = OVERALL) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if health_check(address, service):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+async def abort_from_exception(context: grpc.aio.ServicerContext, error: BaseException) -> None:
+    """Map what went wrong to a status code with a one-line message."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        await context.abort(error.code(), error.details() or str(error.code()))
+    if isinstance(error, ValueError):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    if isinstance(error, asyncio.TimeoutError | TimeoutError):
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+    await context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")

@@ -1,0 +1,218 @@
+"""`pdserve up`: Redis, decode nodes, prefill nodes and the router as local processes.
+
+Decode nodes start first (they host the KV rendezvous), then prefill nodes,
+then the router. With GPUs, each node gets one (CUDA_VISIBLE_DEVICES, round
+robin); without, every node runs on the CPU. Start-up waits until every
+component's grpc.health.v1 says SERVING, and gives up (stopping everything)
+when a process exits or the wait times out. Stopping sends SIGTERM to every
+child, then SIGKILL to the ones still alive after the grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.grpc_server import health_check
+from common.redis_server import RedisServer, free_port
+
+
+@dataclass
+class Component:
+    name: str
+    address: str  # host:port of its gRPC server
+    process: subprocess.Popen
+
+
+@dataclass
+class ClusterSpec:
+    model: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 50051
+    admin_port: int = 50052
+    redis_url: str | None = None
+    engine_args: list[str] = field(default_factory=list)  # passed to every node
+    node_args: list[str] = field(default_factory=list)  # e.g. --verify-kv
+    start_timeout_s: float = 600.0
+    stop_grace_s: float = 15.0
+    log_dir: str | None = None  # None: children share our stderr
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.redis: RedisServer | None = None
+        self.components: list[Component] = []
+        self.redis_url = spec.redis_url
+
+    @property
+    def router_address(self) -> str:
+        return f"{self.spec.host}:{self.spec.port}"
+
+    @property
+    def admin_address(self) -> str:
+        return f"{self.spec.host}:{self.spec.admin_port}"
+
+    def _gpu_count(self) -> int:
+        try:
+            import torch
+
+            return torch.cuda.device_count() if torch.cuda.is_available() else 0
+        except ImportError:  # pragma: no cover - torch is a dependency
+            return 0
+
+    def _spawn(self, name: str, argv: list[str], port: int, gpu: int | None) -> Component:
+        env = dict(os.environ, PDSERVE_LOG_NAME=name, PYTHONUNBUFFERED="1")
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        out = None
+        if self.spec.log_dir:
+            Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
+            out = open(Path(self.spec.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        process = subprocess.Popen(
+            [sys.executable, "-m", "common.cli", *argv],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,  # Ctrl-C reaches us; we stop the children in order
+        )
+        component = Component(name, f"{self.spec.host}:{port}", process)
+        self.components.append(component)
+        return component
+
+    def start(self, progress=print) -> LocalCluster:
+        spec = self.spec
+        if self.redis_url is None:
+            self.redis = RedisServer().start()
+            self.redis_url = self.redis.url
+            progress(f"redis-server on {self.redis_url}")
+        gpus = self._gpu_count()
+        device = ["--device", "cuda"] if gpus else ["--device", "cpu"]
+        common = [
+            "--model",
+            spec.model,
+            "--redis-url",
+            self.redis_url,
+            "--host",
+            spec.host,
+            "--advertise-host",
+            spec.host,
+        ]
+        slot = 0
+        started: list[Component] = []
+        for i in range(spec.num_decode):
+            port, tport = free_port(spec.host), free_port(spec.host)
+            gpu = slot % gpus if gpus else None
+            slot += 1
+            started.append(
+                self._spawn(
+                    f"decode-{i}",
+                    [
+                        "decode",
+                        *common,
+                        "--port",
+                        str(port),
+                        "--transfer-port",
+                        str(tport),
+                        "--node-id",
+                        f"decode-{i}",
+                        *device,
+                        *spec.engine_args,
+                        *spec.node_args,
+                    ],
+                    port,
+                    gpu,
+                )
+            )
+        for i in range(spec.num_prefill):
+            port = free_port(spec.host)
+            gpu = slot % gpus if gpus else None
+            slot += 1
+            started.append(
+                self._spawn(
+                    f"prefill-{i}",
+                    [
+                        "prefill",
+                        *common,
+                        "--port",
+                        str(port),
+                        "--node-id",
+                        f"prefill-{i}",
+                        *device,
+                        *spec.engine_args,
+                        *spec.node_args,
+                    ],
+                    port,
+                    gpu,
+                )
+            )
+        started.append(
+            self._spawn(
+                "router",
+                [
+                    "router",
+                    "--model",
+                    spec.model,
+                    "--redis-url",
+                    self.redis_url,
+                    "--host",
+                    spec.host,
+                    "--port",
+                    str(spec.port),
+                    "--admin-port",
+                    str(spec.admin_port),
+                ],
+                spec.port,
+                None,
+            )
+        )
+        self._wait_serving(started, progress)
+        return self
+
+    def _wait_serving(self, components: list[Component], progress) -> None:
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        waiting = list(components)
+        while waiting:
+            for c in list(waiting):
+                code = c.process.poll()
+                if code is not None:
+                    self.stop()
+                    raise RuntimeError(f"{c.name} exited with code {code} while starting")
+                if health_check(c.address, timeout=0.5):
+                    progress(f"{c.name} serving on {c.address}")
+                    waiting.remove(c)
+            if waiting and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in waiting)
+                self.stop()
+                raise RuntimeError(f"{names} not serving after {self.spec.start_timeout_s:.0f} s")
+            if waiting:
+                time.sleep(0.25)
+
+    def stop(self) -> None:
+        for c in reversed(self.components):  # router first, decode nodes last
+            if c.process.poll() is None:
+                c.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.spec.stop_grace_s
+        for c in self.components:
+            try:
+                c.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.process.kill()
+                c.process.wait()
+        self.components.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,128 @@
+"""Protobuf <-> engine objects. The only place that knows both; servicers stay thin.
+
+Errors in what a client sent surface as ValueError naming the field, which the
+servicers turn into INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.engine.outputs import RequestOutput
+from common.engine.sampling_params import RequestOutputKind, SamplingParams
+from common.engine.sequence import Logprob
+from common.layers.sampler import TokenLogprobs
+from proto import pdserve_pb2
+
+_SCALARS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "truncate_prompt_tokens",
+)
+_FINISH = {
+    "stop": pdserve_pb2.FINISH_REASON_STOP,
+    "length": pdserve_pb2.FINISH_REASON_LENGTH,
+    "abort": pdserve_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_params_from_proto(
+    msg: pdserve_pb2.SamplingParams, output_kind: RequestOutputKind = RequestOutputKind.DELTA
+) -> SamplingParams:
+    """SamplingParams from the wire; unset fields keep vLLM's defaults."""
+    kwargs: dict = {"output_kind": output_kind}
+    for name in _SCALARS:
+        if msg.HasField(name):
+            value = getattr(msg, name)
+            kwargs[name] = (
+                int(value) if isinstance(value, int) and not isinstance(value, bool) else value
+            )
+    if msg.stop:
+        kwargs["stop"] = list(msg.stop)
+    if msg.stop_token_ids:
+        kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.allowed_token_ids:
+        kwargs["allowed_token_ids"] = list(msg.allowed_token_ids)
+    if msg.logit_bias:
+        kwargs["logit_bias"] = dict(msg.logit_bias)
+    return SamplingParams(**kwargs)
+
+
+def token_logprobs_to_proto(token_id: int, entry: dict[int, Logprob]) -> pdserve_pb2.TokenLogprobs:
+    """The chosen token and the top candidates (best first; the chosen one may be among them)."""
+    chosen = entry[token_id]
+    ranked = sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+    return pdserve_pb2.TokenLogprobs(
+        token_id=token_id,
+        logprob=chosen.logprob,
+        rank=chosen.rank or 0,
+        top=[
+            pdserve_pb2.TopLogprob(token_id=t, logprob=lp.logprob, text=lp.decoded_token or "")
+            for t, lp in ranked
+        ],
+    )
+
+
+def token_logprobs_from_proto(msg: pdserve_pb2.TokenLogprobs) -> TokenLogprobs:
+    """The first token's logprobs, as a prefill node reports them to a decode node."""
+    return TokenLogprobs(
+        logprob=msg.logprob,
+        rank=int(msg.rank),
+        top_ids=[t.token_id for t in msg.top],
+        top_logprobs=[t.logprob for t in msg.top],
+    )
+
+
+@dataclass(slots=True)
+class StreamState:
+    """What a decode node's stream of one request has said so far."""
+
+    completion_tokens: int = 0
+    finished: dict[int, pdserve_pb2.Completion] = field(default_factory=dict)
+
+
+def output_to_responses(
+    out: RequestOutput, request_id: str, state: StreamState, usage: pdserve_pb2.Usage
+) -> list[pdserve_pb2.GenerateResponse]:
+    """One engine DELTA output -> Delta messages (one per completion with news) and,
+    when the request is done, the Final message."""
+    responses = []
+    for c in out.outputs:
+        if c.token_ids or c.text:
+            delta = pdserve_pb2.Delta(index=c.index, text=c.text, token_ids=c.token_ids)
+            if c.logprobs:
+                delta.logprobs.extend(
+                    token_logprobs_to_proto(t, e)
+                    for t, e in zip(c.token_ids, c.logprobs, strict=True)
+                )
+            responses.append(pdserve_pb2.GenerateResponse(request_id=request_id, delta=delta))
+            state.completion_tokens += len(c.token_ids)
+        if c.finish_reason is not None and c.index not in state.finished:
+            done = pdserve_pb2.Completion(index=c.index, finish_reason=_FINISH[c.finish_reason])
+            if isinstance(c.stop_reason, str):
+                done.stop_string = c.stop_reason
+            elif isinstance(c.stop_reason, int):
+                done.stop_token_id = c.stop_reason
+            state.finished[c.index] = done
+    if out.finished:
+        final = pdserve_pb2.Final(
+            completions=[state.finished[i] for i in sorted(state.finished)], usage=usage
+        )
+        final.usage.prompt_tokens = len(out.prompt_token_ids)
+        final.usage.completion_tokens = state.completion_tokens
+        responses.append(pdserve_pb2.GenerateResponse(request_id=request_id, final=final))
+    return responses

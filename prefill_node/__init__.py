@@ -1,0 +1,1 @@
+"""The prefill node: computes prompts and pushes their KV to decode nodes."""

@@ -1,0 +1,163 @@
+"""The prefill node's engine: prompts in, first token out, KV pushed to a decode node.
+
+Life cycle of a request on a prefill node:
+
+1. ``Prefill`` arrives from a decode node, naming the decode node's transfer
+   endpoint, the channel epoch, the reservation and the first block it needs.
+2. The request joins the engine (batched and chunked with other prefills, its
+   prefix served from this node's cache) as a one-token generation whose blocks
+   are held when it finishes (``hold_kv``).
+3. When the first token is sampled, the engine thread gathers the blocks the
+   decode node needs into one contiguous buffer (on the engine's stream, so the
+   next step may reuse the blocks as soon as they are released) and releases
+   them at once.
+4. The sender thread pushes header + payload over the pair channel (its own
+   stream); the reply carries the first token, the prefix-cache hit and the
+   time spent queueing, computing and transferring.
+5. Cancellation (the decode node gave up) aborts the request and frees its
+   blocks, held or not; a failed transfer fails the RPC (the decode node frees
+   its reservation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from common.engine.engine_thread import EngineThread, RequestStream
+from common.engine.llm_engine import LLMEngine
+from common.engine.sampling_params import RequestOutputKind, SamplingParams
+from common.kv_transfer import Destination, KVSender, TransferHeader
+from common.kv_transfer.loopback import checksum
+from common.wire import sampling_params_from_proto, token_logprobs_to_proto
+from proto import internal_pb2
+
+logger = logging.getLogger(__name__)
+
+
+def prefill_params(params: SamplingParams) -> SamplingParams:
+    """What a prefill node runs: one token, no text (stop strings are the decode
+    node's business; min_tokens still masks EOS for the first token)."""
+    return params.clone(
+        n=1,
+        max_tokens=1,
+        min_tokens=min(params.min_tokens, 1),
+        stop=None,
+        include_stop_str_in_output=False,
+        detokenize=False,
+        prompt_logprobs=None,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+@dataclass(slots=True)
+class PrefillStats:
+    requests: int = 0
+    transfers_failed: int = 0
+    bytes_sent: int = 0
+
+
+class PrefillWorker:
+    def __init__(
+        self,
+        node_id: str,
+        engine: EngineThread,
+        sender: KVSender,
+        verify_transfers: bool = False,
+    ) -> None:
+        self.node_id = node_id
+        self.engine = engine
+        self.sender = sender
+        self.verify_transfers = verify_transfers
+        self.stats = PrefillStats()
+
+    async def prefill(
+        self, req: internal_pb2.PrefillRequest, deadline: float | None
+    ) -> internal_pb2.PrefillResponse:
+        rid = req.request_id
+        ids = list(req.prompt_token_ids)
+        params = prefill_params(sampling_params_from_proto(req.sampling))
+        prompt = {"prompt_token_ids": ids}
+        if req.cache_salt:
+            prompt["cache_salt"] = req.cache_salt
+        stream = RequestStream()
+        start = time.monotonic()
+        try:
+            await asyncio.wrap_future(
+                self.engine.add(
+                    rid, stream.sink, lambda e: e.add_request(rid, prompt, params, hold_kv=True)
+                )
+            )
+            out = await stream.final()
+            if out.outputs[0].finish_reason == "abort":
+                raise RuntimeError("the prefill was aborted")
+            first = out.outputs[0].token_ids[0]
+            dest = req.destination
+            header_info = await asyncio.wrap_future(
+                self.engine.call(lambda e: self._gather_and_send(e, rid, first, dest, deadline))
+            )
+            future, num_bytes, digest = header_info
+            gathered = time.monotonic()
+            await asyncio.wrap_future(future)
+            done = time.monotonic()
+        except BaseException:
+            # Cancelled, failed or refused: free whatever the request holds.
+            self.engine.call(lambda e: e.abort_request(rid))
+            raise
+        self.stats.requests += 1
+        self.stats.bytes_sent += num_bytes
+        m = out.metrics
+        scheduled = m.first_scheduled_time or m.arrival_time
+        resp = internal_pb2.PrefillResponse(
+            first_token_id=first,
+            cached_tokens=out.num_cached_tokens,
+            queue_ms=(scheduled - m.arrival_time) * 1e3,
+            compute_ms=((m.first_token_time or scheduled) - scheduled) * 1e3,
+            transfer_ms=(done - gathered) * 1e3,
+            transfer_bytes=num_bytes,
+            kv_checksum=digest,
+        )
+        logger.debug("prefill %s took %.1f ms", rid, (done - start) * 1e3)
+        if out.outputs[0].logprobs:
+            resp.first_logprobs.CopyFrom(token_logprobs_to_proto(first, out.outputs[0].logprobs[0]))
+        return resp
+
+    def _gather_and_send(
+        self,
+        engine: LLMEngine,
+        rid: str,
+        first_token: int,
+        dest: internal_pb2.KVDestination,
+        deadline: float | None,
+    ):
+        """On the engine thread: gather the decode node's blocks, release ours, queue the send."""
+        seq = engine.take_held(rid)
+        if seq is None:
+            raise RuntimeError(f"request {rid} holds no KV (aborted?)")
+        try:
+            if len(seq.block_table) != dest.num_blocks:
+                raise ValueError(
+                    f"the decode node reserved {dest.num_blocks} blocks, the prompt has "
+                    f"{len(seq.block_table)}: are both nodes on the same model and block size?"
+                )
+            blocks = seq.block_table[dest.first_block :]
+            runner = engine.model_runner
+            payload = runner.gather_kv(blocks) if blocks else torch.empty(0, dtype=runner.dtype)
+            ready = None
+            if payload.is_cuda:
+                ready = torch.cuda.Event()
+                ready.record()
+            digest = checksum(payload) if self.verify_transfers else bytes(16)
+        finally:
+            # The gather is queued on the engine's stream before any later step,
+            # so the blocks can go back to the pool now.
+            engine.release_held(rid)
+        num_bytes = payload.numel() * payload.element_size()
+        header = TransferHeader(dest.reservation_id, len(blocks), num_bytes, first_token, digest)
+        target = Destination(dest.node_id, dest.store_host, dest.store_port, dest.channel_epoch)
+        future = self.sender.submit(target, header, payload, ready, deadline)
+        return future, num_bytes, digest

@@ -1,0 +1,1 @@
+"""The router: public API, routing policy, admin service, admin CLI."""

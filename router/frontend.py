@@ -1,0 +1,87 @@
+"""Turning a GenerateRequest into checked token ids: the router's only model knowledge.
+
+Reuses the engine's own InputProcessor (and SamplingParams) so the router
+rejects exactly what a node would, before any node is involved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.block_hash import BlockHasher
+from common.engine.config import EngineConfig
+from common.engine.input_processor import InputProcessor
+from common.engine.sampling_params import SamplingParams
+from common.engine.tokenizer import load_tokenizer
+from common.wire import sampling_params_from_proto
+from proto import pdserve_pb2
+
+MAX_CACHED_HASHERS = 256
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str
+    block_hashes: list[bytes]
+
+
+class Frontend:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        eos = set(config.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.inputs = InputProcessor(config, self.tokenizer, frozenset(eos))
+        self.model_id = config.served_model_name
+        self.block_size = config.kvcache_block_size
+        self._hashers: dict[str, BlockHasher] = {}
+
+    def parse(self, request: pdserve_pb2.GenerateRequest) -> ParsedRequest:
+        """Raises ValueError naming the problem (-> INVALID_ARGUMENT)."""
+        params = sampling_params_from_proto(request.sampling)
+        which = request.WhichOneof("input")
+        if which is None:
+            raise ValueError("the request has no input: set prompt, token_ids or chat")
+        if which == "prompt":
+            prompt: dict = {"prompt": request.prompt}
+        elif which == "token_ids":
+            prompt = {"prompt_token_ids": list(request.token_ids.ids)}
+        else:
+            prompt = self._chat_prompt(request.chat)
+        if request.cache_salt:
+            prompt["cache_salt"] = request.cache_salt
+        processed = self.inputs.process(prompt, params)
+        return ParsedRequest(
+            processed.token_ids,
+            params,
+            request.cache_salt,
+            self._hasher(request.cache_salt).hash_blocks(processed.token_ids),
+        )
+
+    def _chat_prompt(self, chat: pdserve_pb2.ChatMessages) -> dict:
+        if not chat.messages:
+            raise ValueError("chat has no messages")
+        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_prompt, tokenize=False
+            )
+        except Exception as e:  # a template that rejects the roles, etc.
+            raise ValueError(f"chat template failed: {e}") from e
+        return {
+            "prompt": text,
+            "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
+        }
+
+    def _hasher(self, salt: str) -> BlockHasher:
+        hasher = self._hashers.pop(salt, None) or BlockHasher(
+            self.model_id, self.block_size, salt or None
+        )
+        self._hashers[salt] = hasher
+        if len(self._hashers) > MAX_CACHED_HASHERS:
+            del self._hashers[next(iter(self._hashers))]
+        return hasher

@@ -1,0 +1,116 @@
+"""`pdserve router`: the public API server (and the admin API on its own port)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+import grpc
+
+from common.cluster import Cluster
+from common.engine.config import EngineConfig
+from common.grpc_server import add_health, add_reflection, set_serving
+from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
+from router.admin import AdminServicer
+from router.frontend import Frontend
+from router.service import RouterServicer
+
+logger = logging.getLogger(__name__)
+ROUTER = pdserve_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+ADMIN = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    p.add_argument(
+        "--model",
+        default=env("PDSERVE_MODEL"),
+        help="HF model directory (tokenizer, config) [PDSERVE_MODEL]",
+    )
+    p.add_argument(
+        "--host", default=env("PDSERVE_HOST", "0.0.0.0"), help="listen address [PDSERVE_HOST]"
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=int(env("PDSERVE_PORT", "50051")),
+        help="public port [PDSERVE_PORT]",
+    )
+    p.add_argument(
+        "--admin-port",
+        type=int,
+        default=int(env("PDSERVE_ADMIN_PORT", "50052")),
+        help="admin API port [PDSERVE_ADMIN_PORT]",
+    )
+    p.add_argument(
+        "--redis-url",
+        default=env("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        help="cluster state [PDSERVE_REDIS_URL]",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=env("PDSERVE_SERVED_MODEL_NAME"),
+        help="model id in block hashes; must match the nodes' [PDSERVE_SERVED_MODEL_NAME]",
+    )
+    p.add_argument(
+        "--kvcache-block-size",
+        type=int,
+        default=int(env("PDSERVE_BLOCK_SIZE", "16")),
+        help="must match the nodes' [PDSERVE_BLOCK_SIZE]",
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + output accepted"
+    )
+    p.add_argument(
+        "--no-remote-prefill",
+        action="store_true",
+        help="decode nodes prefill everything themselves",
+    )
+    p.add_argument(
+        "--enable-reflection", action="store_true", default=env("PDSERVE_REFLECTION") == "1"
+    )
+
+
+async def serve(args: argparse.Namespace) -> int:
+    if not args.model:
+        raise ValueError("--model (or PDSERVE_MODEL) is required")
+    kwargs = {"kvcache_block_size": args.kvcache_block_size}
+    if args.served_model_name:
+        kwargs["served_model_name"] = args.served_model_name
+    if args.max_model_len:
+        kwargs["max_model_len"] = args.max_model_len
+    config = EngineConfig.from_kwargs(args.model, **kwargs)
+    frontend = Frontend(config)
+    cluster = Cluster.from_url(args.redis_url)
+    router = RouterServicer(frontend, cluster, remote_prefill=not args.no_remote_prefill)
+
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    pdserve_pb2_grpc.add_RouterServicer_to_server(router, server)
+    health = add_health(server, [ROUTER])
+    if args.enable_reflection:
+        add_reflection(server, [ROUTER])
+    server.add_insecure_port(f"{args.host}:{args.port}")
+    admin = grpc.aio.server()
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(cluster), admin)
+    admin_health = add_health(admin, [ADMIN])
+    admin.add_insecure_port(f"{args.host}:{args.admin_port}")
+    await server.start()
+    await admin.start()
+    await set_serving(health, [ROUTER], True)
+    await set_serving(admin_health, [ADMIN], True)
+    logger.info("router serving on %s:%d (admin on %d)", args.host, args.port, args.admin_port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await set_serving(health, [ROUTER], False)
+    await server.stop(grace=5)
+    await admin.stop(grace=1)
+    await router.close()
+    await cluster.close()
+    return 0
