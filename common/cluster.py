@@ -77,6 +77,13 @@ class NodeInfo:
     queued_prefill_tokens: int = 0
     draining: bool = False
     updated_ms: int = 0
+    # Counters since the node started.
+    requests_total: int = 0
+    preemptions: int = 0
+    kv_transfers: int = 0  # sent (prefill node) or landed (decode node)
+    kv_transfer_failures: int = 0
+    kv_late_transfers: int = 0  # arrived for a reservation that was gone; dropped
+    kv_checksum_mismatches: int = 0
 
     def to_fields(self) -> dict[str, str]:
         out = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,8 @@ class Heartbeat:
     info: NodeInfo
     interval_s: float = 0.5
     max_backoff_s: float = 5.0
+    # Returns the node's counters (NodeInfo field names) for each heartbeat.
+    counters: Callable[[], dict[str, int]] | None = None
     consecutive_failures: int = 0
     published: int = 0
     # Cache changes not yet published (kept across failed heartbeats); last wins.
@@ -78,6 +81,9 @@ class Heartbeat:
         info.running = s.num_running + s.num_reserved
         info.waiting = s.num_waiting
         info.queued_prefill_tokens = s.num_queued_prefill_tokens
+        info.preemptions = s.num_preemptions
+        for name, value in (self.counters() if self.counters else {}).items():
+            setattr(info, name, value)
         return info
 
     async def beat(self) -> None:

@@ -73,7 +73,9 @@ async def serve(args: argparse.Namespace) -> int:
         transfer_host=advertise,
         transfer_port=args.transfer_port,
     )
-    heartbeat = Heartbeat(cluster, thread, info, interval_s=args.heartbeat_interval)
+    heartbeat = Heartbeat(
+        cluster, thread, info, interval_s=args.heartbeat_interval, counters=worker.stats.counters
+    )
     await heartbeat.beat()
     beating = asyncio.create_task(heartbeat.run_forever())
     await set_serving(health, [SERVICE], True)

@@ -92,6 +92,15 @@ class DecodeStats:
     checksum_mismatches: int = 0
     bytes_received: int = 0
 
+    def counters(self) -> dict[str, int]:
+        return {
+            "requests_total": self.requests,
+            "kv_transfers": self.transfers_landed,
+            "kv_transfer_failures": self.transfer_failures,
+            "kv_late_transfers": self.late_transfers,
+            "kv_checksum_mismatches": self.checksum_mismatches,
+        }
+
 
 class DecodeWorker:
     def __init__(

@@ -101,7 +101,9 @@ async def serve(args: argparse.Namespace) -> int:
         config.served_model_name,
         config.kvcache_block_size,
     )
-    heartbeat = Heartbeat(cluster, thread, info, interval_s=args.heartbeat_interval)
+    heartbeat = Heartbeat(
+        cluster, thread, info, interval_s=args.heartbeat_interval, counters=worker.stats.counters
+    )
     await heartbeat.beat()  # registered before we say SERVING
     beating = asyncio.create_task(heartbeat.run_forever())
     await set_serving(health, [SERVICE], True)

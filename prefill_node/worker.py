@@ -57,8 +57,16 @@ def prefill_params(params: SamplingParams) -> SamplingParams:
 @dataclass(slots=True)
 class PrefillStats:
     requests: int = 0
+    transfers: int = 0
     transfers_failed: int = 0
     bytes_sent: int = 0
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "requests_total": self.requests,
+            "kv_transfers": self.transfers,
+            "kv_transfer_failures": self.transfers_failed,
+        }
 
 
 class PrefillWorker:
@@ -102,13 +110,19 @@ class PrefillWorker:
             )
             future, num_bytes, digest = header_info
             gathered = time.monotonic()
-            await asyncio.wrap_future(future)
+            try:
+                await asyncio.wrap_future(future)
+            except Exception:
+                self.stats.transfers_failed += 1
+                raise
             done = time.monotonic()
         except BaseException:
             # Cancelled, failed or refused: free whatever the request holds.
             self.engine.call(lambda e: e.abort_request(rid))
             raise
-        self.stats.requests += 1
+        finally:
+            self.stats.requests += 1
+        self.stats.transfers += 1
         self.stats.bytes_sent += num_bytes
         m = out.metrics
         scheduled = m.first_scheduled_time or m.arrival_time
