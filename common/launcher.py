@@ -40,6 +40,7 @@ class ClusterSpec:
     redis_url: str | None = None
     engine_args: list[str] = field(default_factory=list)  # passed to every node
     node_args: list[str] = field(default_factory=list)  # e.g. --verify-kv
+    router_args: list[str] = field(default_factory=list)  # e.g. --skip-tokenizer-init
     start_timeout_s: float = 600.0
     stop_grace_s: float = 15.0
     log_dir: str | None = None  # None: children share our stderr
@@ -168,6 +169,7 @@ class LocalCluster:
                     str(spec.port),
                     "--admin-port",
                     str(spec.admin_port),
+                    *spec.router_args,
                 ],
                 spec.port,
                 None,

@@ -33,6 +33,7 @@ ENGINE_FLAGS: dict[str, type] = {
     "attention_backend": str,
     "served_model_name": str,
     "seed": int,
+    "load_format": str,
 }
 
 

@@ -155,7 +155,11 @@ class DecodeWorker:
                     self.engine.detach(rid)
                     raise NoCapacity(f"decode node {self.node_id} has no room for this request now")
                 usage.prefill_node = req.prefill.node_id
-                await self._remote_prefill(req, reservation, deadline)
+                reply = await self._remote_prefill(req, reservation, deadline)
+                replied = time.monotonic()
+                usage.timing.prefill_queue_ms = reply.queue_ms
+                usage.timing.prefill_compute_ms = reply.compute_ms
+                usage.timing.kv_transfer_ms = reply.transfer_ms
                 self.stats.remote_prefills += 1
             else:
                 await asyncio.wrap_future(
@@ -164,6 +168,12 @@ class DecodeWorker:
                 self.stats.local_prefills += 1
             state = StreamState()
             async for out in stream:
+                if (
+                    remote
+                    and not state.completion_tokens
+                    and not usage.timing.decode_first_output_ms
+                ):
+                    usage.timing.decode_first_output_ms = (time.monotonic() - replied) * 1e3
                 usage.cached_tokens = out.num_cached_tokens
                 for resp in output_to_responses(out, rid, state, usage):
                     yield resp
@@ -173,7 +183,7 @@ class DecodeWorker:
 
     async def _remote_prefill(
         self, req: internal_pb2.DecodeRequest, reservation: Reservation, deadline: float | None
-    ) -> None:
+    ) -> internal_pb2.PrefillResponse:
         loop = asyncio.get_running_loop()
         peer = req.prefill.node_id
         reservation_id = next(self._reservation_ids)
@@ -210,6 +220,7 @@ class DecodeWorker:
                 self.stats.checksum_mismatches += 1
                 raise TransferError("the KV that landed differs from what the prefill node sent")
             await asyncio.wrap_future(self.engine.call(lambda e: self._commit(e, pending, resp)))
+            return resp
         finally:
             with pending.lock:
                 if pending.state in (TransferState.RESERVED, TransferState.LANDED):

@@ -166,20 +166,34 @@ class Completion(_message.Message):
     def __init__(self, index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "time_to_first_token_ms", "prefill_node", "decode_node")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "time_to_first_token_ms", "prefill_node", "decode_node", "timing")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
     DECODE_NODE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
     time_to_first_token_ms: float
     prefill_node: str
     decode_node: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., prefill_node: _Optional[str] = ..., decode_node: _Optional[str] = ...) -> None: ...
+    timing: TimingBreakdown
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., prefill_node: _Optional[str] = ..., decode_node: _Optional[str] = ..., timing: _Optional[_Union[TimingBreakdown, _Mapping]] = ...) -> None: ...
+
+class TimingBreakdown(_message.Message):
+    __slots__ = ("prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms", "decode_first_output_ms")
+    PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIRST_OUTPUT_MS_FIELD_NUMBER: _ClassVar[int]
+    prefill_queue_ms: float
+    prefill_compute_ms: float
+    kv_transfer_ms: float
+    decode_first_output_ms: float
+    def __init__(self, prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., decode_first_output_ms: _Optional[float] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("completions", "usage")

@@ -30,9 +30,10 @@ class ParsedRequest:
 class Frontend:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config.tokenizer)
+        # Without a tokenizer (skip_tokenizer_init) only token-id prompts are accepted.
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer)
         eos = set(config.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.inputs = InputProcessor(config, self.tokenizer, frozenset(eos))
         self.model_id = config.served_model_name
@@ -64,6 +65,8 @@ class Frontend:
     def _chat_prompt(self, chat: pdserve_pb2.ChatMessages) -> dict:
         if not chat.messages:
             raise ValueError("chat has no messages")
+        if self.tokenizer is None:
+            raise ValueError("this router has no tokenizer: send token_ids")
         messages = [{"role": m.role, "content": m.content} for m in chat.messages]
         add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
         try:

@@ -70,6 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="decode nodes prefill everything themselves",
     )
     p.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="no tokenizer: accept token-id prompts only (dummy-weight clusters)",
+    )
+    p.add_argument(
         "--enable-reflection", action="store_true", default=env("PDSERVE_REFLECTION") == "1"
     )
 
@@ -82,6 +87,8 @@ async def serve(args: argparse.Namespace) -> int:
         kwargs["served_model_name"] = args.served_model_name
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
+    if args.skip_tokenizer_init:
+        kwargs["skip_tokenizer_init"] = True
     config = EngineConfig.from_kwargs(args.model, **kwargs)
     frontend = Frontend(config)
     cluster = Cluster.from_url(args.redis_url)

@@ -268,11 +268,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = [out for req in self._aborted if (out := self.output_processor.make_output(req))]
         self._aborted.clear()
-        # Requests that changed between steps (committed remote prefills).
+        # Requests that changed between steps (committed remote prefills): their
+        # output goes out now, not after another forward pass (it is a TTFT).
         for request_id in self._touched:
             outputs.extend(self._output_for(request_id))
         self._touched.clear()
-        if not self.scheduler.has_unfinished():
+        if outputs or not self.scheduler.has_unfinished():
             return outputs
         batch = self.scheduler.schedule()
         now = time.monotonic()

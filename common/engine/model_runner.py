@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import os
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
+from common.kv_transfer.blocks import gather_blocks, scatter_blocks
 from common.layers.attention import AttentionMetadata, select_backend
 from common.layers.sampler import Sampler, SamplingRow, TokenLogprobs, top_logprobs
 from common.models.decoder import DecoderForCausalLM
@@ -183,21 +183,12 @@ class ModelRunner:
         return num_blocks
 
     def gather_kv(self, block_ids: list[int]) -> torch.Tensor:
-        """These blocks of every layer, K and V, in one contiguous tensor
-        ``[2, num_layers, len(block_ids), block_size, num_kv_heads, head_dim]``
-        (one kernel, whatever the number of blocks)."""
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        return self.kv_cache.index_select(2, idx)
+        """These blocks of every layer, K and V, in one contiguous tensor."""
+        return gather_blocks(self.kv_cache, block_ids)
 
     def scatter_kv(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write ``gather_kv``'s layout (or its raw bytes) into these blocks."""
-        shape = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
-        if data.dtype != self.kv_cache.dtype:
-            data = data.view(self.kv_cache.dtype)
-        if data.numel() != math.prod(shape):
-            raise ValueError(f"KV payload has {data.numel()} elements, {math.prod(shape)} expected")
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        self.kv_cache.index_copy_(2, idx, data.view(shape))
+        scatter_blocks(self.kv_cache, block_ids, data)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         cfg = self.config.model_config

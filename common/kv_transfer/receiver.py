@@ -92,6 +92,8 @@ class KVReceiver:
                 peer.expected = max(0, peer.expected - 1)
 
     def _run(self, peer: _Peer) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # a new thread starts on device 0
         while not self._closed:
             with peer.cond:
                 while peer.expected == 0 and not self._closed:

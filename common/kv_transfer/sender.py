@@ -52,6 +52,8 @@ class _Link:
         self.thread.start()
 
     def _run(self) -> None:
+        if self.owner.device.type == "cuda":
+            torch.cuda.set_device(self.owner.device)  # a new thread starts on device 0
         while (item := self.queue.get()) is not None:
             try:
                 start = time.perf_counter()

@@ -1,0 +1,169 @@
+"""Time to first token through a real cluster: where it goes, and what the router adds.
+
+    python benchmarks/disagg_ttft.py --shape llama-3.1-8b --prompt-tokens 2048   # 2 GPUs
+    python benchmarks/disagg_ttft.py --model models/smollm2-135m-instruct --prompt-tokens 128
+
+Starts Redis, one prefill node, one decode node and the router (`pdserve up`'s
+launcher; one GPU per node when there are GPUs). Each round sends the same kind
+of request twice, interleaved: through the router, and straight to the decode
+node's Decode RPC naming the same prefill node (what the router would send).
+Prompts are random token ids, new each time (no prefix-cache hits). Reports the
+median TTFT of both paths (their difference is the router's and its extra hop's
+cost), and the breakdown the nodes report: prefill queue, prefill compute, KV
+gather + send, and the decode node's time from the prefill reply to its first
+message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import command_line, environment, write_record
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import grpc
+
+    from common.launcher import ClusterSpec, LocalCluster
+    from common.models.config import ModelArchConfig
+    from common.models.shapes import write_shape_dir
+    from common.redis_server import free_port
+    from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
+
+    tmp = tempfile.mkdtemp(prefix="pdserve-ttft-")
+    engine_args = ["--max-model-len", str(args.max_model_len)]
+    router_args = []
+    if args.shape:
+        model = str(write_shape_dir(args.shape, Path(tmp) / args.shape))
+        engine_args += ["--load-format", "dummy"]
+        router_args += ["--skip-tokenizer-init"]
+    else:
+        model = args.model
+    vocab = ModelArchConfig.from_dir(model).vocab_size
+    spec = ClusterSpec(
+        model=model,
+        num_prefill=1,
+        num_decode=1,
+        port=free_port(),
+        admin_port=free_port(),
+        engine_args=engine_args,
+        router_args=router_args,
+        log_dir=str(Path(tmp) / "logs"),
+        start_timeout_s=900,
+    )
+    rng = random.Random(0)
+    rows: list[dict[str, Any]] = []
+    with LocalCluster(spec) as cluster:
+        by_name = {c.name: c for c in cluster.components}
+        router = pdserve_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
+        decode = internal_pb2_grpc.DecodeNodeStub(
+            grpc.insecure_channel(by_name["decode-0"].address)
+        )
+        sampling = pdserve_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+        def prompt() -> list[int]:
+            return [rng.randrange(100, min(vocab, 30000)) for _ in range(args.prompt_tokens)]
+
+        def first_token_ms(stream) -> tuple[float, pdserve_pb2.Final]:
+            start = time.perf_counter()
+            ttft, final = None, None
+            for response in stream:
+                if ttft is None and response.HasField("delta") and response.delta.token_ids:
+                    ttft = (time.perf_counter() - start) * 1e3
+                if response.HasField("final"):
+                    final = response.final
+            return ttft, final
+
+        for i in range(args.warmup + args.requests):
+            via_router = first_token_ms(
+                router.Generate(
+                    pdserve_pb2.GenerateRequest(
+                        token_ids=pdserve_pb2.TokenIds(ids=prompt()), sampling=sampling
+                    ),
+                    timeout=300,
+                )
+            )
+            direct_req = internal_pb2.DecodeRequest(
+                request_id=uuid.uuid4().hex,
+                prompt_token_ids=prompt(),
+                sampling=sampling,
+                prefill=internal_pb2.NodeRef(
+                    node_id="prefill-0", address=by_name["prefill-0"].address
+                ),
+            )
+            direct = first_token_ms(decode.Decode(direct_req, timeout=300))
+            if i < args.warmup:
+                continue
+            t = via_router[1].usage.timing
+            rows.append(
+                {
+                    "router_ttft_ms": via_router[0],
+                    "direct_ttft_ms": direct[0],
+                    "prefill_queue_ms": t.prefill_queue_ms,
+                    "prefill_compute_ms": t.prefill_compute_ms,
+                    "kv_transfer_ms": t.kv_transfer_ms,
+                    "decode_first_output_ms": t.decode_first_output_ms,
+                    "router_reported_ttft_ms": via_router[1].usage.time_to_first_token_ms,
+                }
+            )
+    keys = rows[0].keys()
+    summary = {f"median_{k}": median([r[k] for r in rows]) for k in keys}
+    summary["router_overhead_ms"] = (
+        summary["median_router_ttft_ms"] - summary["median_direct_ttft_ms"]
+    )
+    summary["transfer_share_of_ttft"] = (
+        summary["median_kv_transfer_ms"] / summary["median_router_ttft_ms"]
+    )
+    return {"rows": rows, "summary": summary, "model": args.shape or args.model}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--shape", help="named shape, dummy weights (token-id prompts)")
+    src.add_argument("--model", help="HF model directory")
+    p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--requests", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--out-dir", type=Path)
+    args = p.parse_args(argv)
+    result = run(args)
+    s = result["summary"]
+    print(
+        f"TTFT p50 via router {s['median_router_ttft_ms']:.2f} ms, direct to the decode node "
+        f"{s['median_direct_ttft_ms']:.2f} ms -> router + hop {s['router_overhead_ms']:.2f} ms\n"
+        f"breakdown p50: prefill queue {s['median_prefill_queue_ms']:.2f} ms, compute "
+        f"{s['median_prefill_compute_ms']:.2f} ms, KV gather+send {s['median_kv_transfer_ms']:.2f} ms "
+        f"({100 * s['transfer_share_of_ttft']:.1f}% of TTFT), decode first output "
+        f"{s['median_decode_first_output_ms']:.2f} ms",
+        flush=True,
+    )
+    record = {
+        "environment": environment(),
+        "parameters": vars(args) | {"out_dir": str(args.out_dir)},
+        "results": result,
+    }
+    path, record = write_record(
+        "disagg_ttft", record, command_line("disagg_ttft.py", argv), args.out_dir
+    )
+    print(f"record: {path}")
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The disaggregated service on two GPUs: KV over NCCL between real processes.
+
+Run on a host with two GPUs: ``python -m pytest tests/gpu -m multi_gpu``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from common import LLM, SamplingParams
+from common.cluster import Cluster, NodeRole
+from common.launcher import ClusterSpec, LocalCluster
+from common.redis_server import free_port
+from tests.conftest import DEMO_MODEL_DIR
+from tests.integration.test_cluster import PROMPTS, collect
+
+pytestmark = [
+    pytest.mark.multi_gpu,
+    pytest.mark.skipif(
+        not (DEMO_MODEL_DIR / "config.json").is_file(),
+        reason="the demo model is not prepared on this host (pdserve model prepare)",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster(tmp_path_factory):
+    spec = ClusterSpec(
+        model=str(DEMO_MODEL_DIR),
+        num_prefill=1,
+        num_decode=1,
+        port=free_port(),
+        admin_port=free_port(),
+        # The test's own offline engine shares GPU 0 with the decode node.
+        engine_args=[
+            "--max-model-len",
+            "1024",
+            "--dtype",
+            "float32",
+            "--gpu-memory-utilization",
+            "0.4",
+        ],
+        node_args=["--verify-kv", "--heartbeat-interval", "0.2"],
+        log_dir=str(tmp_path_factory.mktemp("nccl-logs")),
+        start_timeout_s=600,
+    )
+    with LocalCluster(spec) as c:
+        yield c
+
+
+def test_nodes_run_on_separate_gpus_and_outputs_match_offline(gpu_cluster):
+    params = dict(temperature=0.0, max_tokens=24)
+    with ThreadPoolExecutor(16) as pool:
+        results = list(
+            pool.map(lambda p: collect(gpu_cluster.router_address, p, **params), PROMPTS)
+        )
+    offline = LLM(str(DEMO_MODEL_DIR), max_model_len=1024, dtype="float32", num_kvcache_blocks=1024)
+    expected = [o.outputs[0].token_ids for o in offline.generate(PROMPTS, SamplingParams(**params))]
+    del offline
+    torch.cuda.empty_cache()
+    assert [r[0] for r in results] == expected
+    assert all(r[2].usage.prefill_node == "prefill-0" for r in results)  # every prompt crossed NCCL
+
+    async def nodes():
+        c = Cluster.from_url(gpu_cluster.redis_url)
+        try:
+            return await c.nodes()
+        finally:
+            await c.close()
+
+    time.sleep(0.6)
+    by_role = {n.role: n for n in asyncio.run(nodes())}
+    decode, prefill = by_role[NodeRole.DECODE], by_role[NodeRole.PREFILL]
+    assert decode.kv_transfers == prefill.kv_transfers >= len(PROMPTS)
+    assert decode.kv_checksum_mismatches == 0 and decode.kv_transfer_failures == 0
