@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     router_args = []
     if args.shape:
         model = str(write_shape_dir(args.shape, Path(tmp) / args.shape))
-        engine_args += ["--load-format", "dummy"]
+        engine_args += ["--load-format", "dummy", "--skip-tokenizer-init"]
         router_args += ["--skip-tokenizer-init"]
     else:
         model = args.model

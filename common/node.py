@@ -41,12 +41,19 @@ def add_engine_flags(parser: Any) -> None:
     for name, kind in ENGINE_FLAGS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
     parser.add_argument("--enforce-eager", action="store_true", default=None)
+    parser.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        default=None,
+        help="no tokenizer: token ids in, token ids out (dummy-weight models)",
+    )
 
 
 def engine_kwargs(args: Any) -> dict[str, Any]:
     out = {n: getattr(args, n) for n in ENGINE_FLAGS if getattr(args, n, None) is not None}
-    if getattr(args, "enforce_eager", None):
-        out["enforce_eager"] = True
+    for flag in ("enforce_eager", "skip_tokenizer_init"):
+        if getattr(args, flag, None):
+            out[flag] = True
     return out
 
 

@@ -76,7 +76,8 @@ async def serve(args: argparse.Namespace) -> int:
     if not args.model:
         raise ValueError("--model (or PDSERVE_MODEL) is required")
     # A prefill node never produces text: no tokenizer to load.
-    config = EngineConfig.from_kwargs(args.model, skip_tokenizer_init=True, **engine_kwargs(args))
+    kwargs = engine_kwargs(args) | {"skip_tokenizer_init": True}
+    config = EngineConfig.from_kwargs(args.model, **kwargs)
     engine = LLMEngine(config)
     engine.block_manager.enable_events()
     advertise = args.advertise_host or default_host()
