@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             start = time.perf_counter()
             ttft, final = None, None
             for response in stream:
-                if ttft is None and response.HasField("delta") and response.delta.token_ids:
+                if ttft is None and any(d.token_ids for d in response.deltas):
                     ttft = (time.perf_counter() - start) * 1e3
                 if response.HasField("final"):
                     final = response.final

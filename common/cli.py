@@ -160,10 +160,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     final = None
     try:
         for response in generate(args.address, prompt, timeout=args.timeout, **kwargs):
-            if response.HasField("delta"):
-                sys.stdout.write(response.delta.text)
+            for delta in response.deltas:
+                sys.stdout.write(delta.text)
                 sys.stdout.flush()
-            else:
+            if response.HasField("final"):
                 final = response.final
     except grpc.RpcError as e:
         print(f"\npdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)

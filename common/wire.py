@@ -98,18 +98,17 @@ class StreamState:
 def output_to_responses(
     out: RequestOutput, request_id: str, state: StreamState, usage: pdserve_pb2.Usage
 ) -> list[pdserve_pb2.GenerateResponse]:
-    """One engine DELTA output -> Delta messages (one per completion with news) and,
-    when the request is done, the Final message."""
-    responses = []
+    """One engine DELTA output -> at most one message: the completions' new output
+    and, when the request is done, the Final."""
+    response = pdserve_pb2.GenerateResponse(request_id=request_id)
     for c in out.outputs:
         if c.token_ids or c.text:
-            delta = pdserve_pb2.Delta(index=c.index, text=c.text, token_ids=c.token_ids)
+            delta = response.deltas.add(index=c.index, text=c.text, token_ids=c.token_ids)
             if c.logprobs:
                 delta.logprobs.extend(
                     token_logprobs_to_proto(t, e)
                     for t, e in zip(c.token_ids, c.logprobs, strict=True)
                 )
-            responses.append(pdserve_pb2.GenerateResponse(request_id=request_id, delta=delta))
             state.completion_tokens += len(c.token_ids)
         if c.finish_reason is not None and c.index not in state.finished:
             done = pdserve_pb2.Completion(index=c.index, finish_reason=_FINISH[c.finish_reason])
@@ -119,10 +118,10 @@ def output_to_responses(
                 done.stop_token_id = c.stop_reason
             state.finished[c.index] = done
     if out.finished:
-        final = pdserve_pb2.Final(
-            completions=[state.finished[i] for i in sorted(state.finished)], usage=usage
-        )
-        final.usage.prompt_tokens = len(out.prompt_token_ids)
-        final.usage.completion_tokens = state.completion_tokens
-        responses.append(pdserve_pb2.GenerateResponse(request_id=request_id, final=final))
-    return responses
+        response.final.completions.extend(state.finished[i] for i in sorted(state.finished))
+        response.final.usage.CopyFrom(usage)
+        response.final.usage.prompt_tokens = len(out.prompt_token_ids)
+        response.final.usage.completion_tokens = state.completion_tokens
+    if not response.deltas and not response.HasField("final"):
+        return []
+    return [response]

@@ -3,8 +3,8 @@
     from proto.client import generate, generate_text
 
     for response in generate("localhost:50051", "Hello", max_tokens=32):
-        if response.HasField("delta"):
-            print(response.delta.text, end="", flush=True)
+        for delta in response.deltas:
+            print(delta.text, end="", flush=True)
 
     text, final = generate_text("localhost:50051", chat=[{"role": "user", "content": "Hi"}])
 
@@ -71,7 +71,7 @@ def generate(
     channel: grpc.Channel | None = None,
     **kwargs: Any,
 ) -> Iterator[pdserve_pb2.GenerateResponse]:
-    """Stream one generation: Delta messages, then a Final."""
+    """Stream one generation: one message per step with new output; the last has a Final."""
     request = build_request(prompt, **kwargs)
     own = channel is None
     channel = channel or grpc.insecure_channel(address)
@@ -90,10 +90,8 @@ def generate_text(
     parts: list[str] = []
     final = None
     for response in generate(address, prompt, **kwargs):
-        if response.HasField("delta"):
-            if response.delta.index == 0:
-                parts.append(response.delta.text)
-        else:
+        parts.extend(d.text for d in response.deltas if d.index == 0)
+        if response.HasField("final"):
             final = response.final
     if final is None:  # pragma: no cover - the server always ends with a Final
         raise RuntimeError("the stream ended without a Final message")

@@ -47,7 +47,8 @@ class RouterServicer:
     """
 
     def Generate(self, request, context):
-        """Streams a generation: zero or more Delta messages, then exactly one Final.
+        """Streams a generation: one message per engine step that produced output;
+        the last one carries the Final.
         Errors: INVALID_ARGUMENT (bad request, with the problem named),
         RESOURCE_EXHAUSTED (no capacity now), UNAVAILABLE (no node can serve),
         DEADLINE_EXCEEDED, CANCELLED.

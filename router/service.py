@@ -67,11 +67,7 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         try:
             async for response in call:
                 response.request_id = client_id
-                if (
-                    first_token_ms is None
-                    and response.HasField("delta")
-                    and response.delta.token_ids
-                ):
+                if first_token_ms is None and any(d.token_ids for d in response.deltas):
                     first_token_ms = (time.monotonic() - start) * 1e3
                 if response.HasField("final"):
                     response.final.usage.time_to_first_token_ms = first_token_ms or 0.0

@@ -88,10 +88,11 @@ def redis_nodes(cluster):
 def collect(address, prompt, **kw):
     tokens, text, final = [], [], None
     for r in generate(address, prompt, timeout=120, **kw):
-        if r.HasField("delta"):
-            tokens.extend(r.delta.token_ids)
-            text.append(r.delta.text)
-        else:
+        assert len({d.index for d in r.deltas}) == len(r.deltas)  # one entry per completion
+        for d in r.deltas:
+            tokens.extend(d.token_ids)
+            text.append(d.text)
+        if r.HasField("final"):
             final = r.final
     return tokens, "".join(text), final
 
@@ -168,6 +169,30 @@ def test_a_repeated_long_prefix_goes_to_the_prefill_node_that_cached_it(cluster,
         assert second.usage.cached_tokens >= 16 * len(hashes) - 16
 
 
+def test_an_expired_deadline_frees_blocks_everywhere(cluster):
+    with pytest.raises(grpc.RpcError) as info:
+        collect_with_timeout = list(
+            generate(
+                cluster.router_address,
+                "Tell me a very long story.",
+                max_tokens=800,
+                ignore_eos=True,
+                timeout=1.5,
+            )
+        )
+        assert not collect_with_timeout
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        nodes = list_nodes(cluster)
+        if all(n.kv_blocks_free == n.kv_blocks_total and n.running == 0 for n in nodes):
+            return
+        time.sleep(0.2)
+    pytest.fail(
+        f"blocks still held after the deadline: {[(n.node_id, n.kv_blocks_free) for n in nodes]}"
+    )
+
+
 def test_client_cancel_frees_blocks_on_every_node(cluster):
     async def start_and_cancel():
         stream = agenerate(
@@ -178,7 +203,7 @@ def test_client_cancel_frees_blocks_on_every_node(cluster):
             timeout=120,
         )
         async for response in stream:
-            if response.HasField("delta"):
+            if response.deltas:
                 break
         await asyncio.sleep(0.6)
         busy = list_nodes(cluster)
@@ -253,6 +278,39 @@ def test_generate_command(cluster):
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
 
 
+def test_pdctl_nodes(cluster):
+    import json as _json
+
+    cli = [sys.executable, "-m", "router.pdctl", "--address", cluster.admin_address]
+    table = subprocess.run([*cli, "nodes"], capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.strip().splitlines()
+    assert lines[0].split()[:2] == ["NODE", "ROLE"] and len(lines) == 5
+    as_json = subprocess.run([*cli, "--json", "nodes"], capture_output=True, text=True, timeout=60)
+    nodes = _json.loads(as_json.stdout)
+    assert sorted(n["node_id"] for n in nodes) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+    down = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "router.pdctl",
+            "--address",
+            f"127.0.0.1:{free_port()}",
+            "--timeout",
+            "2",
+            "nodes",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        down.returncode == 3
+        and down.stderr.strip().startswith("pdctl: error:")
+        and "unreachable" in down.stderr
+    )
+
+
 def test_final_message_and_request_id_echo(cluster):
     responses = list(
         generate(
@@ -262,6 +320,9 @@ def test_final_message_and_request_id_echo(cluster):
     assert all(r.request_id == "client-42" for r in responses)
     final = responses[-1]
     assert final.HasField("final") and len(final.final.completions) == 1
+    assert not any(r.HasField("final") for r in responses[:-1])
+    # One message per step: 3 tokens -> at most 3 messages (the last with the Final).
+    assert len(responses) <= 3 and sum(len(d.token_ids) for r in responses for d in r.deltas) <= 3
     assert final.final.completions[0].finish_reason in (
         pdserve_pb2.FINISH_REASON_STOP,
         pdserve_pb2.FINISH_REASON_LENGTH,
