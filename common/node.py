@@ -1,4 +1,4 @@
-"""What both node kinds share: building the engine from flags, heartbeats to Redis.
+"""What both node kinds share: flags, heartbeats to Redis, the serve/stop sequence.
 
 A heartbeat publishes the node's load and the block hashes its prefix cache
 stored and evicted since the last one, in one Redis round trip. When Redis is
@@ -8,15 +8,22 @@ could not publish are kept and sent with the next successful heartbeat.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import logging
+import os
+import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.cluster import Cluster, NodeInfo, NodeRole
+import grpc
+
+from common.cluster import Cluster, NodeInfo
 from common.engine.engine_thread import EngineThread
+from common.grpc_server import add_health, add_reflection, set_serving
 
 logger = logging.getLogger(__name__)
 
@@ -139,9 +146,99 @@ class Heartbeat:
                     logger.warning("could not deregister from Redis: %s", e)
 
 
-def make_node_info(
-    role: NodeRole, node_id: str, address: str, model_id: str, block_size: int, **kw: Any
-) -> NodeInfo:
-    return NodeInfo(
-        node_id=node_id, role=role, address=address, model_id=model_id, block_size=block_size, **kw
+def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
+    """Flags (and their PDSERVE_* variables) that prefill and decode nodes share."""
+    env = os.environ.get
+    p.add_argument(
+        "--model", default=env("PDSERVE_MODEL"), help="HF model directory [PDSERVE_MODEL]"
     )
+    p.add_argument(
+        "--host", default=env("PDSERVE_HOST", "0.0.0.0"), help="listen address [PDSERVE_HOST]"
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=int(env("PDSERVE_PORT", str(default_port))),
+        help="gRPC port [PDSERVE_PORT]",
+    )
+    p.add_argument(
+        "--advertise-host",
+        default=env("PDSERVE_ADVERTISE_HOST"),
+        help="host other nodes reach this one at [PDSERVE_ADVERTISE_HOST; default: this host's address]",
+    )
+    p.add_argument(
+        "--node-id", default=env("PDSERVE_NODE_ID"), help="id in the registry [PDSERVE_NODE_ID]"
+    )
+    p.add_argument(
+        "--redis-url",
+        default=env("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        help="cluster state [PDSERVE_REDIS_URL]",
+    )
+    p.add_argument(
+        "--heartbeat-interval", type=float, default=float(env("PDSERVE_HEARTBEAT_S", "0.5"))
+    )
+    p.add_argument("--node-ttl", type=float, default=float(env("PDSERVE_NODE_TTL_S", "5")))
+    p.add_argument(
+        "--transfer-timeout", type=float, default=float(env("PDSERVE_TRANSFER_TIMEOUT_S", "30"))
+    )
+    p.add_argument(
+        "--verify-kv",
+        action="store_true",
+        default=env("PDSERVE_VERIFY_KV") == "1",
+        help="checksum every KV transfer on both sides (slow; for tests) [PDSERVE_VERIFY_KV=1]",
+    )
+    p.add_argument(
+        "--enable-reflection", action="store_true", default=env("PDSERVE_REFLECTION") == "1"
+    )
+    add_engine_flags(p)
+
+
+async def run_node(
+    args: argparse.Namespace,
+    *,
+    service: str,
+    add_servicer: Callable[[grpc.aio.Server], None],
+    thread: EngineThread,
+    info: NodeInfo,
+    counters: Callable[[], dict[str, int]],
+    close: Callable[[], Awaitable[None]],
+) -> int:
+    """Serve one node until SIGINT/SIGTERM, then leave the cluster cleanly.
+
+    Order matters: the node is in Redis before health says SERVING (so the
+    router can route to whatever answers), and it says NOT_SERVING and leaves
+    Redis before the gRPC server drains (so no new request lands mid-shutdown).
+    """
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    add_servicer(server)
+    health = add_health(server, [service])
+    if args.enable_reflection:
+        add_reflection(server, [service])
+    server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+
+    cluster = Cluster.from_url(args.redis_url, ttl_s=args.node_ttl)
+    heartbeat = Heartbeat(
+        cluster, thread, info, interval_s=args.heartbeat_interval, counters=counters
+    )
+    await heartbeat.beat()
+    beating = asyncio.create_task(heartbeat.run_forever())
+    await set_serving(health, [service], True)
+    logger.info("%s node %s serving on %s:%d", info.role.value, info.node_id, args.host, args.port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("%s node %s stopping", info.role.value, info.node_id)
+    await set_serving(health, [service], False)
+    beating.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await beating
+    await heartbeat.deregister()
+    await server.stop(grace=5)
+    await close()
+    thread.stop()
+    await cluster.close()
+    return 0

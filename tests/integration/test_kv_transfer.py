@@ -18,8 +18,12 @@ def payload(i: int, n: int) -> torch.Tensor:
     return torch.randn(n, generator=g).to(torch.bfloat16)
 
 
-def sender_main(port: int, epoch: int, count: int, sizes: list[int], results) -> None:
+def sender_main(port: int, epochs, count: int, sizes: list[int], results) -> None:
     sender = KVSender("prefill-a", torch.device("cpu"), timeout_s=10)
+    # Say we are up (torch imported) before the receiver starts its short
+    # rendezvous clock: a spawned interpreter can take seconds on a loaded host.
+    results.put("ready")
+    epoch = epochs.get(timeout=60)
     dest = Destination("decode-a", "127.0.0.1", port, epoch)
     futures = []
     for i in range(count):
@@ -64,15 +68,23 @@ def receiver():
     rx.close()
 
 
+def start_sender(port: int, sizes: list[int]):
+    """A sender in its own process, up and waiting for its epoch."""
+    ctx = mp.get_context("spawn")
+    epochs, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=sender_main, args=(port, epochs, len(sizes), sizes, results))
+    proc.start()
+    assert results.get(timeout=120) == "ready"
+    return proc, epochs, results
+
+
 def test_transfers_arrive_bit_identical_in_order(receiver):
     rx, col, port = receiver
     sizes = [5, 4096, 1 << 20, 3]
-    for _ in sizes:
+    proc, epochs, results = start_sender(port, sizes)
+    for _ in sizes:  # one expectation per reservation; the channel's epoch is shared
         epoch = rx.expect("prefill-a")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    proc = ctx.Process(target=sender_main, args=(port, epoch, len(sizes), sizes, results))
-    proc.start()
+    epochs.put(epoch)
     assert results.get(timeout=60) == [True] * len(sizes)
     proc.join(30)
     deadline = time.monotonic() + 10
@@ -93,12 +105,10 @@ def test_absent_peer_times_out_then_the_next_epoch_works(receiver):
     assert col.event.wait(15)
     assert col.failed == ["prefill-a"]
     col.event.clear()
+    proc, epochs, results = start_sender(port, [64])
     epoch = rx.expect("prefill-a")
     assert epoch == 1
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    proc = ctx.Process(target=sender_main, args=(port, epoch, 1, [64], results))
-    proc.start()
+    epochs.put(epoch)
     assert results.get(timeout=60) == [True]
     proc.join(30)
     assert col.event.wait(10) and 100 in col.got
