@@ -19,12 +19,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (
-    command_line,
     cuda_time_ms,
-    environment,
     measure_copy_bandwidth,
     measure_matmul_flops,
-    write_record,
+    save_run,
 )
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -192,16 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     if not args.skip_prefill:
         results["prefill"] = bench_prefill(torch, peak, ints(args.pages))
-    record = {
-        "environment": environment(),
-        "parameters": vars(args) | {"out_dir": str(args.out_dir)},
-        "results": results,
-    }
-    path, record = write_record(
-        "attention_kernels", record, command_line("attention_kernels.py", argv), args.out_dir
-    )
-    print(f"record: {path}")
-    return record
+    return save_run("attention_kernels", args, results, argv)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,15 @@ def write_record(
     return path, record
 
 
+def save_run(name: str, args: Any, results: Any, argv: list[str] | None) -> dict[str, Any]:
+    """Record one benchmark run (environment, flags, results, command) and say where."""
+    params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    record = {"environment": environment(), "parameters": params, "results": results}
+    path, record = write_record(name, record, command_line(f"{name}.py", argv), args.out_dir)
+    print(f"record: {path}")
+    return record
+
+
 # ----------------------------------------------------------------- GPU timing
 def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
     """Median wall time of ``fn`` on the GPU in ms (CUDA events around each call)."""

@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import command_line, environment, write_record
+from benchmarks.common import save_run
 
 
 def median(xs: list[float]) -> float:
@@ -153,16 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{s['median_decode_first_output_ms']:.2f} ms",
         flush=True,
     )
-    record = {
-        "environment": environment(),
-        "parameters": vars(args) | {"out_dir": str(args.out_dir)},
-        "results": result,
-    }
-    path, record = write_record(
-        "disagg_ttft", record, command_line("disagg_ttft.py", argv), args.out_dir
-    )
-    print(f"record: {path}")
-    return record
+    return save_run("disagg_ttft", args, result, argv)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import command_line, environment, write_record
+from benchmarks.common import save_run
 from common.models.shapes import SHAPES
 
 
@@ -194,16 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"({100 * row['end_to_end_vs_raw']:.0f}% of raw)",
             flush=True,
         )
-    record = {
-        "environment": environment(),
-        "parameters": vars(args) | {"out_dir": str(args.out_dir)},
-        "results": rows,
-    }
-    path, record = write_record(
-        "kv_transfer", record, command_line("kv_transfer.py", argv), args.out_dir
-    )
-    print(f"record: {path}")
-    return record
+    return save_run("kv_transfer", args, rows, argv)
 
 
 if __name__ == "__main__":

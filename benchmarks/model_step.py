@@ -23,12 +23,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (
-    command_line,
     cuda_time_ms,
-    environment,
     measure_copy_bandwidth,
     measure_matmul_flops,
-    write_record,
+    save_run,
 )
 from common.models.shapes import write_shape_dir
 
@@ -220,16 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["matmul_flops_per_s"] = peak = measure_matmul_flops()
         print(f"bf16 matmul {peak / 1e12:.0f} TFLOP/s")
         results["prefill"] = prefill(args, peak)
-    record = {
-        "environment": environment(),
-        "parameters": vars(args) | {"out_dir": str(args.out_dir)},
-        "results": results,
-    }
-    path, record = write_record(
-        "model_step", record, command_line("model_step.py", argv), args.out_dir
-    )
-    print(f"record: {path}")
-    return record
+    return save_run("model_step", args, results, argv)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import command_line, environment, write_record
+from benchmarks.common import save_run
 from common.models.shapes import SHAPES, write_shape_dir
 
 GPU_DEFAULTS = dict(shape="qwen3-0.6b", num_seqs=256, min_len=100, max_len=1024)
@@ -227,12 +227,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{results['ratio_vs_hf']:.2f}x",
                 flush=True,
             )
-    params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    record = {"environment": environment(), "parameters": params, "results": results}
-    command = command_line("offline_throughput.py", argv)
-    path, record = write_record("offline_throughput", record, command, args.out_dir)
-    print(f"record: {path}")
-    return record
+    return save_run("offline_throughput", args, results, argv)
 
 
 if __name__ == "__main__":
