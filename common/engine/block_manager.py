@@ -14,6 +14,15 @@ So ``num_free_blocks + num_used_blocks == num_blocks`` always holds;
 
 A hash is a hint (common/block_hash.py): before a cached block is reused its
 tokens and its parent hash are compared with the request's.
+
+The set of cached hashes stays prefix-closed: if a block's hash is cached, so
+is its parent's. Routers rely on it (common/cluster.py finds a node's hit by
+binary search). It holds because a hit claims every block before it, freed
+blocks enter the LRU tail first (a parent is always at least as recent as its
+child), a flush drops only evictable blocks, and a block computed twice (two
+requests prefilling the same prefix at once) stays cached as a second holder
+of its hash: when the first holder is evicted the hash moves to the second
+instead of vanishing under the second's cached children.
 """
 
 from __future__ import annotations
@@ -64,6 +73,8 @@ class BlockManager:
         self._free_uncached: deque[int] = deque(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[bytes, int] = {}
+        # Other blocks holding a cached hash's content (computed twice at once).
+        self._second_holders: dict[bytes, set[int]] = {}
         self._record_events = record_events
         # hash -> True (stored) / False (removed); the last event wins.
         self._events: dict[bytes, bool] = {}
@@ -85,6 +96,7 @@ class BlockManager:
 
     @property
     def num_cached_blocks(self) -> int:
+        """Distinct cached hashes (a hash held by two blocks counts once)."""
         return len(self._hash_to_block)
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -135,13 +147,17 @@ class BlockManager:
         for i in range(seq.num_cached_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             block_hash = seq.block_hashes[i]
-            if block.block_hash is not None or block_hash in self._hash_to_block:
-                # Same content already cached in another block (computed twice
-                # concurrently): keep the first; this one stays private.
+            if block.block_hash is not None:
                 continue
             block.block_hash = block_hash
             block.parent_hash = seq.block_hashes[i - 1] if i else ROOT_HASH
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            if block_hash in self._hash_to_block:
+                # Same content already cached in another block (computed twice
+                # concurrently): hits go to the first, this one holds the hash
+                # too, so that it outlives the first if it is evicted first.
+                self._second_holders.setdefault(block_hash, set()).add(block.block_id)
+                continue
             self._hash_to_block[block_hash] = block.block_id
             if self._record_events:
                 self._events.pop(block_hash, None)
@@ -149,11 +165,14 @@ class BlockManager:
         seq.num_cached_blocks = num_full
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached hash (blocks in use keep working). Returns how many."""
-        n = len(self._hash_to_block)
-        for block_id in list(self._hash_to_block.values()):
-            self._unhash(self.blocks[block_id])
+        """Evict every cached block no request holds; returns how many.
+
+        Blocks in use keep their hashes (their content is valid and their
+        requests are running); they become evictable when freed.
+        """
+        n = len(self._free_cached)
         for block_id in self._free_cached:
+            self._unhash(self.blocks[block_id])
             self._free_uncached.append(block_id)
         self._free_cached.clear()
         return n
@@ -237,13 +256,22 @@ class BlockManager:
         return block
 
     def _unhash(self, block: Block) -> None:
-        if block.block_hash is None:
+        h = block.block_hash
+        if h is None:
             return
-        if self._hash_to_block.get(block.block_hash) == block.block_id:
-            del self._hash_to_block[block.block_hash]
-            if self._record_events:
-                self._events.pop(block.block_hash, None)
-                self._events[block.block_hash] = False
+        others = self._second_holders.get(h)
+        if self._hash_to_block.get(h) == block.block_id:
+            if others:  # the hash stays cached in another block: no event
+                self._hash_to_block[h] = others.pop()
+            else:
+                del self._hash_to_block[h]
+                if self._record_events:
+                    self._events.pop(h, None)
+                    self._events[h] = False
+        elif others is not None:
+            others.discard(block.block_id)
+        if others is not None and not others:
+            del self._second_holders[h]
         block.block_hash = None
         block.parent_hash = None
         block.token_ids = None
@@ -272,3 +300,11 @@ class BlockManager:
         for h, block_id in self._hash_to_block.items():
             if self.blocks[block_id].block_hash != h:
                 raise RuntimeError(f"hash index points at block {block_id} with another hash")
+        for h, holders in self._second_holders.items():
+            if h not in self._hash_to_block or not holders:
+                raise RuntimeError("a second holder of a hash that is not cached")
+            if any(self.blocks[b].block_hash != h for b in holders):
+                raise RuntimeError("a second holder carries another hash")
+        hashed = sum(b.block_hash is not None for b in self.blocks)
+        if hashed != len(self._hash_to_block) + sum(map(len, self._second_holders.values())):
+            raise RuntimeError("a hashed block is in neither the hash index nor its holders")

@@ -137,6 +137,11 @@ class LLM:
         return [done[i] for i in ids]
 
     # -------------------------------------------------------------- profile
+    def reset_prefix_cache(self) -> bool:
+        """Evict every cached KV block no request holds (as vLLM's; always succeeds)."""
+        self.llm_engine.reset_prefix_cache()
+        return True
+
     def start_profile(self, profile_dir: str | None = None) -> None:
         """Start the torch profiler; traces go to profile_dir or $PDSERVE_TORCH_PROFILER_DIR."""
         directory = profile_dir or os.environ.get(PROFILER_DIR_ENV)

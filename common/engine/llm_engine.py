@@ -313,6 +313,10 @@ class LLMEngine:
             del self._hashers[next(iter(self._hashers))]
         return hasher
 
+    def reset_prefix_cache(self) -> int:
+        """Evict the cached blocks no request holds; returns how many."""
+        return self.block_manager.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
         bm = self.block_manager

@@ -7,6 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from common.block_hash import ROOT_HASH
 from common.engine.block_manager import BlockManager
 from tests.unit.helpers import make_seq
 
@@ -161,7 +162,7 @@ def test_events_and_reset():
     bm.check_invariants()
 
 
-def test_duplicate_content_stays_private():
+def test_duplicate_content_is_held_by_both_blocks():
     bm = BlockManager(10, BS)
     a = make_seq(list(range(8)), BS)
     b = make_seq(list(range(8)), BS)
@@ -170,11 +171,60 @@ def test_duplicate_content_stays_private():
         s.num_computed_tokens = 8
     bm.cache_full_blocks(a)
     bm.cache_full_blocks(b)
-    assert bm.num_cached_blocks == 2
+    assert bm.num_cached_blocks == 2  # two distinct hashes, each held twice
+    hit = make_seq(list(range(8)) + [1], BS)
+    assert bm.find_cached_prefix(hit) == a.block_table  # hits go to the first holder
     bm.free(a)
     bm.free(b)
-    assert bm.num_cached_free_blocks == 2 and bm.num_free_blocks == 10
+    assert bm.num_cached_free_blocks == 4 and bm.num_free_blocks == 10
     bm.check_invariants()
+
+
+def test_a_hash_outlives_its_first_holder_so_the_cache_stays_prefix_closed():
+    # a and b prefill the same 2-block prefix at once; b goes on and caches a
+    # third block. When a's blocks are evicted the prefix must stay cached
+    # (b's copies hold it), or b's third block would be cached without its parent.
+    bm = BlockManager(6, BS, record_events=True)
+    a = make_seq(list(range(8)), BS)
+    b = make_seq(list(range(12)), BS)
+    for s in (a, b):
+        assert bm.allocate_slots(s, s.num_tokens)
+        s.num_computed_tokens = s.num_tokens
+    bm.cache_full_blocks(a)
+    bm.cache_full_blocks(b)
+    bm.free(a)
+    filler = make_seq(12, BS, hashed=False)
+    assert bm.allocate_slots(filler, 12)  # the free block, then a's two cached ones
+    assert bm.num_free_blocks == 0
+    bm.check_invariants()
+    assert bm.num_cached_blocks == 3
+    assert not bm.take_events().removed  # nothing was ever un-cached
+    again = make_seq(list(range(12)) + [5], BS)
+    assert bm.find_cached_prefix(again) == b.block_table  # now served by b's blocks
+    assert_prefix_closed(bm)
+
+
+def test_a_flush_evicts_only_blocks_no_request_holds():
+    bm = BlockManager(10, BS, record_events=True)
+    a = make_seq(list(range(8)), BS)
+    b = make_seq(list(range(50, 58)), BS)
+    computed(bm, a)
+    computed(bm, b)
+    bm.take_events()
+    bm.free(a)
+    assert bm.reset_prefix_cache() == 2
+    assert set(bm.take_events().removed) == set(a.block_hashes[:2])
+    assert bm.num_cached_blocks == 2  # b's, still in use
+    bm.free(b)
+    assert bm.reset_prefix_cache() == 2 and bm.num_cached_blocks == 0
+    bm.check_invariants()
+
+
+def assert_prefix_closed(bm: BlockManager) -> None:
+    cached = set(bm._hash_to_block)
+    for block_id in bm._hash_to_block.values():
+        parent = bm.blocks[block_id].parent_hash
+        assert parent == ROOT_HASH or parent in cached, "a cached block's parent is not cached"
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -195,6 +245,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.live.append(seq)
         else:
             assert seq.block_table == []
+
+    @rule(prefix=st.lists(st.integers(0, 2), min_size=1, max_size=20))
+    def admit_without_hits(self, prefix):
+        # Two requests prefilling one prefix at once: neither saw the other's blocks.
+        seq = make_seq(prefix, BS)
+        if self.bm.allocate_slots(seq, seq.num_tokens):
+            seq.num_computed_tokens = seq.num_tokens
+            self.bm.cache_full_blocks(seq)
+            self.live.append(seq)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -221,6 +280,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         self.bm.check_invariants()
+        assert_prefix_closed(self.bm)
         holders: dict[int, int] = {}
         for seq in self.live:
             assert len(seq.block_table) == -(-seq.num_tokens // BS)
