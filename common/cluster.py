@@ -2,19 +2,31 @@
 
 Key schema (DESIGN §4; ``pds`` is the default prefix):
 
-- ``pds:node:{id}``   hash: role, address, transfer endpoint, model id, block size,
-                      KV blocks total/free, running, waiting, queued prefill
-                      tokens, draining, updated_ms. Expires ``ttl`` seconds after
-                      the last heartbeat, so a dead node vanishes by itself.
+- ``pds:node:{id}``   hash: the fields of ``NodeInfo`` (role, address, transfer
+                      endpoint, model id, block size, KV blocks total/free,
+                      running, waiting, queued prefill tokens, counters...) and
+                      ``seen_ms``, the Redis server's clock at the last
+                      heartbeat. Expires ``ttl`` seconds after the last
+                      heartbeat, so a dead node vanishes by itself.
 - ``pds:nodes``       set of node ids; entries whose hash expired are pruned by
                       the routing script when it meets them.
 - ``pds:blocks:{id}`` set of the 16-byte block hashes cached on that node (added
                       on insert, removed on eviction); expires with the node.
+- ``pds:draining``    set of node ids an operator drained (``pdctl drain``);
+                      kept across node restarts until undrained.
 
 One heartbeat is one pipelined round trip. One routing decision is one round
-trip: a Lua script reads every live node's hash and, with SMISMEMBER, how many
-leading blocks of the request each node holds. Hashes are hints: a node that
-finds a hash still verifies the block's tokens before reusing it.
+trip: a Lua script returns the server's clock and, for every live node, its
+routing fields and how many leading blocks of the request it holds.
+
+That count is found by galloping then binary search (about 2·log2(n) set
+lookups per node, not n). It is exact when a node's published set is
+prefix-closed -- every cached block's parent is cached too -- which the block
+manager guarantees: a hit touches every block before it, and freed blocks
+enter the LRU tail first, so a parent is never evicted before its child
+(tests/unit/test_block_manager.py checks this). A set with holes can only be
+credited with too long a hit; hashes are hints either way, and a node
+verifies a block's tokens before it reuses it.
 """
 
 from __future__ import annotations
@@ -27,33 +39,74 @@ from typing import Any
 DEFAULT_PREFIX = "pds"
 DEFAULT_TTL_S = 5.0
 
+# Node fields the routing script returns, in this order (NodeInfo names).
+ROUTE_FIELDS = (
+    "role",
+    "address",
+    "model_id",
+    "block_size",
+    "transfer_host",
+    "transfer_port",
+    "kv_blocks_total",
+    "kv_blocks_free",
+    "running",
+    "waiting",
+    "queued_prefill_tokens",
+    "max_num_seqs",
+    "draining",
+    "seen_ms",
+)
+
 _ROUTE_SCRIPT = """
+local t = redis.call('TIME')
+local out = {t[1] * 1000 + math.floor(t[2] / 1000)}
 local ids = redis.call('SMEMBERS', KEYS[1])
 local prefix = ARGV[1]
-local out = {}
+local n = #ARGV - 1
 for _, id in ipairs(ids) do
-  local fields = redis.call('HGETALL', prefix .. ':node:' .. id)
-  if #fields == 0 then
+  local values = redis.call('HMGET', prefix .. ':node:' .. id, FIELDS)
+  if not values[1] then
     redis.call('SREM', KEYS[1], id)
   else
+    local key = prefix .. ':blocks:' .. id
     local hit = 0
-    if #ARGV > 1 then
-      local flags = redis.call('SMISMEMBER', prefix .. ':blocks:' .. id, unpack(ARGV, 2))
-      for i = 1, #flags do
-        if flags[i] == 1 then hit = i else break end
+    if n > 0 and redis.call('SISMEMBER', key, ARGV[2]) == 1 then
+      -- blocks 1..lo are held; hi is the first block known to be missing.
+      local lo, hi, step = 1, n + 1, 1
+      while lo + step <= n do
+        if redis.call('SISMEMBER', key, ARGV[lo + step + 1]) == 1 then
+          lo = lo + step
+          step = step * 2
+        else
+          hi = lo + step
+          break
+        end
       end
+      while hi - lo > 1 do
+        local mid = math.floor((lo + hi) / 2)
+        if redis.call('SISMEMBER', key, ARGV[mid + 1]) == 1 then lo = mid else hi = mid end
+      end
+      hit = lo
     end
     out[#out + 1] = id
-    out[#out + 1] = fields
+    out[#out + 1] = values
     out[#out + 1] = hit
+    out[#out + 1] = redis.call('SISMEMBER', KEYS[2], id)
   end
 end
 return out
+""".replace("FIELDS", ", ".join(f"'{f}'" for f in ROUTE_FIELDS))
+
+# Stamps a heartbeat with the Redis server's clock, so that every router reads
+# node ages on one clock whatever the skew between hosts.
+_STAMP_SCRIPT = """
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], 'seen_ms', t[1] * 1000 + math.floor(t[2] / 1000))
 """
-# Lua's unpack() is bounded by the C stack; longer prompts are matched on
-# their first this-many blocks (a longer common prefix is rare and still hits
-# locally on the node, which verifies every block anyway).
-MAX_ROUTED_BLOCKS = 4000
+# A routing decision looks up at most this many leading blocks (64k tokens at
+# block size 16), which bounds the script's arguments; a longer common prefix
+# still hits on the node, which matches every block itself.
+MAX_ROUTED_BLOCKS = 4096
 
 
 class NodeRole(enum.Enum):
@@ -75,8 +128,10 @@ class NodeInfo:
     running: int = 0
     waiting: int = 0
     queued_prefill_tokens: int = 0
-    draining: bool = False
-    updated_ms: int = 0
+    max_num_seqs: int = 0
+    draining: bool = False  # the node itself is shutting down (SIGTERM)
+    updated_ms: int = 0  # the node's clock at its last heartbeat
+    seen_ms: int = 0  # the Redis server's clock at its last heartbeat
     # Counters since the node started.
     requests_total: int = 0
     preemptions: int = 0
@@ -84,10 +139,14 @@ class NodeInfo:
     kv_transfer_failures: int = 0
     kv_late_transfers: int = 0  # arrived for a reservation that was gone; dropped
     kv_checksum_mismatches: int = 0
+    kv_transfer_bytes: int = 0  # sent (prefill node) or received (decode node)
+    kv_transfer_us: int = 0  # time spent sending (prefill node)
 
     def to_fields(self) -> dict[str, str]:
         out = {}
         for f in fields(self):
+            if f.name == "seen_ms":  # written by the server's clock, not ours
+                continue
             value = getattr(self, f.name)
             if isinstance(value, NodeRole):
                 value = value.value
@@ -114,11 +173,50 @@ class NodeInfo:
                 kwargs[f.name] = value
         return cls(**kwargs)
 
+    @classmethod
+    def from_route_values(cls, node_id: str, values: list[Any]) -> NodeInfo:
+        """From the routing script's HMGET (ROUTE_FIELDS order); the hot path."""
+        v = [_text(x) if x is not None else "" for x in values]
+        return cls(
+            node_id=node_id,
+            role=NodeRole(v[0]),
+            address=v[1],
+            model_id=v[2],
+            block_size=_int(v[3]),
+            transfer_host=v[4],
+            transfer_port=_int(v[5]),
+            kv_blocks_total=_int(v[6]),
+            kv_blocks_free=_int(v[7]),
+            running=_int(v[8]),
+            waiting=_int(v[9]),
+            queued_prefill_tokens=_int(v[10]),
+            max_num_seqs=_int(v[11]),
+            draining=v[12] not in ("0", "", "False"),
+            seen_ms=_int(v[13]),
+        )
+
 
 @dataclass(slots=True)
 class RouteCandidate:
     node: NodeInfo
     hit_blocks: int  # leading blocks of the request this node has published
+    drained: bool = False  # an operator drained it (pdctl drain)
+
+
+@dataclass(slots=True)
+class ClusterView:
+    """What one routing read returns: the server's clock and every live node."""
+
+    now_ms: int  # the Redis server's clock when the read ran
+    candidates: list[RouteCandidate]
+
+    def age_ms(self, node: NodeInfo) -> int:
+        """Milliseconds since the node's last heartbeat, on the server's clock."""
+        return max(0, self.now_ms - node.seen_ms)
+
+
+def _int(v: str) -> int:
+    return int(v) if v else 0
 
 
 def _text(v: Any) -> str:
@@ -137,6 +235,7 @@ class Cluster:
         self.prefix = prefix
         self.ttl_ms = int(ttl_s * 1000)
         self._route = client.register_script(_ROUTE_SCRIPT)
+        self._stamp = client.register_script(_STAMP_SCRIPT)
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> Cluster:
@@ -162,6 +261,7 @@ class Cluster:
         blocks_key = self._key("blocks", info.node_id)
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(node_key, mapping=info.to_fields())
+        await self._stamp(keys=[node_key], client=pipe)
         pipe.pexpire(node_key, self.ttl_ms)
         pipe.sadd(self._key("nodes"), info.node_id)
         if reset_blocks:
@@ -179,20 +279,53 @@ class Cluster:
         pipe.srem(self._key("nodes"), node_id)
         await pipe.execute()
 
-    async def candidates(self, block_hashes: list[bytes]) -> list[RouteCandidate]:
+    async def view(self, block_hashes: list[bytes]) -> ClusterView:
         """Every live node with the number of leading request blocks it holds; one round trip."""
         raw = await self._route(
-            keys=[self._key("nodes")], args=[self.prefix, *block_hashes[:MAX_ROUTED_BLOCKS]]
+            keys=[self._key("nodes"), self._key("draining")],
+            args=[self.prefix, *block_hashes[:MAX_ROUTED_BLOCKS]],
         )
         out = []
-        for i in range(0, len(raw), 3):
-            flat = raw[i + 1]
-            info = NodeInfo.from_fields(dict(zip(flat[::2], flat[1::2], strict=True)))
-            out.append(RouteCandidate(info, int(raw[i + 2])))
-        return out
+        for i in range(1, len(raw), 4):
+            info = NodeInfo.from_route_values(_text(raw[i]), raw[i + 1])
+            out.append(RouteCandidate(info, int(raw[i + 2]), bool(raw[i + 3])))
+        return ClusterView(int(raw[0]), out)
+
+    async def candidates(self, block_hashes: list[bytes]) -> list[RouteCandidate]:
+        return (await self.view(block_hashes)).candidates
 
     async def nodes(self) -> list[NodeInfo]:
-        return [c.node for c in await self.candidates([])]
+        """Every live node with all its published fields (for operators, not the hot path)."""
+        return (await self.nodes_at())[1]
+
+    async def nodes_at(self) -> tuple[int, list[NodeInfo]]:
+        """The Redis server's clock (ms) and every live node, read together."""
+        ids = sorted(_text(i) for i in await self.redis.smembers(self._key("nodes")))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.time()
+        for node_id in ids:
+            pipe.hgetall(self._key("node", node_id))
+        pipe.smembers(self._key("draining"))
+        (sec, usec), *raws, drained = await pipe.execute()
+        drained = {_text(d) for d in drained}
+        out = []
+        for raw in raws:
+            if raw:
+                info = NodeInfo.from_fields(raw)
+                info.draining = info.draining or info.node_id in drained
+                out.append(info)
+        return int(sec) * 1000 + int(usec) // 1000, out
+
+    async def drain(self, node_id: str) -> None:
+        """No new requests for this node (kept until undrain, across restarts)."""
+        await self.redis.sadd(self._key("draining"), node_id)
+
+    async def undrain(self, node_id: str) -> bool:
+        """True if the node was drained."""
+        return bool(await self.redis.srem(self._key("draining"), node_id))
+
+    async def drained(self) -> set[str]:
+        return {_text(d) for d in await self.redis.smembers(self._key("draining"))}
 
     async def block_counts(self, node_ids: list[str]) -> dict[str, int]:
         pipe = self.redis.pipeline(transaction=False)
