@@ -109,6 +109,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         engine_args=engine_args,
         node_args=["--verify-kv"] if args.verify_kv else [],
+        router_args=(["--admin-token", args.admin_token] if args.admin_token else [])
+        + (["--routing-policy", args.routing_policy] if args.routing_policy else []),
+        num_routers=args.routers,
         log_dir=args.log_dir,
     )
     cluster = LocalCluster(spec)
@@ -125,10 +128,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 1
-    print(f"router listening on {cluster.router_address}", flush=True)
+    for address, admin in zip(cluster.router_addresses, cluster.admin_addresses, strict=True):
+        print(f"router listening on {address} (admin API on {admin})", flush=True)
     print(
         f'try: pdserve generate "What is the capital of France?" --chat '
-        f"--address {cluster.router_address}",
+        f"--address {cluster.router_address}\n"
+        f"     pdctl --address {cluster.admin_address} nodes",
         flush=True,
     )
     try:
@@ -216,6 +221,18 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=50051, help="router port")
     up.add_argument("--admin-port", type=int, default=50052)
+    up.add_argument("--routers", type=int, default=1, help="router replicas")
+    up.add_argument(
+        "--admin-token",
+        default=env("PDSERVE_ADMIN_TOKEN"),
+        help="admin API token (pdctl --token) [PDSERVE_ADMIN_TOKEN]",
+    )
+    up.add_argument(
+        "--routing-policy",
+        choices=["cost", "round-robin", "random"],
+        default=None,
+        help="default cost (docs/routing.md)",
+    )
     up.add_argument(
         "--redis-url", default=env("PDSERVE_REDIS_URL"), help="use this Redis, start none"
     )

@@ -41,6 +41,7 @@ class ClusterSpec:
     engine_args: list[str] = field(default_factory=list)  # passed to every node
     node_args: list[str] = field(default_factory=list)  # e.g. --verify-kv
     router_args: list[str] = field(default_factory=list)  # e.g. --skip-tokenizer-init
+    num_routers: int = 1  # replicas beyond the first take free ports
     start_timeout_s: float = 600.0
     stop_grace_s: float = 15.0
     log_dir: str | None = None  # None: children share our stderr
@@ -52,6 +53,8 @@ class LocalCluster:
         self.redis: RedisServer | None = None
         self.components: list[Component] = []
         self.redis_url = spec.redis_url
+        # (public port, admin port) of each router replica.
+        self.router_ports: list[tuple[int, int]] = [(spec.port, spec.admin_port)]
 
     @property
     def router_address(self) -> str:
@@ -60,6 +63,14 @@ class LocalCluster:
     @property
     def admin_address(self) -> str:
         return f"{self.spec.host}:{self.spec.admin_port}"
+
+    @property
+    def router_addresses(self) -> list[str]:
+        return [f"{self.spec.host}:{p}" for p, _ in self.router_ports]
+
+    @property
+    def admin_addresses(self) -> list[str]:
+        return [f"{self.spec.host}:{a}" for _, a in self.router_ports]
 
     def _gpu_count(self) -> int:
         try:
@@ -154,27 +165,33 @@ class LocalCluster:
                     gpu,
                 )
             )
-        started.append(
-            self._spawn(
-                "router",
-                [
-                    "router",
-                    "--model",
-                    spec.model,
-                    "--redis-url",
-                    self.redis_url,
-                    "--host",
-                    spec.host,
-                    "--port",
-                    str(spec.port),
-                    "--admin-port",
-                    str(spec.admin_port),
-                    *spec.router_args,
-                ],
-                spec.port,
-                None,
+        if spec.num_routers < 1:
+            raise ValueError(f"num_routers must be >= 1, got {spec.num_routers}")
+        self.router_ports = [(spec.port, spec.admin_port)] + [
+            (free_port(spec.host), free_port(spec.host)) for _ in range(spec.num_routers - 1)
+        ]
+        for i, (port, admin_port) in enumerate(self.router_ports):
+            started.append(
+                self._spawn(
+                    "router" if i == 0 else f"router-{i}",
+                    [
+                        "router",
+                        "--model",
+                        spec.model,
+                        "--redis-url",
+                        self.redis_url,
+                        "--host",
+                        spec.host,
+                        "--port",
+                        str(port),
+                        "--admin-port",
+                        str(admin_port),
+                        *spec.router_args,
+                    ],
+                    port,
+                    None,
+                )
             )
-        )
         self._wait_serving(started, progress)
         return self
 

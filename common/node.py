@@ -24,6 +24,9 @@ import grpc
 from common.cluster import Cluster, NodeInfo
 from common.engine.engine_thread import EngineThread
 from common.grpc_server import add_health, add_reflection, set_serving
+from proto import internal_pb2, internal_pb2_grpc
+
+CONTROL_SERVICE = internal_pb2.DESCRIPTOR.services_by_name["NodeControl"].full_name
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +196,18 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     add_engine_flags(p)
 
 
+class NodeControlServicer(internal_pb2_grpc.NodeControlServicer):
+    """Operations on the node itself (thin: the work happens on the engine thread)."""
+
+    def __init__(self, engine: EngineThread) -> None:
+        self.engine = engine
+
+    async def FlushCache(self, request, context: grpc.aio.ServicerContext):
+        flushed = await asyncio.wrap_future(self.engine.call(lambda e: e.reset_prefix_cache()))
+        logger.info("prefix cache flushed: %d blocks evicted", flushed)
+        return internal_pb2.NodeFlushResponse(blocks_flushed=flushed)
+
+
 async def run_node(
     args: argparse.Namespace,
     *,
@@ -211,9 +226,10 @@ async def run_node(
     """
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     add_servicer(server)
-    health = add_health(server, [service])
+    internal_pb2_grpc.add_NodeControlServicer_to_server(NodeControlServicer(thread), server)
+    health = add_health(server, [service, CONTROL_SERVICE])
     if args.enable_reflection:
-        add_reflection(server, [service])
+        add_reflection(server, [service, CONTROL_SERVICE])
     server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
 
@@ -223,7 +239,7 @@ async def run_node(
     )
     await heartbeat.beat()
     beating = asyncio.create_task(heartbeat.run_forever())
-    await set_serving(health, [service], True)
+    await set_serving(health, [service, CONTROL_SERVICE], True)
     logger.info("%s node %s serving on %s:%d", info.role.value, info.node_id, args.host, args.port)
 
     stop = asyncio.Event()
@@ -232,7 +248,7 @@ async def run_node(
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     logger.info("%s node %s stopping", info.role.value, info.node_id)
-    await set_serving(health, [service], False)
+    await set_serving(health, [service, CONTROL_SERVICE], False)
     beating.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await beating

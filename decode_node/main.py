@@ -51,6 +51,7 @@ async def serve(args: argparse.Namespace) -> int:
         address=f"{advertise}:{args.port}",
         model_id=config.served_model_name,
         block_size=config.kvcache_block_size,
+        max_num_seqs=config.max_num_seqs,
         transfer_host=advertise,
         transfer_port=args.transfer_port,
     )

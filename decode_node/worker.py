@@ -99,6 +99,7 @@ class DecodeStats:
             "kv_transfer_failures": self.transfer_failures,
             "kv_late_transfers": self.late_transfers,
             "kv_checksum_mismatches": self.checksum_mismatches,
+            "kv_transfer_bytes": self.bytes_received,
         }
 
 

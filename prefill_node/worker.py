@@ -60,12 +60,15 @@ class PrefillStats:
     transfers: int = 0
     transfers_failed: int = 0
     bytes_sent: int = 0
+    transfer_us: int = 0  # time spent sending, summed
 
     def counters(self) -> dict[str, int]:
         return {
             "requests_total": self.requests,
             "kv_transfers": self.transfers,
             "kv_transfer_failures": self.transfers_failed,
+            "kv_transfer_bytes": self.bytes_sent,
+            "kv_transfer_us": self.transfer_us,
         }
 
 
@@ -124,6 +127,7 @@ class PrefillWorker:
             self.stats.requests += 1
         self.stats.transfers += 1
         self.stats.bytes_sent += num_bytes
+        self.stats.transfer_us += int((done - gathered) * 1e6)
         m = out.metrics
         scheduled = m.first_scheduled_time or m.arrival_time
         resp = internal_pb2.PrefillResponse(

@@ -1,3 +1,4 @@
+from proto import pdserve_pb2 as _pdserve_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -11,7 +12,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "role", "address", "kv_blocks_total", "kv_blocks_free", "running", "waiting", "queued_prefill_tokens", "cached_blocks", "draining", "heartbeat_age_ms")
+    __slots__ = ("node_id", "role", "address", "kv_blocks_total", "kv_blocks_free", "running", "waiting", "queued_prefill_tokens", "cached_blocks", "draining", "heartbeat_age_ms", "requests_total", "preemptions")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +24,8 @@ class NodeInfo(_message.Message):
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     address: str
@@ -34,10 +37,157 @@ class NodeInfo(_message.Message):
     cached_blocks: int
     draining: bool
     heartbeat_age_ms: int
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., heartbeat_age_ms: _Optional[int] = ...) -> None: ...
+    requests_total: int
+    preemptions: int
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., heartbeat_age_ms: _Optional[int] = ..., requests_total: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class ListNodesResponse(_message.Message):
     __slots__ = ("nodes",)
     NODES_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: NodeInfo
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LatencySummary(_message.Message):
+    __slots__ = ("count", "mean_ms", "p50_ms", "p90_ms", "p99_ms")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    MEAN_MS_FIELD_NUMBER: _ClassVar[int]
+    P50_MS_FIELD_NUMBER: _ClassVar[int]
+    P90_MS_FIELD_NUMBER: _ClassVar[int]
+    P99_MS_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    mean_ms: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    def __init__(self, count: _Optional[int] = ..., mean_ms: _Optional[float] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ...) -> None: ...
+
+class NodeCount(_message.Message):
+    __slots__ = ("node_id", "count")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    count: int
+    def __init__(self, node_id: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class StatusCount(_message.Message):
+    __slots__ = ("status", "count")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    count: int
+    def __init__(self, status: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("ttft", "tpot", "itl", "e2e", "prefix_hit_rate", "prompt_tokens", "cached_tokens", "requests_per_decode_node", "requests_per_prefill_node", "local_prefills", "requests_by_status", "in_flight", "preemptions", "kv_transfers", "kv_transfer_bytes", "kv_transfer_gbps", "kv_transfer_failures", "uptime_s")
+    TTFT_FIELD_NUMBER: _ClassVar[int]
+    TPOT_FIELD_NUMBER: _ClassVar[int]
+    ITL_FIELD_NUMBER: _ClassVar[int]
+    E2E_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_PER_DECODE_NODE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_PER_PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_BY_STATUS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_GBPS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    ttft: LatencySummary
+    tpot: LatencySummary
+    itl: LatencySummary
+    e2e: LatencySummary
+    prefix_hit_rate: float
+    prompt_tokens: int
+    cached_tokens: int
+    requests_per_decode_node: _containers.RepeatedCompositeFieldContainer[NodeCount]
+    requests_per_prefill_node: _containers.RepeatedCompositeFieldContainer[NodeCount]
+    local_prefills: int
+    requests_by_status: _containers.RepeatedCompositeFieldContainer[StatusCount]
+    in_flight: int
+    preemptions: int
+    kv_transfers: int
+    kv_transfer_bytes: int
+    kv_transfer_gbps: float
+    kv_transfer_failures: int
+    uptime_s: float
+    def __init__(self, ttft: _Optional[_Union[LatencySummary, _Mapping]] = ..., tpot: _Optional[_Union[LatencySummary, _Mapping]] = ..., itl: _Optional[_Union[LatencySummary, _Mapping]] = ..., e2e: _Optional[_Union[LatencySummary, _Mapping]] = ..., prefix_hit_rate: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., requests_per_decode_node: _Optional[_Iterable[_Union[NodeCount, _Mapping]]] = ..., requests_per_prefill_node: _Optional[_Iterable[_Union[NodeCount, _Mapping]]] = ..., local_prefills: _Optional[int] = ..., requests_by_status: _Optional[_Iterable[_Union[StatusCount, _Mapping]]] = ..., in_flight: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_gbps: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+
+class ExplainRouteRequest(_message.Message):
+    __slots__ = ("request",)
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    request: _pdserve_pb2.GenerateRequest
+    def __init__(self, request: _Optional[_Union[_pdserve_pb2.GenerateRequest, _Mapping]] = ...) -> None: ...
+
+class NodeScore(_message.Message):
+    __slots__ = ("node_id", "role", "hit_blocks", "cost", "excluded", "terms")
+    class TermsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    TERMS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    role: str
+    hit_blocks: int
+    cost: float
+    excluded: str
+    terms: _containers.ScalarMap[str, float]
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., hit_blocks: _Optional[int] = ..., cost: _Optional[float] = ..., excluded: _Optional[str] = ..., terms: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class ExplainRouteResponse(_message.Message):
+    __slots__ = ("policy", "prompt_tokens", "block_hashes", "decode_node", "prefill_node", "local_prefill_reason", "nodes")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_NODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_REASON_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    prompt_tokens: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[str]
+    decode_node: str
+    prefill_node: str
+    local_prefill_reason: str
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeScore]
+    def __init__(self, policy: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[str]] = ..., decode_node: _Optional[str] = ..., prefill_node: _Optional[str] = ..., local_prefill_reason: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeScore, _Mapping]]] = ...) -> None: ...
+
+class FlushCacheRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class FlushCacheResponse(_message.Message):
+    __slots__ = ("blocks_flushed",)
+    BLOCKS_FLUSHED_FIELD_NUMBER: _ClassVar[int]
+    blocks_flushed: int
+    def __init__(self, blocks_flushed: _Optional[int] = ...) -> None: ...

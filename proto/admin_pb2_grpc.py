@@ -39,6 +39,31 @@ class AdminStub:
                 request_serializer=proto_dot_admin__pb2.ListNodesRequest.SerializeToString,
                 response_deserializer=proto_dot_admin__pb2.ListNodesResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdserve.v1.Admin/Drain',
+                request_serializer=proto_dot_admin__pb2.DrainRequest.SerializeToString,
+                response_deserializer=proto_dot_admin__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.Undrain = channel.unary_unary(
+                '/pdserve.v1.Admin/Undrain',
+                request_serializer=proto_dot_admin__pb2.DrainRequest.SerializeToString,
+                response_deserializer=proto_dot_admin__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/pdserve.v1.Admin/Stats',
+                request_serializer=proto_dot_admin__pb2.StatsRequest.SerializeToString,
+                response_deserializer=proto_dot_admin__pb2.StatsResponse.FromString,
+                _registered_method=True)
+        self.ExplainRoute = channel.unary_unary(
+                '/pdserve.v1.Admin/ExplainRoute',
+                request_serializer=proto_dot_admin__pb2.ExplainRouteRequest.SerializeToString,
+                response_deserializer=proto_dot_admin__pb2.ExplainRouteResponse.FromString,
+                _registered_method=True)
+        self.FlushCache = channel.unary_unary(
+                '/pdserve.v1.Admin/FlushCache',
+                request_serializer=proto_dot_admin__pb2.FlushCacheRequest.SerializeToString,
+                response_deserializer=proto_dot_admin__pb2.FlushCacheResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -51,6 +76,44 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Stop sending new requests to a node; its in-flight requests finish.
+        Every router replica honours it (the mark is in Redis) until Undrain.
+        NOT_FOUND when no live node has that id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Undrain(self, request, context):
+        """Send requests to a drained node again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stats(self, request, context):
+        """Latency percentiles, prefix-cache hits and placement seen by this router,
+        with the nodes' own counters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExplainRoute(self, request, context):
+        """Where a request would go now, and why, without sending it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FlushCache(self, request, context):
+        """Evict a node's cached KV blocks that no request holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +121,31 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListNodes,
                     request_deserializer=proto_dot_admin__pb2.ListNodesRequest.FromString,
                     response_serializer=proto_dot_admin__pb2.ListNodesResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=proto_dot_admin__pb2.DrainRequest.FromString,
+                    response_serializer=proto_dot_admin__pb2.DrainResponse.SerializeToString,
+            ),
+            'Undrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Undrain,
+                    request_deserializer=proto_dot_admin__pb2.DrainRequest.FromString,
+                    response_serializer=proto_dot_admin__pb2.DrainResponse.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=proto_dot_admin__pb2.StatsRequest.FromString,
+                    response_serializer=proto_dot_admin__pb2.StatsResponse.SerializeToString,
+            ),
+            'ExplainRoute': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExplainRoute,
+                    request_deserializer=proto_dot_admin__pb2.ExplainRouteRequest.FromString,
+                    response_serializer=proto_dot_admin__pb2.ExplainRouteResponse.SerializeToString,
+            ),
+            'FlushCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.FlushCache,
+                    request_deserializer=proto_dot_admin__pb2.FlushCacheRequest.FromString,
+                    response_serializer=proto_dot_admin__pb2.FlushCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +175,141 @@ class Admin:
             '/pdserve.v1.Admin/ListNodes',
             proto_dot_admin__pb2.ListNodesRequest.SerializeToString,
             proto_dot_admin__pb2.ListNodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/Drain',
+            proto_dot_admin__pb2.DrainRequest.SerializeToString,
+            proto_dot_admin__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Undrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/Undrain',
+            proto_dot_admin__pb2.DrainRequest.SerializeToString,
+            proto_dot_admin__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/Stats',
+            proto_dot_admin__pb2.StatsRequest.SerializeToString,
+            proto_dot_admin__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExplainRoute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/ExplainRoute',
+            proto_dot_admin__pb2.ExplainRouteRequest.SerializeToString,
+            proto_dot_admin__pb2.ExplainRouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FlushCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/FlushCache',
+            proto_dot_admin__pb2.FlushCacheRequest.SerializeToString,
+            proto_dot_admin__pb2.FlushCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class NodeFlushRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeFlushResponse(_message.Message):
+    __slots__ = ("blocks_flushed",)
+    BLOCKS_FLUSHED_FIELD_NUMBER: _ClassVar[int]
+    blocks_flushed: int
+    def __init__(self, blocks_flushed: _Optional[int] = ...) -> None: ...
+
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

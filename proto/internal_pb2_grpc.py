@@ -182,3 +182,80 @@ class PrefillNode:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class NodeControlStub:
+    """Operations on any node (both kinds serve it), called by the router's Admin service.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.FlushCache = channel.unary_unary(
+                '/pdserve.v1.NodeControl/FlushCache',
+                request_serializer=proto_dot_internal__pb2.NodeFlushRequest.SerializeToString,
+                response_deserializer=proto_dot_internal__pb2.NodeFlushResponse.FromString,
+                _registered_method=True)
+
+
+class NodeControlServicer:
+    """Operations on any node (both kinds serve it), called by the router's Admin service.
+    """
+
+    def FlushCache(self, request, context):
+        """Evicts the node's cached KV blocks that no request holds; the change
+        reaches Redis with the next heartbeat.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_NodeControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'FlushCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.FlushCache,
+                    request_deserializer=proto_dot_internal__pb2.NodeFlushRequest.FromString,
+                    response_serializer=proto_dot_internal__pb2.NodeFlushResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.NodeControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.NodeControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class NodeControl:
+    """Operations on any node (both kinds serve it), called by the router's Admin service.
+    """
+
+    @staticmethod
+    def FlushCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.NodeControl/FlushCache',
+            proto_dot_internal__pb2.NodeFlushRequest.SerializeToString,
+            proto_dot_internal__pb2.NodeFlushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

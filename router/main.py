@@ -7,15 +7,18 @@ import asyncio
 import logging
 import os
 import signal
+from dataclasses import fields
 
 import grpc
 
 from common.cluster import Cluster
 from common.engine.config import EngineConfig
-from common.grpc_server import add_health, add_reflection, set_serving
+from common.grpc_server import BearerTokenInterceptor, add_health, add_reflection, set_serving
 from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from router.admin import AdminServicer
 from router.frontend import Frontend
+from router.policy import RoutingConfig, RoutingPolicy
+from router.routing import Routing
 from router.service import RouterServicer
 
 logger = logging.getLogger(__name__)
@@ -77,6 +80,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--enable-reflection", action="store_true", default=env("PDSERVE_REFLECTION") == "1"
     )
+    p.add_argument(
+        "--admin-token",
+        default=env("PDSERVE_ADMIN_TOKEN"),
+        help="bearer token the admin API requires; without one the admin API listens "
+        "on 127.0.0.1 only [PDSERVE_ADMIN_TOKEN]",
+    )
+    add_routing_arguments(p)
+
+
+def add_routing_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per RoutingConfig field (docs/routing.md explains them)."""
+    g = p.add_argument_group("routing (docs/routing.md)")
+    defaults = RoutingConfig()
+    for f in fields(RoutingConfig):
+        env_name = f"PDSERVE_{f.name.upper()}"
+        default = os.environ.get(env_name)
+        if f.name == "policy":
+            g.add_argument(
+                "--routing-policy",
+                dest="policy",
+                choices=[x.value for x in RoutingPolicy],
+                default=default or defaults.policy.value,
+                help=f"[{env_name}]",
+            )
+            continue
+        kind = type(getattr(defaults, f.name))
+        g.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            type=kind,
+            default=kind(default) if default is not None else getattr(defaults, f.name),
+            help=f"default {getattr(defaults, f.name)} [{env_name}]",
+        )
+
+
+def routing_config(args: argparse.Namespace) -> RoutingConfig:
+    return RoutingConfig(**{f.name: getattr(args, f.name) for f in fields(RoutingConfig)})
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -90,9 +129,17 @@ async def serve(args: argparse.Namespace) -> int:
     if args.skip_tokenizer_init:
         kwargs["skip_tokenizer_init"] = True
     config = EngineConfig.from_kwargs(args.model, **kwargs)
+    route_config = routing_config(args)  # ValueError names a bad knob
     frontend = Frontend(config)
     cluster = Cluster.from_url(args.redis_url)
-    router = RouterServicer(frontend, cluster, remote_prefill=not args.no_remote_prefill)
+    routing = Routing(
+        cluster,
+        frontend.model_id,
+        frontend.block_size,
+        route_config,
+        remote_prefill=not args.no_remote_prefill,
+    )
+    router = RouterServicer(frontend, routing)
 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     pdserve_pb2_grpc.add_RouterServicer_to_server(router, server)
@@ -100,15 +147,32 @@ async def serve(args: argparse.Namespace) -> int:
     if args.enable_reflection:
         add_reflection(server, [ROUTER])
     server.add_insecure_port(f"{args.host}:{args.port}")
-    admin = grpc.aio.server()
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(cluster), admin)
+
+    if args.admin_token:
+        admin = grpc.aio.server(interceptors=[BearerTokenInterceptor(args.admin_token)])
+        admin_host = args.host
+    else:
+        # No token: nobody beyond this host may drain or flush nodes.
+        admin = grpc.aio.server()
+        admin_host = "127.0.0.1"
+        logger.warning("no --admin-token: the admin API listens on 127.0.0.1 only")
+    admin_pb2_grpc.add_AdminServicer_to_server(
+        AdminServicer(cluster, routing, frontend, router.channel), admin
+    )
     admin_health = add_health(admin, [ADMIN])
-    admin.add_insecure_port(f"{args.host}:{args.admin_port}")
+    admin.add_insecure_port(f"{admin_host}:{args.admin_port}")
     await server.start()
     await admin.start()
     await set_serving(health, [ROUTER], True)
     await set_serving(admin_health, [ADMIN], True)
-    logger.info("router serving on %s:%d (admin on %d)", args.host, args.port, args.admin_port)
+    logger.info(
+        "router serving on %s:%d (admin on %s:%d), routing policy %s",
+        args.host,
+        args.port,
+        admin_host,
+        args.admin_port,
+        route_config.policy.value,
+    )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

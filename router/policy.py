@@ -1,66 +1,306 @@
 """Where a request goes: a pure function of the cluster's state (no I/O, no clock).
 
-Prefill node: the one holding the longest cached prefix of the request (its
-published block hashes), ties broken by the fewest queued prefill tokens, then
-at random. Decode node: the one with the most free KV blocks, ties at random.
-Nodes that are draining, or that serve another model or block size, are never
-chosen. No prefill node (or a request that must be prefilled where it is
-decoded) means the decode node prefills itself.
+Inputs: every live node as the routing read saw it (its last heartbeat, the
+leading blocks of this prompt it caches, whether an operator drained it), this
+router's own view of what it has sent each node (``LocalLoad``, which guards
+against stale or false reports), and the request's size.
+
+Cost policy (``RoutingPolicy.COST``, the default):
+
+1. Nodes that are drained, shutting down, silent for longer than
+   ``stale_heartbeat_s``, recently failed by this router, or that serve
+   another model or block size are excluded (the explanation says why).
+2. Decode node: the lowest
+
+       load_weight * slots in use / slots
+     + kv_weight   * KV blocks in use after admitting this prompt / KV blocks
+     + full_penalty  (when it lacks the free blocks for this prompt)
+     - hit_weight  * prompt fraction it already caches
+
+   where "in use" is the larger of what the node reported plus what this
+   router sent it since, and what this router alone has in flight there.
+3. Conditional disaggregation: the decode node prefills the prompt itself
+   (no KV moves) when the part it does not cache is at most
+   ``local_prefill_max_tokens``, or it caches at least ``local_prefill_min_hit``
+   of the prompt, or no prefill node is usable.
+4. Otherwise the prefill node with the lowest
+
+       uncached prompt tokens there + queue_weight * prefill tokens queued there
+
+   (an estimate, in tokens, of the time to the first token).
+
+Ties are broken at random. ``ROUND_ROBIN`` and ``RANDOM`` ignore caches and
+load (baselines for benchmarks/routing.py); they still skip excluded nodes and
+always prefill remotely when they can.
 """
 
 from __future__ import annotations
 
+import enum
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from common.cluster import NodeInfo, NodeRole, RouteCandidate
+from common.cluster import ClusterView, NodeInfo, NodeRole, RouteCandidate
 
 
 class NoRoute(RuntimeError):
     """No node can take this request; the message says why."""
 
 
+class RoutingPolicy(enum.Enum):
+    COST = "cost"
+    ROUND_ROBIN = "round-robin"
+    RANDOM = "random"
+
+
+@dataclass(slots=True)
+class RoutingConfig:
+    """The policy's knobs; `pdserve router --help` lists them as flags."""
+
+    policy: RoutingPolicy = RoutingPolicy.COST
+    # Decode cost: weight of the fraction of sequence slots in use.
+    load_weight: float = 1.0
+    # Decode cost: weight of the fraction of KV blocks in use after this prompt.
+    kv_weight: float = 1.0
+    # Decode cost: weight of the fraction of the prompt the node already caches.
+    hit_weight: float = 1.0
+    # Decode cost added when the node lacks free blocks for the prompt (it would queue).
+    full_penalty: float = 10.0
+    # Prefill cost: weight of a queued prefill token against an uncached prompt token.
+    queue_weight: float = 1.0
+    # Prefill on the decode node when at most this many prompt tokens are uncached there.
+    local_prefill_max_tokens: int = 256
+    # ... or when the decode node caches at least this fraction of the prompt.
+    local_prefill_min_hit: float = 0.8
+    # A node whose last heartbeat is older than this is treated as unhealthy.
+    stale_heartbeat_s: float = 3.0
+    # After a failed call to a node, this router avoids it for this long.
+    failure_cooldown_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.policy, str):
+            try:
+                self.policy = RoutingPolicy(self.policy)
+            except ValueError:
+                allowed = ", ".join(p.value for p in RoutingPolicy)
+                raise ValueError(
+                    f"routing policy must be one of {allowed}; got {self.policy!r}"
+                ) from None
+        for name in ("load_weight", "kv_weight", "hit_weight", "full_penalty", "queue_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(
+                f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}"
+            )
+        if not 0 <= self.local_prefill_min_hit <= 1:
+            raise ValueError(
+                f"local_prefill_min_hit must be in [0, 1], got {self.local_prefill_min_hit}"
+            )
+        for name in ("stale_heartbeat_s", "failure_cooldown_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class LocalLoad:
+    """What this router has sent one node and not yet seen finish."""
+
+    requests: int = 0  # in flight there
+    requests_since_report: int = 0  # of those, sent after the node's last heartbeat
+    prefill_tokens: int = 0  # uncached prompt tokens sent there, first token not back yet
+    prefill_tokens_since_report: int = 0
+    blocks: int = 0  # KV blocks those requests hold there
+    blocks_since_report: int = 0
+    failed_ago_s: float | None = None  # since this router's last failed call to it
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    model_id: str
+    block_size: int
+    prompt_tokens: int
+    # False for requests that must be prefilled where they are decoded (n > 1, prompt logprobs).
+    allow_remote_prefill: bool = True
+
+
+@dataclass(slots=True)
+class NodeScore:
+    """One node's line in a routing explanation."""
+
+    node_id: str
+    role: NodeRole
+    hit_blocks: int
+    cost: float | None = None  # None: excluded
+    excluded: str = ""  # why, when excluded
+    terms: dict[str, float] = field(default_factory=dict)  # the cost's parts
+
+
 @dataclass(slots=True)
 class RouteDecision:
     decode: NodeInfo
-    prefill: NodeInfo | None
+    prefill: NodeInfo | None  # None: the decode node prefills
     prefill_hit_blocks: int
     decode_hit_blocks: int
+    # Why the decode node prefills (empty when a prefill node does).
+    local_prefill_reason: str
+    scores: list[NodeScore]
+
+
+def exclusion(
+    c: RouteCandidate,
+    view: ClusterView,
+    request: RouteRequest,
+    local: LocalLoad | None,
+    config: RoutingConfig,
+) -> str:
+    """Why this node may not take the request ("" if it may)."""
+    node = c.node
+    if c.drained:
+        return "drained by an operator"
+    if node.draining:
+        return "shutting down"
+    if node.model_id != request.model_id:
+        return f"serves model {node.model_id!r}"
+    if node.block_size != request.block_size:
+        return f"block size {node.block_size}"
+    age_s = view.age_ms(node) / 1e3
+    if age_s > config.stale_heartbeat_s:
+        return f"last heartbeat {age_s:.1f} s ago"
+    failed_ago_s = local.failed_ago_s if local is not None else None
+    if failed_ago_s is not None and failed_ago_s < config.failure_cooldown_s:
+        return f"a call to it failed {failed_ago_s:.1f} s ago"
+    return ""
+
+
+def decode_cost(
+    c: RouteCandidate, request: RouteRequest, local: LocalLoad, config: RoutingConfig
+) -> dict[str, float]:
+    node = c.node
+    bs = request.block_size
+    slots = node.max_num_seqs or 256  # a node that did not say: vLLM's default
+    running = max(node.running + node.waiting + local.requests_since_report, local.requests)
+    total = max(node.kv_blocks_total, 1)
+    used = max(node.kv_blocks_total - node.kv_blocks_free + local.blocks_since_report, local.blocks)
+    prompt_blocks = -(-request.prompt_tokens // bs)
+    needed = prompt_blocks - c.hit_blocks + 1  # + the first decode block
+    hit_fraction = min(1.0, c.hit_blocks * bs / max(request.prompt_tokens, 1))
+    terms = {
+        "load": config.load_weight * running / slots,
+        "kv": config.kv_weight * min(1.0, (used + needed) / total),
+        "hit": -config.hit_weight * hit_fraction,
+    }
+    if used + needed > node.kv_blocks_total:
+        terms["full"] = config.full_penalty
+    return terms
+
+
+def prefill_cost(
+    c: RouteCandidate, request: RouteRequest, local: LocalLoad, config: RoutingConfig
+) -> dict[str, float]:
+    node = c.node
+    uncached = max(0, request.prompt_tokens - c.hit_blocks * request.block_size)
+    queued = max(
+        node.queued_prefill_tokens + local.prefill_tokens_since_report, local.prefill_tokens
+    )
+    return {"uncached": float(uncached), "queue": config.queue_weight * queued}
 
 
 def choose_route(
-    candidates: list[RouteCandidate],
-    model_id: str,
-    block_size: int,
-    remote_prefill: bool = True,
+    view: ClusterView,
+    request: RouteRequest,
+    config: RoutingConfig,
+    local: dict[str, LocalLoad] | None = None,
     rng: random.Random | None = None,
+    turn: int = 0,
 ) -> RouteDecision:
-    rng = rng or random
-    usable = [
-        c
-        for c in candidates
-        if not c.node.draining and c.node.model_id == model_id and c.node.block_size == block_size
-    ]
-    decodes = [c for c in usable if c.node.role is NodeRole.DECODE]
+    """The route for one request, with a score line for every node considered.
+
+    ``turn`` is the caller's request counter (used by ROUND_ROBIN only).
+    """
+    rng = rng or random.Random()
+    local = local or {}
+    scores: list[NodeScore] = []
+    usable: dict[NodeRole, list[RouteCandidate]] = {NodeRole.DECODE: [], NodeRole.PREFILL: []}
+    for c in sorted(view.candidates, key=lambda c: c.node.node_id):
+        why = exclusion(c, view, request, local.get(c.node.node_id), config)
+        if why:
+            scores.append(NodeScore(c.node.node_id, c.node.role, c.hit_blocks, excluded=why))
+        else:
+            usable[c.node.role].append(c)
+    decodes, prefills = usable[NodeRole.DECODE], usable[NodeRole.PREFILL]
     if not decodes:
-        live = [c for c in candidates if c.node.role is NodeRole.DECODE]
-        if not live:
-            raise NoRoute("no decode node is registered")
-        if all(c.node.draining for c in live):
-            raise NoRoute("every decode node is draining")
-        raise NoRoute(f"no decode node serves model {model_id!r} with block size {block_size}")
-    decode = max(decodes, key=lambda c: (c.node.kv_blocks_free, rng.random()))
-    prefill = None
-    if remote_prefill:
-        prefills = [c for c in usable if c.node.role is NodeRole.PREFILL]
-        if prefills:
-            prefill = max(
-                prefills,
-                key=lambda c: (c.hit_blocks, -c.node.queued_prefill_tokens, rng.random()),
-            )
+        _raise_no_decode(view, scores)
+    remote_ok = request.allow_remote_prefill and bool(prefills)
+    if config.policy is RoutingPolicy.COST:
+        decode, decode_scores = _cheapest(decodes, request, local, config, rng, decode_cost)
+        scores.extend(decode_scores)
+        reason = _local_prefill_reason(decode, request, config, remote_ok)
+        prefill = None
+        if not reason:
+            prefill, prefill_scores = _cheapest(prefills, request, local, config, rng, prefill_cost)
+            scores.extend(prefill_scores)
+    else:
+        if config.policy is RoutingPolicy.ROUND_ROBIN:
+            decode = decodes[turn % len(decodes)]
+            prefill = prefills[turn % len(prefills)] if remote_ok else None
+        else:
+            decode = rng.choice(decodes)
+            prefill = rng.choice(prefills) if remote_ok else None
+        reason = "" if prefill else _no_remote_reason(request)
+        scores.extend(
+            NodeScore(c.node.node_id, c.node.role, c.hit_blocks) for c in decodes + prefills
+        )
+    scores.sort(key=lambda s: (s.role.value, s.node_id))
     return RouteDecision(
         decode=decode.node,
         prefill=prefill.node if prefill else None,
         prefill_hit_blocks=prefill.hit_blocks if prefill else 0,
         decode_hit_blocks=decode.hit_blocks,
+        local_prefill_reason=reason,
+        scores=scores,
     )
+
+
+def _cheapest(candidates, request, local, config, rng, cost_fn):
+    scored = []
+    for c in candidates:
+        terms = cost_fn(c, request, local.get(c.node.node_id) or LocalLoad(), config)
+        scored.append((sum(terms.values()), rng.random(), c, terms))
+    best = min(scored, key=lambda s: (s[0], s[1]))
+    scores = [
+        NodeScore(c.node.node_id, c.node.role, c.hit_blocks, cost, "", terms)
+        for cost, _, c, terms in scored
+    ]
+    return best[2], scores
+
+
+def _local_prefill_reason(
+    decode: RouteCandidate, request: RouteRequest, config: RoutingConfig, remote_ok: bool
+) -> str:
+    if not remote_ok:
+        return _no_remote_reason(request)
+    cached = min(request.prompt_tokens, decode.hit_blocks * request.block_size)
+    uncached = request.prompt_tokens - cached
+    if uncached <= config.local_prefill_max_tokens:
+        return f"only {uncached} uncached prompt tokens (<= {config.local_prefill_max_tokens})"
+    if cached >= config.local_prefill_min_hit * request.prompt_tokens:
+        return (
+            f"the decode node caches {cached} of {request.prompt_tokens} prompt tokens"
+            f" (>= {config.local_prefill_min_hit:.0%})"
+        )
+    return ""
+
+
+def _no_remote_reason(request: RouteRequest) -> str:
+    if not request.allow_remote_prefill:
+        return "the request must be prefilled where it is decoded (n > 1 or prompt logprobs)"
+    return "no prefill node is usable"
+
+
+def _raise_no_decode(view: ClusterView, scores: list[NodeScore]) -> None:
+    excluded = [s for s in scores if s.role is NodeRole.DECODE]
+    if not excluded:
+        raise NoRoute("no decode node is registered")
+    reasons = "; ".join(f"{s.node_id}: {s.excluded}" for s in excluded)
+    raise NoRoute(f"no decode node can take the request ({reasons})")

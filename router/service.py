@@ -1,4 +1,4 @@
-"""The public Router service: validate, route, relay (thin; logic lives in frontend/policy)."""
+"""The public Router service: validate, route, relay (thin; logic lives in frontend/routing)."""
 
 from __future__ import annotations
 
@@ -8,50 +8,50 @@ import uuid
 
 import grpc
 
-from common.cluster import Cluster
 from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from router.frontend import Frontend
-from router.policy import NoRoute, choose_route
+from router.policy import NoRoute
+from router.routing import Routing
+from router.stats import RequestTrace
 
 logger = logging.getLogger(__name__)
 
+# Channel states that mean the node itself is unreachable (not a failed request).
+_UNREACHABLE = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
+
 
 class RouterServicer(pdserve_pb2_grpc.RouterServicer):
-    def __init__(self, frontend: Frontend, cluster: Cluster, remote_prefill: bool = True) -> None:
+    def __init__(self, frontend: Frontend, routing: Routing) -> None:
         self.frontend = frontend
-        self.cluster = cluster
-        self.remote_prefill = remote_prefill
+        self.routing = routing
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def _stub(self, address: str) -> internal_pb2_grpc.DecodeNodeStub:
+    def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = grpc.aio.insecure_channel(address)
-        return internal_pb2_grpc.DecodeNodeStub(channel)
+        return channel
 
     async def Generate(
         self, request: pdserve_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ):
-        start = time.monotonic()
+        trace = RequestTrace(time.monotonic())
+        stats = self.routing.stats
         client_id = request.request_id or uuid.uuid4().hex
         try:
             parsed = self.frontend.parse(request)
         except ValueError as e:
+            stats.requests_by_status["INVALID_ARGUMENT"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
-            candidates = await self.cluster.candidates(parsed.block_hashes)
-        except Exception as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cluster state is unavailable: {e}")
-        # A request that must be prefilled where it is decoded goes without a prefill node.
-        remote = (
-            self.remote_prefill and parsed.params.n == 1 and parsed.params.prompt_logprobs is None
-        )
-        try:
-            route = choose_route(
-                candidates, self.frontend.model_id, self.frontend.block_size, remote
-            )
+            routed = await self.routing.route(parsed)
         except NoRoute as e:
+            stats.requests_by_status["UNAVAILABLE"] += 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except Exception as e:  # Redis down or refusing: say so, do not hang
+            stats.requests_by_status["UNAVAILABLE"] += 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cluster state is unavailable: {e}")
+        route = routed.decision
         downstream = internal_pb2.DecodeRequest(
             # Unique downstream even when clients reuse ids: streams never cross.
             request_id=uuid.uuid4().hex,
@@ -62,20 +62,48 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         if route.prefill is not None:
             downstream.prefill.node_id = route.prefill.node_id
             downstream.prefill.address = route.prefill.address
-        call = self._stub(route.decode.address).Decode(downstream, timeout=context.time_remaining())
-        first_token_ms = None
+        dispatch = self.routing.dispatch(routed)
+        channel = self.channel(route.decode.address)
+        call = internal_pb2_grpc.DecodeNodeStub(channel).Decode(
+            downstream, timeout=context.time_remaining()
+        )
+        status, usage, received = "CANCELLED", None, False
         try:
             async for response in call:
+                received = True
+                now = time.monotonic()
                 response.request_id = client_id
-                if first_token_ms is None and any(d.token_ids for d in response.deltas):
-                    first_token_ms = (time.monotonic() - start) * 1e3
+                new_tokens = sum(len(d.token_ids) for d in response.deltas)
+                if new_tokens and trace.first_token is None:
+                    self.routing.inflight.first_token(dispatch)
+                trace.on_tokens(new_tokens, now)
                 if response.HasField("final"):
-                    response.final.usage.time_to_first_token_ms = first_token_ms or 0.0
+                    usage = response.final.usage
+                    usage.time_to_first_token_ms = (
+                        (trace.first_token - trace.start) * 1e3 if trace.first_token else 0.0
+                    )
                 yield response
+            status = "OK"
+            self.routing.inflight.succeeded(route.decode.node_id)
         except grpc.aio.AioRpcError as e:
+            status = e.code().name
+            if (
+                e.code() is grpc.StatusCode.UNAVAILABLE
+                and not received
+                and channel.get_state() in _UNREACHABLE
+            ):
+                self.routing.inflight.failed(route.decode.node_id)
             await context.abort(e.code(), e.details() or str(e.code()))
         finally:
             call.cancel()  # a no-op once the stream ended; else the client left
+            self.routing.inflight.finish(dispatch)
+            stats.finished(
+                trace,
+                time.monotonic(),
+                status,
+                usage.prompt_tokens if usage else 0,
+                usage.cached_tokens if usage else 0,
+            )
 
     async def close(self) -> None:
         for channel in self._channels.values():

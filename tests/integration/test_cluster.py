@@ -55,6 +55,10 @@ def cluster(demo_model_dir, tmp_path_factory):
         admin_port=free_port(),
         engine_args=["--max-model-len", str(MAX_LEN)],
         node_args=["--verify-kv", "--heartbeat-interval", "0.2"],
+        # Always disaggregate: these tests exercise the KV transfer on short
+        # prompts, which the default policy would prefill on the decode node
+        # (tests/integration/test_routing.py runs the defaults).
+        router_args=["--local-prefill-max-tokens", "0", "--local-prefill-min-hit", "1.0"],
         log_dir=str(tmp_path_factory.mktemp("cluster-logs")),
         start_timeout_s=300,
     )
