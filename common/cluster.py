@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any
 
+from common.block_hash import DIGEST_SIZE
+
 DEFAULT_PREFIX = "pds"
 DEFAULT_TTL_S = 5.0
 
@@ -57,12 +59,19 @@ ROUTE_FIELDS = (
     "seen_ms",
 )
 
+# ARGV[1]: the key prefix; ARGV[2]: the request's block hashes, concatenated
+# (16 bytes each). One argument rather than one per block: encoding hundreds of
+# arguments cost the client more than the whole script costs the server.
 _ROUTE_SCRIPT = """
 local t = redis.call('TIME')
 local out = {t[1] * 1000 + math.floor(t[2] / 1000)}
 local ids = redis.call('SMEMBERS', KEYS[1])
+local drained = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do drained[id] = 1 end
 local prefix = ARGV[1]
-local n = #ARGV - 1
+local hashes = ARGV[2]
+local n = math.floor(#hashes / DIGEST)
+local function block(i) return string.sub(hashes, (i - 1) * DIGEST + 1, i * DIGEST) end
 for _, id in ipairs(ids) do
   local values = redis.call('HMGET', prefix .. ':node:' .. id, FIELDS)
   if not values[1] then
@@ -70,11 +79,11 @@ for _, id in ipairs(ids) do
   else
     local key = prefix .. ':blocks:' .. id
     local hit = 0
-    if n > 0 and redis.call('SISMEMBER', key, ARGV[2]) == 1 then
+    if n > 0 and redis.call('SISMEMBER', key, block(1)) == 1 then
       -- blocks 1..lo are held; hi is the first block known to be missing.
       local lo, hi, step = 1, n + 1, 1
       while lo + step <= n do
-        if redis.call('SISMEMBER', key, ARGV[lo + step + 1]) == 1 then
+        if redis.call('SISMEMBER', key, block(lo + step)) == 1 then
           lo = lo + step
           step = step * 2
         else
@@ -84,18 +93,21 @@ for _, id in ipairs(ids) do
       end
       while hi - lo > 1 do
         local mid = math.floor((lo + hi) / 2)
-        if redis.call('SISMEMBER', key, ARGV[mid + 1]) == 1 then lo = mid else hi = mid end
+        if redis.call('SISMEMBER', key, block(mid)) == 1 then lo = mid else hi = mid end
       end
       hit = lo
     end
     out[#out + 1] = id
     out[#out + 1] = values
     out[#out + 1] = hit
-    out[#out + 1] = redis.call('SISMEMBER', KEYS[2], id)
+    out[#out + 1] = drained[id] or 0
   end
 end
 return out
-""".replace("FIELDS", ", ".join(f"'{f}'" for f in ROUTE_FIELDS))
+"""
+_ROUTE_SCRIPT = _ROUTE_SCRIPT.replace("FIELDS", ", ".join(f"'{f}'" for f in ROUTE_FIELDS)).replace(
+    "DIGEST", str(DIGEST_SIZE)
+)
 
 # Stamps a heartbeat with the Redis server's clock, so that every router reads
 # node ages on one clock whatever the skew between hosts.
@@ -281,9 +293,12 @@ class Cluster:
 
     async def view(self, block_hashes: list[bytes]) -> ClusterView:
         """Every live node with the number of leading request blocks it holds; one round trip."""
+        hashes = block_hashes[:MAX_ROUTED_BLOCKS]
+        packed = b"".join(hashes)
+        if len(packed) != DIGEST_SIZE * len(hashes):
+            raise ValueError(f"block hashes must be {DIGEST_SIZE} bytes each")
         raw = await self._route(
-            keys=[self._key("nodes"), self._key("draining")],
-            args=[self.prefix, *block_hashes[:MAX_ROUTED_BLOCKS]],
+            keys=[self._key("nodes"), self._key("draining")], args=[self.prefix, packed]
         )
         out = []
         for i in range(1, len(raw), 4):

@@ -1,0 +1,546 @@
+"""Routing: prefix-cache hits and TTFT of three policies on one multi-turn
+workload, and the cost of one routing decision.
+
+    python benchmarks/routing.py                     # both parts (demo model, CPU is fine)
+    python benchmarks/routing.py --part decision     # decision latency only (Redis, no model)
+    python benchmarks/routing.py --part workload --users 32 --turns 6
+    python benchmarks/routing.py --shape smollm2-135m --device cpu   # no model files needed
+
+Workload part. Starts Redis, ``--prefill`` prefill and ``--decode`` decode
+nodes (`pdserve up`'s launcher) and one router per policy (random,
+round-robin, cost), all on the same nodes. For each policy in turn: every
+node's prefix cache is flushed (Admin.FlushCache), then the same synthetic chat
+traffic runs through that policy's router: ``--users`` conversations, each on
+one of ``--systems`` shared system prompts, ``--turns`` turns each, where turn
+t's prompt is turn t-1's prompt + the generated reply + a new user message
+(token ids, so nothing depends on a chat template), ``--concurrency``
+conversations at a time. Reported per policy: prefix-cache hit rate (cached /
+prompt tokens, from each request's usage), the best possible hit rate on the
+same requests, TTFT percentiles, and placement.
+
+"Best possible" is a bound no placement can beat: a request can at most reuse
+the longest block-aligned prefix it shares with the prompt or reply of any
+other request sent before its own first token came back (one infinite cache
+holding everything), less the last prompt token, which is always computed.
+
+Decision part. A real redis-server holding 16 synthetic nodes (8 prefill,
+8 decode), each with ``--other-blocks`` unrelated cached blocks and a different
+leading part of the test prompt. One decision for an 8k-token prompt = hashing
+its blocks + the routing read (one Redis round trip, counted on the wire) + the
+router's in-flight split + the policy. Baseline in the same run: the previous
+routing read (HGETALL of every node + SMISMEMBER of every block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import save_run
+
+POLICIES = ("random", "round-robin", "cost")
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
+
+
+def summary_ms(values: list[float]) -> dict[str, float]:
+    return {
+        "count": len(values),
+        "mean_ms": statistics.fmean(values) if values else float("nan"),
+        "p50_ms": pct(values, 50),
+        "p90_ms": pct(values, 90),
+        "p99_ms": pct(values, 99),
+    }
+
+
+# ---------------------------------------------------------------- workload
+@dataclass(slots=True)
+class Turn:
+    user: int
+    turn: int
+    prompt: list[int]
+    sent: float = 0.0
+    done: float = 0.0
+    output: list[int] = field(default_factory=list)
+    cached: int = 0
+    ttft_ms: float = float("nan")
+    prefill_node: str = ""
+    decode_node: str = ""
+
+
+@dataclass(slots=True)
+class Workload:
+    systems: list[list[int]]
+    messages: list[list[list[int]]]  # [user][turn] -> the user's message ids
+
+    @classmethod
+    def make(cls, args: argparse.Namespace, vocab: int) -> Workload:
+        rng = random.Random(args.seed)
+
+        def ids(n: int) -> list[int]:
+            # Clear of the lowest and highest ids, where special tokens live.
+            return [rng.randrange(300, vocab - 300) for _ in range(n)]
+
+        systems = [ids(args.system_tokens) for _ in range(args.systems)]
+        messages = [
+            [
+                ids(rng.randint(args.min_user_tokens, args.max_user_tokens))
+                for _ in range(args.turns)
+            ]
+            for _ in range(args.users)
+        ]
+        return cls(systems, messages)
+
+
+def run_conversation(
+    address: str, w: Workload, user: int, args, turns: list[Turn], progress=None
+) -> None:
+    from proto.client import generate
+
+    history = list(w.systems[user % len(w.systems)])
+    for t, message in enumerate(w.messages[user]):
+        rec = Turn(user, t, history + message)
+        rec.sent = time.monotonic()
+        for r in generate(
+            address,
+            token_ids=rec.prompt,
+            max_tokens=args.output_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            timeout=600,
+        ):
+            for d in r.deltas:
+                if d.token_ids and not rec.output:
+                    rec.ttft_ms = (time.monotonic() - rec.sent) * 1e3
+                rec.output.extend(d.token_ids)
+            if r.HasField("final"):
+                usage = r.final.usage
+                rec.cached = usage.cached_tokens
+                rec.prefill_node = usage.prefill_node
+                rec.decode_node = usage.decode_node
+        rec.done = time.monotonic()
+        turns.append(rec)
+        if progress is not None:
+            progress()
+        history = rec.prompt + rec.output
+
+
+def best_possible(turns: list[Turn], block_size: int) -> list[int]:
+    """Per request: the most prompt tokens any placement could have served from cache.
+
+    A request can only reuse blocks that some other request computed before
+    its own prefill ran, and such a request was sent before this one's first
+    token came back. So the bound credits a request with the blocks (prompt
+    and reply) of every other request sent before its first token: one
+    infinite cache holding everything, generous to the baseline (two requests
+    sent together are both credited with each other's blocks).
+    """
+    from common.block_hash import BlockHasher
+
+    hasher = BlockHasher("bound", block_size)
+    full = [hasher.hash_blocks(t.prompt + t.output) for t in turns]
+    by_sent = sorted(range(len(turns)), key=lambda i: turns[i].sent)
+    seen: Counter[bytes] = Counter()
+    bounds = [0] * len(turns)
+    j = 0
+    for i in sorted(range(len(turns)), key=lambda i: turns[i].sent + turns[i].ttft_ms / 1e3):
+        t = turns[i]
+        while j < len(by_sent) and turns[by_sent[j]].sent < t.sent + t.ttft_ms / 1e3:
+            seen.update(full[by_sent[j]])
+            j += 1
+        own = set(full[i])  # this request's own blocks do not count
+        hit = 0
+        for h in hasher.hash_blocks(t.prompt):
+            if seen[h] - (h in own) <= 0:
+                break
+            hit += 1
+        bounds[i] = min(hit, (len(t.prompt) - 1) // block_size) * block_size
+    return bounds
+
+
+def flush_all(admin: str, token: str | None = None) -> int:
+    """Evict every node's unused cached blocks; wait until Redis shows them gone."""
+    import grpc
+
+    from proto import admin_pb2, admin_pb2_grpc
+
+    with grpc.insecure_channel(admin) as ch:
+        stub = admin_pb2_grpc.AdminStub(ch)
+        nodes = stub.ListNodes(admin_pb2.ListNodesRequest(), timeout=30).nodes
+        flushed = sum(
+            stub.FlushCache(
+                admin_pb2.FlushCacheRequest(node_id=n.node_id), timeout=60
+            ).blocks_flushed
+            for n in nodes
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            nodes = stub.ListNodes(admin_pb2.ListNodesRequest(), timeout=30).nodes
+            if all(n.cached_blocks == 0 and n.running + n.waiting == 0 for n in nodes):
+                return flushed
+            time.sleep(0.2)
+    raise RuntimeError("the nodes' caches did not empty after FlushCache")
+
+
+def start_router(
+    cluster, policy: str, model: str, log_dir: str, extra: list[str]
+) -> tuple[subprocess.Popen, str]:
+    from common.grpc_server import wait_serving
+    from common.redis_server import free_port
+
+    port, admin_port = free_port(), free_port()
+    log = open(Path(log_dir) / f"router-{policy}.log", "w")  # noqa: SIM115 - lives with the process
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "common.cli", "router", "--model", model]
+        + ["--redis-url", cluster.redis_url, "--host", "127.0.0.1", "--port", str(port)]
+        + ["--admin-port", str(admin_port), "--routing-policy", policy, *extra],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    address = f"127.0.0.1:{port}"
+    if not wait_serving(address, 120, "pdserve.v1.Router"):
+        proc.kill()
+        raise RuntimeError(f"the {policy} router did not start (log: {log.name})")
+    return proc, address
+
+
+def run_workload(args: argparse.Namespace) -> dict[str, Any]:
+    from common.launcher import ClusterSpec, LocalCluster
+    from common.models.config import ModelArchConfig
+    from common.redis_server import free_port
+
+    log_dir = tempfile.mkdtemp(prefix="pdserve-routing-")
+    engine_args = ["--max-model-len", str(args.max_model_len)]
+    router_args: list[str] = []
+    model = args.model
+    if args.shape:
+        from common.models.shapes import write_shape_dir
+
+        model = str(write_shape_dir(args.shape, Path(log_dir) / args.shape))
+        engine_args += ["--load-format", "dummy", "--skip-tokenizer-init"]
+        router_args += ["--skip-tokenizer-init"]
+    if args.device != "auto":
+        engine_args += ["--device", args.device]
+    vocab = ModelArchConfig.from_dir(model).vocab_size
+    w = Workload.make(args, vocab)
+    if args.num_kvcache_blocks:
+        engine_args += ["--num-kvcache-blocks", str(args.num_kvcache_blocks)]
+    spec = ClusterSpec(
+        model=model,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        port=free_port(),
+        admin_port=free_port(),
+        engine_args=engine_args,
+        node_args=["--heartbeat-interval", str(args.heartbeat_s)],
+        router_args=router_args,
+        log_dir=log_dir,
+    )
+    results: dict[str, Any] = {"model": args.shape or args.model, "logs": log_dir}
+    with LocalCluster(spec) as cluster:
+        routers = {p: start_router(cluster, p, model, log_dir, router_args) for p in args.policies}
+        try:
+            for policy in args.policies:
+                flushed = flush_all(cluster.admin_address)
+                turns: list[Turn] = []
+                lock = threading.Lock()
+
+                total = args.users * args.turns
+                done = [0]
+
+                def tick(policy=policy, done=done, total=total) -> None:
+                    with lock:
+                        done[0] += 1
+                        if done[0] % max(1, total // 10) == 0 or done[0] == total:
+                            print(f"  {policy}: {done[0]}/{total} requests", flush=True)
+
+                def one(user: int, address=routers[policy][1], out=turns) -> None:
+                    mine: list[Turn] = []
+                    run_conversation(address, w, user, args, mine, tick)
+                    with lock:
+                        out.extend(mine)
+
+                start = time.monotonic()
+                with ThreadPoolExecutor(args.concurrency) as pool:
+                    list(pool.map(one, range(args.users)))
+                elapsed = time.monotonic() - start
+                results[policy] = score(turns, args.block_size, elapsed, flushed)
+                r = results[policy]
+                print(
+                    f"{policy:>12}: hit rate {r['hit_rate']:.1%} "
+                    f"(best possible {r['best_hit_rate']:.1%}, {r['fraction_of_best']:.1%} of it), "
+                    f"TTFT p50 {r['ttft']['p50_ms']:.0f} ms p90 {r['ttft']['p90_ms']:.0f} ms, "
+                    f"{r['local_prefill_fraction']:.0%} prefilled on the decode node, {elapsed:.0f} s",
+                    flush=True,
+                )
+        finally:
+            for proc, _ in routers.values():
+                proc.terminate()
+                proc.wait(timeout=30)
+    if "cost" in results and "round-robin" in results:
+        rr = results["round-robin"]["hit_rate"]
+        results["cost_vs_round_robin_hit_rate"] = results["cost"]["hit_rate"] / rr if rr else None
+    if "cost" in results and "random" in results:
+        rr = results["random"]["ttft"]["p50_ms"]
+        results["cost_vs_random_ttft_p50"] = results["cost"]["ttft"]["p50_ms"] / rr
+    return results
+
+
+def score(turns: list[Turn], block_size: int, elapsed: float, flushed: int) -> dict[str, Any]:
+    bounds = best_possible(turns, block_size)
+    prompt = sum(len(t.prompt) for t in turns)
+    cached = sum(t.cached for t in turns)
+    best = sum(bounds)
+    return {
+        "requests": len(turns),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "best_cached_tokens": best,
+        "hit_rate": cached / prompt,
+        "best_hit_rate": best / prompt,
+        "fraction_of_best": cached / best if best else None,
+        "ttft": summary_ms([t.ttft_ms for t in turns]),
+        "ttft_later_turns": summary_ms([t.ttft_ms for t in turns if t.turn > 0]),
+        "local_prefill_fraction": sum(not t.prefill_node for t in turns) / len(turns),
+        "requests_per_decode_node": dict(sorted(Counter(t.decode_node for t in turns).items())),
+        "requests_per_prefill_node": dict(
+            sorted(Counter(t.prefill_node or "(local)" for t in turns).items())
+        ),
+        "output_tokens": sum(len(t.output) for t in turns),
+        "elapsed_s": elapsed,
+        "blocks_flushed_before": flushed,
+    }
+
+
+# ---------------------------------------------------------------- decision
+# The routing read before this design: every node's whole hash, and an
+# SMISMEMBER of every block of the request (linear in the prompt).
+_LINEAR_SCRIPT = """
+local ids = redis.call('SMEMBERS', KEYS[1])
+local out = {}
+for _, id in ipairs(ids) do
+  local fields = redis.call('HGETALL', ARGV[1] .. ':node:' .. id)
+  if #fields > 0 then
+    local hit = 0
+    if #ARGV > 1 then
+      local flags = redis.call('SMISMEMBER', ARGV[1] .. ':blocks:' .. id, unpack(ARGV, 2))
+      for i = 1, #flags do
+        if flags[i] == 1 then hit = i else break end
+      end
+    end
+    out[#out + 1] = id
+    out[#out + 1] = fields
+    out[#out + 1] = hit
+  end
+end
+return out
+"""
+
+
+class RoundTrips:
+    """Counts the requests the Redis client writes to its sockets (a pipeline is one)."""
+
+    def __init__(self) -> None:
+        from redis.asyncio.connection import AbstractConnection
+
+        self.count = 0
+        self._cls = AbstractConnection
+        self._orig = AbstractConnection.send_packed_command
+        counter = self
+
+        async def counted(conn, command, check_health=True):
+            counter.count += 1
+            return await counter._orig(conn, command, check_health)
+
+        AbstractConnection.send_packed_command = counted
+
+    def close(self) -> None:
+        self._cls.send_packed_command = self._orig
+
+
+async def decision_latency(args: argparse.Namespace) -> dict[str, Any]:
+    import gc
+
+    from common.block_hash import BlockHasher
+    from common.cluster import Cluster, NodeInfo, NodeRole
+    from common.redis_server import RedisServer
+    from router.inflight import InflightTracker
+    from router.policy import RouteRequest, RoutingConfig, choose_route
+
+    rng = random.Random(args.seed)
+    bs = args.block_size
+    hasher = BlockHasher("bench-model", bs)
+    prompt = [rng.randrange(32000) for _ in range(args.decision_prompt_tokens)]
+    hashes = hasher.hash_blocks(prompt)
+    server = RedisServer().start()
+    # No live nodes heartbeat here: the synthetic ones are published once and
+    # kept (long TTL, staleness limit); freshness does not change the cost.
+    cluster = Cluster.from_url(server.url, ttl_s=3600)
+    trips = RoundTrips()
+    try:
+        for i in range(args.decision_nodes):
+            role = NodeRole.PREFILL if i % 2 == 0 else NodeRole.DECODE
+            info = NodeInfo(
+                node_id=f"{role.value}-{i // 2}",
+                role=role,
+                address=f"10.0.0.{i}:50060",
+                model_id="bench-model",
+                block_size=bs,
+                kv_blocks_total=200_000,
+                kv_blocks_free=rng.randrange(50_000, 200_000),
+                running=rng.randrange(0, 200),
+                queued_prefill_tokens=rng.randrange(0, 20_000),
+                max_num_seqs=256,
+            )
+            # Each node caches a different leading part of the prompt (the
+            # first of them none), plus unrelated blocks of other prompts.
+            lead = hashes[: (i * len(hashes)) // args.decision_nodes]
+            other = [rng.randbytes(16) for _ in range(args.other_blocks)]
+            await cluster.heartbeat(info, stored=lead + other, reset_blocks=True)
+        linear = cluster.redis.register_script(_LINEAR_SCRIPT)
+        tracker = InflightTracker()
+        config = RoutingConfig(stale_heartbeat_s=3600)
+        request = RouteRequest("bench-model", bs, len(prompt))
+
+        async def decide(turn: int):
+            t0 = time.perf_counter()
+            hs = hasher.hash_blocks(prompt)
+            t1 = time.perf_counter()
+            view = await cluster.view(hs)
+            t2 = time.perf_counter()
+            decision = choose_route(view, request, config, tracker.loads(view), rng, turn)
+            t3 = time.perf_counter()
+            return (t1 - t0, t2 - t1, t3 - t2), decision, view
+
+        for k in range(50):  # warm up: script cache, connections
+            await decide(k)
+            await linear(keys=[cluster._key("nodes")], args=[cluster.prefix, *hashes])
+        parts: list[tuple[float, float, float]] = []
+        trips.count = 0
+        gc.disable()  # a collection in one sample is noise, not routing
+        try:
+            for k in range(args.decisions):
+                p, decision, view = await decide(k)
+                parts.append(p)
+                if k % 100 == 99:
+                    gc.collect()
+        finally:
+            gc.enable()
+        trips_per_decision = trips.count / args.decisions
+        expected = max(
+            (c for c in view.candidates if c.node.role is NodeRole.DECODE),
+            key=lambda c: c.hit_blocks,
+        )
+        linear_s: list[float] = []
+        trips.count = 0
+        for _ in range(args.decisions):
+            t0 = time.perf_counter()
+            raw = await linear(keys=[cluster._key("nodes")], args=[cluster.prefix, *hashes])
+            linear_s.append(time.perf_counter() - t0)
+        linear_trips = trips.count / args.decisions
+        linear_hits = {raw[i].decode(): int(raw[i + 2]) for i in range(0, len(raw), 3)}
+        ours_hits = {c.node.node_id: c.hit_blocks for c in view.candidates}
+    finally:
+        trips.close()
+        await cluster.close()
+        server.stop()
+
+    ms = lambda xs: [x * 1e3 for x in xs]  # noqa: E731
+    hash_ms, read_ms, policy_ms = (ms([p[i] for p in parts]) for i in range(3))
+    total_ms = ms([sum(p) for p in parts])
+    without_hash = ms([p[1] + p[2] for p in parts])
+    out = {
+        "prompt_tokens": len(prompt),
+        "blocks": len(hashes),
+        "nodes": args.decision_nodes,
+        "unrelated_blocks_per_node": args.other_blocks,
+        "decisions": args.decisions,
+        "redis_round_trips_per_decision": trips_per_decision,
+        "hits_agree_with_linear_scan": linear_hits == ours_hits,
+        "chosen_decode_node": decision.decode.node_id,
+        "longest_decode_hit_node": expected.node.node_id,
+        "hash_blocks": summary_ms(hash_ms),
+        "routing_read": summary_ms(read_ms),
+        "policy": summary_ms(policy_ms),
+        "decision_excluding_hashing": summary_ms(without_hash),
+        "decision_including_hashing": summary_ms(total_ms),
+        "baseline_linear_read": summary_ms(ms(linear_s)),
+        "baseline_round_trips": linear_trips,
+    }
+    out["read_speedup_vs_linear_p50"] = (
+        out["baseline_linear_read"]["p50_ms"] / out["routing_read"]["p50_ms"]
+    )
+    print(
+        f"decision for {len(prompt)} tokens over {args.decision_nodes} nodes: "
+        f"p50 {out['decision_including_hashing']['p50_ms']:.3f} ms "
+        f"(hashing {out['hash_blocks']['p50_ms']:.3f}, Redis read {out['routing_read']['p50_ms']:.3f}, "
+        f"policy {out['policy']['p50_ms']:.3f}), p99 {out['decision_including_hashing']['p99_ms']:.3f} ms; "
+        f"{trips_per_decision:g} Redis round trips; linear read p50 "
+        f"{out['baseline_linear_read']['p50_ms']:.3f} ms",
+        flush=True,
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--part", choices=["both", "workload", "decision"], default="both")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default="models/smollm2-135m-instruct")
+    src.add_argument("--shape", help="named shape, dummy weights (the workload is token ids)")
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="the nodes' device"
+    )
+    p.add_argument("--prefill", type=int, default=4)
+    p.add_argument("--decode", type=int, default=4)
+    p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
+    p.add_argument("--systems", type=int, default=4, help="shared system prompts")
+    p.add_argument("--system-tokens", type=int, default=256)
+    p.add_argument("--users", type=int, default=24, help="conversations")
+    p.add_argument("--turns", type=int, default=5, help="turns per conversation")
+    p.add_argument("--min-user-tokens", type=int, default=48)
+    p.add_argument("--max-user-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=48)
+    p.add_argument("--concurrency", type=int, default=8, help="conversations at a time")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--num-kvcache-blocks", type=int, default=0, help="per node; 0: engine default")
+    p.add_argument("--heartbeat-s", type=float, default=0.2)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--decision-prompt-tokens", type=int, default=8192)
+    p.add_argument("--decision-nodes", type=int, default=16)
+    p.add_argument("--other-blocks", type=int, default=20_000)
+    p.add_argument("--decisions", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path, default=None)
+    args = p.parse_args(argv)
+    if set(args.policies) - set(POLICIES):
+        p.error(f"--policies: choose from {', '.join(POLICIES)}")
+    results: dict[str, Any] = {}
+    if args.part in ("both", "decision"):
+        results["decision"] = asyncio.run(decision_latency(args))
+    if args.part in ("both", "workload"):
+        results["workload"] = run_workload(args)
+    return save_run("routing", args, results, argv)
+
+
+if __name__ == "__main__":
+    main()
