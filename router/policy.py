@@ -237,9 +237,14 @@ def choose_route(
         scores.extend(decode_scores)
         reason = _local_prefill_reason(decode, request, config, remote_ok)
         prefill = None
-        if not reason:
-            prefill, prefill_scores = _cheapest(prefills, request, local, config, rng, prefill_cost)
+        if prefills:
+            # Scored even when unused, so that an explanation shows every node.
+            cheapest, prefill_scores = _cheapest(
+                prefills, request, local, config, rng, prefill_cost
+            )
             scores.extend(prefill_scores)
+            if not reason:
+                prefill = cheapest
     else:
         if config.policy is RoutingPolicy.ROUND_ROBIN:
             decode = decodes[turn % len(decodes)]

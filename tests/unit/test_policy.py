@@ -95,6 +95,11 @@ def test_the_decode_node_caching_the_prompt_wins_and_prefills_it_locally():
     assert "caches 1760 of 2048" in d.local_prefill_reason
     d1 = next(s for s in d.scores if s.node_id == "d1")
     assert d1.terms["hit"] == pytest.approx(-1760 / 2048)
+    # The unused prefill nodes are still scored, for the explanation.
+    assert {s.node_id: s.cost for s in d.scores if s.role is NodeRole.PREFILL} == {
+        "p0": 2048.0,
+        "p1": 2048.0,
+    }
 
 
 # -- load ----------------------------------------------------------------------
