@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,7 +125,12 @@ class Heartbeat:
         self.published += 1
 
     async def run_forever(self) -> None:
-        while True:
+        task = asyncio.current_task()
+        # Checked on every turn, not only through CancelledError: the Redis
+        # client can swallow a cancellation that lands mid-read (or turn it
+        # into another error), and a heartbeat loop that outlives its
+        # cancellation would hang the node's shutdown.
+        while not task.cancelling():
             try:
                 await self.beat()
                 if self.consecutive_failures:
@@ -134,10 +140,13 @@ class Heartbeat:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                if task.cancelling():
+                    break
                 self.consecutive_failures += 1
                 delay = min(self.max_backoff_s, self.interval_s * 2**self.consecutive_failures)
                 logger.warning("heartbeat to Redis failed (%s); retrying in %.1f s", e, delay)
                 await asyncio.sleep(delay)
+        raise asyncio.CancelledError
 
     async def deregister(self) -> None:
         for attempt in range(2):  # a pooled connection may have died with the heartbeat task
@@ -185,6 +194,13 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
         "--transfer-timeout", type=float, default=float(env("PDSERVE_TRANSFER_TIMEOUT_S", "30"))
     )
     p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=float(env("PDSERVE_DRAIN_TIMEOUT_S", "30")),
+        help="on SIGTERM, seconds to let in-flight requests finish (a second signal: "
+        "stop now) [PDSERVE_DRAIN_TIMEOUT_S]",
+    )
+    p.add_argument(
         "--verify-kv",
         action="store_true",
         default=env("PDSERVE_VERIFY_KV") == "1",
@@ -218,11 +234,13 @@ async def run_node(
     counters: Callable[[], dict[str, int]],
     close: Callable[[], Awaitable[None]],
 ) -> int:
-    """Serve one node until SIGINT/SIGTERM, then leave the cluster cleanly.
+    """Serve one node until SIGINT/SIGTERM, then drain and leave the cluster cleanly.
 
     Order matters: the node is in Redis before health says SERVING (so the
-    router can route to whatever answers), and it says NOT_SERVING and leaves
-    Redis before the gRPC server drains (so no new request lands mid-shutdown).
+    router can route to whatever answers). On a signal it says NOT_SERVING and
+    publishes ``draining`` at once (routers stop choosing it), lets the
+    requests it has finish for up to ``--drain-timeout`` seconds (a second
+    signal cuts this short), then leaves Redis and stops its gRPC server.
     """
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     add_servicer(server)
@@ -247,14 +265,69 @@ async def run_node(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    logger.info("%s node %s stopping", info.role.value, info.node_id)
     await set_serving(health, [service, CONTROL_SERVICE], False)
+    info.draining = True  # kept by every later heartbeat
+    with contextlib.suppress(Exception):  # Redis down: routers drop us at the TTL
+        await heartbeat.beat()
+    hurry = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, hurry.set)
+    left = await drain(thread, args.drain_timeout, hurry, info.node_id)
+    logger.info(
+        "%s node %s stopping%s",
+        info.role.value,
+        info.node_id,
+        f" with {left} requests unfinished" if left else "",
+    )
+    # From here on, stopping must not hang whatever a peer or a stream does.
+    watchdog = threading.Timer(SHUTDOWN_LIMIT_S, _give_up, args=(info.node_id,))
+    watchdog.daemon = True
+    watchdog.start()
     beating.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await beating
+    await asyncio.wait({beating}, timeout=5)
     await heartbeat.deregister()
-    await server.stop(grace=5)
+    # Grace for the last messages of finished streams; then cancel the rest.
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(server.stop(grace=2), timeout=10)
     await close()
     thread.stop()
     await cluster.close()
+    watchdog.cancel()
     return 0
+
+
+# After the drain, the rest of a shutdown gets this long before the process exits anyway.
+SHUTDOWN_LIMIT_S = 30.0
+
+
+def _give_up(node_id: str) -> None:
+    logger.error("%s: shutdown did not finish in %.0f s; exiting now", node_id, SHUTDOWN_LIMIT_S)
+    logging.shutdown()
+    os._exit(1)
+
+
+def in_flight(engine) -> int:
+    """Requests a node still owes someone: queued, running, reserved, or held for a transfer."""
+    return engine.get_num_unfinished_requests() + len(engine.scheduler.held)
+
+
+async def drain(thread: EngineThread, timeout_s: float, hurry: asyncio.Event, name: str) -> int:
+    """Wait until the engine owes nothing, ``timeout_s`` passes or ``hurry`` is set;
+    returns the requests left."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    last_report = 0.0
+    while True:
+        if not thread.alive:
+            return 0
+        left = await asyncio.wrap_future(thread.call(in_flight))
+        now = loop.time()
+        if left == 0 or now >= deadline or hurry.is_set():
+            return left
+        if now - last_report >= 5:
+            logger.info(
+                "%s draining: %d requests in flight (%.0f s left)", name, left, deadline - now
+            )
+            last_report = now
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(hurry.wait(), timeout=min(0.1, deadline - now))

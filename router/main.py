@@ -86,6 +86,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="bearer token the admin API requires; without one the admin API listens "
         "on 127.0.0.1 only [PDSERVE_ADMIN_TOKEN]",
     )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=float(env("PDSERVE_DRAIN_TIMEOUT_S", "30")),
+        help="on SIGTERM, seconds to let streams in flight finish [PDSERVE_DRAIN_TIMEOUT_S]",
+    )
     add_routing_arguments(p)
 
 
@@ -179,8 +185,10 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    # NOT_SERVING at once; streams in flight get the drain timeout, new calls are refused.
     await set_serving(health, [ROUTER], False)
-    await server.stop(grace=5)
+    logger.info("router stopping: %d streams in flight", routing.inflight.in_flight)
+    await server.stop(grace=args.drain_timeout)
     await admin.stop(grace=1)
     await router.close()
     await cluster.close()

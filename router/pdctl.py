@@ -20,7 +20,9 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 
 import grpc
@@ -183,14 +185,19 @@ def stats_text(s: admin_pb2.StatsResponse) -> str:
 
 
 def cmd_stats(stub, args) -> int:
+    stop = threading.Event()
+    if args.watch is not None:
+        # Ctrl-C / SIGTERM end the watch after the current call, never inside
+        # gRPC's blocking machinery (where an interrupt can wedge the channel).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
     while True:
         s = stub.Stats(admin_pb2.StatsRequest(), **args.call)
         emit(args, as_dict(s), stats_text(s))
-        if args.watch is None:
+        if args.watch is None or stop.wait(args.watch):
             return 0
-        time.sleep(args.watch)
         if not args.json:
-            print()
+            print(flush=True)
 
 
 def cmd_explain(stub, args) -> int:

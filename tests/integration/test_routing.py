@@ -290,10 +290,14 @@ def test_stats_report_latency_hits_and_transfers(up):
         stdout=subprocess.PIPE,
         text=True,
     )
-    time.sleep(4)
+    reports = 0
+    for line in watch.stdout:  # two reports, then Ctrl-C
+        reports += "prefix-cache hits:" in line
+        if reports == 2:
+            break
     watch.send_signal(signal.SIGINT)
-    out, _ = watch.communicate(timeout=30)
-    assert watch.returncode == 0 and out.count("prefix-cache hits:") >= 2
+    watch.communicate(timeout=30)
+    assert reports == 2 and watch.returncode == 0
 
 
 def test_flush_evicts_a_nodes_unused_cached_blocks(up):
