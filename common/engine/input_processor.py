@@ -47,6 +47,12 @@ class InputProcessor:
                 f"prompt has {len(token_ids)} tokens but max_model_len is {max_len}: the prompt "
                 "must be shorter than max_model_len to leave room for output"
             )
+        if params.n > self.config.max_num_seqs:
+            # Its sequences could never all run at once on any node.
+            raise ValueError(
+                f"n is {params.n} but max_num_seqs is {self.config.max_num_seqs}: "
+                "n must be at most max_num_seqs"
+            )
         self._check_params(params)
         return ProcessedPrompt(text, token_ids, salt)
 

@@ -235,6 +235,7 @@ def test_client_cancel_frees_blocks_on_every_node(cluster):
         (dict(top_p=0.0), "top_p"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(stop_token_ids=[10**9]), "stop_token_ids"),
+        (dict(n=100_000), "max_num_seqs"),  # found by tests/faults/test_bad_input.py
     ],
 )
 def test_bad_requests_get_invalid_argument_naming_the_problem(cluster, kwargs, message):
