@@ -339,9 +339,6 @@ class Cluster:
         """True if the node was drained."""
         return bool(await self.redis.srem(self._key("draining"), node_id))
 
-    async def drained(self) -> set[str]:
-        return {_text(d) for d in await self.redis.smembers(self._key("draining"))}
-
     async def block_counts(self, node_ids: list[str]) -> dict[str, int]:
         pipe = self.redis.pipeline(transaction=False)
         for node_id in node_ids:

@@ -109,8 +109,6 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             routed = await self.routing.route(parsed)
         except NoRoute as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except Exception as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cluster state is unavailable: {e}")
         d = routed.decision
         return admin_pb2.ExplainRouteResponse(
             policy=self.routing.config.policy.value,

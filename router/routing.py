@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from common.cluster import Cluster, ClusterView
 from router.frontend import ParsedRequest
 from router.inflight import InflightTracker
-from router.policy import RouteDecision, RouteRequest, RoutingConfig, choose_route
+from router.policy import NoRoute, RouteDecision, RouteRequest, RoutingConfig, choose_route
 from router.stats import RouterStats
 
 
@@ -58,8 +58,11 @@ class Routing:
         )
 
     async def route(self, parsed: ParsedRequest) -> Routed:
-        """Decide (one Redis round trip); raises NoRoute, or the Redis client's error."""
-        view = await self.cluster.view(parsed.block_hashes)
+        """Decide (one Redis round trip); raises NoRoute saying why there is none."""
+        try:
+            view = await self.cluster.view(parsed.block_hashes)
+        except Exception as e:  # Redis down or refusing: say so, do not hang
+            raise NoRoute(f"cluster state is unavailable: {e}") from e
         request = self.route_request(parsed)
         decision = choose_route(
             view,

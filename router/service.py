@@ -45,12 +45,9 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             routed = await self.routing.route(parsed)
-        except NoRoute as e:
+        except NoRoute as e:  # no usable node, or Redis unreachable
             stats.requests_by_status["UNAVAILABLE"] += 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except Exception as e:  # Redis down or refusing: say so, do not hang
-            stats.requests_by_status["UNAVAILABLE"] += 1
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cluster state is unavailable: {e}")
         route = routed.decision
         downstream = internal_pb2.DecodeRequest(
             # Unique downstream even when clients reuse ids: streams never cross.
