@@ -91,6 +91,9 @@ class Heartbeat:
     # Cache changes not yet published (kept across failed heartbeats); last wins.
     _pending: dict[bytes, bool] = field(default_factory=dict)
     _reset: bool = True
+    # One beat at a time: shutdown beats at once (to publish `draining`) while
+    # the periodic task may be mid-beat, and both edit `_pending`.
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def refresh_info(self) -> NodeInfo:
         s = self.engine.stats
@@ -106,6 +109,10 @@ class Heartbeat:
         return info
 
     async def beat(self) -> None:
+        async with self._lock:
+            await self._beat()
+
+    async def _beat(self) -> None:
         events = await asyncio.wrap_future(
             self.engine.call(lambda e: e.block_manager.take_events())
         )
