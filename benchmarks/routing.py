@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,21 +54,11 @@ from benchmarks.common import save_run
 POLICIES = ("random", "round-robin", "cost")
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
-
-
 def summary_ms(values: list[float]) -> dict[str, float]:
-    return {
-        "count": len(values),
-        "mean_ms": statistics.fmean(values) if values else float("nan"),
-        "p50_ms": pct(values, 50),
-        "p90_ms": pct(values, 90),
-        "p99_ms": pct(values, 99),
-    }
+    from router.stats import summarize  # the percentiles pdctl stats reports
+
+    s = summarize(values)
+    return {"count": s.count, "mean_ms": s.mean, "p50_ms": s.p50, "p90_ms": s.p90, "p99_ms": s.p99}
 
 
 # ---------------------------------------------------------------- workload
