@@ -105,9 +105,10 @@ def worker(rank: int, args: argparse.Namespace, store_port: int, raw_port: int, 
             on_transfer,
             lambda peer, e: landed.put(("failed", str(e))),
             timeout_s=60,
+            first_epoch=0,  # the sender process names epoch 0
         )
-        for _ in range(len(sizes) * (args.warmup + args.iters)):
-            receiver.expect("prefill-bench")
+        for i in range(len(sizes) * (args.warmup + args.iters)):
+            receiver.expect("prefill-bench", i + 1)  # the sender numbers them from 1
         ends = {}
         for _ in range(len(sizes) * (args.warmup + args.iters)):
             rid, t = landed.get(timeout=300)

@@ -153,6 +153,16 @@ class NodeInfo:
     kv_checksum_mismatches: int = 0
     kv_transfer_bytes: int = 0  # sent (prefill node) or received (decode node)
     kv_transfer_us: int = 0  # time spent sending (prefill node)
+    # Requests aborted (client gone, deadline, peer failure, lease) by the stage
+    # they were in on this node (common/reliability.py Stage).
+    aborted_queued: int = 0
+    aborted_prefill: int = 0
+    aborted_transfer: int = 0
+    aborted_admission: int = 0
+    aborted_decode: int = 0
+    deadline_exceeded: int = 0
+    leases_expired: int = 0  # decode node: reservations reclaimed unfilled
+    rejected: int = 0  # refused for lack of room (RESOURCE_EXHAUSTED)
 
     def to_fields(self) -> dict[str, str]:
         out = {}

@@ -9,13 +9,43 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.reliability import NoCapacity
+
 OVERALL = ""  # the health service's name for the whole server
 
+# Keepalive pings find a peer that stopped answering (killed without a FIN,
+# SIGSTOPped, partitioned) in seconds rather than at the TCP timeout; a short
+# reconnect backoff lets a restarted node be used again soon after it is back.
+CLIENT_OPTIONS = [
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 3000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+# Servers must accept those pings (the default would answer them with GOAWAY).
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
 
-def add_health(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
-    """Register grpc.health.v1 (all services NOT_SERVING until told otherwise)."""
+
+async def add_health(
+    server: grpc.aio.Server, service_names: list[str]
+) -> health.aio.HealthServicer:
+    """Register grpc.health.v1, every service NOT_SERVING until told otherwise.
+
+    Explicitly so: the servicer answers SERVING for the whole server ("") from
+    the start, and launchers and probes would then use a node before it has
+    registered in Redis.
+    """
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    await set_serving(servicer, service_names, False)
     return servicer
 
 
@@ -59,6 +89,8 @@ async def abort_from_exception(context: grpc.aio.ServicerContext, error: BaseExc
     """Map what went wrong to a status code with a one-line message."""
     if isinstance(error, grpc.aio.AioRpcError):
         await context.abort(error.code(), error.details() or str(error.code()))
+    if isinstance(error, NoCapacity):
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
     if isinstance(error, ValueError):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
     if isinstance(error, asyncio.TimeoutError | TimeoutError):

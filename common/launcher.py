@@ -27,6 +27,8 @@ class Component:
     name: str
     address: str  # host:port of its gRPC server
     process: subprocess.Popen
+    argv: list[str] = field(default_factory=list)  # `pdserve` arguments, to restart it
+    gpu: int | None = None
 
 
 @dataclass
@@ -45,6 +47,8 @@ class ClusterSpec:
     start_timeout_s: float = 600.0
     stop_grace_s: float = 15.0
     log_dir: str | None = None  # None: children share our stderr
+    # Extra environment per component name (e.g. "prefill-0"); tests/faults uses it.
+    env: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 class LocalCluster:
@@ -81,23 +85,42 @@ class LocalCluster:
             return 0
 
     def _spawn(self, name: str, argv: list[str], port: int, gpu: int | None) -> Component:
+        component = Component(
+            name, f"{self.spec.host}:{port}", self._popen(name, argv, gpu), argv, gpu
+        )
+        self.components.append(component)
+        return component
+
+    def restart(self, component: Component, timeout_s: float | None = None) -> None:
+        """Start a component that exited (or was killed) again, same flags; wait until SERVING."""
+        if component.process.poll() is None:
+            raise RuntimeError(f"{component.name} is still running")
+        component.process = self._popen(component.name, component.argv, component.gpu)
+        deadline = time.monotonic() + (timeout_s or self.spec.start_timeout_s)
+        while not health_check(component.address, timeout=0.5):
+            code = component.process.poll()
+            if code is not None:
+                raise RuntimeError(f"{component.name} exited with code {code} while restarting")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{component.name} not serving after restart")
+            time.sleep(0.25)
+
+    def _popen(self, name: str, argv: list[str], gpu: int | None) -> subprocess.Popen:
         env = dict(os.environ, PDSERVE_LOG_NAME=name, PYTHONUNBUFFERED="1")
+        env.update(self.spec.env.get(name, {}))
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         out = None
         if self.spec.log_dir:
             Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
             out = open(Path(self.spec.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        process = subprocess.Popen(
+        return subprocess.Popen(
             [sys.executable, "-m", "common.cli", *argv],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,  # Ctrl-C reaches us; we stop the children in order
         )
-        component = Component(name, f"{self.spec.host}:{port}", process)
-        self.components.append(component)
-        return component
 
     def start(self, progress=print) -> LocalCluster:
         spec = self.spec

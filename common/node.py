@@ -24,7 +24,8 @@ import grpc
 
 from common.cluster import Cluster, NodeInfo
 from common.engine.engine_thread import EngineThread
-from common.grpc_server import add_health, add_reflection, set_serving
+from common.grpc_server import SERVER_OPTIONS, add_health, add_reflection, set_serving
+from common.reliability import FAULT_DELAYS_ENV, FaultDelays
 from proto import internal_pb2, internal_pb2_grpc
 
 CONTROL_SERVICE = internal_pb2.DESCRIPTOR.services_by_name["NodeControl"].full_name
@@ -68,6 +69,14 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
     return out
 
 
+def fault_delays(node_id: str) -> FaultDelays:
+    """The fault-injection delays (tests/faults only), loudly."""
+    faults = FaultDelays.from_env()
+    if faults:
+        logger.warning("%s: fault injection on (%s)", node_id, os.environ[FAULT_DELAYS_ENV])
+    return faults
+
+
 def default_host() -> str:
     try:
         return socket.gethostbyname(socket.gethostname())
@@ -91,6 +100,9 @@ class Heartbeat:
     # Cache changes not yet published (kept across failed heartbeats); last wins.
     _pending: dict[bytes, bool] = field(default_factory=dict)
     _reset: bool = True
+    # After failed heartbeats Redis may have restarted empty: republish every
+    # cached block hash (not only the changes) with the next beat that succeeds.
+    _resync: bool = False
     # One beat at a time: shutdown beats at once (to publish `draining`) while
     # the periodic task may be mid-beat, and both edit `_pending`.
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -113,13 +125,20 @@ class Heartbeat:
             await self._beat()
 
     async def _beat(self) -> None:
-        events = await asyncio.wrap_future(
-            self.engine.call(lambda e: e.block_manager.take_events())
-        )
-        for h in events.removed:  # the two lists are disjoint
+        if self._resync:
+            cached = await asyncio.wrap_future(self.engine.call(_take_all_cached))
+            self._pending = dict.fromkeys(cached, True)
+            self._reset = True
+            self._resync = False
+            events = None
+        else:
+            events = await asyncio.wrap_future(
+                self.engine.call(lambda e: e.block_manager.take_events())
+            )
+        for h in events.removed if events else ():  # the two lists are disjoint
             self._pending.pop(h, None)
             self._pending[h] = False
-        for h in events.stored:
+        for h in events.stored if events else ():
             self._pending.pop(h, None)
             self._pending[h] = True
         stored = [h for h, v in self._pending.items() if v]
@@ -150,6 +169,7 @@ class Heartbeat:
                 if task.cancelling():
                     break
                 self.consecutive_failures += 1
+                self._resync = True
                 delay = min(self.max_backoff_s, self.interval_s * 2**self.consecutive_failures)
                 logger.warning("heartbeat to Redis failed (%s); retrying in %.1f s", e, delay)
                 await asyncio.sleep(delay)
@@ -163,6 +183,13 @@ class Heartbeat:
             except Exception as e:
                 if attempt:  # leaving anyway; the TTL removes us
                     logger.warning("could not deregister from Redis: %s", e)
+
+
+def _take_all_cached(engine) -> list[bytes]:
+    """Every block hash the node's prefix cache holds now (the events so far are
+    superseded by this snapshot)."""
+    engine.block_manager.take_events()
+    return engine.block_manager.cached_hashes()
 
 
 def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -208,6 +235,13 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
         "stop now) [PDSERVE_DRAIN_TIMEOUT_S]",
     )
     p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=int(env("PDSERVE_MAX_QUEUED_REQUESTS", "256")),
+        help="requests waiting for the engine beyond which new ones get RESOURCE_EXHAUSTED "
+        "(0: no bound) [PDSERVE_MAX_QUEUED_REQUESTS]",
+    )
+    p.add_argument(
         "--verify-kv",
         action="store_true",
         default=env("PDSERVE_VERIFY_KV") == "1",
@@ -249,10 +283,12 @@ async def run_node(
     requests it has finish for up to ``--drain-timeout`` seconds (a second
     signal cuts this short), then leaves Redis and stops its gRPC server.
     """
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    if args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     add_servicer(server)
     internal_pb2_grpc.add_NodeControlServicer_to_server(NodeControlServicer(thread), server)
-    health = add_health(server, [service, CONTROL_SERVICE])
+    health = await add_health(server, [service, CONTROL_SERVICE])
     if args.enable_reflection:
         add_reflection(server, [service, CONTROL_SERVICE])
     server.add_insecure_port(f"{args.host}:{args.port}")

@@ -9,7 +9,7 @@ from common.cluster import NodeInfo, NodeRole
 from common.engine.config import EngineConfig
 from common.engine.engine_thread import EngineThread
 from common.engine.llm_engine import LLMEngine
-from common.node import add_node_arguments, default_host, engine_kwargs, run_node
+from common.node import add_node_arguments, default_host, engine_kwargs, fault_delays, run_node
 from decode_node.service import DecodeNodeServicer
 from decode_node.worker import DecodeWorker
 from proto import internal_pb2, internal_pb2_grpc
@@ -24,6 +24,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=int(os.environ.get("PDSERVE_TRANSFER_PORT", "29600")),
         help="TCPStore port for KV-channel rendezvous with prefill nodes [PDSERVE_TRANSFER_PORT]",
+    )
+    p.add_argument(
+        "--kv-lease",
+        type=float,
+        default=float(os.environ.get("PDSERVE_KV_LEASE_S", "30")),
+        help="seconds a prefill node gets to fill a KV reservation before it is reclaimed "
+        "and the request retried elsewhere [PDSERVE_KV_LEASE_S]",
     )
 
 
@@ -43,6 +50,9 @@ async def serve(args: argparse.Namespace) -> int:
         args.transfer_port,
         transfer_timeout_s=args.transfer_timeout,
         verify_transfers=args.verify_kv,
+        kv_lease_s=args.kv_lease,
+        max_queued=args.max_queued_requests,
+        faults=fault_delays(node_id),
     )
     # Prefill nodes open their KV channel to transfer_host:transfer_port.
     info = NodeInfo(

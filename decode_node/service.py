@@ -7,7 +7,8 @@ import time
 import grpc
 
 from common.grpc_server import abort_from_exception
-from decode_node.worker import DecodeWorker, NoCapacity
+from common.reliability import FAILED_NODE_KEY
+from decode_node.worker import DecodeWorker, PrefillFailed
 from proto import internal_pb2, internal_pb2_grpc
 
 
@@ -21,7 +22,15 @@ class DecodeNodeServicer(internal_pb2_grpc.DecodeNodeServicer):
         try:
             async for response in self.worker.decode(request, deadline):
                 yield response
-        except NoCapacity as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except PrefillFailed as e:
+            # Nothing reached the client: the router retries on another prefill
+            # node, avoiding the one named here.
+            code = (
+                grpc.StatusCode.RESOURCE_EXHAUSTED
+                if e.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+                else grpc.StatusCode.UNAVAILABLE
+            )
+            context.set_trailing_metadata(((FAILED_NODE_KEY, e.node_id),))
+            await context.abort(code, str(e))
         except Exception as e:
             await abort_from_exception(context, e)

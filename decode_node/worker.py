@@ -39,8 +39,18 @@ import torch
 
 from common.engine.engine_thread import EngineThread, RequestStream
 from common.engine.llm_engine import LLMEngine, Reservation
+from common.grpc_server import CLIENT_OPTIONS
 from common.kv_transfer import KVReceiver, TransferError, TransferHeader, TransferState
 from common.kv_transfer.loopback import checksum
+from common.reliability import (
+    AbortCounters,
+    FaultDelays,
+    FaultPoint,
+    NoCapacity,
+    Stage,
+    check_queue,
+    deadline_passed,
+)
 from common.wire import (
     StreamState,
     output_to_responses,
@@ -52,8 +62,15 @@ from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2
 logger = logging.getLogger(__name__)
 
 
-class NoCapacity(RuntimeError):
-    """Too few free KV blocks or sequence slots for this request right now."""
+class PrefillFailed(RuntimeError):
+    """The named prefill node did not deliver the prompt's KV (unreachable,
+    stalled past the lease, overloaded, channel failure). Nothing was sent to
+    the client yet, so the router may safely retry on another prefill node."""
+
+    def __init__(self, node_id: str, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"prefill node {node_id} failed: {message}")
+        self.node_id = node_id
+        self.code = code
 
 
 @dataclass(slots=True)
@@ -91,9 +108,15 @@ class DecodeStats:
     transfer_failures: int = 0
     checksum_mismatches: int = 0
     bytes_received: int = 0
+    leases_expired: int = 0
+    rejected: int = 0  # refused for lack of room (RESOURCE_EXHAUSTED)
+    aborts: AbortCounters = field(default_factory=AbortCounters)
 
     def counters(self) -> dict[str, int]:
         return {
+            **self.aborts.counters(),
+            "leases_expired": self.leases_expired,
+            "rejected": self.rejected,
             "requests_total": self.requests,
             "kv_transfers": self.transfers_landed,
             "kv_transfer_failures": self.transfer_failures,
@@ -112,11 +135,20 @@ class DecodeWorker:
         store_port: int,
         transfer_timeout_s: float = 30.0,
         verify_transfers: bool = False,
+        kv_lease_s: float = 30.0,
+        max_queued: int = 0,
+        faults: FaultDelays | None = None,
     ) -> None:
+        if not kv_lease_s > 0:
+            raise ValueError(f"the KV lease must be > 0 seconds, got {kv_lease_s}")
         self.node_id = node_id
         self.engine = engine
         self.verify_transfers = verify_transfers
+        self.kv_lease_s = kv_lease_s
+        self.max_queued = max_queued
+        self.faults = faults or FaultDelays()
         self.stats = DecodeStats()
+        self._stages: dict[str, Stage] = {}
         self._pending: dict[int, PendingKV] = {}
         self._reservation_ids = itertools.count(1)
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -145,6 +177,7 @@ class DecodeWorker:
         usage = pdserve_pb2.Usage(decode_node=self.node_id)
         remote = req.HasField("prefill") and params.n == 1 and params.prompt_logprobs is None
         self.stats.requests += 1
+        self._stages[rid] = Stage.QUEUED
         try:
             if remote:
                 reservation = await asyncio.wrap_future(
@@ -154,8 +187,10 @@ class DecodeWorker:
                 )
                 if reservation is None:
                     self.engine.detach(rid)
+                    self.stats.rejected += 1
                     raise NoCapacity(f"decode node {self.node_id} has no room for this request now")
                 usage.prefill_node = req.prefill.node_id
+                self._stages[rid] = Stage.PREFILL
                 reply = await self._remote_prefill(req, reservation, deadline)
                 replied = time.monotonic()
                 usage.timing.prefill_queue_ms = reply.queue_ms
@@ -164,11 +199,14 @@ class DecodeWorker:
                 self.stats.remote_prefills += 1
             else:
                 await asyncio.wrap_future(
-                    self.engine.add(rid, stream.sink, lambda e: e.add_request(rid, prompt, params))
+                    self.engine.add(
+                        rid, stream.sink, lambda e: self._admit_local(e, rid, prompt, params)
+                    )
                 )
                 self.stats.local_prefills += 1
             state = StreamState()
             async for out in stream:
+                self._stages[rid] = Stage.DECODE
                 if (
                     remote
                     and not state.completion_tokens
@@ -178,9 +216,26 @@ class DecodeWorker:
                 usage.cached_tokens = out.num_cached_tokens
                 for resp in output_to_responses(out, rid, state, usage):
                     yield resp
+        except NoCapacity:
+            raise  # nothing was admitted
         except BaseException:
+            stage = self._stages.get(rid, Stage.QUEUED)
+            self.stats.aborts.aborted(stage)
+            if deadline_passed(deadline):
+                self.stats.aborts.deadline_exceeded += 1
             self.engine.call(lambda e: self._abort(e, rid))
             raise
+        finally:
+            self._stages.pop(rid, None)
+
+    def _admit_local(self, engine: LLMEngine, rid: str, prompt, params) -> None:
+        """On the engine thread: queue a request this node prefills itself, if the queue has room."""
+        try:
+            check_queue(len(engine.scheduler.waiting), self.max_queued, self.node_id)
+        except NoCapacity:
+            self.stats.rejected += 1
+            raise
+        engine.add_request(rid, prompt, params)
 
     async def _remote_prefill(
         self, req: internal_pb2.DecodeRequest, reservation: Reservation, deadline: float | None
@@ -190,7 +245,7 @@ class DecodeWorker:
         reservation_id = next(self._reservation_ids)
         pending = PendingKV(req.request_id, reservation, peer, loop.create_future(), loop)
         self._pending[reservation_id] = pending
-        epoch = self.receiver.expect(peer)
+        epoch = self.receiver.expect(peer, reservation_id)
         destination = internal_pb2.KVDestination(
             node_id=self.node_id,
             store_host=self.receiver.host,
@@ -208,25 +263,59 @@ class DecodeWorker:
             destination=destination,
         )
         stub = internal_pb2_grpc.PrefillNodeStub(self._channel(req.prefill.address))
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        # The lease bounds how long the blocks stay reserved for this prefill
+        # node, whatever the client's deadline: a stalled or dead node cannot
+        # pin them, and the router can retry elsewhere (nothing was sent yet).
+        lease_end = time.monotonic() + self.kv_lease_s
+        end = lease_end if deadline is None else min(deadline, lease_end)
         try:
             try:
-                resp = await stub.Prefill(prefill_req, timeout=timeout)
-            except BaseException:
-                self.receiver.unexpect(peer)
-                raise
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            await asyncio.wait_for(pending.landed, remaining)
+                resp = await stub.Prefill(prefill_req, timeout=max(0.0, end - time.monotonic()))
+            except grpc.aio.AioRpcError as e:
+                if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED and end == deadline:
+                    raise  # the client's own deadline: no retry
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self.receiver.reset(peer)
+                if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self._expire(pending)
+                    raise PrefillFailed(
+                        peer, e.code(), f"no KV within the {self.kv_lease_s:g} s lease"
+                    ) from e
+                raise PrefillFailed(peer, e.code(), e.details() or e.code().name) from e
+            self._stages[req.request_id] = Stage.TRANSFER
+            try:
+                await asyncio.wait_for(pending.landed, max(0.0, end - time.monotonic()))
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                self._expire(pending)
+                raise PrefillFailed(
+                    peer, grpc.StatusCode.DEADLINE_EXCEEDED, "the KV did not land within the lease"
+                ) from None
+            except TransferError as e:
+                raise PrefillFailed(peer, grpc.StatusCode.UNAVAILABLE, str(e)) from e
             if self.verify_transfers and pending.digest != resp.kv_checksum:
                 self.stats.checksum_mismatches += 1
                 raise TransferError("the KV that landed differs from what the prefill node sent")
+            self._stages[req.request_id] = Stage.ADMISSION
+            if delay := self.faults.get(FaultPoint.DECODE_BEFORE_COMMIT):
+                await asyncio.sleep(delay)
             await asyncio.wrap_future(self.engine.call(lambda e: self._commit(e, pending, resp)))
             return resp
         finally:
+            self.receiver.unexpect(peer, reservation_id)
             with pending.lock:
                 if pending.state in (TransferState.RESERVED, TransferState.LANDED):
                     pending.state = TransferState.ABORTED
             self._pending.pop(reservation_id, None)
+
+    def _expire(self, pending: PendingKV) -> None:
+        """The lease ran out: the reservation is reclaimed (its blocks are freed
+        by the abort that follows); a transfer arriving later is dropped."""
+        with pending.lock:
+            if pending.state in (TransferState.RESERVED, TransferState.LANDED):
+                pending.state = TransferState.EXPIRED
+                self.stats.leases_expired += 1
 
     # ------------------------------------------------------ engine thread
     def _commit(
@@ -318,7 +407,9 @@ class DecodeWorker:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=CLIENT_OPTIONS
+            )
         return channel
 
     async def close(self) -> None:

@@ -9,7 +9,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine_thread import EngineThread
 from common.engine.llm_engine import LLMEngine
 from common.kv_transfer import KVSender
-from common.node import add_node_arguments, default_host, engine_kwargs, run_node
+from common.node import add_node_arguments, default_host, engine_kwargs, fault_delays, run_node
 from prefill_node.service import PrefillNodeServicer
 from prefill_node.worker import PrefillWorker
 from proto import internal_pb2, internal_pb2_grpc
@@ -32,8 +32,18 @@ async def serve(args: argparse.Namespace) -> int:
     advertise = args.advertise_host or default_host()
     node_id = args.node_id or f"prefill-{advertise}-{args.port}"
     thread = EngineThread(engine, name=f"engine-{node_id}").start()
-    sender = KVSender(node_id, engine.model_runner.device, timeout_s=args.transfer_timeout)
-    worker = PrefillWorker(node_id, thread, sender, verify_transfers=args.verify_kv)
+    faults = fault_delays(node_id)
+    sender = KVSender(
+        node_id, engine.model_runner.device, timeout_s=args.transfer_timeout, faults=faults
+    )
+    worker = PrefillWorker(
+        node_id,
+        thread,
+        sender,
+        verify_transfers=args.verify_kv,
+        max_queued=args.max_queued_requests,
+        faults=faults,
+    )
     info = NodeInfo(
         node_id=node_id,
         role=NodeRole.PREFILL,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,15 @@ from common.engine.llm_engine import LLMEngine
 from common.engine.sampling_params import RequestOutputKind, SamplingParams
 from common.kv_transfer import Destination, KVSender, TransferHeader
 from common.kv_transfer.loopback import checksum
+from common.reliability import (
+    AbortCounters,
+    FaultDelays,
+    FaultPoint,
+    NoCapacity,
+    Stage,
+    check_queue,
+    deadline_passed,
+)
 from common.wire import sampling_params_from_proto, token_logprobs_to_proto
 from proto import internal_pb2
 
@@ -61,9 +70,13 @@ class PrefillStats:
     transfers_failed: int = 0
     bytes_sent: int = 0
     transfer_us: int = 0  # time spent sending, summed
+    rejected: int = 0  # refused: queue full (RESOURCE_EXHAUSTED)
+    aborts: AbortCounters = field(default_factory=AbortCounters)
 
     def counters(self) -> dict[str, int]:
         return {
+            **self.aborts.counters(),
+            "rejected": self.rejected,
             "requests_total": self.requests,
             "kv_transfers": self.transfers,
             "kv_transfer_failures": self.transfers_failed,
@@ -79,11 +92,15 @@ class PrefillWorker:
         engine: EngineThread,
         sender: KVSender,
         verify_transfers: bool = False,
+        max_queued: int = 0,
+        faults: FaultDelays | None = None,
     ) -> None:
         self.node_id = node_id
         self.engine = engine
         self.sender = sender
         self.verify_transfers = verify_transfers
+        self.max_queued = max_queued
+        self.faults = faults or FaultDelays()
         self.stats = PrefillStats()
 
     async def prefill(
@@ -97,20 +114,22 @@ class PrefillWorker:
             prompt["cache_salt"] = req.cache_salt
         stream = RequestStream()
         start = time.monotonic()
+        sending = False
         try:
             await asyncio.wrap_future(
-                self.engine.add(
-                    rid, stream.sink, lambda e: e.add_request(rid, prompt, params, hold_kv=True)
-                )
+                self.engine.add(rid, stream.sink, lambda e: self._admit(e, rid, prompt, params))
             )
             out = await stream.final()
             if out.outputs[0].finish_reason == "abort":
                 raise RuntimeError("the prefill was aborted")
             first = out.outputs[0].token_ids[0]
             dest = req.destination
+            if delay := self.faults.get(FaultPoint.PREFILL_BEFORE_SEND):
+                await asyncio.sleep(delay)
             header_info = await asyncio.wrap_future(
                 self.engine.call(lambda e: self._gather_and_send(e, rid, first, dest, deadline))
             )
+            sending = True
             future, num_bytes, digest = header_info
             gathered = time.monotonic()
             try:
@@ -119,9 +138,13 @@ class PrefillWorker:
                 self.stats.transfers_failed += 1
                 raise
             done = time.monotonic()
+        except NoCapacity:
+            raise  # refused before anything was queued
         except BaseException:
             # Cancelled, failed or refused: free whatever the request holds.
-            self.engine.call(lambda e: e.abort_request(rid))
+            if deadline_passed(deadline):
+                self.stats.aborts.deadline_exceeded += 1
+            self.engine.call(lambda e: self._abort(e, rid, sending))
             raise
         finally:
             self.stats.requests += 1
@@ -143,6 +166,27 @@ class PrefillWorker:
         if out.outputs[0].logprobs:
             resp.first_logprobs.CopyFrom(token_logprobs_to_proto(first, out.outputs[0].logprobs[0]))
         return resp
+
+    def _admit(self, engine: LLMEngine, rid: str, prompt, params: SamplingParams) -> None:
+        """On the engine thread: queue the prompt if the queue has room."""
+        try:
+            check_queue(len(engine.scheduler.waiting), self.max_queued, self.node_id)
+        except NoCapacity:
+            self.stats.rejected += 1
+            raise
+        engine.add_request(rid, prompt, params, hold_kv=True)
+
+    def _abort(self, engine: LLMEngine, rid: str, sending: bool) -> None:
+        """On the engine thread, where the request's stage is known exactly."""
+        req = engine.requests.get(rid)
+        if sending:
+            stage = Stage.TRANSFER
+        elif req is not None and req.first_scheduled_time is None:
+            stage = Stage.QUEUED
+        else:
+            stage = Stage.PREFILL  # computing, or computed with its blocks held
+        self.stats.aborts.aborted(stage)
+        engine.abort_request(rid)
 
     def _gather_and_send(
         self,

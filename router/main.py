@@ -13,7 +13,13 @@ import grpc
 
 from common.cluster import Cluster
 from common.engine.config import EngineConfig
-from common.grpc_server import BearerTokenInterceptor, add_health, add_reflection, set_serving
+from common.grpc_server import (
+    SERVER_OPTIONS,
+    BearerTokenInterceptor,
+    add_health,
+    add_reflection,
+    set_serving,
+)
 from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from router.admin import AdminServicer
 from router.frontend import Frontend
@@ -147,9 +153,9 @@ async def serve(args: argparse.Namespace) -> int:
     )
     router = RouterServicer(frontend, routing)
 
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     pdserve_pb2_grpc.add_RouterServicer_to_server(router, server)
-    health = add_health(server, [ROUTER])
+    health = await add_health(server, [ROUTER])
     if args.enable_reflection:
         add_reflection(server, [ROUTER])
     server.add_insecure_port(f"{args.host}:{args.port}")
@@ -165,7 +171,7 @@ async def serve(args: argparse.Namespace) -> int:
     admin_pb2_grpc.add_AdminServicer_to_server(
         AdminServicer(cluster, routing, frontend, router.channel), admin
     )
-    admin_health = add_health(admin, [ADMIN])
+    admin_health = await add_health(admin, [ADMIN])
     admin.add_insecure_port(f"{admin_host}:{args.admin_port}")
     await server.start()
     await admin.start()
@@ -191,5 +197,6 @@ async def serve(args: argparse.Namespace) -> int:
     await server.stop(grace=args.drain_timeout)
     await admin.stop(grace=1)
     await router.close()
+    await routing.close()
     await cluster.close()
     return 0

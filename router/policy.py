@@ -76,6 +76,12 @@ class RoutingConfig:
     stale_heartbeat_s: float = 3.0
     # After a failed call to a node, this router avoids it for this long.
     failure_cooldown_s: float = 5.0
+    # Tries per request when a node fails before the first token (each on other nodes).
+    max_attempts: int = 3
+    # Requests this router relays at once; beyond, RESOURCE_EXHAUSTED at once.
+    max_in_flight: int = 1024
+    # While Redis is unreachable: route on the last-known nodes, probe it this often.
+    redis_retry_s: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.policy, str):
@@ -97,7 +103,10 @@ class RoutingConfig:
             raise ValueError(
                 f"local_prefill_min_hit must be in [0, 1], got {self.local_prefill_min_hit}"
             )
-        for name in ("stale_heartbeat_s", "failure_cooldown_s"):
+        for name in ("max_attempts", "max_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("stale_heartbeat_s", "failure_cooldown_s", "redis_retry_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 

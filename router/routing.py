@@ -7,15 +7,29 @@ exactly the way a real decision is.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
+import logging
 import random
+import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
-from common.cluster import Cluster, ClusterView
+from common.cluster import Cluster, ClusterView, RouteCandidate
 from router.frontend import ParsedRequest
 from router.inflight import InflightTracker
-from router.policy import NoRoute, RouteDecision, RouteRequest, RoutingConfig, choose_route
+from router.policy import (
+    LocalLoad,
+    NoRoute,
+    RouteDecision,
+    RouteRequest,
+    RoutingConfig,
+    choose_route,
+)
 from router.stats import RouterStats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -44,6 +58,9 @@ class Routing:
         self.inflight = InflightTracker()
         self.stats = RouterStats()
         self._turns = itertools.count()
+        # The last view Redis gave, for routing while it is unreachable.
+        self._last_view: ClusterView | None = None
+        self._probe: asyncio.Task | None = None
 
     def route_request(self, parsed: ParsedRequest) -> RouteRequest:
         params = parsed.params
@@ -57,22 +74,68 @@ class Routing:
             ),
         )
 
-    async def route(self, parsed: ParsedRequest) -> Routed:
-        """Decide (one Redis round trip); raises NoRoute saying why there is none."""
-        try:
-            view = await self.cluster.view(parsed.block_hashes)
-        except Exception as e:  # Redis down or refusing: say so, do not hang
-            raise NoRoute(f"cluster state is unavailable: {e}") from e
+    async def route(self, parsed: ParsedRequest, avoid: Collection[str] = ()) -> Routed:
+        """Decide (one Redis round trip); raises NoRoute saying why there is none.
+
+        ``avoid``: nodes that already failed this request (it is being retried).
+        """
+        view = await self.view(parsed.block_hashes)
         request = self.route_request(parsed)
-        decision = choose_route(
-            view,
-            request,
-            self.config,
-            self.inflight.loads(view),
-            self.rng,
-            next(self._turns),
-        )
+        loads = self.inflight.loads(view)
+        for node_id in avoid:
+            loads.setdefault(node_id, LocalLoad()).failed_ago_s = 0.0
+        decision = choose_route(view, request, self.config, loads, self.rng, next(self._turns))
         return Routed(decision, view, request)
+
+    @property
+    def redis_down(self) -> bool:
+        return self._probe is not None and not self._probe.done()
+
+    async def view(self, block_hashes: list[bytes]) -> ClusterView:
+        """Redis's view, or while Redis is unreachable the last-known nodes
+        (with no prefix hits: those are unknown) and a background probe."""
+        if not self.redis_down:
+            try:
+                view = await self.cluster.view(block_hashes)
+            except Exception as e:  # down, refusing, timing out: never hang a request on it
+                self.stats.redis_errors += 1
+                if self._last_view is None:
+                    raise NoRoute(f"cluster state is unavailable: {e}") from e
+                logger.warning(
+                    "Redis unreachable (%s); routing on the %d last-known nodes",
+                    e,
+                    len(self._last_view.candidates),
+                )
+                self._probe = asyncio.create_task(self._probe_until_up())
+            else:
+                self._last_view = view
+                return view
+        self.stats.stale_routes += 1
+        last = self._last_view
+        return ClusterView(
+            last.now_ms, [RouteCandidate(c.node, 0, c.drained) for c in last.candidates]
+        )
+
+    async def _probe_until_up(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.redis_retry_s)
+            start = time.monotonic()
+            try:
+                self._last_view = await self.cluster.view([])
+            except Exception:
+                self.stats.redis_errors += 1
+                continue
+            logger.info(
+                "Redis reachable again (%.0f ms); routing on live state",
+                (time.monotonic() - start) * 1e3,
+            )
+            return
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
 
     def dispatch(self, routed: Routed):
         """Count the request as in flight on its nodes (until ``inflight.finish``)."""

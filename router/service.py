@@ -8,6 +8,8 @@ import uuid
 
 import grpc
 
+from common.grpc_server import CLIENT_OPTIONS
+from common.reliability import FAILED_NODE_KEY as _FAILED_NODE_KEY
 from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from router.frontend import Frontend
 from router.policy import NoRoute
@@ -15,9 +17,6 @@ from router.routing import Routing
 from router.stats import RequestTrace
 
 logger = logging.getLogger(__name__)
-
-# Channel states that mean the node itself is unreachable (not a failed request).
-_UNREACHABLE = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
 
 
 class RouterServicer(pdserve_pb2_grpc.RouterServicer):
@@ -29,7 +28,9 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
     def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=CLIENT_OPTIONS
+            )
         return channel
 
     async def Generate(
@@ -43,57 +44,42 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         except ValueError as e:
             stats.requests_by_status["INVALID_ARGUMENT"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        limit = self.routing.config.max_in_flight
+        if self.routing.inflight.in_flight >= limit:
+            stats.requests_by_status["RESOURCE_EXHAUSTED"] += 1
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this router relays {limit} requests already (--max-in-flight); try again later",
+            )
+        status, usage = "CANCELLED", None
+        avoid: set[str] = set()
         try:
-            routed = await self.routing.route(parsed)
-        except NoRoute as e:  # no usable node, or Redis unreachable
-            stats.requests_by_status["UNAVAILABLE"] += 1
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        route = routed.decision
-        downstream = internal_pb2.DecodeRequest(
-            # Unique downstream even when clients reuse ids: streams never cross.
-            request_id=uuid.uuid4().hex,
-            prompt_token_ids=parsed.prompt_token_ids,
-            sampling=request.sampling,
-            cache_salt=parsed.cache_salt,
-        )
-        if route.prefill is not None:
-            downstream.prefill.node_id = route.prefill.node_id
-            downstream.prefill.address = route.prefill.address
-        dispatch = self.routing.dispatch(routed)
-        channel = self.channel(route.decode.address)
-        call = internal_pb2_grpc.DecodeNodeStub(channel).Decode(
-            downstream, timeout=context.time_remaining()
-        )
-        status, usage, received = "CANCELLED", None, False
-        try:
-            async for response in call:
-                received = True
-                now = time.monotonic()
-                response.request_id = client_id
-                new_tokens = sum(len(d.token_ids) for d in response.deltas)
-                if new_tokens and trace.first_token is None:
-                    self.routing.inflight.first_token(dispatch)
-                trace.on_tokens(new_tokens, now)
-                if response.HasField("final"):
-                    usage = response.final.usage
-                    usage.time_to_first_token_ms = (
-                        (trace.first_token - trace.start) * 1e3 if trace.first_token else 0.0
-                    )
-                yield response
-            status = "OK"
-            self.routing.inflight.succeeded(route.decode.node_id)
-        except grpc.aio.AioRpcError as e:
-            status = e.code().name
-            if (
-                e.code() is grpc.StatusCode.UNAVAILABLE
-                and not received
-                and channel.get_state() in _UNREACHABLE
-            ):
-                self.routing.inflight.failed(route.decode.node_id)
-            await context.abort(e.code(), e.details() or str(e.code()))
+            for attempt in range(self.routing.config.max_attempts):
+                if attempt:
+                    stats.retries += 1
+                try:
+                    routed = await self.routing.route(parsed, avoid)
+                except NoRoute as e:  # no usable node, or Redis unreachable
+                    status = "UNAVAILABLE"
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                tried = _Attempt(self, routed, parsed, request, client_id, context, trace)
+                async for response in tried.relay():
+                    yield response
+                status, usage = tried.status, tried.usage
+                if tried.error is None:
+                    return
+                e = tried.error
+                if tried.received or not tried.retry_elsewhere(avoid):
+                    await context.abort(e.code(), e.details() or str(e.code()))
+                logger.info(
+                    "request %s: attempt %d failed before its first token (%s: %s); retrying",
+                    client_id,
+                    attempt + 1,
+                    e.code().name,
+                    e.details(),
+                )
+            await context.abort(e.code(), f"{e.details()} (after {attempt + 1} attempts)")
         finally:
-            call.cancel()  # a no-op once the stream ended; else the client left
-            self.routing.inflight.finish(dispatch)
             stats.finished(
                 trace,
                 time.monotonic(),
@@ -105,3 +91,90 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
+
+
+class _Attempt:
+    """One try at a request: a Decode stream on the chosen nodes, relayed."""
+
+    def __init__(self, servicer, routed, parsed, request, client_id, context, trace) -> None:
+        self.servicer = servicer
+        self.routing = servicer.routing
+        self.routed = routed
+        self.parsed = parsed
+        self.request = request
+        self.client_id = client_id
+        self.context = context
+        self.trace = trace
+        self.received = False
+        self.status = "CANCELLED"
+        self.usage = None
+        self.error: grpc.aio.AioRpcError | None = None
+        self.channel: grpc.aio.Channel | None = None
+
+    async def relay(self):
+        route = self.routed.decision
+        downstream = internal_pb2.DecodeRequest(
+            # Unique downstream even when clients reuse ids: streams never cross.
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=self.parsed.prompt_token_ids,
+            sampling=self.request.sampling,
+            cache_salt=self.parsed.cache_salt,
+        )
+        if route.prefill is not None:
+            downstream.prefill.node_id = route.prefill.node_id
+            downstream.prefill.address = route.prefill.address
+        dispatch = self.routing.dispatch(self.routed)
+        self.channel = self.servicer.channel(route.decode.address)
+        call = internal_pb2_grpc.DecodeNodeStub(self.channel).Decode(
+            downstream, timeout=self.context.time_remaining()
+        )
+        trace = self.trace
+        try:
+            async for response in call:
+                self.received = True
+                now = time.monotonic()
+                response.request_id = self.client_id
+                new_tokens = sum(len(d.token_ids) for d in response.deltas)
+                if new_tokens and trace.first_token is None:
+                    self.routing.inflight.first_token(dispatch)
+                trace.on_tokens(new_tokens, now)
+                if response.HasField("final"):
+                    self.usage = response.final.usage
+                    self.usage.time_to_first_token_ms = (
+                        (trace.first_token - trace.start) * 1e3 if trace.first_token else 0.0
+                    )
+                yield response
+            self.status = "OK"
+            self.routing.inflight.succeeded(route.decode.node_id)
+        except grpc.aio.AioRpcError as e:
+            self.status = e.code().name
+            self.error = e
+            if e.code() is grpc.StatusCode.UNAVAILABLE and self.decode_unreachable():
+                # Dead or partitioned, mid-stream or not: others avoid it until
+                # it answers again or its heartbeat expires.
+                self.routing.inflight.failed(route.decode.node_id)
+        finally:
+            call.cancel()  # a no-op once the stream ended; else the client left
+            self.routing.inflight.finish(dispatch)
+
+    def decode_unreachable(self) -> bool:
+        # A decode node answers UNAVAILABLE itself only to name a failed prefill
+        # node (in the trailing metadata); any other UNAVAILABLE is the
+        # transport's: refused, reset, or keepalive pings unanswered.
+        return _FAILED_NODE_KEY not in dict(self.error.trailing_metadata() or ())
+
+    def retry_elsewhere(self, avoid: set[str]) -> bool:
+        """Whether the failure allows another attempt (nothing was sent to the
+        client, the cause is a node, not the request); adds the node at fault to ``avoid``."""
+        code = self.error.code()
+        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            return False
+        route = self.routed.decision
+        failed = dict(self.error.trailing_metadata() or ()).get(_FAILED_NODE_KEY)
+        if failed:  # the decode node is fine; its prefill node failed
+            avoid.add(failed)
+            if code is grpc.StatusCode.UNAVAILABLE:
+                self.routing.inflight.failed(failed)
+        else:
+            avoid.add(route.decode.node_id)
+        return True

@@ -78,6 +78,9 @@ class RouterStats:
     requests_by_decode_node: Counter = field(default_factory=Counter)
     requests_by_prefill_node: Counter = field(default_factory=Counter)
     local_prefills: int = 0
+    retries: int = 0  # attempts after a node failed before the first token
+    redis_errors: int = 0  # routing reads that failed
+    stale_routes: int = 0  # decisions made on the last-known nodes (Redis unreachable)
 
     def __post_init__(self) -> None:
         self.ttft_ms = deque(maxlen=self.window)

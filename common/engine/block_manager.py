@@ -99,6 +99,10 @@ class BlockManager:
         """Distinct cached hashes (a hash held by two blocks counts once)."""
         return len(self._hash_to_block)
 
+    def cached_hashes(self) -> list[bytes]:
+        """The hashes of every block in the prefix cache (a snapshot for resyncs)."""
+        return list(self._hash_to_block)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

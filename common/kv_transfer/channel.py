@@ -18,6 +18,10 @@ class TransferError(RuntimeError):
     """A transfer failed (peer gone, deadline passed, bad header); the channel is unusable."""
 
 
+class DeadlinePassed(TransferError):
+    """The request's deadline passed before its transfer started; the channel is fine."""
+
+
 class PairChannel:
     def __init__(
         self, store: dist.Store, key: str, rank: int, device: torch.device, timeout_s: float
@@ -43,11 +47,26 @@ class PairChannel:
         self.closed = False
 
     # ----------------------------------------------------------------- sending
-    def send(self, header: TransferHeader, payload: torch.Tensor, deadline: float) -> None:
-        """Header, then payload (any dtype; sent as bytes). Blocks until both are out."""
-        self._wait(self.pg.send([header.to_tensor().to(self.device)], self.peer, 0), deadline)
+    def send(
+        self, header: TransferHeader, payload: torch.Tensor, deadline: float, pause_s: float = 0.0
+    ) -> None:
+        """Header, then payload (any dtype; sent as bytes). Blocks until both are out.
+
+        ``deadline`` (the request's) is checked before the header only: once the
+        header is out the payload follows whatever the request's fate, because
+        the receiver reads exactly what the header announces and a stream left
+        half-way would break the next transfer. The channel's timeout still
+        bounds it. ``pause_s`` holds the transfer between the two (fault tests).
+        """
+        if time.monotonic() > deadline:
+            raise DeadlinePassed("KV transfer deadline passed before sending")
+        limit = time.monotonic() + self.timeout_s
+        self._wait(self.pg.send([header.to_tensor().to(self.device)], self.peer, 0), limit)
+        if pause_s:
+            time.sleep(pause_s)
         if header.num_bytes:
-            self._wait(self.pg.send([_bytes_view(payload)], self.peer, 0), deadline)
+            limit = time.monotonic() + self.timeout_s
+            self._wait(self.pg.send([_bytes_view(payload)], self.peer, 0), limit)
 
     # --------------------------------------------------------------- receiving
     def recv_header(self, deadline: float) -> TransferHeader:
@@ -82,9 +101,6 @@ class PairChannel:
         except Exception as e:
             self.close()
             raise TransferError(f"KV transfer failed: {e}") from e
-        if time.monotonic() > deadline:
-            self.close()
-            raise TransferError("KV transfer deadline passed")
 
     def close(self) -> None:
         if self.closed:

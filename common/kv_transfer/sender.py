@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from common.kv_transfer.channel import SENDER, PairChannel, TransferError
+from common.kv_transfer.channel import SENDER, DeadlinePassed, PairChannel, TransferError
 from common.kv_transfer.protocol import TransferHeader
+from common.reliability import FaultDelays, FaultPoint
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +56,25 @@ class _Link:
         if self.owner.device.type == "cuda":
             torch.cuda.set_device(self.owner.device)  # a new thread starts on device 0
         while (item := self.queue.get()) is not None:
+            # Cancelled while queued (the request is gone): skip it, nothing is
+            # on the wire yet. Once running, the future cannot be cancelled any
+            # more, so a transfer that started always completes or fails whole
+            # and the channel stays in step with the receiver.
+            if not item.future.set_running_or_notify_cancel():
+                continue
             try:
                 start = time.perf_counter()
                 self._send(item)
                 item.future.set_result(time.perf_counter() - start)
+            except DeadlinePassed as e:  # nothing was sent: the channel is fine
+                item.future.set_exception(e)
             except Exception as e:
                 if self.channel is not None:
                     self.channel.close()
                 self.channel = None
+                # The decode node may have restarted: rendezvous through a fresh
+                # store connection next time, not the one to the old process.
+                self.store = None
                 logger.warning("KV transfer to %s failed: %s", self.node_id, e)
                 item.future.set_exception(
                     e if isinstance(e, TransferError) else TransferError(str(e))
@@ -71,11 +83,11 @@ class _Link:
     def _send(self, item: _Item) -> None:
         dest = item.dest
         if time.monotonic() > item.deadline:
-            raise TransferError("KV transfer deadline passed before sending")
+            raise DeadlinePassed("KV transfer deadline passed before sending")
         if self.channel is None or self.channel.closed or self.epoch != dest.epoch:
             if self.channel is not None:
                 self.channel.close()
-            if self.store is None:
+            if self.store is None or self.epoch != dest.epoch:
                 self.store = dist.TCPStore(
                     dest.store_host,
                     dest.store_port,
@@ -91,6 +103,7 @@ class _Link:
                 self.owner.timeout_s,
             )
             self.epoch = dest.epoch
+        pause = self.owner.faults.get(FaultPoint.TRANSFER_MID)
         if self.stream is not None:
             # Send on our own stream once the gather that made the payload is done;
             # the engine's stream goes on with the next step meanwhile.
@@ -98,16 +111,23 @@ class _Link:
                 if item.ready is not None:
                     self.stream.wait_event(item.ready)
                 item.payload.record_stream(self.stream)
-                self.channel.send(item.header, item.payload, item.deadline)
+                self.channel.send(item.header, item.payload, item.deadline, pause)
         else:
-            self.channel.send(item.header, item.payload, item.deadline)
+            self.channel.send(item.header, item.payload, item.deadline, pause)
 
 
 class KVSender:
-    def __init__(self, node_id: str, device: torch.device, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        device: torch.device,
+        timeout_s: float = 30.0,
+        faults: FaultDelays | None = None,
+    ) -> None:
         self.node_id = node_id
         self.device = device
         self.timeout_s = timeout_s
+        self.faults = faults or FaultDelays()
         self._links: dict[str, _Link] = {}
         self._lock = threading.Lock()
 

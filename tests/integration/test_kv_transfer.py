@@ -63,6 +63,7 @@ def receiver():
         col.on_transfer,
         col.on_peer_failed,
         timeout_s=3,
+        first_epoch=0,  # the sender processes below start at epoch 0
     )
     yield rx, col, port
     rx.close()
@@ -82,8 +83,8 @@ def test_transfers_arrive_bit_identical_in_order(receiver):
     rx, col, port = receiver
     sizes = [5, 4096, 1 << 20, 3]
     proc, epochs, results = start_sender(port, sizes)
-    for _ in sizes:  # one expectation per reservation; the channel's epoch is shared
-        epoch = rx.expect("prefill-a")
+    for i in range(len(sizes)):  # one expectation per reservation; the epoch is shared
+        epoch = rx.expect("prefill-a", 100 + i)
     epochs.put(epoch)
     assert results.get(timeout=60) == [True] * len(sizes)
     proc.join(30)
@@ -100,13 +101,13 @@ def test_transfers_arrive_bit_identical_in_order(receiver):
 
 def test_absent_peer_times_out_then_the_next_epoch_works(receiver):
     rx, col, port = receiver
-    assert rx.expect("prefill-a") == 0
+    assert rx.expect("prefill-a", 100) == 0
     # Nobody connects: the rendezvous times out, the peer is reported, the epoch moves on.
     assert col.event.wait(15)
     assert col.failed == ["prefill-a"]
     col.event.clear()
     proc, epochs, results = start_sender(port, [64])
-    epoch = rx.expect("prefill-a")
+    epoch = rx.expect("prefill-a", 100)
     assert epoch == 1
     epochs.put(epoch)
     assert results.get(timeout=60) == [True]

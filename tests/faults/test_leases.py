@@ -1,0 +1,80 @@
+"""Leases on decode-node reservations, with a 1 s lease (real processes).
+
+The prefill node holds every transfer mid-way (header sent, payload 2.5 s
+later), so each reservation outlives its lease: the decode node reclaims it,
+the router retries (here: on the decode node itself, the only prefill node
+being at fault), and the late payload arrives while the retried request
+decodes in the very blocks the reservation had. The payload must be dropped
+(the reservation id is the blocks' generation: never reused), so the output
+is exactly the offline engine's on the same prompt.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from common import LLM, SamplingParams
+from common.launcher import LocalCluster
+from tests.faults.harness import Stream, assert_idle, counters, request, spec
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 3
+MAX_TOKENS = 100
+# The prompt (~60 tokens: 4 blocks) plus its output take 10 of the 12 blocks:
+# the retried request must reuse blocks of the reclaimed reservation.
+NUM_BLOCKS = 12
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(demo_model_dir):
+    llm = LLM(str(demo_model_dir), device="cpu", max_model_len=1024)
+    ids = llm.llm_engine.tokenizer.encode(PROMPT)
+    out = llm.generate(
+        [{"prompt_token_ids": ids}],
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+    )
+    return ids, list(out[0].outputs[0].token_ids)
+
+
+@pytest.fixture(scope="module")
+def cluster(demo_model_dir, tmp_path_factory):
+    s = spec(
+        demo_model_dir,
+        tmp_path_factory.mktemp("lease-logs"),
+        num_prefill=1,
+        num_decode=1,
+        engine_args=["--num-kvcache-blocks", str(NUM_BLOCKS), "--max-model-len", "192"],
+        router_args=["--local-prefill-max-tokens", "0", "--max-model-len", "192"],
+        env={
+            "prefill-0": {"PDSERVE_FAULT_DELAYS": "transfer_mid=2.5"},
+            "decode-0": {"PDSERVE_KV_LEASE_S": "1"},
+        },
+    )
+    with LocalCluster(s) as c:
+        yield c
+
+
+def test_an_expired_reservation_is_reclaimed_and_its_late_transfer_dropped(cluster, prompt_ids):
+    ids, expected = prompt_ids
+    names = ("leases_expired", "kv_late_transfers", "kv_transfers")
+    before = counters(cluster, *names)["decode-0"]
+    start = time.monotonic()
+    outcome = Stream(
+        cluster.router_address, request(token_ids=ids, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ).result(120)
+    assert outcome.code is grpc.StatusCode.OK, outcome.details
+    # Retried after the lease: prefilled on the decode node, the prefill node avoided.
+    assert outcome.final.usage.prefill_node == ""
+    # The header went out before the lease ended (1 s), the payload 2.5 s later:
+    # it arrived while the retried request was decoding in the reused blocks.
+    assert outcome.ended_at - start > 1 + 2.5 + 0.5, "decoding ended before the late payload"
+    assert outcome.token_ids == expected
+    assert_idle(cluster, expect_nodes=2)
+    after = counters(cluster, *names)["decode-0"]
+    assert after["leases_expired"] - before["leases_expired"] == 1
+    assert after["kv_late_transfers"] - before["kv_late_transfers"] == 1
+    assert after["kv_transfers"] == before["kv_transfers"]  # nothing landed
