@@ -25,6 +25,9 @@ import grpc
 from common.cluster import Cluster, NodeInfo
 from common.engine.engine_thread import EngineThread
 from common.grpc_server import add_health, add_reflection, set_serving
+from common.metrics.histogram import Histogram
+from common.metrics.node import NodeCollector
+from common.metrics.server import add_metrics_arguments, serve_metrics
 from proto import internal_pb2, internal_pb2_grpc
 
 CONTROL_SERVICE = internal_pb2.DESCRIPTOR.services_by_name["NodeControl"].full_name
@@ -87,6 +90,7 @@ class Heartbeat:
     # Returns the node's counters (NodeInfo field names) for each heartbeat.
     counters: Callable[[], dict[str, int]] | None = None
     consecutive_failures: int = 0
+    failures: int = 0  # since start (pdserve_redis_errors_total)
     published: int = 0
     # Cache changes not yet published (kept across failed heartbeats); last wins.
     _pending: dict[bytes, bool] = field(default_factory=dict)
@@ -150,6 +154,7 @@ class Heartbeat:
                 if task.cancelling():
                     break
                 self.consecutive_failures += 1
+                self.failures += 1
                 delay = min(self.max_backoff_s, self.interval_s * 2**self.consecutive_failures)
                 logger.warning("heartbeat to Redis failed (%s); retrying in %.1f s", e, delay)
                 await asyncio.sleep(delay)
@@ -216,6 +221,7 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument(
         "--enable-reflection", action="store_true", default=env("PDSERVE_REFLECTION") == "1"
     )
+    add_metrics_arguments(p)
     add_engine_flags(p)
 
 
@@ -240,6 +246,7 @@ async def run_node(
     info: NodeInfo,
     counters: Callable[[], dict[str, int]],
     close: Callable[[], Awaitable[None]],
+    histograms: Callable[[], dict[str, Histogram]] | None = None,
 ) -> int:
     """Serve one node until SIGINT/SIGTERM, then drain and leave the cluster cleanly.
 
@@ -249,6 +256,9 @@ async def run_node(
     requests it has finish for up to ``--drain-timeout`` seconds (a second
     signal cuts this short), then leaves Redis and stops its gRPC server.
     """
+    # Before gRPC: its health service says SERVING overall as soon as it starts.
+    metrics = NodeCollector(info, thread, counters=counters, histograms=histograms)
+    serve_metrics(args.metrics_port, args.host, [metrics])
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     add_servicer(server)
     internal_pb2_grpc.add_NodeControlServicer_to_server(NodeControlServicer(thread), server)
@@ -264,6 +274,7 @@ async def run_node(
     )
     await heartbeat.beat()
     beating = asyncio.create_task(heartbeat.run_forever())
+    metrics.heartbeat = heartbeat
     await set_serving(health, [service, CONTROL_SERVICE], True)
     logger.info("%s node %s serving on %s:%d", info.role.value, info.node_id, args.host, args.port)
 

@@ -62,6 +62,7 @@ class Routing:
         try:
             view = await self.cluster.view(parsed.block_hashes)
         except Exception as e:  # Redis down or refusing: say so, do not hang
+            self.stats.redis_errors += 1
             raise NoRoute(f"cluster state is unavailable: {e}") from e
         request = self.route_request(parsed)
         decision = choose_route(
