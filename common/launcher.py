@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.grpc_server import health_check
+from common.metrics.server import METRICS_PATH, plan_metrics_ports
 from common.redis_server import RedisServer, free_port
 
 
@@ -27,6 +28,12 @@ class Component:
     name: str
     address: str  # host:port of its gRPC server
     process: subprocess.Popen
+    metrics_port: int = 0  # its /metrics port (0: none)
+
+    @property
+    def metrics_url(self) -> str | None:
+        host = self.address.rsplit(":", 1)[0]
+        return f"http://{host}:{self.metrics_port}{METRICS_PATH}" if self.metrics_port else None
 
 
 @dataclass
@@ -45,6 +52,9 @@ class ClusterSpec:
     start_timeout_s: float = 600.0
     stop_grace_s: float = 15.0
     log_dir: str | None = None  # None: children share our stderr
+    # /metrics ports: None a free one each, 0 none, N: N for the first router,
+    # then N+1, ... for the other routers, the decode nodes, the prefill nodes.
+    metrics_port: int | None = None
 
 
 class LocalCluster:
@@ -55,6 +65,7 @@ class LocalCluster:
         self.redis_url = spec.redis_url
         # (public port, admin port) of each router replica.
         self.router_ports: list[tuple[int, int]] = [(spec.port, spec.admin_port)]
+        self.metrics_ports: dict[str, int] = {}  # by component name
 
     @property
     def router_address(self) -> str:
@@ -84,6 +95,8 @@ class LocalCluster:
         env = dict(os.environ, PDSERVE_LOG_NAME=name, PYTHONUNBUFFERED="1")
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        metrics_port = self.metrics_ports.get(name, 0)
+        argv = [*argv, "--metrics-port", str(metrics_port)]
         out = None
         if self.spec.log_dir:
             Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
@@ -95,7 +108,7 @@ class LocalCluster:
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,  # Ctrl-C reaches us; we stop the children in order
         )
-        component = Component(name, f"{self.spec.host}:{port}", process)
+        component = Component(name, f"{self.spec.host}:{port}", process, metrics_port)
         self.components.append(component)
         return component
 
@@ -105,6 +118,12 @@ class LocalCluster:
             self.redis = RedisServer().start()
             self.redis_url = self.redis.url
             progress(f"redis-server on {self.redis_url}")
+        names = ["router"] + [f"router-{i}" for i in range(1, spec.num_routers)]
+        names += [f"decode-{i}" for i in range(spec.num_decode)]
+        names += [f"prefill-{i}" for i in range(spec.num_prefill)]
+        self.metrics_ports = plan_metrics_ports(
+            spec.metrics_port, names, lambda: free_port(spec.host)
+        )
         gpus = self._gpu_count()
         device = ["--device", "cuda"] if gpus else ["--device", "cpu"]
         common = [
@@ -205,7 +224,8 @@ class LocalCluster:
                     self.stop()
                     raise RuntimeError(f"{c.name} exited with code {code} while starting")
                 if health_check(c.address, timeout=0.5):
-                    progress(f"{c.name} serving on {c.address}")
+                    metrics = f" (metrics on {c.metrics_url})" if c.metrics_port else ""
+                    progress(f"{c.name} serving on {c.address}{metrics}")
                     waiting.remove(c)
             if waiting and time.monotonic() > deadline:
                 names = ", ".join(c.name for c in waiting)
