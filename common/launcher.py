@@ -114,16 +114,16 @@ class LocalCluster:
 
     def start(self, progress=print) -> LocalCluster:
         spec = self.spec
-        if self.redis_url is None:
-            self.redis = RedisServer().start()
-            self.redis_url = self.redis.url
-            progress(f"redis-server on {self.redis_url}")
         names = ["router"] + [f"router-{i}" for i in range(1, spec.num_routers)]
         names += [f"decode-{i}" for i in range(spec.num_decode)]
         names += [f"prefill-{i}" for i in range(spec.num_prefill)]
         self.metrics_ports = plan_metrics_ports(
             spec.metrics_port, names, lambda: free_port(spec.host)
         )
+        if self.redis_url is None:
+            self.redis = RedisServer().start()
+            self.redis_url = self.redis.url
+            progress(f"redis-server on {self.redis_url}")
         gpus = self._gpu_count()
         device = ["--device", "cuda"] if gpus else ["--device", "cpu"]
         common = [

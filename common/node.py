@@ -272,9 +272,9 @@ async def run_node(
     heartbeat = Heartbeat(
         cluster, thread, info, interval_s=args.heartbeat_interval, counters=counters
     )
+    metrics.heartbeat = heartbeat
     await heartbeat.beat()
     beating = asyncio.create_task(heartbeat.run_forever())
-    metrics.heartbeat = heartbeat
     await set_serving(health, [service, CONTROL_SERVICE], True)
     logger.info("%s node %s serving on %s:%d", info.role.value, info.node_id, args.host, args.port)
 
