@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import socket
 import urllib.request
 from dataclasses import fields
@@ -62,6 +63,20 @@ def test_histogram_buckets_are_cumulative_and_inclusive():
     assert snap.buckets == [(0.1, 2), (0.5, 4), (1.0, 5), (math.inf, 6)]
     assert snap.count == h.count == 6
     assert snap.sum == pytest.approx(0.1 + 0.6 + 1.0 + 7.0 + 0.05)
+
+
+def test_a_batch_counts_like_one_value_at_a_time():
+    rng = random.Random(0)
+    # Exact bucket bounds included: le is inclusive either way.
+    values = [rng.choice(TOKEN_LATENCY_BUCKETS) for _ in range(200)]
+    values += [rng.expovariate(20) for _ in range(2000)] + [99.0]
+    batch, single = Histogram(TOKEN_LATENCY_BUCKETS), Histogram(TOKEN_LATENCY_BUCKETS)
+    batch.observe_many(values)
+    batch.observe_many([])
+    for v in values:
+        single.observe(v)
+    assert batch.snapshot().buckets == single.snapshot().buckets
+    assert batch.snapshot().sum == pytest.approx(single.snapshot().sum)
 
 
 @pytest.mark.parametrize("bounds", [[], [1.0, 1.0], [2.0, 1.0], [1.0, math.inf]])
