@@ -113,6 +113,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         + (["--routing-policy", args.routing_policy] if args.routing_policy else []),
         num_routers=args.routers,
         log_dir=args.log_dir,
+        metrics_port=args.metrics_port,
     )
     cluster = LocalCluster(spec)
     stopping = False
@@ -188,6 +189,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from common.metrics.server import DEFAULT_METRICS_PORT, metrics_port
+
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -239,6 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--verify-kv", action="store_true", help="checksum every KV transfer")
     up.add_argument("--log-dir", default=None, help="write each process's log here")
+    up.add_argument(
+        "--metrics-port",
+        type=metrics_port,
+        default=metrics_port(os.environ.get("PDSERVE_METRICS_PORT", str(DEFAULT_METRICS_PORT))),
+        help="first /metrics port: the router's; the other processes take the next ones "
+        f"(default {DEFAULT_METRICS_PORT}; 0 disables) [PDSERVE_METRICS_PORT]",
+    )
     up.set_defaults(func=cmd_up)
 
     from decode_node import main as decode_main

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.grpc_server import health_check
+from common.metrics.server import METRICS_PATH, plan_metrics_ports
 from common.redis_server import RedisServer, free_port
 
 
@@ -29,6 +30,12 @@ class Component:
     process: subprocess.Popen
     argv: list[str] = field(default_factory=list)  # `pdserve` arguments, to restart it
     gpu: int | None = None
+    metrics_port: int = 0  # its /metrics port (0: none)
+
+    @property
+    def metrics_url(self) -> str | None:
+        host = self.address.rsplit(":", 1)[0]
+        return f"http://{host}:{self.metrics_port}{METRICS_PATH}" if self.metrics_port else None
 
 
 @dataclass
@@ -49,6 +56,9 @@ class ClusterSpec:
     log_dir: str | None = None  # None: children share our stderr
     # Extra environment per component name (e.g. "prefill-0"); tests/faults uses it.
     env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # /metrics ports: None a free one each, 0 none, N: N for the first router,
+    # then N+1, ... for the other routers, the decode nodes, the prefill nodes.
+    metrics_port: int | None = None
 
 
 class LocalCluster:
@@ -59,6 +69,7 @@ class LocalCluster:
         self.redis_url = spec.redis_url
         # (public port, admin port) of each router replica.
         self.router_ports: list[tuple[int, int]] = [(spec.port, spec.admin_port)]
+        self.metrics_ports: dict[str, int] = {}  # by component name
 
     @property
     def router_address(self) -> str:
@@ -85,9 +96,9 @@ class LocalCluster:
             return 0
 
     def _spawn(self, name: str, argv: list[str], port: int, gpu: int | None) -> Component:
-        component = Component(
-            name, f"{self.spec.host}:{port}", self._popen(name, argv, gpu), argv, gpu
-        )
+        process = self._popen(name, argv, gpu)
+        metrics_port = self.metrics_ports.get(name, 0)
+        component = Component(name, f"{self.spec.host}:{port}", process, argv, gpu, metrics_port)
         self.components.append(component)
         return component
 
@@ -110,6 +121,8 @@ class LocalCluster:
         env.update(self.spec.env.get(name, {}))
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        metrics_port = self.metrics_ports.get(name, 0)
+        argv = [*argv, "--metrics-port", str(metrics_port)]
         out = None
         if self.spec.log_dir:
             Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
@@ -124,6 +137,12 @@ class LocalCluster:
 
     def start(self, progress=print) -> LocalCluster:
         spec = self.spec
+        names = ["router"] + [f"router-{i}" for i in range(1, spec.num_routers)]
+        names += [f"decode-{i}" for i in range(spec.num_decode)]
+        names += [f"prefill-{i}" for i in range(spec.num_prefill)]
+        self.metrics_ports = plan_metrics_ports(
+            spec.metrics_port, names, lambda: free_port(spec.host)
+        )
         if self.redis_url is None:
             self.redis = RedisServer().start()
             self.redis_url = self.redis.url
@@ -228,7 +247,8 @@ class LocalCluster:
                     self.stop()
                     raise RuntimeError(f"{c.name} exited with code {code} while starting")
                 if health_check(c.address, timeout=0.5):
-                    progress(f"{c.name} serving on {c.address}")
+                    metrics = f" (metrics on {c.metrics_url})" if c.metrics_port else ""
+                    progress(f"{c.name} serving on {c.address}{metrics}")
                     waiting.remove(c)
             if waiting and time.monotonic() > deadline:
                 names = ", ".join(c.name for c in waiting)

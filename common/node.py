@@ -25,6 +25,9 @@ import grpc
 from common.cluster import Cluster, NodeInfo
 from common.engine.engine_thread import EngineThread
 from common.grpc_server import SERVER_OPTIONS, add_health, add_reflection, set_serving
+from common.metrics.histogram import Histogram
+from common.metrics.node import NodeCollector
+from common.metrics.server import add_metrics_arguments, serve_metrics
 from common.reliability import FAULT_DELAYS_ENV, FaultDelays
 from proto import internal_pb2, internal_pb2_grpc
 
@@ -96,6 +99,7 @@ class Heartbeat:
     # Returns the node's counters (NodeInfo field names) for each heartbeat.
     counters: Callable[[], dict[str, int]] | None = None
     consecutive_failures: int = 0
+    failures: int = 0  # since start (pdserve_redis_errors_total)
     published: int = 0
     # Cache changes not yet published (kept across failed heartbeats); last wins.
     _pending: dict[bytes, bool] = field(default_factory=dict)
@@ -170,6 +174,7 @@ class Heartbeat:
                     break
                 self.consecutive_failures += 1
                 self._resync = True
+                self.failures += 1
                 delay = min(self.max_backoff_s, self.interval_s * 2**self.consecutive_failures)
                 logger.warning("heartbeat to Redis failed (%s); retrying in %.1f s", e, delay)
                 await asyncio.sleep(delay)
@@ -250,6 +255,7 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument(
         "--enable-reflection", action="store_true", default=env("PDSERVE_REFLECTION") == "1"
     )
+    add_metrics_arguments(p)
     add_engine_flags(p)
 
 
@@ -274,6 +280,7 @@ async def run_node(
     info: NodeInfo,
     counters: Callable[[], dict[str, int]],
     close: Callable[[], Awaitable[None]],
+    histograms: Callable[[], dict[str, Histogram]] | None = None,
 ) -> int:
     """Serve one node until SIGINT/SIGTERM, then drain and leave the cluster cleanly.
 
@@ -285,6 +292,8 @@ async def run_node(
     """
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    metrics = NodeCollector(info, thread, counters=counters, histograms=histograms)
+    serve_metrics(args.metrics_port, args.host, [metrics])
     server = grpc.aio.server(options=SERVER_OPTIONS)
     add_servicer(server)
     internal_pb2_grpc.add_NodeControlServicer_to_server(NodeControlServicer(thread), server)
@@ -298,6 +307,7 @@ async def run_node(
     heartbeat = Heartbeat(
         cluster, thread, info, interval_s=args.heartbeat_interval, counters=counters
     )
+    metrics.heartbeat = heartbeat
     await heartbeat.beat()
     beating = asyncio.create_task(heartbeat.run_forever())
     await set_serving(health, [service, CONTROL_SERVICE], True)

@@ -66,4 +66,5 @@ async def serve(args: argparse.Namespace) -> int:
         info=info,
         counters=worker.stats.counters,
         close=close,
+        histograms=worker.stats.histograms,
     )

@@ -33,6 +33,7 @@ from common.engine.llm_engine import LLMEngine
 from common.engine.sampling_params import RequestOutputKind, SamplingParams
 from common.kv_transfer import Destination, KVSender, TransferHeader
 from common.kv_transfer.loopback import checksum
+from common.metrics.histogram import KV_BANDWIDTH_BUCKETS, KV_TRANSFER_BUCKETS, Histogram
 from common.reliability import (
     AbortCounters,
     FaultDelays,
@@ -72,6 +73,20 @@ class PrefillStats:
     transfer_us: int = 0  # time spent sending, summed
     rejected: int = 0  # refused: queue full (RESOURCE_EXHAUSTED)
     aborts: AbortCounters = field(default_factory=AbortCounters)
+    # Per transfer: seconds from queueing the payload to the peer having it, bytes/s.
+    transfer_s: Histogram = field(default_factory=lambda: Histogram(KV_TRANSFER_BUCKETS))
+    bandwidth: Histogram = field(default_factory=lambda: Histogram(KV_BANDWIDTH_BUCKETS))
+
+    def transferred(self, num_bytes: int, seconds: float) -> None:
+        self.transfers += 1
+        self.bytes_sent += num_bytes
+        self.transfer_us += int(seconds * 1e6)
+        self.transfer_s.observe(seconds)
+        if num_bytes and seconds > 0:  # an empty push (all blocks cached there) has no rate
+            self.bandwidth.observe(num_bytes / seconds)
+
+    def histograms(self) -> dict[str, Histogram]:
+        return {"kv_transfer_seconds": self.transfer_s, "kv_transfer_bandwidth": self.bandwidth}
 
     def counters(self) -> dict[str, int]:
         return {
@@ -148,9 +163,7 @@ class PrefillWorker:
             raise
         finally:
             self.stats.requests += 1
-        self.stats.transfers += 1
-        self.stats.bytes_sent += num_bytes
-        self.stats.transfer_us += int((done - gathered) * 1e6)
+        self.stats.transferred(num_bytes, done - gathered)
         m = out.metrics
         scheduled = m.first_scheduled_time or m.arrival_time
         resp = internal_pb2.PrefillResponse(

@@ -20,6 +20,8 @@ from common.grpc_server import (
     add_reflection,
     set_serving,
 )
+from common.metrics.router import RouterCollector
+from common.metrics.server import add_metrics_arguments, serve_metrics
 from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from router.admin import AdminServicer
 from router.frontend import Frontend
@@ -98,6 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=float(env("PDSERVE_DRAIN_TIMEOUT_S", "30")),
         help="on SIGTERM, seconds to let streams in flight finish [PDSERVE_DRAIN_TIMEOUT_S]",
     )
+    add_metrics_arguments(p)
     add_routing_arguments(p)
 
 
@@ -173,6 +176,8 @@ async def serve(args: argparse.Namespace) -> int:
     )
     admin_health = await add_health(admin, [ADMIN])
     admin.add_insecure_port(f"{admin_host}:{args.admin_port}")
+    # Before gRPC: its health service says SERVING overall as soon as it starts.
+    serve_metrics(args.metrics_port, args.host, [RouterCollector(routing)])
     await server.start()
     await admin.start()
     await set_serving(health, [ROUTER], True)

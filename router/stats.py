@@ -3,7 +3,8 @@
 Latencies are kept for the last ``window`` requests (or tokens, for ITL) so
 that percentiles follow the current load; counters count since start. Each
 router replica keeps its own; the nodes' counters (preemptions, KV transfer)
-are cluster-wide and come from Redis.
+are cluster-wide and come from Redis. The same latencies also go into
+cumulative histograms (seconds), which /metrics exports (common/metrics).
 """
 
 from __future__ import annotations
@@ -11,6 +12,13 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
+
+from common.metrics.histogram import (
+    E2E_BUCKETS,
+    TOKEN_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    Histogram,
+)
 
 
 @dataclass(slots=True)
@@ -81,6 +89,11 @@ class RouterStats:
     retries: int = 0  # attempts after a node failed before the first token
     redis_errors: int = 0  # routing reads that failed
     stale_routes: int = 0  # decisions made on the last-known nodes (Redis unreachable)
+    # Since start, successful requests only (as the windows above), in seconds.
+    ttft_s: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    tpot_s: Histogram = field(default_factory=lambda: Histogram(TOKEN_LATENCY_BUCKETS))
+    itl_s: Histogram = field(default_factory=lambda: Histogram(TOKEN_LATENCY_BUCKETS))
+    e2e_s: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
 
     def __post_init__(self) -> None:
         self.ttft_ms = deque(maxlen=self.window)
@@ -109,14 +122,19 @@ class RouterStats:
             return
         self.prompt_tokens += prompt_tokens
         self.cached_tokens += cached_tokens
-        self.e2e_ms.append((end - trace.start) * 1e3)
+        e2e = end - trace.start
+        self.e2e_ms.append(e2e * 1e3)
+        self.e2e_s.observe(e2e)
         if trace.first_token is not None:
-            self.ttft_ms.append((trace.first_token - trace.start) * 1e3)
+            ttft = trace.first_token - trace.start
+            self.ttft_ms.append(ttft * 1e3)
+            self.ttft_s.observe(ttft)
             if trace.tokens > 1 and trace.last_token is not None:
-                self.tpot_ms.append(
-                    (trace.last_token - trace.first_token) * 1e3 / (trace.tokens - 1)
-                )
+                tpot = (trace.last_token - trace.first_token) / (trace.tokens - 1)
+                self.tpot_ms.append(tpot * 1e3)
+                self.tpot_s.observe(tpot)
         self.itl_ms.extend(trace.itl_ms)
+        self.itl_s.observe_many(ms / 1e3 for ms in trace.itl_ms)
 
     @property
     def prefix_hit_rate(self) -> float:

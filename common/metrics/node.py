@@ -1,0 +1,232 @@
+"""What a prefill or decode node exports: engine load, KV blocks, KV transfers, Redis.
+
+Everything is read at scrape time from state the node already keeps, never by
+calling into the engine thread (a scrape must not wait for an engine step, and
+must not slow one down):
+
+- ``EngineThread.stats``: the ``EngineStats`` snapshot the engine thread
+  publishes after every step and every batch of commands (one reference read);
+- the worker's ``counters()`` (the same numbers the heartbeat publishes to
+  Redis, so Redis, pdctl and Prometheus agree) and ``histograms()``;
+- the heartbeat's own counts (Redis round trips that worked or failed).
+
+Every series carries ``role`` (prefill / decode) and ``node`` (the node id in
+Redis and pdctl) so dashboards need no relabelling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from common.metrics.families import counter, gauge, histogram, labelled_counter
+from common.metrics.histogram import Histogram
+from common.reliability import Stage
+
+ABORT_STAGES = tuple(stage.value for stage in Stage)
+
+if TYPE_CHECKING:
+    from common.cluster import NodeInfo
+    from common.engine.engine_thread import EngineThread
+    from common.node import Heartbeat
+
+# Worker counters (NodeInfo field names, as ``counters()`` returns them) -> metric.
+# None: deliberately not exported (named with the reason).
+COUNTERS: dict[str, tuple[str, str] | None] = {
+    "requests_total": (
+        "pdserve_node_requests_total",
+        "Requests this node accepted (decode: Decode calls; prefill: Prefill calls).",
+    ),
+    "kv_transfers": (
+        "pdserve_kv_transfers_total",
+        "KV transfers sent (prefill) or landed in a reservation (decode).",
+    ),
+    "kv_transfer_bytes": (
+        "pdserve_kv_transfer_bytes_total",
+        "KV payload bytes sent (prefill) or received into reservations (decode).",
+    ),
+    "kv_transfer_failures": (
+        "pdserve_kv_transfer_failures_total",
+        "KV transfers that failed (send error or timeout; on decode, reservations failed "
+        "by a broken channel).",
+    ),
+    "kv_late_transfers": (
+        "pdserve_kv_late_transfers_total",
+        "KV transfers that arrived for a reservation already gone and were dropped (decode).",
+    ),
+    "kv_checksum_mismatches": (
+        "pdserve_kv_checksum_mismatches_total",
+        "Landed KV that differed from what the prefill node sent (decode, --verify-kv).",
+    ),
+    # The sum of pdserve_kv_transfer_duration_seconds already is this.
+    "kv_transfer_us": None,
+    "deadline_exceeded": (
+        "pdserve_deadline_exceeded_total",
+        "Requests aborted on this node because the client's deadline passed.",
+    ),
+    "leases_expired": (
+        "pdserve_kv_leases_expired_total",
+        "KV reservations reclaimed unfilled at the end of their lease (decode).",
+    ),
+    "rejected": (
+        "pdserve_requests_rejected_total",
+        "Requests refused for lack of room: queue full, no KV blocks or slots "
+        "(RESOURCE_EXHAUSTED).",
+    ),
+    # Exported together as pdserve_requests_aborted_total{stage}.
+    **{f"aborted_{stage}": None for stage in ABORT_STAGES},
+}
+
+# Worker histograms (``histograms()`` keys) -> metric.
+HISTOGRAMS: dict[str, tuple[str, str]] = {
+    "kv_transfer_seconds": (
+        "pdserve_kv_transfer_duration_seconds",
+        "Per KV transfer sent: seconds from queueing the payload to the send completing.",
+    ),
+    "kv_transfer_bandwidth": (
+        "pdserve_kv_transfer_bandwidth_bytes_per_second",
+        "Per non-empty KV transfer sent: payload bytes over its duration.",
+    ),
+}
+
+
+class NodeCollector(Collector):
+    def __init__(
+        self,
+        info: NodeInfo,
+        engine: EngineThread,
+        heartbeat: Heartbeat | None = None,
+        counters: Callable[[], dict[str, int]] | None = None,
+        histograms: Callable[[], dict[str, Histogram]] | None = None,
+    ) -> None:
+        self.info = info
+        self.engine = engine
+        self.heartbeat = heartbeat
+        self.counters = counters
+        self.histograms = histograms
+        self.labels = {"role": info.role.value, "node": info.node_id}
+
+    def collect(self) -> Iterator[Metric]:
+        labels, info = self.labels, self.info
+        yield gauge(
+            "pdserve_node_info",
+            "Always 1; the node's model and block size as labels.",
+            labels | {"model": info.model_id, "block_size": str(info.block_size)},
+            1,
+        )
+        yield gauge(
+            "pdserve_node_draining",
+            "1 while the node shuts down (SIGTERM) and finishes what it owes.",
+            labels,
+            int(info.draining),
+        )
+        yield gauge(
+            "pdserve_engine_alive",
+            "1 while the engine thread runs; 0 after a failed step (the node serves nothing).",
+            labels,
+            int(self.engine.alive),
+        )
+        yield from self._engine(labels)
+        if self.counters is not None:
+            values = self.counters()
+            for key, value in values.items():
+                spec = COUNTERS.get(key)
+                if spec is not None:
+                    yield counter(spec[0], spec[1], labels, value)
+            stages = {s: values[f"aborted_{s}"] for s in ABORT_STAGES if f"aborted_{s}" in values}
+            if stages:
+                yield labelled_counter(
+                    "pdserve_requests_aborted_total",
+                    "Requests aborted on this node (client gone, deadline, peer failure, "
+                    "lease), by the stage they were in.",
+                    labels,
+                    "stage",
+                    stages,
+                )
+        if self.histograms is not None:
+            for key, hist in self.histograms().items():
+                name, doc = HISTOGRAMS[key]
+                yield histogram(name, doc, labels, hist)
+        if self.heartbeat is not None:
+            hb = self.heartbeat
+            yield counter(
+                "pdserve_heartbeats_total",
+                "Heartbeats published to Redis (load, counters and cache events).",
+                labels,
+                hb.published,
+            )
+            yield gauge(
+                "pdserve_heartbeat_consecutive_failures",
+                "Heartbeats that failed in a row (0 once Redis answers again).",
+                labels,
+                hb.consecutive_failures,
+            )
+            yield labelled_counter(
+                "pdserve_redis_errors_total",
+                "Redis operations that failed, by operation.",
+                labels,
+                "op",
+                {"heartbeat": hb.failures},
+            )
+
+    def _engine(self, labels: dict[str, str]) -> Iterator[Metric]:
+        s = self.engine.stats  # the engine thread swaps in a new snapshot; never mutated
+        yield gauge(
+            "pdserve_requests_running", "Sequences in the running batch.", labels, s.num_running
+        )
+        yield gauge(
+            "pdserve_requests_waiting",
+            "Sequences queued for admission (the node's queue depth).",
+            labels,
+            s.num_waiting,
+        )
+        yield gauge(
+            "pdserve_requests_reserved",
+            "Requests holding KV blocks while their prompt's KV is on its way (decode).",
+            labels,
+            s.num_reserved,
+        )
+        yield gauge(
+            "pdserve_queued_prefill_tokens",
+            "Prompt tokens admitted or waiting but not yet computed.",
+            labels,
+            s.num_queued_prefill_tokens,
+        )
+        yield gauge(
+            "pdserve_kv_blocks_capacity",
+            "KV blocks in the pool (free + cached + used).",
+            labels,
+            s.num_kv_blocks,
+        )
+        # num_free_kv_blocks counts both free kinds (it is what an allocation can take).
+        family = gauge(
+            "pdserve_kv_blocks",
+            "KV blocks by state: free (no cached content), cached (free, keeps a "
+            "prefix-cache hash, evictable), used (held by a request).",
+            labels | {"state": "free"},
+            s.num_free_kv_blocks - s.num_cached_free_kv_blocks,
+        )
+        family.add_metric([*labels.values(), "cached"], s.num_cached_free_kv_blocks)
+        family.add_metric([*labels.values(), "used"], s.num_kv_blocks - s.num_free_kv_blocks)
+        yield family
+        yield counter(
+            "pdserve_preemptions_total",
+            "Sequences preempted (by recompute) for lack of KV blocks.",
+            labels,
+            s.num_preemptions,
+        )
+        yield counter(
+            "pdserve_prefix_cache_queried_tokens_total",
+            "Prompt tokens looked up in this node's prefix cache.",
+            labels,
+            s.prefix_cache_queried_tokens,
+        )
+        yield counter(
+            "pdserve_prefix_cache_hit_tokens_total",
+            "Prompt tokens served from this node's prefix cache (verified hits).",
+            labels,
+            s.prefix_cache_hit_tokens,
+        )

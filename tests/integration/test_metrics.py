@@ -1,0 +1,172 @@
+"""Every process's /metrics on a real local cluster (router, one prefill and one
+decode node as processes, a real redis-server, KV over gloo): after a few
+requests, what each endpoint says must agree with what the clients saw."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.launcher import ClusterSpec, LocalCluster
+from common.redis_server import free_port
+from proto.client import generate
+
+pytestmark = pytest.mark.timeout(600)
+
+MAX_LEN = 512
+# Long enough for a few full blocks, so the second one hits the prefill node's cache.
+SHARED = "You are a helpful assistant. Answer briefly and precisely. " * 4
+PROMPTS = [SHARED + "What is the capital of France?", SHARED + "Name a red fruit.", "Hi"]
+
+
+@pytest.fixture(scope="module")
+def cluster(demo_model_dir, tmp_path_factory):
+    spec = ClusterSpec(
+        model=str(demo_model_dir),
+        num_prefill=1,
+        num_decode=1,
+        port=free_port(),
+        admin_port=free_port(),
+        engine_args=["--max-model-len", str(MAX_LEN)],
+        node_args=["--heartbeat-interval", "0.2"],
+        # Always disaggregate, so every request moves KV from prefill to decode.
+        router_args=["--local-prefill-max-tokens", "0", "--local-prefill-min-hit", "1.0"],
+        log_dir=str(tmp_path_factory.mktemp("metrics-logs")),
+        start_timeout_s=300,
+        metrics_port=None,  # a free port per process
+    )
+    with LocalCluster(spec) as c:
+        yield c
+
+
+def component(cluster, name):
+    return next(c for c in cluster.components if c.name == name)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert r.status == 200
+            assert r.headers["Content-Type"].startswith("text/plain")
+            text = r.read().decode()
+    except OSError as e:
+        pytest.fail(f"cannot scrape {url}: {e}")
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples, name, **labels) -> float:
+    hits = [v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items()]
+    assert len(hits) == 1, (name, labels, hits)
+    return hits[0]
+
+
+def run(address, prompt, **kw):
+    tokens, final = 0, None
+    for r in generate(address, prompt, timeout=120, temperature=0.0, **kw):
+        tokens += sum(len(d.token_ids) for d in r.deltas)
+        if r.HasField("final"):
+            final = r.final
+    return tokens, final
+
+
+@pytest.fixture(scope="module")
+def traffic(cluster):
+    """Sequential requests (the second shares the first's prefix) and one invalid one."""
+    results = [run(cluster.router_address, p, max_tokens=8) for p in PROMPTS]
+    with pytest.raises(grpc.RpcError) as e:
+        run(cluster.router_address, "x", max_tokens=-1)
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    return results
+
+
+def test_every_process_serves_metrics_on_its_own_port(cluster):
+    ports = [c.metrics_port for c in cluster.components]
+    assert len(cluster.components) == 3 and all(ports) and len(set(ports)) == 3
+    for c in cluster.components:
+        assert c.metrics_url.endswith("/metrics")
+        samples = scrape(c.metrics_url)
+        if c.name == "router":
+            assert ("pdserve_router_requests_in_flight", ()) in samples
+        else:
+            role = c.name.split("-")[0]
+            assert value(samples, "pdserve_node_info", role=role, node=c.name) == 1
+            assert value(samples, "pdserve_engine_alive") == 1
+
+
+def test_router_counts_and_times_every_request(cluster, traffic):
+    s = scrape(component(cluster, "router").metrics_url)
+    n = len(PROMPTS)
+    assert value(s, "pdserve_router_requests_total", status="OK") == n
+    assert value(s, "pdserve_router_requests_total", status="INVALID_ARGUMENT") == 1
+    assert value(s, "pdserve_router_time_to_first_token_seconds_count") == n
+    assert value(s, "pdserve_router_e2e_request_latency_seconds_count") == n
+    assert value(s, "pdserve_router_time_to_first_token_seconds_bucket", le="+Inf") == n
+    tokens = [t for t, _ in traffic]
+    assert value(s, "pdserve_router_inter_token_latency_seconds_count") == sum(tokens) - n
+    assert value(s, "pdserve_router_time_per_output_token_seconds_count") == sum(
+        t > 1 for t in tokens
+    )
+    # TTFT sums to what the router stamped on each Final (ms), to rounding.
+    stamped = sum(f.usage.time_to_first_token_ms for _, f in traffic) / 1e3
+    assert value(s, "pdserve_router_time_to_first_token_seconds_sum") == pytest.approx(
+        stamped, rel=1e-3
+    )
+    prompt = sum(f.usage.prompt_tokens for _, f in traffic)
+    cached = sum(f.usage.cached_tokens for _, f in traffic)
+    assert value(s, "pdserve_router_prompt_tokens_total") == prompt
+    assert value(s, "pdserve_router_cached_prompt_tokens_total") == cached > 0
+    assert value(s, "pdserve_router_routed_requests_total", role="prefill", node="prefill-0") == n
+    assert value(s, "pdserve_router_routed_requests_total", role="decode", node="decode-0") == n
+    assert value(s, "pdserve_redis_errors_total", op="route") == 0
+    assert value(s, "pdserve_router_requests_in_flight") == 0
+
+
+def test_kv_transfer_seen_from_both_ends(cluster, traffic):
+    n = len(PROMPTS)
+    p = scrape(component(cluster, "prefill-0").metrics_url)
+    d = scrape(component(cluster, "decode-0").metrics_url)
+    assert value(p, "pdserve_node_requests_total") == value(d, "pdserve_node_requests_total") == n
+    assert value(p, "pdserve_kv_transfers_total") == value(d, "pdserve_kv_transfers_total") == n
+    sent = value(p, "pdserve_kv_transfer_bytes_total")
+    assert sent > 0 and value(d, "pdserve_kv_transfer_bytes_total") == sent
+    assert value(p, "pdserve_kv_transfer_duration_seconds_count") == n
+    assert value(p, "pdserve_kv_transfer_duration_seconds_sum") > 0
+    assert value(p, "pdserve_kv_transfer_bandwidth_bytes_per_second_count") == n
+    for s in (p, d):
+        assert value(s, "pdserve_kv_transfer_failures_total") == 0
+        assert value(s, "pdserve_redis_errors_total", op="heartbeat") == 0
+        assert value(s, "pdserve_heartbeats_total") > 0
+    assert value(d, "pdserve_kv_late_transfers_total") == 0
+    # The second prompt reused the first's blocks on the prefill node.
+    assert value(p, "pdserve_prefix_cache_hit_tokens_total") > 0
+    assert value(p, "pdserve_prefix_cache_queried_tokens_total") >= value(
+        p, "pdserve_prefix_cache_hit_tokens_total"
+    )
+
+
+def test_at_idle_free_plus_cached_blocks_equal_capacity(cluster, traffic):
+    for name in ("prefill-0", "decode-0"):
+        url = component(cluster, name).metrics_url
+        deadline = time.monotonic() + 15
+        while True:  # the engine publishes its snapshot after the last step/command
+            s = scrape(url)
+            used = value(s, "pdserve_kv_blocks", state="used")
+            if used == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        free = value(s, "pdserve_kv_blocks", state="free")
+        cached = value(s, "pdserve_kv_blocks", state="cached")
+        capacity = value(s, "pdserve_kv_blocks_capacity")
+        assert (used, free + cached) == (0, capacity), name
+        assert cached > 0, name  # finished prompts stay in the prefix cache
+        for gauge in ("running", "waiting", "reserved"):
+            assert value(s, f"pdserve_requests_{gauge}") == 0, (name, gauge)
+        assert value(s, "pdserve_queued_prefill_tokens") == 0
