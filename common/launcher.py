@@ -20,6 +20,7 @@ from pathlib import Path
 
 from common.grpc_server import health_check
 from common.redis_server import RedisServer, free_port
+from common.tls import NO_TLS, TLSConfig
 
 
 @dataclass
@@ -45,6 +46,14 @@ class ClusterSpec:
     start_timeout_s: float = 600.0
     stop_grace_s: float = 15.0
     log_dir: str | None = None  # None: children share our stderr
+    # Security (docs/security.md). TLS: the same files for every component (each
+    # is a server and a client), and for the start-up health checks.
+    tls: TLSConfig = NO_TLS
+    # With no redis_url, the Redis started here requires this password (and user).
+    redis_password: str | None = None
+    redis_username: str | None = None
+    redis_tls_ca: str | None = None  # with a rediss:// redis_url
+    env: dict[str, str] = field(default_factory=dict)  # for every child: secrets go here
 
 
 class LocalCluster:
@@ -81,7 +90,7 @@ class LocalCluster:
             return 0
 
     def _spawn(self, name: str, argv: list[str], port: int, gpu: int | None) -> Component:
-        env = dict(os.environ, PDSERVE_LOG_NAME=name, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, **self._secret_env(), PDSERVE_LOG_NAME=name, PYTHONUNBUFFERED="1")
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         out = None
@@ -99,10 +108,31 @@ class LocalCluster:
         self.components.append(component)
         return component
 
+    def _secret_env(self) -> dict[str, str]:
+        env = dict(self.spec.env)
+        if self.spec.redis_password:
+            env["PDSERVE_REDIS_PASSWORD"] = self.spec.redis_password
+        return env
+
+    def _security_args(self) -> list[str]:
+        spec = self.spec
+        out = spec.tls.flags()
+        if spec.redis_username:
+            out += ["--redis-username", spec.redis_username]
+        if spec.redis_tls_ca:
+            out += ["--redis-tls-ca", spec.redis_tls_ca]
+        return out
+
     def start(self, progress=print) -> LocalCluster:
         spec = self.spec
         if self.redis_url is None:
-            self.redis = RedisServer().start()
+            if spec.redis_tls_ca:
+                raise ValueError(
+                    "--redis-tls-ca needs --redis-url: the Redis started here has no TLS"
+                )
+            self.redis = RedisServer(
+                password=spec.redis_password, username=spec.redis_username
+            ).start()
             self.redis_url = self.redis.url
             progress(f"redis-server on {self.redis_url}")
         gpus = self._gpu_count()
@@ -116,6 +146,7 @@ class LocalCluster:
             spec.host,
             "--advertise-host",
             spec.host,
+            *self._security_args(),
         ]
         slot = 0
         started: list[Component] = []
@@ -186,6 +217,7 @@ class LocalCluster:
                         str(port),
                         "--admin-port",
                         str(admin_port),
+                        *self._security_args(),
                         *spec.router_args,
                     ],
                     port,
@@ -204,7 +236,7 @@ class LocalCluster:
                 if code is not None:
                     self.stop()
                     raise RuntimeError(f"{c.name} exited with code {code} while starting")
-                if health_check(c.address, timeout=0.5):
+                if health_check(c.address, timeout=0.5, tls=self.spec.tls):
                     progress(f"{c.name} serving on {c.address}")
                     waiting.remove(c)
             if waiting and time.monotonic() > deadline:

@@ -25,6 +25,8 @@ import grpc
 from common.cluster import Cluster, NodeInfo
 from common.engine.engine_thread import EngineThread
 from common.grpc_server import add_health, add_reflection, set_serving
+from common.redis_auth import add_redis_auth_arguments, check_redis, redis_options_from_args
+from common.tls import TLSConfig, add_port, add_tls_arguments
 from proto import internal_pb2, internal_pb2_grpc
 
 CONTROL_SERVICE = internal_pb2.DESCRIPTOR.services_by_name["NodeControl"].full_name
@@ -216,6 +218,8 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument(
         "--enable-reflection", action="store_true", default=env("PDSERVE_REFLECTION") == "1"
     )
+    add_tls_arguments(p)
+    add_redis_auth_arguments(p)
     add_engine_flags(p)
 
 
@@ -249,16 +253,17 @@ async def run_node(
     requests it has finish for up to ``--drain-timeout`` seconds (a second
     signal cuts this short), then leaves Redis and stops its gRPC server.
     """
+    cluster = Cluster.from_url(args.redis_url, redis_options_from_args(args), ttl_s=args.node_ttl)
+    await check_redis(cluster.redis, args.redis_url)  # refused credentials: stop here
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     add_servicer(server)
     internal_pb2_grpc.add_NodeControlServicer_to_server(NodeControlServicer(thread), server)
     health = add_health(server, [service, CONTROL_SERVICE])
     if args.enable_reflection:
         add_reflection(server, [service, CONTROL_SERVICE])
-    server.add_insecure_port(f"{args.host}:{args.port}")
+    add_port(server, f"{args.host}:{args.port}", TLSConfig.from_args(args))
     await server.start()
 
-    cluster = Cluster.from_url(args.redis_url, ttl_s=args.node_ttl)
     heartbeat = Heartbeat(
         cluster, thread, info, interval_s=args.heartbeat_interval, counters=counters
     )

@@ -41,6 +41,7 @@ from common.engine.engine_thread import EngineThread, RequestStream
 from common.engine.llm_engine import LLMEngine, Reservation
 from common.kv_transfer import KVReceiver, TransferError, TransferHeader, TransferState
 from common.kv_transfer.loopback import checksum
+from common.tls import NO_TLS, TLSConfig, make_channel
 from common.wire import (
     StreamState,
     output_to_responses,
@@ -112,8 +113,10 @@ class DecodeWorker:
         store_port: int,
         transfer_timeout_s: float = 30.0,
         verify_transfers: bool = False,
+        tls: TLSConfig = NO_TLS,
     ) -> None:
         self.node_id = node_id
+        self.tls = tls  # for the Prefill calls
         self.engine = engine
         self.verify_transfers = verify_transfers
         self.stats = DecodeStats()
@@ -318,7 +321,7 @@ class DecodeWorker:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = make_channel(address, self.tls)
         return channel
 
     async def close(self) -> None:
