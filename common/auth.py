@@ -144,6 +144,12 @@ class TokenFile:
             raise ValueError(f"--api-tokens-file: cannot read {self.path}: {e.strerror}") from None
         self._next_check = time.monotonic() + check_interval_s
         logger.info("%d API tokens loaded from %s", len(self._tokens), self.path)
+        if os.stat(self.path).st_mode & 0o077:
+            logger.warning(
+                "tokens file %s is readable by others than its owner (chmod 600, or store "
+                "sha256: digests)",
+                self.path,
+            )
 
     def _stat(self):
         s = os.stat(self.path)
@@ -273,10 +279,8 @@ def add_token_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def router_interceptors(
-    tokens_file: str | None, admin_token: str | None
-) -> tuple[list, list, TokenFile | None]:
-    """(public server interceptors, admin server interceptors, the token file).
+def router_interceptors(tokens_file: str | None, admin_token: str | None) -> tuple[list, list]:
+    """(public server interceptors, admin server interceptors); empty: no token checks.
 
     The admin API takes the ``--admin-token`` and file tokens with an admin
     right; the public API takes file tokens with ``generate``.
@@ -285,4 +289,4 @@ def router_interceptors(
     public = [TokenAuthInterceptor([tokens])] if tokens else []
     admin_sources = [s for s in (StaticToken(admin_token) if admin_token else None, tokens) if s]
     admin = [TokenAuthInterceptor(admin_sources)] if admin_sources else []
-    return public, admin, tokens
+    return public, admin

@@ -143,10 +143,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     for address, admin in zip(cluster.router_addresses, cluster.admin_addresses, strict=True):
         print(f"router listening on {address} (admin API on {admin})", flush=True)
+    # With TLS the example commands need the client's files; with tokens, a token.
+    tls_flags = "".join(f" {flag} {path}" for flag, path in tls.paths if flag != "--tls-client-ca")
+    gen_token = " --token TOKEN" if args.api_tokens_file else ""
+    admin_token = " --token ADMIN_TOKEN" if args.admin_token or args.api_tokens_file else ""
     print(
         f'try: pdserve generate "What is the capital of France?" --chat '
-        f"--address {cluster.router_address}\n"
-        f"     pdctl --address {cluster.admin_address} nodes",
+        f"--address {cluster.router_address}{gen_token}{tls_flags}\n"
+        f"     pdctl --address {cluster.admin_address}{admin_token}{tls_flags} nodes",
         flush=True,
     )
     try:

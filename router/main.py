@@ -137,7 +137,7 @@ async def serve(args: argparse.Namespace) -> int:
     # Security configuration first: a bad path or flag fails before any loading.
     tls = TLSConfig.from_args(args)
     redis_connection = redis_options_from_args(args)
-    public_auth, admin_auth, _ = router_interceptors(args.api_tokens_file, args.admin_token)
+    public_auth, admin_auth = router_interceptors(args.api_tokens_file, args.admin_token)
     kwargs = {"kvcache_block_size": args.kvcache_block_size}
     if args.served_model_name:
         kwargs["served_model_name"] = args.served_model_name

@@ -115,6 +115,17 @@ def test_the_tokens_file_is_checked_at_most_once_per_interval(tmp_path):
     assert tokens.lookup(ALICE).name == "alice"  # not re-read within the interval
 
 
+def test_a_tokens_file_others_can_read_is_flagged(tmp_path, caplog):
+    path = tmp_path / "tokens"
+    path.write_text(f"alice generate {ALICE}\n")
+    path.chmod(0o600)
+    TokenFile(path)
+    assert "readable by others" not in caplog.text
+    path.chmod(0o644)
+    TokenFile(path)
+    assert f"tokens file {path} is readable by others than its owner" in caplog.text
+
+
 def test_which_right_each_method_needs():
     assert required_right("/grpc.health.v1.Health/Check") is OPEN
     assert required_right("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo") == ANY
