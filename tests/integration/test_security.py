@@ -223,6 +223,26 @@ def test_internal_hops_want_a_client_certificate(up, certs, client_tls):
         assert info.value.code() is grpc.StatusCode.UNAVAILABLE
 
 
+def test_the_exec_health_probe_uses_the_components_tls_variables(up, certs, client_tls):
+    decode = node_addresses(up, client_tls)["decode-0"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    probe = [sys.executable, "-m", "common.health_probe", "--address", decode]
+
+    def run(extra_env):
+        return subprocess.run(probe, env={**env, **extra_env}, capture_output=True, timeout=60)
+
+    # A pod's own variables, as a Kubernetes exec probe would inherit them.
+    pod = {
+        "PDSERVE_TLS_CERT": str(certs.cert),
+        "PDSERVE_TLS_KEY": str(certs.key),
+        "PDSERVE_TLS_CA": str(certs.ca),
+        "PDSERVE_TLS_CLIENT_CA": str(certs.ca),
+    }
+    assert run(pod).returncode == 0
+    assert run({}).returncode == 1  # plaintext: refused
+    assert run({"PDSERVE_TLS_CA": str(certs.ca)}).returncode == 1  # no client certificate
+
+
 def test_pdserve_generate_with_token_and_tls(up, certs):
     base = [sys.executable, "-m", "common.cli", "generate", "Name a fruit."]
     base += ["--address", up.router, "--max-tokens", "3", "--timeout", "60"]
