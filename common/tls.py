@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -33,12 +33,13 @@ TLS_FLAGS = (
 
 @dataclass(frozen=True)
 class TLSConfig:
-    """PEM bytes (read at construction) and the paths they came from."""
+    """PEM bytes (read at construction) and the paths they came from. The repr
+    shows the paths only: a private key must never reach a log or a traceback."""
 
-    cert: bytes | None = None
-    key: bytes | None = None
-    ca: bytes | None = None
-    client_ca: bytes | None = None
+    cert: bytes | None = field(default=None, repr=False)
+    key: bytes | None = field(default=None, repr=False)
+    ca: bytes | None = field(default=None, repr=False)
+    client_ca: bytes | None = field(default=None, repr=False)
     server_name: str | None = None
     system_roots: bool = False  # clients only: TLS verified against the system's CAs
     paths: tuple[tuple[str, str], ...] = ()  # (flag, path), to hand the same files to children

@@ -192,6 +192,7 @@ def test_tls_roles_and_the_flags_children_get(certs):
     assert full.serves_tls and full.calls_tls
     assert full.server_credentials() is not None and full.channel_credentials() is not None
     assert full.channel_options() == [("grpc.ssl_target_name_override", "localhost")]
+    assert "PRIVATE KEY" not in repr(full) and str(certs.key) in repr(full)
     # What `pdserve up` hands its children parses back into the same configuration.
     parser = argparse.ArgumentParser()
     add_tls_arguments(parser)
