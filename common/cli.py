@@ -3,6 +3,7 @@
 pdserve up --model DIR [--prefill N] [--decode M] [--port 50051] [--redis-url URL]
 pdserve router|prefill|decode --model DIR [...]   one component (flags or PDSERVE_* variables)
 pdserve generate PROMPT [--address HOST:PORT] [--max-tokens N] [--temperature T] [--chat]
+                 [--token T] [--tls-ca FILE] [--tls-cert FILE --tls-key FILE]
 pdserve model prepare [--out DIR] [--force]      demo model -> HF directory
 pdserve demo [--model DIR] [...]                 offline engine on chat prompts
 """
@@ -95,9 +96,14 @@ def cmd_component(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from common.launcher import ClusterSpec, LocalCluster
+    from common.tls import TLSConfig
 
     if not args.model:
         raise ValueError("--model (or PDSERVE_MODEL) is required")
+    tls = TLSConfig.from_args(args)
+    if tls.serves_tls != tls.calls_tls:
+        # One certificate set for every process: each is a server and a client.
+        raise ValueError("pdserve up with TLS wants --tls-cert, --tls-key and --tls-ca together")
     engine_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
     spec = ClusterSpec(
         model=args.model,
@@ -109,11 +115,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         engine_args=engine_args,
         node_args=["--verify-kv"] if args.verify_kv else [],
-        router_args=(["--admin-token", args.admin_token] if args.admin_token else [])
-        + (["--routing-policy", args.routing_policy] if args.routing_policy else []),
+        router_args=(["--routing-policy", args.routing_policy] if args.routing_policy else [])
+        + (["--api-tokens-file", args.api_tokens_file] if args.api_tokens_file else []),
         num_routers=args.routers,
         log_dir=args.log_dir,
         metrics_port=args.metrics_port,
+        tls=tls,
+        redis_password=args.redis_password,
+        redis_username=args.redis_username,
+        redis_tls_ca=args.redis_tls_ca,
+        # Secrets go to the children through the environment, not argv (which
+        # every local user can read in the process list).
+        env={"PDSERVE_ADMIN_TOKEN": args.admin_token} if args.admin_token else {},
     )
     cluster = LocalCluster(spec)
     stopping = False
@@ -131,10 +144,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     for address, admin in zip(cluster.router_addresses, cluster.admin_addresses, strict=True):
         print(f"router listening on {address} (admin API on {admin})", flush=True)
+    # With TLS the example commands need the client's files; with tokens, a token.
+    tls_flags = "".join(f" {flag} {path}" for flag, path in tls.paths if flag != "--tls-client-ca")
+    gen_token = " --token TOKEN" if args.api_tokens_file else ""
+    admin_token = " --token ADMIN_TOKEN" if args.admin_token or args.api_tokens_file else ""
     print(
         f'try: pdserve generate "What is the capital of France?" --chat '
-        f"--address {cluster.router_address}\n"
-        f"     pdctl --address {cluster.admin_address} nodes",
+        f"--address {cluster.router_address}{gen_token}{tls_flags}\n"
+        f"     pdctl --address {cluster.admin_address}{admin_token}{tls_flags} nodes",
         flush=True,
     )
     try:
@@ -156,8 +173,11 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import grpc
 
+    from common.tls import TLSConfig, make_sync_channel
     from proto import pdserve_pb2
     from proto.client import generate
+
+    channel = make_sync_channel(args.address, TLSConfig.from_args(args))
 
     kwargs = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
     prompt = None if args.chat else args.prompt
@@ -165,7 +185,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kwargs["chat"] = [{"role": "user", "content": args.prompt}]
     final = None
     try:
-        for response in generate(args.address, prompt, timeout=args.timeout, **kwargs):
+        for response in generate(
+            args.address,
+            prompt,
+            timeout=args.timeout,
+            token=args.token,
+            channel=channel,
+            **kwargs,
+        ):
             for delta in response.deltas:
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
@@ -174,6 +201,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except grpc.RpcError as e:
         print(f"\npdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
+    finally:
+        channel.close()
     sys.stdout.write("\n")
     if final is not None:
         u = final.usage
@@ -249,6 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="first /metrics port: the router's; the other processes take the next ones "
         f"(default {DEFAULT_METRICS_PORT}; 0 disables) [PDSERVE_METRICS_PORT]",
     )
+    # Security (docs/security.md): the same files for every process it starts.
+    from common.auth import add_token_arguments
+    from common.redis_auth import add_redis_auth_arguments
+    from common.tls import add_client_tls_arguments, add_tls_arguments
+
+    add_token_arguments(up)
+    add_tls_arguments(up)
+    add_redis_auth_arguments(up)
     up.set_defaults(func=cmd_up)
 
     from decode_node import main as decode_main
@@ -272,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     gen.add_argument("--timeout", type=float, default=120.0, help="seconds")
+    gen.add_argument(
+        "--token", default=env("PDSERVE_TOKEN"), help="the router's API token [PDSERVE_TOKEN]"
+    )
+    add_client_tls_arguments(gen, "PDSERVE")
     gen.set_defaults(func=cmd_generate)
     return parser
 

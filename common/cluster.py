@@ -260,11 +260,14 @@ class Cluster:
         self._stamp = client.register_script(_STAMP_SCRIPT)
 
     @classmethod
-    def from_url(cls, url: str, **kwargs: Any) -> Cluster:
+    def from_url(cls, url: str, connection: dict[str, Any] | None = None, **kwargs: Any) -> Cluster:
+        """``connection``: more client options (credentials, TLS: common/redis_auth.py)."""
         import redis.asyncio as aioredis
 
         timeout = kwargs.pop("socket_timeout", 2.0)
-        client = aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        client = aioredis.from_url(
+            url, socket_timeout=timeout, socket_connect_timeout=timeout, **(connection or {})
+        )
         return cls(client, **kwargs)
 
     def _key(self, *parts: str) -> str:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.reliability import NoCapacity
+from common.tls import NO_TLS, TLSConfig, make_sync_channel
 
 OVERALL = ""  # the health service's name for the whole server
 
@@ -65,10 +65,12 @@ def add_reflection(server: grpc.aio.Server, service_names: list[str]) -> None:
     reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME], server)
 
 
-def health_check(address: str, service: str = OVERALL, timeout: float = 1.0) -> bool:
+def health_check(
+    address: str, service: str = OVERALL, timeout: float = 1.0, tls: TLSConfig = NO_TLS
+) -> bool:
     """True when the server at ``address`` answers SERVING (sync; for launchers and tests)."""
     try:
-        with grpc.insecure_channel(address) as channel:
+        with make_sync_channel(address, tls) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
             return resp.status == health_pb2.HealthCheckResponse.SERVING
@@ -76,10 +78,12 @@ def health_check(address: str, service: str = OVERALL, timeout: float = 1.0) -> 
         return False
 
 
-def wait_serving(address: str, timeout: float, service: str = OVERALL) -> bool:
+def wait_serving(
+    address: str, timeout: float, service: str = OVERALL, tls: TLSConfig = NO_TLS
+) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if health_check(address, service):
+        if health_check(address, service, tls=tls):
             return True
         time.sleep(0.2)
     return False
@@ -96,53 +100,3 @@ async def abort_from_exception(context: grpc.aio.ServicerContext, error: BaseExc
     if isinstance(error, asyncio.TimeoutError | TimeoutError):
         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
     await context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
-
-
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Every call but health checks must carry ``authorization: Bearer <token>``.
-
-    The comparison takes constant time, so a wrong token's timing says
-    nothing about the right one.
-    """
-
-    OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
-
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("the token must not be empty")
-        self._expected = f"Bearer {token}".encode()
-
-    def _allowed(self, details: grpc.HandlerCallDetails) -> bool:
-        if details.method.startswith(self.OPEN_PREFIXES):
-            return True
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                given = value.encode() if isinstance(value, str) else value
-                return hmac.compare_digest(given, self._expected)
-        return False
-
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        handler = await continuation(details)
-        if handler is None or self._allowed(details):
-            return handler
-
-        async def deny(request, context):
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token (authorization: Bearer)"
-            )
-
-        async def deny_stream(request, context):
-            await deny(request, context)
-            yield  # pragma: no cover - never reached; makes this an async generator
-
-        kwargs = dict(
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(deny_stream, **kwargs)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
-        return grpc.stream_stream_rpc_method_handler(deny_stream, **kwargs)

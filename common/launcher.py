@@ -21,6 +21,7 @@ from pathlib import Path
 from common.grpc_server import health_check
 from common.metrics.server import METRICS_PATH, plan_metrics_ports
 from common.redis_server import RedisServer, free_port
+from common.tls import NO_TLS, TLSConfig
 
 
 @dataclass
@@ -55,10 +56,18 @@ class ClusterSpec:
     stop_grace_s: float = 15.0
     log_dir: str | None = None  # None: children share our stderr
     # Extra environment per component name (e.g. "prefill-0"); tests/faults uses it.
-    env: dict[str, dict[str, str]] = field(default_factory=dict)
+    component_env: dict[str, dict[str, str]] = field(default_factory=dict)
     # /metrics ports: None a free one each, 0 none, N: N for the first router,
     # then N+1, ... for the other routers, the decode nodes, the prefill nodes.
     metrics_port: int | None = None
+    # Security (docs/security.md). TLS: the same files for every component (each
+    # is a server and a client), and for the start-up health checks.
+    tls: TLSConfig = NO_TLS
+    # With no redis_url, the Redis started here requires this password (and user).
+    redis_password: str | None = None
+    redis_username: str | None = None
+    redis_tls_ca: str | None = None  # with a rediss:// redis_url
+    env: dict[str, str] = field(default_factory=dict)  # for every child: secrets go here
 
 
 class LocalCluster:
@@ -117,8 +126,8 @@ class LocalCluster:
             time.sleep(0.25)
 
     def _popen(self, name: str, argv: list[str], gpu: int | None) -> subprocess.Popen:
-        env = dict(os.environ, PDSERVE_LOG_NAME=name, PYTHONUNBUFFERED="1")
-        env.update(self.spec.env.get(name, {}))
+        env = dict(os.environ, **self._secret_env(), PDSERVE_LOG_NAME=name, PYTHONUNBUFFERED="1")
+        env.update(self.spec.component_env.get(name, {}))
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         metrics_port = self.metrics_ports.get(name, 0)
@@ -135,6 +144,21 @@ class LocalCluster:
             start_new_session=True,  # Ctrl-C reaches us; we stop the children in order
         )
 
+    def _secret_env(self) -> dict[str, str]:
+        env = dict(self.spec.env)
+        if self.spec.redis_password:
+            env["PDSERVE_REDIS_PASSWORD"] = self.spec.redis_password
+        return env
+
+    def _security_args(self) -> list[str]:
+        spec = self.spec
+        out = spec.tls.flags()
+        if spec.redis_username:
+            out += ["--redis-username", spec.redis_username]
+        if spec.redis_tls_ca:
+            out += ["--redis-tls-ca", spec.redis_tls_ca]
+        return out
+
     def start(self, progress=print) -> LocalCluster:
         spec = self.spec
         names = ["router"] + [f"router-{i}" for i in range(1, spec.num_routers)]
@@ -144,7 +168,13 @@ class LocalCluster:
             spec.metrics_port, names, lambda: free_port(spec.host)
         )
         if self.redis_url is None:
-            self.redis = RedisServer().start()
+            if spec.redis_tls_ca:
+                raise ValueError(
+                    "--redis-tls-ca needs --redis-url: the Redis started here has no TLS"
+                )
+            self.redis = RedisServer(
+                password=spec.redis_password, username=spec.redis_username
+            ).start()
             self.redis_url = self.redis.url
             progress(f"redis-server on {self.redis_url}")
         gpus = self._gpu_count()
@@ -158,6 +188,7 @@ class LocalCluster:
             spec.host,
             "--advertise-host",
             spec.host,
+            *self._security_args(),
         ]
         slot = 0
         started: list[Component] = []
@@ -228,6 +259,7 @@ class LocalCluster:
                         str(port),
                         "--admin-port",
                         str(admin_port),
+                        *self._security_args(),
                         *spec.router_args,
                     ],
                     port,
@@ -246,7 +278,7 @@ class LocalCluster:
                 if code is not None:
                     self.stop()
                     raise RuntimeError(f"{c.name} exited with code {code} while starting")
-                if health_check(c.address, timeout=0.5):
+                if health_check(c.address, timeout=0.5, tls=self.spec.tls):
                     metrics = f" (metrics on {c.metrics_url})" if c.metrics_port else ""
                     progress(f"{c.name} serving on {c.address}{metrics}")
                     waiting.remove(c)

@@ -28,7 +28,9 @@ from common.grpc_server import SERVER_OPTIONS, add_health, add_reflection, set_s
 from common.metrics.histogram import Histogram
 from common.metrics.node import NodeCollector
 from common.metrics.server import add_metrics_arguments, serve_metrics
+from common.redis_auth import add_redis_auth_arguments, check_redis, redis_options_from_args
 from common.reliability import FAULT_DELAYS_ENV, FaultDelays
+from common.tls import TLSConfig, add_port, add_tls_arguments
 from proto import internal_pb2, internal_pb2_grpc
 
 CONTROL_SERVICE = internal_pb2.DESCRIPTOR.services_by_name["NodeControl"].full_name
@@ -256,6 +258,8 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
         "--enable-reflection", action="store_true", default=env("PDSERVE_REFLECTION") == "1"
     )
     add_metrics_arguments(p)
+    add_tls_arguments(p)
+    add_redis_auth_arguments(p)
     add_engine_flags(p)
 
 
@@ -292,6 +296,8 @@ async def run_node(
     """
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    cluster = Cluster.from_url(args.redis_url, redis_options_from_args(args), ttl_s=args.node_ttl)
+    await check_redis(cluster.redis, args.redis_url)  # refused credentials: stop here
     metrics = NodeCollector(info, thread, counters=counters, histograms=histograms)
     serve_metrics(args.metrics_port, args.host, [metrics])
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -300,10 +306,9 @@ async def run_node(
     health = await add_health(server, [service, CONTROL_SERVICE])
     if args.enable_reflection:
         add_reflection(server, [service, CONTROL_SERVICE])
-    server.add_insecure_port(f"{args.host}:{args.port}")
+    add_port(server, f"{args.host}:{args.port}", TLSConfig.from_args(args))
     await server.start()
 
-    cluster = Cluster.from_url(args.redis_url, ttl_s=args.node_ttl)
     heartbeat = Heartbeat(
         cluster, thread, info, interval_s=args.heartbeat_interval, counters=counters
     )

@@ -35,13 +35,45 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class RedisServer:
-    """A throwaway redis-server on a free loopback port (no persistence)."""
+    """A throwaway redis-server on a free loopback port (no persistence).
 
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+    With ``password`` it requires AUTH (``requirepass``); with ``username`` too,
+    that user is an ACL user with every permission and the default user is off.
+    ``extra_config``: more redis.conf lines (TLS, say).
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        password: str | None = None,
+        username: str | None = None,
+        extra_config: list[str] = (),
+    ) -> None:
+        if username and not password:
+            raise ValueError("a Redis ACL user needs a password")
         self.host = host
         self.port = port or free_port(host)
+        self.password = password
+        self.username = username
+        self.extra_config = list(extra_config)
         self._dir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
         self.process: subprocess.Popen | None = None
+
+    def _config_file(self) -> str:
+        """Secrets go in a file only we can read, never on the command line (ps shows it)."""
+        lines = list(self.extra_config)
+        if self.username:
+            lines += [
+                "user default off",
+                f"user {self.username} on >{self.password} ~* &* +@all",
+            ]
+        elif self.password:
+            lines.append(f"requirepass {self.password}")
+        path = Path(self._dir.name) / "redis.conf"
+        path.touch(mode=0o600)
+        path.write_text("".join(f"{line}\n" for line in lines))
+        return str(path)
 
     @property
     def url(self) -> str:
@@ -51,6 +83,7 @@ class RedisServer:
         self.process = subprocess.Popen(
             [
                 find_redis_server(),
+                self._config_file(),
                 "--port",
                 str(self.port),
                 "--bind",
@@ -82,7 +115,8 @@ class RedisServer:
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    # NOAUTH: up, and wants a password.
+                    if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                         return self
             except OSError:
                 time.sleep(0.05)

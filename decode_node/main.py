@@ -10,6 +10,8 @@ from common.engine.config import EngineConfig
 from common.engine.engine_thread import EngineThread
 from common.engine.llm_engine import LLMEngine
 from common.node import add_node_arguments, default_host, engine_kwargs, fault_delays, run_node
+from common.redis_auth import redis_options_from_args
+from common.tls import TLSConfig
 from decode_node.service import DecodeNodeServicer
 from decode_node.worker import DecodeWorker
 from proto import internal_pb2, internal_pb2_grpc
@@ -37,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 async def serve(args: argparse.Namespace) -> int:
     if not args.model:
         raise ValueError("--model (or PDSERVE_MODEL) is required")
+    # Bad TLS or Redis flags fail now, not after loading the model.
+    tls = TLSConfig.from_args(args)
+    redis_options_from_args(args)
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     engine = LLMEngine(config)
     engine.block_manager.enable_events()
@@ -53,6 +58,7 @@ async def serve(args: argparse.Namespace) -> int:
         kv_lease_s=args.kv_lease,
         max_queued=args.max_queued_requests,
         faults=fault_delays(node_id),
+        tls=tls,
     )
     # Prefill nodes open their KV channel to transfer_host:transfer_port.
     info = NodeInfo(

@@ -51,6 +51,7 @@ from common.reliability import (
     check_queue,
     deadline_passed,
 )
+from common.tls import NO_TLS, TLSConfig, make_channel
 from common.wire import (
     StreamState,
     output_to_responses,
@@ -138,10 +139,12 @@ class DecodeWorker:
         kv_lease_s: float = 30.0,
         max_queued: int = 0,
         faults: FaultDelays | None = None,
+        tls: TLSConfig = NO_TLS,
     ) -> None:
         if not kv_lease_s > 0:
             raise ValueError(f"the KV lease must be > 0 seconds, got {kv_lease_s}")
         self.node_id = node_id
+        self.tls = tls  # for the Prefill calls
         self.engine = engine
         self.verify_transfers = verify_transfers
         self.kv_lease_s = kv_lease_s
@@ -407,9 +410,7 @@ class DecodeWorker:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=CLIENT_OPTIONS
-            )
+            channel = self._channels[address] = make_channel(address, self.tls, CLIENT_OPTIONS)
         return channel
 
     async def close(self) -> None:

@@ -10,6 +10,8 @@ from common.engine.engine_thread import EngineThread
 from common.engine.llm_engine import LLMEngine
 from common.kv_transfer import KVSender
 from common.node import add_node_arguments, default_host, engine_kwargs, fault_delays, run_node
+from common.redis_auth import redis_options_from_args
+from common.tls import TLSConfig
 from prefill_node.service import PrefillNodeServicer
 from prefill_node.worker import PrefillWorker
 from proto import internal_pb2, internal_pb2_grpc
@@ -24,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 async def serve(args: argparse.Namespace) -> int:
     if not args.model:
         raise ValueError("--model (or PDSERVE_MODEL) is required")
+    # Bad TLS or Redis flags fail now, not after loading the model.
+    TLSConfig.from_args(args)
+    redis_options_from_args(args)
     # A prefill node never produces text: no tokenizer to load.
     kwargs = engine_kwargs(args) | {"skip_tokenizer_init": True}
     config = EngineConfig.from_kwargs(args.model, **kwargs)

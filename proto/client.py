@@ -10,11 +10,17 @@
 
 ``agenerate`` is the asyncio twin of ``generate``. Sampling parameters are
 keyword arguments with vLLM's names; errors arrive as ``grpc.RpcError``.
+
+A router with API tokens and TLS (docs/security.md)::
+
+    creds = channel_credentials(ca="ca.pem")  # + cert=, key= where it requires mTLS
+    text, final = generate_text("router:50051", "Hello", token="...", credentials=creds)
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -62,22 +68,55 @@ def build_request(
     return req
 
 
+def channel_credentials(
+    ca: str | Path | None = None, cert: str | Path | None = None, key: str | Path | None = None
+) -> grpc.ChannelCredentials:
+    """TLS from PEM files: ``ca`` verifies the router (None: the system's CAs);
+    ``cert`` and ``key``: a client certificate, for a router that requires one (mTLS)."""
+    if bool(cert) != bool(key):
+        raise ValueError("a client certificate needs both cert and key")
+
+    def read(path):
+        return Path(path).read_bytes() if path else None
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(ca), private_key=read(key), certificate_chain=read(cert)
+    )
+
+
+def _with_token(
+    metadata: Sequence[tuple[str, str]] | None, token: str | None
+) -> Sequence[tuple[str, str]] | None:
+    if not token:
+        return metadata
+    return (*(metadata or ()), ("authorization", f"Bearer {token}"))
+
+
 def generate(
     address: str,
     prompt: str | None = None,
     *,
     timeout: float | None = None,
     metadata: Sequence[tuple[str, str]] | None = None,
+    token: str | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
     channel: grpc.Channel | None = None,
     **kwargs: Any,
 ) -> Iterator[pdserve_pb2.GenerateResponse]:
-    """Stream one generation: one message per step with new output; the last has a Final."""
+    """Stream one generation: one message per step with new output; the last has a Final.
+
+    ``token``: the router's API token; ``credentials``: TLS (``channel_credentials``)."""
     request = build_request(prompt, **kwargs)
     own = channel is None
-    channel = channel or grpc.insecure_channel(address)
+    if channel is None:
+        channel = (
+            grpc.secure_channel(address, credentials)
+            if credentials is not None
+            else grpc.insecure_channel(address)
+        )
     try:
         stub = pdserve_pb2_grpc.RouterStub(channel)
-        yield from stub.Generate(request, timeout=timeout, metadata=metadata)
+        yield from stub.Generate(request, timeout=timeout, metadata=_with_token(metadata, token))
     finally:
         if own:
             channel.close()
@@ -104,15 +143,23 @@ async def agenerate(
     *,
     timeout: float | None = None,
     metadata: Sequence[tuple[str, str]] | None = None,
+    token: str | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
     channel: grpc.aio.Channel | None = None,
     **kwargs: Any,
 ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
     """The asyncio twin of ``generate``."""
     request = build_request(prompt, **kwargs)
     own = channel is None
-    channel = channel or grpc.aio.insecure_channel(address)
+    if channel is None:
+        channel = (
+            grpc.aio.secure_channel(address, credentials)
+            if credentials is not None
+            else grpc.aio.insecure_channel(address)
+        )
     try:
         stub = pdserve_pb2_grpc.RouterStub(channel)
+        metadata = _with_token(metadata, token)
         async for response in stub.Generate(request, timeout=timeout, metadata=metadata):
             yield response
     finally:

@@ -11,17 +11,14 @@ from dataclasses import fields
 
 import grpc
 
+from common.auth import add_token_arguments, router_interceptors
 from common.cluster import Cluster
 from common.engine.config import EngineConfig
-from common.grpc_server import (
-    SERVER_OPTIONS,
-    BearerTokenInterceptor,
-    add_health,
-    add_reflection,
-    set_serving,
-)
+from common.grpc_server import SERVER_OPTIONS, add_health, add_reflection, set_serving
 from common.metrics.router import RouterCollector
 from common.metrics.server import add_metrics_arguments, serve_metrics
+from common.redis_auth import add_redis_auth_arguments, check_redis, redis_options_from_args
+from common.tls import TLSConfig, add_port, add_tls_arguments
 from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from router.admin import AdminServicer
 from router.frontend import Frontend
@@ -91,9 +88,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--admin-token",
         default=env("PDSERVE_ADMIN_TOKEN"),
-        help="bearer token the admin API requires; without one the admin API listens "
-        "on 127.0.0.1 only [PDSERVE_ADMIN_TOKEN]",
+        help="bearer token the admin API requires (tokens from --api-tokens-file with an "
+        "admin right work too); without either the admin API listens on 127.0.0.1 only "
+        "[PDSERVE_ADMIN_TOKEN]",
     )
+    add_token_arguments(p)
+    add_tls_arguments(p)
+    add_redis_auth_arguments(p)
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -136,6 +137,10 @@ def routing_config(args: argparse.Namespace) -> RoutingConfig:
 async def serve(args: argparse.Namespace) -> int:
     if not args.model:
         raise ValueError("--model (or PDSERVE_MODEL) is required")
+    # Security configuration first: a bad path or flag fails before any loading.
+    tls = TLSConfig.from_args(args)
+    redis_connection = redis_options_from_args(args)
+    public_auth, admin_auth = router_interceptors(args.api_tokens_file, args.admin_token)
     kwargs = {"kvcache_block_size": args.kvcache_block_size}
     if args.served_model_name:
         kwargs["served_model_name"] = args.served_model_name
@@ -146,7 +151,8 @@ async def serve(args: argparse.Namespace) -> int:
     config = EngineConfig.from_kwargs(args.model, **kwargs)
     route_config = routing_config(args)  # ValueError names a bad knob
     frontend = Frontend(config)
-    cluster = Cluster.from_url(args.redis_url)
+    cluster = Cluster.from_url(args.redis_url, redis_connection)
+    await check_redis(cluster.redis, args.redis_url)
     routing = Routing(
         cluster,
         frontend.model_id,
@@ -154,17 +160,17 @@ async def serve(args: argparse.Namespace) -> int:
         route_config,
         remote_prefill=not args.no_remote_prefill,
     )
-    router = RouterServicer(frontend, routing)
+    router = RouterServicer(frontend, routing, tls=tls)
 
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(interceptors=public_auth, options=SERVER_OPTIONS)
     pdserve_pb2_grpc.add_RouterServicer_to_server(router, server)
     health = await add_health(server, [ROUTER])
     if args.enable_reflection:
         add_reflection(server, [ROUTER])
-    server.add_insecure_port(f"{args.host}:{args.port}")
+    add_port(server, f"{args.host}:{args.port}", tls)
 
-    if args.admin_token:
-        admin = grpc.aio.server(interceptors=[BearerTokenInterceptor(args.admin_token)])
+    if admin_auth:
+        admin = grpc.aio.server(interceptors=admin_auth)
         admin_host = args.host
     else:
         # No token: nobody beyond this host may drain or flush nodes.
@@ -175,7 +181,7 @@ async def serve(args: argparse.Namespace) -> int:
         AdminServicer(cluster, routing, frontend, router.channel), admin
     )
     admin_health = await add_health(admin, [ADMIN])
-    admin.add_insecure_port(f"{admin_host}:{args.admin_port}")
+    add_port(admin, f"{admin_host}:{args.admin_port}", tls)
     # Before gRPC: its health service says SERVING overall as soon as it starts.
     serve_metrics(args.metrics_port, args.host, [RouterCollector(routing)])
     await server.start()

@@ -9,7 +9,9 @@
 
 Options (or environment): --address HOST:PORT [PDCTL_ADDRESS, default
 127.0.0.1:50052], --token TOKEN [PDCTL_TOKEN], --timeout SECONDS, --json
-(machine-readable output, before or after the command).
+(machine-readable output, before or after the command); TLS: --tls-ca FILE
+[PDCTL_TLS_CA], --tls-cert/--tls-key FILE (mTLS) [PDCTL_TLS_CERT,
+PDCTL_TLS_KEY], --tls (the system's CAs), --tls-server-name NAME.
 Exit codes: 0 ok, 1 the router answered with an error, 2 bad usage,
 3 the router is unreachable, 4 the token is missing or wrong.
 """
@@ -27,6 +29,7 @@ import time
 
 import grpc
 
+from common.tls import TLSConfig, add_client_tls_arguments, make_sync_channel
 from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2
 
 EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH = 1, 2, 3, 4
@@ -259,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default=env("PDCTL_TOKEN"), help="admin token [PDCTL_TOKEN]")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_client_tls_arguments(p, "PDCTL")
     # --json after the command too (SUPPRESS: it does not reset the global one).
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
@@ -305,12 +309,21 @@ def main(argv: list[str] | None = None) -> int:
     args.call = {"timeout": args.timeout}
     if args.token:
         args.call["metadata"] = (("authorization", f"Bearer {args.token}"),)
-    with grpc.insecure_channel(args.address) as channel:
+    try:
+        tls = TLSConfig.from_args(args)
+    except ValueError as e:
+        print(f"pdctl: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    with make_sync_channel(args.address, tls) as channel:
         try:
             # Connect first, so that "unreachable" never mixes with the router's answers.
             grpc.channel_ready_future(channel).result(timeout=min(args.timeout, 5.0))
         except grpc.FutureTimeoutError:
-            print(f"pdctl: error: the router at {args.address} is unreachable", file=sys.stderr)
+            hint = "" if tls.calls_tls else " (if it wants TLS: --tls-ca)"
+            print(
+                f"pdctl: error: the router at {args.address} is unreachable{hint}",
+                file=sys.stderr,
+            )
             return EXIT_UNREACHABLE
         try:
             return args.func(admin_pb2_grpc.AdminStub(channel), args)

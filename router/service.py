@@ -10,6 +10,7 @@ import grpc
 
 from common.grpc_server import CLIENT_OPTIONS
 from common.reliability import FAILED_NODE_KEY as _FAILED_NODE_KEY
+from common.tls import NO_TLS, TLSConfig, make_channel
 from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from router.frontend import Frontend
 from router.policy import NoRoute
@@ -20,17 +21,16 @@ logger = logging.getLogger(__name__)
 
 
 class RouterServicer(pdserve_pb2_grpc.RouterServicer):
-    def __init__(self, frontend: Frontend, routing: Routing) -> None:
+    def __init__(self, frontend: Frontend, routing: Routing, tls: TLSConfig = NO_TLS) -> None:
         self.frontend = frontend
         self.routing = routing
+        self.tls = tls  # for the calls to nodes (Decode, and the admin API's NodeControl)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=CLIENT_OPTIONS
-            )
+            channel = self._channels[address] = make_channel(address, self.tls, CLIENT_OPTIONS)
         return channel
 
     async def Generate(

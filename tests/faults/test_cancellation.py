@@ -40,7 +40,7 @@ def cluster(demo_model_dir, tmp_path_factory):
         engine_args=["--max-num-batched-tokens", "32", "--max-num-seqs", "16"],
         # Every prompt is prefilled remotely (the stages under test).
         router_args=["--local-prefill-max-tokens", "0", "--local-prefill-min-hit", "1.0"],
-        env={
+        component_env={
             "prefill-0": {
                 "PDSERVE_FAULT_DELAYS": f"prefill_before_send={STAGE_S},transfer_mid={STAGE_S}"
             },

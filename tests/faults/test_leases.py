@@ -49,7 +49,7 @@ def cluster(demo_model_dir, tmp_path_factory):
         num_decode=1,
         engine_args=["--num-kvcache-blocks", str(NUM_BLOCKS), "--max-model-len", "192"],
         router_args=["--local-prefill-max-tokens", "0", "--max-model-len", "192"],
-        env={
+        component_env={
             "prefill-0": {"PDSERVE_FAULT_DELAYS": "transfer_mid=2.5"},
             "decode-0": {"PDSERVE_KV_LEASE_S": "1"},
         },
