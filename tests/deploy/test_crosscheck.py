@@ -295,18 +295,49 @@ def test_services_and_budgets_select_the_pods_they_mean():
             assert pdb["metadata"]["name"] == dep["metadata"]["name"]
 
 
+def secret_refs(dep: dict) -> set[tuple[str, str]]:
+    """(Secret, key) pairs a Deployment's pods use, as variables or files."""
+    pod = dep["spec"]["template"]["spec"]
+    refs = set()
+    for c in pod["containers"]:
+        for e in c.get("env", []):
+            ref = e.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                refs.add((ref["name"], ref["key"]))
+    for v in pod.get("volumes", []):
+        if "secret" in v:
+            # Explicit items: the keys the operator must create are spelled out.
+            refs |= {(v["secret"]["secretName"], item["key"]) for item in v["secret"]["items"]}
+    return refs
+
+
 def test_secrets_are_referenced_not_committed():
     # Secrets are the operator's to create (docs/operations.md), never in git.
-    for overlay in OVERLAYS:
-        assert not find(render(f"overlays/{overlay}"), "Secret"), overlay
     refs = set()
     for overlay in OVERLAYS:
-        for d in find(render(f"overlays/{overlay}"), "Deployment"):
-            for e in container(d).get("env", []):
-                ref = e.get("valueFrom", {}).get("secretKeyRef")
-                if ref:
-                    refs.add((ref["name"], ref["key"]))
-    assert refs == {("pdserve-redis", "password"), ("pdserve-admin", "token")}
+        docs = render(f"overlays/{overlay}")
+        assert not find(docs, "Secret"), overlay
+        for d in find(docs, "Deployment"):
+            refs |= secret_refs(d)
+    assert refs == {
+        ("pdserve-redis", "password"),
+        ("pdserve-admin", "token"),
+        ("pdserve-api-tokens", "tokens"),
+    }
     text = (REPO / "docs" / "operations.md").read_text()
     for name, key in refs:
-        assert re.search(rf"create secret generic {name} .*--from-literal={key}=", text), name
+        assert re.search(rf"create secret generic {name} .*--from-(literal|file)={key}=", text), (
+            f"docs/operations.md does not say how to create {name} ({key})"
+        )
+
+
+@pytest.mark.parametrize("overlay,component", CASES)
+def test_files_named_in_variables_are_mounted(overlay, component):
+    # A path in a PDSERVE_* variable (tokens, certificates, ...) must be in a
+    # volume; the model may also be baked into a demo image (tested above).
+    p = setup(overlay, component)
+    mounts = [m["mountPath"].rstrip("/") + "/" for m in p.c.get("volumeMounts", [])]
+    for name, value in p.env.items():
+        if not name.startswith("PDSERVE_") or not value.startswith("/") or name == "PDSERVE_MODEL":
+            continue
+        assert any(value.startswith(m) for m in mounts), f"{component}: {name}={value} not mounted"
