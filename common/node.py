@@ -48,8 +48,10 @@ ENGINE_FLAGS: dict[str, type] = {
 }
 
 
-# The router reads these two under the same names, so one setting (a Kubernetes
-# ConfigMap, say) gives the router and the nodes the same value.
+# Engine options read PDSERVE_<OPTION>, except the block size: the router has
+# always read PDSERVE_BLOCK_SIZE, and sharing its names (that one,
+# PDSERVE_SERVED_MODEL_NAME, PDSERVE_MAX_MODEL_LEN) lets one setting (a
+# Kubernetes ConfigMap, say) give the router and the nodes the same value.
 _ENGINE_ENV = {"kvcache_block_size": "PDSERVE_BLOCK_SIZE"}
 
 
