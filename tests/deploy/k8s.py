@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 from unittest import mock
 
 import pytest
@@ -208,10 +207,6 @@ def pdctl_reads(env: dict[str, str]) -> set[str]:
     return recording.read
 
 
-def pdserve_docs() -> list[tuple[str, tuple[dict, ...]]]:
-    return [(overlay, render(f"overlays/{overlay}")) for overlay in OVERLAYS]
-
-
 def kustomizations() -> list[Path]:
     return sorted(K8S.rglob("kustomization.yaml"))
 
@@ -227,7 +222,3 @@ def resource_files() -> list[Path]:
             if path.is_file():
                 files.add(path)
     return sorted(files)
-
-
-def as_yaml(obj: Any) -> str:
-    return yaml.safe_dump(obj, sort_keys=False)
