@@ -9,7 +9,7 @@ TORCH_CPU ?= torch==2.13.0+cpu
 DEMO_MODEL ?= models/smollm2-135m-instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model run test lint format bench proto clean
+.PHONY: setup model run test lint format bench proto clean deploy-check image image-demo
 
 setup: $(VENV)/.setup-done
 
@@ -51,6 +51,19 @@ format: setup
 proto: setup
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. \
 		proto/pdserve.proto proto/internal.proto proto/admin.proto
+
+# deploy/: the Dockerfile linted, the overlays rendered and checked against
+# Kubernetes' schemas and the code (also part of `make test`).
+deploy-check: setup
+	$(BIN)/python -m pytest tests/deploy
+
+# The image (docs/operations.md); needs a Docker daemon. IMAGE=registry/pdserve:tag to push.
+IMAGE ?= pdserve:0.1.0
+image:
+	docker build -f deploy/Dockerfile -t $(IMAGE) .
+
+image-demo:
+	docker build -f deploy/Dockerfile --build-arg DEMO_MODEL=1 -t $(IMAGE)-demo .
 
 bench: model
 	$(BIN)/python benchmarks/offline_throughput.py

@@ -54,15 +54,39 @@ ENGINE_FLAGS: dict[str, type] = {
 }
 
 
+# Engine options read PDSERVE_<OPTION>, except the block size: the router has
+# always read PDSERVE_BLOCK_SIZE, and sharing its names (that one,
+# PDSERVE_SERVED_MODEL_NAME, PDSERVE_MAX_MODEL_LEN) lets one setting (a
+# Kubernetes ConfigMap, say) give the router and the nodes the same value.
+_ENGINE_ENV = {"kvcache_block_size": "PDSERVE_BLOCK_SIZE"}
+
+
+def engine_env_name(name: str) -> str:
+    """The environment variable that sets engine option ``name`` (ENGINE_FLAGS or a switch)."""
+    return _ENGINE_ENV.get(name, f"PDSERVE_{name.upper()}")
+
+
 def add_engine_flags(parser: Any) -> None:
+    env = os.environ.get
     for name, kind in ENGINE_FLAGS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
-    parser.add_argument("--enforce-eager", action="store_true", default=None)
+        var = engine_env_name(name)
+        # An empty value counts as unset. A string default goes through `type`,
+        # so a bad value is reported like a bad flag.
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=kind, default=env(var) or None, help=f"[{var}]"
+        )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=env(engine_env_name("enforce_eager")) == "1" or None,
+        help="[PDSERVE_ENFORCE_EAGER=1]",
+    )
     parser.add_argument(
         "--skip-tokenizer-init",
         action="store_true",
-        default=None,
-        help="no tokenizer: token ids in, token ids out (dummy-weight models)",
+        default=env(engine_env_name("skip_tokenizer_init")) == "1" or None,
+        help="no tokenizer: token ids in, token ids out (dummy-weight models) "
+        "[PDSERVE_SKIP_TOKENIZER_INIT=1]",
     )
 
 

@@ -70,7 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="must match the nodes' [PDSERVE_BLOCK_SIZE]",
     )
     p.add_argument(
-        "--max-model-len", type=int, default=None, help="longest prompt + output accepted"
+        "--max-model-len",
+        type=int,
+        # The nodes' variable too (common/node.py): one setting for the whole cluster.
+        default=env("PDSERVE_MAX_MODEL_LEN") or None,
+        help="longest prompt + output accepted; must not exceed the nodes' [PDSERVE_MAX_MODEL_LEN]",
     )
     p.add_argument(
         "--no-remote-prefill",
