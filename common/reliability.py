@@ -62,16 +62,19 @@ def deadline_passed(deadline: float | None) -> bool:
     return deadline is not None and time.monotonic() >= deadline - 0.05
 
 
-def check_queue(num_queued: int, max_queued: int, node_id: str) -> None:
-    """Refuse a new request when ``max_queued`` requests already wait (0: no bound).
+def check_queue(num_waiting: int, free_slots: int, max_queued: int, node_id: str) -> None:
+    """Refuse a new request when ``max_queued`` requests already wait beyond the
+    sequence slots still free (0: no bound).
 
     A bounded queue turns a burst into quick RESOURCE_EXHAUSTED answers that
     the router can send elsewhere, instead of latency that grows without bound
-    for everyone and memory that grows with the burst.
+    for everyone and memory that grows with the burst. Free slots count as
+    room: requests that arrive together wait for the next step to start.
     """
-    if max_queued and num_queued >= max_queued:
+    queued = num_waiting - max(0, free_slots)
+    if max_queued and queued >= max_queued:
         raise NoCapacity(
-            f"node {node_id} has {num_queued} requests queued (--max-queued-requests "
+            f"node {node_id} has {queued} requests queued (--max-queued-requests "
             f"{max_queued}); try again later"
         )
 

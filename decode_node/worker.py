@@ -234,7 +234,9 @@ class DecodeWorker:
     def _admit_local(self, engine: LLMEngine, rid: str, prompt, params) -> None:
         """On the engine thread: queue a request this node prefills itself, if the queue has room."""
         try:
-            check_queue(len(engine.scheduler.waiting), self.max_queued, self.node_id)
+            sched = engine.scheduler
+            free = sched.max_num_seqs - len(sched.running) - len(sched.reserved)
+            check_queue(len(sched.waiting), free, self.max_queued, self.node_id)
         except NoCapacity:
             self.stats.rejected += 1
             raise

@@ -183,7 +183,9 @@ class PrefillWorker:
     def _admit(self, engine: LLMEngine, rid: str, prompt, params: SamplingParams) -> None:
         """On the engine thread: queue the prompt if the queue has room."""
         try:
-            check_queue(len(engine.scheduler.waiting), self.max_queued, self.node_id)
+            sched = engine.scheduler
+            free = sched.max_num_seqs - len(sched.running)
+            check_queue(len(sched.waiting), free, self.max_queued, self.node_id)
         except NoCapacity:
             self.stats.rejected += 1
             raise

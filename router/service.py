@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -18,6 +19,9 @@ from router.routing import Routing
 from router.stats import RequestTrace
 
 logger = logging.getLogger(__name__)
+
+# A stream silent this long has its decode node's heartbeat checked.
+SILENCE_CHECK_S = 1.0
 
 
 class RouterServicer(pdserve_pb2_grpc.RouterServicer):
@@ -53,32 +57,37 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
             )
         status, usage = "CANCELLED", None
         avoid: set[str] = set()
+        failure: grpc.aio.AioRpcError | None = None  # the last attempt's
         try:
             for attempt in range(self.routing.config.max_attempts):
                 if attempt:
                     stats.retries += 1
                 try:
                     routed = await self.routing.route(parsed, avoid)
-                except NoRoute as e:  # no usable node, or Redis unreachable
+                except NoRoute as no_route:  # no usable node, or Redis unreachable
+                    if failure is not None:  # every node left failed: say how the last did
+                        await context.abort(failure.code(), failure.details() or str(no_route))
                     status = "UNAVAILABLE"
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(no_route))
                 tried = _Attempt(self, routed, parsed, request, client_id, context, trace)
                 async for response in tried.relay():
                     yield response
                 status, usage = tried.status, tried.usage
                 if tried.error is None:
                     return
-                e = tried.error
+                failure = tried.error
                 if tried.received or not tried.retry_elsewhere(avoid):
-                    await context.abort(e.code(), e.details() or str(e.code()))
+                    await context.abort(failure.code(), failure.details() or str(failure.code()))
                 logger.info(
                     "request %s: attempt %d failed before its first token (%s: %s); retrying",
                     client_id,
                     attempt + 1,
-                    e.code().name,
-                    e.details(),
+                    failure.code().name,
+                    failure.details(),
                 )
-            await context.abort(e.code(), f"{e.details()} (after {attempt + 1} attempts)")
+            await context.abort(
+                failure.code(), f"{failure.details()} (after {attempt + 1} attempts)"
+            )
         finally:
             stats.finished(
                 trace,
@@ -130,7 +139,7 @@ class _Attempt:
         )
         trace = self.trace
         try:
-            async for response in call:
+            async for response in self._watched(call, route.decode.node_id):
                 self.received = True
                 now = time.monotonic()
                 response.request_id = self.client_id
@@ -157,10 +166,37 @@ class _Attempt:
             call.cancel()  # a no-op once the stream ended; else the client left
             self.routing.inflight.finish(dispatch)
 
+    async def _watched(self, call, node_id: str):
+        """The call's messages; if none comes for a while, a decode node that
+        stopped heartbeating fails the stream with UNAVAILABLE (a stalled
+        process keeps its connection open, so the transport never notices)."""
+        read = asyncio.ensure_future(call.read())
+        try:
+            while True:
+                done, _ = await asyncio.wait({read}, timeout=SILENCE_CHECK_S)
+                if not done:
+                    if await self.routing.node_silent(node_id):
+                        call.cancel()
+                        raise grpc.aio.AioRpcError(
+                            grpc.StatusCode.UNAVAILABLE,
+                            grpc.aio.Metadata(),
+                            grpc.aio.Metadata(),
+                            details=f"decode node {node_id} stopped heartbeating mid-request",
+                        )
+                    continue
+                response = read.result()
+                if response is grpc.aio.EOF:
+                    return
+                yield response
+                read = asyncio.ensure_future(call.read())
+        finally:
+            if not read.done():
+                read.cancel()
+
     def decode_unreachable(self) -> bool:
         # A decode node answers UNAVAILABLE itself only to name a failed prefill
         # node (in the trailing metadata); any other UNAVAILABLE is the
-        # transport's: refused, reset, or keepalive pings unanswered.
+        # transport's (refused, reset) or the router's (it stopped heartbeating).
         return _FAILED_NODE_KEY not in dict(self.error.trailing_metadata() or ())
 
     def retry_elsewhere(self, avoid: set[str]) -> bool:

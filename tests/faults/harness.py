@@ -167,3 +167,22 @@ class Stream:
 
 def run(address: str, req: pdserve_pb2.GenerateRequest, timeout: float = 300) -> Outcome:
     return Stream(address, req, timeout).result(timeout + 10)
+
+
+def set_drained(cluster: LocalCluster, node_id: str, drained: bool) -> None:
+    """What `pdctl drain/undrain` does: every router stops (or resumes) choosing the node."""
+    client = redis.Redis.from_url(cluster.redis_url, socket_timeout=5)
+    try:
+        key = f"{DEFAULT_PREFIX}:draining"
+        client.sadd(key, node_id) if drained else client.srem(key, node_id)
+    finally:
+        client.close()
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(interval_s)
+    return value
