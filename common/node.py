@@ -17,6 +17,7 @@ import signal
 import socket
 import threading
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +137,8 @@ class Heartbeat:
     # One beat at a time: shutdown beats at once (to publish `draining`) while
     # the periodic task may be mid-beat, and both edit `_pending`.
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # A take of cache events queued on the engine thread and not yet answered.
+    _events_future: Future | None = None
 
     def refresh_info(self) -> NodeInfo:
         s = self.engine.stats
@@ -156,15 +159,15 @@ class Heartbeat:
 
     async def _beat(self) -> None:
         if self._resync:
+            # Queued after any take still outstanding, so this snapshot supersedes it.
+            self._events_future = None
             cached = await asyncio.wrap_future(self.engine.call(_take_all_cached))
             self._pending = dict.fromkeys(cached, True)
             self._reset = True
             self._resync = False
             events = None
         else:
-            events = await asyncio.wrap_future(
-                self.engine.call(lambda e: e.block_manager.take_events())
-            )
+            events = await self._cache_events()
         for h in events.removed if events else ():  # the two lists are disjoint
             self._pending.pop(h, None)
             self._pending[h] = False
@@ -179,6 +182,23 @@ class Heartbeat:
         self._pending.clear()
         self._reset = False
         self.published += 1
+
+    async def _cache_events(self):
+        """The block manager's changes since the last take, or None when the
+        engine is in the middle of a long step: the beat goes out with the load
+        anyway and the changes follow with a later one. A heartbeat must not
+        wait for a step -- routers take a node silent for a few seconds for a
+        dead one, and a step over hundreds of sequences on a CPU can take that
+        long."""
+        if self._events_future is None:
+            self._events_future = self.engine.call(lambda e: e.block_manager.take_events())
+        waiting = asyncio.shield(asyncio.wrap_future(self._events_future))
+        try:
+            events = await asyncio.wait_for(waiting, timeout=max(0.05, self.interval_s))
+        except TimeoutError:
+            return None
+        self._events_future = None
+        return events
 
     async def run_forever(self) -> None:
         task = asyncio.current_task()

@@ -120,7 +120,7 @@ def test_cancel_frees_every_block_within_a_second(cluster, overhead_s, at_s, exp
     assert not outcome.token_ids
     assert seen == expected
     assert freed_s <= FREED_WITHIN_S, f"blocks freed only {freed_s:.2f} s after the cancel"
-    print(f"cancelled at {at_s} s: {seen}; all blocks free {freed_s * 1e3:.0f} ms later")
+    print(f"cancelled at {at_s:.1f} s: {seen}; all blocks free {freed_s * 1e3:.0f} ms later")
 
 
 def test_cancel_mid_decode(cluster):
@@ -141,6 +141,7 @@ def test_cancel_mid_decode(cluster):
     expected = {"decode-0": {"aborted_decode": 1}}
     assert settled_deltas(cluster, before, expected) == expected
     assert freed_s <= FREED_WITHIN_S
+    print(f"cancelled mid-decode: all blocks free {freed_s * 1e3:.0f} ms later")
 
 
 def test_cancel_while_queued_behind_a_long_prompt(cluster):
@@ -179,6 +180,10 @@ def test_deadline_mid_transfer_gives_deadline_exceeded_and_frees_everything(clus
     }
     assert settled_deltas(cluster, before, expected) == expected
     assert freed_s <= FREED_WITHIN_S
+    print(
+        f"deadline {timeout:.1f} s: DEADLINE_EXCEEDED after {elapsed:.2f} s; "
+        f"all blocks free {freed_s * 1e3:.0f} ms after the deadline"
+    )
 
 
 def test_a_request_left_alone_completes_and_the_cluster_ends_idle(cluster):

@@ -16,6 +16,7 @@ from common.launcher import ClusterSpec, LocalCluster
 from common.redis_server import free_port
 from proto import admin_pb2, admin_pb2_grpc
 from proto.client import generate
+from tests.faults.harness import assert_idle
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -90,6 +91,7 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_zero(cluster):
     while victim in nodes(cluster):
         assert time.monotonic() < deadline, "still registered after exiting"
         time.sleep(0.1)
+    assert_idle(cluster, expect_nodes=1)  # the other node owes nothing, leaks nothing
 
 
 def test_a_second_signal_cuts_the_drain_short(cluster):
