@@ -32,6 +32,8 @@ from pathlib import Path
 
 import grpc
 
+from common.grpc_server import refusing_handler
+
 logger = logging.getLogger(__name__)
 
 GENERATE, ADMIN_READ, ADMIN, ALL = "generate", "admin:read", "admin", "*"
@@ -245,28 +247,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         refusal = self.check(details.method, details.invocation_metadata)
         if refusal is None:
             return handler
-        return _refusing_handler(handler, *refusal)
-
-
-def _refusing_handler(handler, code: grpc.StatusCode, message: str):
-    async def deny(request, context):
-        await context.abort(code, message)
-
-    async def deny_stream(request, context):
-        await deny(request, context)
-        yield  # pragma: no cover - never reached; makes this an async generator
-
-    kwargs = dict(
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(deny_stream, **kwargs)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
-    return grpc.stream_stream_rpc_method_handler(deny_stream, **kwargs)
+        return refusing_handler(handler, *refusal)
 
 
 def add_token_arguments(p: argparse.ArgumentParser) -> None:

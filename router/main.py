@@ -14,12 +14,19 @@ import grpc
 from common.auth import add_token_arguments, router_interceptors
 from common.cluster import Cluster
 from common.engine.config import EngineConfig
-from common.grpc_server import SERVER_OPTIONS, add_health, add_reflection, set_serving
+from common.grpc_server import (
+    PUBLIC_SERVER_OPTIONS,
+    MetadataLimitInterceptor,
+    add_health,
+    add_lenient_servicer,
+    add_reflection,
+    set_serving,
+)
 from common.metrics.router import RouterCollector
 from common.metrics.server import add_metrics_arguments, serve_metrics
 from common.redis_auth import add_redis_auth_arguments, check_redis, redis_options_from_args
 from common.tls import TLSConfig, add_port, add_tls_arguments
-from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
+from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2
 from router.admin import AdminServicer
 from router.frontend import Frontend
 from router.policy import RoutingConfig, RoutingPolicy
@@ -27,7 +34,8 @@ from router.routing import Routing
 from router.service import RouterServicer
 
 logger = logging.getLogger(__name__)
-ROUTER = pdserve_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+ROUTER_SERVICE = pdserve_pb2.DESCRIPTOR.services_by_name["Router"]
+ROUTER = ROUTER_SERVICE.full_name
 ADMIN = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
@@ -166,8 +174,12 @@ async def serve(args: argparse.Namespace) -> int:
     )
     router = RouterServicer(frontend, routing, tls=tls)
 
-    server = grpc.aio.server(interceptors=public_auth, options=SERVER_OPTIONS)
-    pdserve_pb2_grpc.add_RouterServicer_to_server(router, server)
+    # Clients' mistakes get INVALID_ARGUMENT naming them, even those the servicer
+    # never sees: oversized metadata, request bytes that do not parse (invalid UTF-8).
+    server = grpc.aio.server(
+        interceptors=[MetadataLimitInterceptor(), *public_auth], options=PUBLIC_SERVER_OPTIONS
+    )
+    add_lenient_servicer(server, ROUTER_SERVICE, router)
     health = await add_health(server, [ROUTER])
     if args.enable_reflection:
         add_reflection(server, [ROUTER])

@@ -5,6 +5,7 @@ out-of-vocabulary ids anywhere, NaN or infinite or out-of-range sampling
 values, huge n, empty prompts, odd strings -- the router's Frontend either
 returns a request every node can run, or raises ValueError with a message
 (which the service turns into INVALID_ARGUMENT). Nothing else, ever.
+test_bad_input_live.py sends the same requests to a live cluster.
 """
 
 from __future__ import annotations
@@ -76,11 +77,13 @@ FAULTS = [None, None, None, *FIELDS, *LISTS, *INPUT_FAULTS]
 
 
 @st.composite
-def sampling(draw, fault) -> pdserve_pb2.SamplingParams:
+def sampling(draw, fault, max_tokens: int | None = None) -> pdserve_pb2.SamplingParams:
     s = pdserve_pb2.SamplingParams()
     for name, (good, bad) in FIELDS.items():
         if name == fault:
             setattr(s, name, draw(bad))
+        elif name == "max_tokens" and max_tokens is not None:
+            s.max_tokens = draw(st.integers(1, max_tokens))
         elif draw(st.booleans()):
             setattr(s, name, draw(good))
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -100,18 +103,26 @@ def sampling(draw, fault) -> pdserve_pb2.SamplingParams:
 
 
 @st.composite
-def requests(draw) -> pdserve_pb2.GenerateRequest:
+def requests(
+    draw, max_tokens: int | None = None, max_len: int = MAX_LEN
+) -> pdserve_pb2.GenerateRequest:
+    """Mostly valid GenerateRequests, each with at most one fault.
+
+    For live clusters, where decoding costs time: ``max_tokens``, unless it is
+    the fault, is always set and at most this (unset, it would be 16);
+    ``max_len``, the max_model_len that prompt lengths aim at.
+    """
     fault = draw(st.sampled_from(FAULTS))
-    r = pdserve_pb2.GenerateRequest(sampling=draw(sampling(fault)))
+    r = pdserve_pb2.GenerateRequest(sampling=draw(sampling(fault, max_tokens)))
     kind = fault if fault in ("prompt", "token_ids", "chat", "no_input") else None
     kind = kind or draw(st.sampled_from(["prompt", "token_ids", "chat"]))
     if kind == "prompt":
-        bad = st.sampled_from(["", "word " * MAX_LEN])
+        bad = st.sampled_from(["", "word " * max_len])
         r.prompt = draw(bad if fault == "prompt" else text.filter(str.strip))
     elif kind == "token_ids":
-        good = st.lists(token, min_size=1, max_size=MAX_LEN // 2)
+        good = st.lists(token, min_size=1, max_size=max_len // 2)
         bad = st.one_of(
-            st.lists(any_int, max_size=8), st.lists(token, min_size=MAX_LEN, max_size=MAX_LEN + 8)
+            st.lists(any_int, max_size=8), st.lists(token, min_size=max_len, max_size=max_len + 8)
         )
         r.token_ids.ids.extend(draw(bad if fault == "token_ids" else good))
         r.token_ids.SetInParent()
