@@ -46,6 +46,9 @@ def gpu_cluster(tmp_path_factory):
             "0.4",
         ],
         node_args=["--verify-kv", "--heartbeat-interval", "0.2"],
+        # Every prompt crosses NCCL (short prompts would be prefilled on the
+        # decode node otherwise: docs/routing.md, conditional disaggregation).
+        router_args=["--local-prefill-max-tokens", "0", "--local-prefill-min-hit", "1.0"],
         log_dir=str(tmp_path_factory.mktemp("nccl-logs")),
         start_timeout_s=600,
     )
