@@ -57,6 +57,24 @@ def cluster(demo_model_dir, tmp_path_factory):
         yield c
 
 
+def rejoins(cluster, victim, other: str, req, role_field: str):
+    """Restart ``victim``; with ``other`` drained, a request must be served by it
+    again within 30 s (its first ones may still meet a cool-down)."""
+    cluster.restart(victim)
+    wait_for(lambda: victim.name in nodes(cluster), 10, "restarted node registered")
+    set_drained(cluster, other, True)
+    try:
+
+        def served():
+            o = run(cluster.router_address, req)
+            ok = o.code is grpc.StatusCode.OK
+            return o if ok and getattr(o.final.usage, role_field) == victim.name else None
+
+        return wait_for(served, 30, f"a request served by the restarted {victim.name}", 1.0)
+    finally:
+        set_drained(cluster, other, False)
+
+
 def test_sigkill_decode_mid_stream_fails_only_its_streams_fast(cluster):
     streams = [
         Stream(
@@ -91,24 +109,8 @@ def test_sigkill_decode_mid_stream_fails_only_its_streams_fast(cluster):
     wait_for(lambda: "decode-0" not in nodes(cluster), TTL_S + 2, "dead node left Redis")
 
     # Restarted, it rejoins and serves again (remote prefill into a new process).
-    cluster.restart(victim)
-    wait_for(lambda: "decode-0" in nodes(cluster), 10, "restarted node registered")
-    set_drained(cluster, "decode-1", True)
-    try:
-        o = wait_for(
-            lambda: (
-                (r := run(cluster.router_address, request("Back?", max_tokens=3))).code
-                is grpc.StatusCode.OK
-                and r
-            ),
-            30,
-            "a request served by the restarted decode node",
-            interval_s=1.0,
-        )
-        assert o.final.usage.decode_node == "decode-0"
-        assert o.final.usage.prefill_node in ("prefill-0", "prefill-1")
-    finally:
-        set_drained(cluster, "decode-1", False)
+    o = rejoins(cluster, victim, "decode-1", request("Back?", max_tokens=3), "decode_node")
+    assert o.final.usage.prefill_node in ("prefill-0", "prefill-1")
     assert_idle(cluster, expect_nodes=4)
 
 
@@ -132,24 +134,8 @@ def test_sigkill_prefill_mid_transfer_retries_on_the_other_prefill_node(cluster)
     wait_for(lambda: "prefill-0" not in nodes(cluster), TTL_S + 2, "dead node left Redis")
     assert_idle(cluster, expect_nodes=3)
 
-    cluster.restart(victim)
-    wait_for(lambda: "prefill-0" in nodes(cluster), 10, "restarted node registered")
-    set_drained(cluster, "prefill-1", True)
-    try:
-        o = wait_for(
-            lambda: (
-                (r := run(cluster.router_address, request(prompt, max_tokens=12))).code
-                is grpc.StatusCode.OK
-                and r.final.usage.prefill_node == "prefill-0"
-                and r
-            ),
-            30,
-            "a request prefilled by the restarted prefill node",
-            interval_s=1.0,
-        )
-        assert o.token_ids == expected
-    finally:
-        set_drained(cluster, "prefill-1", False)
+    o = rejoins(cluster, victim, "prefill-1", request(prompt, max_tokens=12), "prefill_node")
+    assert o.token_ids == expected
     assert_idle(cluster, expect_nodes=4)
 
 
