@@ -21,8 +21,8 @@ OVERALL = ""  # the health service's name for the whole server
 
 # A short reconnect backoff lets a restarted node be used again soon after it
 # is back (the default grows to two minutes). A peer that stops answering
-# without closing its connection is found by its heartbeat instead (router:
-# RouterServicer's silence check; decode node: the KV lease): HTTP/2 keepalive
+# without closing its connection is found otherwise (router: a silent stream's
+# decode node gets a health probe; decode node: the KV lease): HTTP/2 keepalive
 # pings were tried and did not fire against a SIGSTOPped peer in this grpcio.
 CLIENT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),

@@ -61,9 +61,6 @@ class Routing:
         # The last view Redis gave, for routing while it is unreachable.
         self._last_view: ClusterView | None = None
         self._probe: asyncio.Task | None = None
-        # Heartbeat ages (ms) of every node at the last liveness read, and when.
-        self._ages: dict[str, int] = {}
-        self._ages_read_at = float("-inf")
 
     def route_request(self, parsed: ParsedRequest) -> RouteRequest:
         params = parsed.params
@@ -118,31 +115,6 @@ class Routing:
         return ClusterView(
             last.now_ms, [RouteCandidate(c.node, 0, c.drained) for c in last.candidates]
         )
-
-    async def node_silent(self, node_id: str) -> bool:
-        """Whether a node stopped heartbeating (stalled, partitioned, killed):
-        its last heartbeat is older than ``stale_heartbeat_s`` or it left Redis.
-
-        How the router finds a stream whose decode node went silent without
-        closing its connection (a SIGSTOPped or wedged process). One Redis read
-        serves every such question for half a second; while Redis is
-        unreachable the answer is "no" (nothing is known).
-        """
-        now = time.monotonic()
-        if now - self._ages_read_at > 0.5:
-            if self.redis_down:
-                return False
-            try:
-                view = await self.cluster.view([])
-            except Exception:
-                self.stats.redis_errors += 1
-                return False
-            self._ages = {c.node.node_id: view.age_ms(c.node) for c in view.candidates}
-            self._ages_read_at = now = time.monotonic()
-        age_ms = self._ages.get(node_id)
-        if age_ms is None:
-            return True
-        return age_ms / 1e3 + (now - self._ages_read_at) > self.config.stale_heartbeat_s
 
     async def _probe_until_up(self) -> None:
         while True:

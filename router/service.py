@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.grpc_server import CLIENT_OPTIONS
 from common.reliability import FAILED_NODE_KEY as _FAILED_NODE_KEY
@@ -20,8 +22,12 @@ from router.stats import RequestTrace
 
 logger = logging.getLogger(__name__)
 
-# A stream silent this long has its decode node's heartbeat checked.
+# A stream silent this long has its decode node probed (grpc.health.v1 Check);
+# a node that does not answer within PROBE_TIMEOUT_S is taken for stalled. One
+# probe per node serves every silent stream on it for PROBE_TTL_S.
 SILENCE_CHECK_S = 1.0
+PROBE_TIMEOUT_S = 2.0
+PROBE_TTL_S = 1.0
 
 
 class RouterServicer(pdserve_pb2_grpc.RouterServicer):
@@ -30,6 +36,8 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         self.routing = routing
         self.tls = tls  # for the calls to nodes (Decode, and the admin API's NodeControl)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # Per node address: when its last liveness probe started, and the probe.
+        self._probes: dict[str, tuple[float, asyncio.Future]] = {}
 
     def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -97,6 +105,31 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                 usage.cached_tokens if usage else 0,
             )
 
+    async def node_responsive(self, address: str) -> bool:
+        """Whether the node at ``address`` answers a health check in time.
+
+        Any answer counts (a draining node says NOT_SERVING and still finishes
+        its streams); no answer -- a SIGSTOPped or wedged process, a partition
+        -- does not. It asks the node itself, so it works while Redis is down.
+        """
+        now = time.monotonic()
+        probe = self._probes.get(address)
+        if probe is None or now - probe[0] > PROBE_TTL_S:
+            probe = (now, asyncio.ensure_future(self._probe(address)))
+            self._probes[address] = probe
+        return await asyncio.shield(probe[1])
+
+    async def _probe(self, address: str) -> bool:
+        stub = health_pb2_grpc.HealthStub(self.channel(address))
+        try:
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            return e.code() not in (
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.UNAVAILABLE,
+            )
+        return True
+
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
@@ -139,20 +172,21 @@ class _Attempt:
         )
         trace = self.trace
         try:
-            async for response in self._watched(call, route.decode.node_id):
-                self.received = True
-                now = time.monotonic()
-                response.request_id = self.client_id
-                new_tokens = sum(len(d.token_ids) for d in response.deltas)
-                if new_tokens and trace.first_token is None:
-                    self.routing.inflight.first_token(dispatch)
-                trace.on_tokens(new_tokens, now)
-                if response.HasField("final"):
-                    self.usage = response.final.usage
-                    self.usage.time_to_first_token_ms = (
-                        (trace.first_token - trace.start) * 1e3 if trace.first_token else 0.0
-                    )
-                yield response
+            async with contextlib.aclosing(self._watched(call, route.decode)) as messages:
+                async for response in messages:
+                    self.received = True
+                    now = time.monotonic()
+                    response.request_id = self.client_id
+                    new_tokens = sum(len(d.token_ids) for d in response.deltas)
+                    if new_tokens and trace.first_token is None:
+                        self.routing.inflight.first_token(dispatch)
+                    trace.on_tokens(new_tokens, now)
+                    if response.HasField("final"):
+                        self.usage = response.final.usage
+                        self.usage.time_to_first_token_ms = (
+                            (trace.first_token - trace.start) * 1e3 if trace.first_token else 0.0
+                        )
+                    yield response
             self.status = "OK"
             self.routing.inflight.succeeded(route.decode.node_id)
         except grpc.aio.AioRpcError as e:
@@ -166,22 +200,22 @@ class _Attempt:
             call.cancel()  # a no-op once the stream ended; else the client left
             self.routing.inflight.finish(dispatch)
 
-    async def _watched(self, call, node_id: str):
-        """The call's messages; if none comes for a while, a decode node that
-        stopped heartbeating fails the stream with UNAVAILABLE (a stalled
+    async def _watched(self, call, node):
+        """The call's messages; when none has come for a while, a decode node
+        that no longer answers fails the stream with UNAVAILABLE (a stalled
         process keeps its connection open, so the transport never notices)."""
         read = asyncio.ensure_future(call.read())
         try:
             while True:
                 done, _ = await asyncio.wait({read}, timeout=SILENCE_CHECK_S)
                 if not done:
-                    if await self.routing.node_silent(node_id):
+                    if not await self.servicer.node_responsive(node.address):
                         call.cancel()
                         raise grpc.aio.AioRpcError(
                             grpc.StatusCode.UNAVAILABLE,
                             grpc.aio.Metadata(),
                             grpc.aio.Metadata(),
-                            details=f"decode node {node_id} stopped heartbeating mid-request",
+                            details=f"decode node {node.node_id} stopped answering mid-request",
                         )
                     continue
                 response = read.result()
@@ -196,7 +230,7 @@ class _Attempt:
     def decode_unreachable(self) -> bool:
         # A decode node answers UNAVAILABLE itself only to name a failed prefill
         # node (in the trailing metadata); any other UNAVAILABLE is the
-        # transport's (refused, reset) or the router's (it stopped heartbeating).
+        # transport's (refused, reset) or the router's (it stopped answering).
         return _FAILED_NODE_KEY not in dict(self.error.trailing_metadata() or ())
 
     def retry_elsewhere(self, avoid: set[str]) -> bool:

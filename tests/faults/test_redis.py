@@ -10,6 +10,7 @@ correct token.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 import urllib.request
@@ -23,7 +24,16 @@ from common.cluster import DEFAULT_PREFIX
 from common.launcher import LocalCluster
 from common.redis_server import RedisServer, free_port
 from proto import admin_pb2, admin_pb2_grpc
-from tests.faults.harness import assert_idle, component, nodes, request, run, spec, wait_for
+from tests.faults.harness import (
+    Stream,
+    assert_idle,
+    component,
+    nodes,
+    request,
+    run,
+    spec,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -167,4 +177,29 @@ def test_false_entries_break_neither_serving_nor_correctness(cluster):
         client.srem(f"{DEFAULT_PREFIX}:nodes", "phantom")
         client.close()
     assert metric(cluster, "router", "pdserve_router_retries_total") >= 1  # the phantom was tried
+    assert_idle(cluster, expect_nodes=2)
+
+
+def test_a_stalled_decode_node_is_found_while_redis_is_down(cluster):
+    # The router probes a silent stream's decode node itself, not through Redis.
+    stream = Stream(
+        cluster.router_address, request(PROMPT, max_tokens=300, ignore_eos=True), timeout=120
+    )
+    assert stream.first.wait(60)
+    port = cluster.redis.port
+    cluster.redis.stop()
+    stalled = component(cluster, "decode-0")
+    stalled.process.send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        outcome = stream.result(60)
+    finally:
+        stalled.process.send_signal(signal.SIGCONT)
+        cluster.redis = RedisServer(port=port).start()
+    assert outcome.code is grpc.StatusCode.UNAVAILABLE, (outcome.code, outcome.details)
+    assert outcome.ended_at - stopped < 10
+    print(
+        f"Redis down, decode node stopped: stream failed {outcome.ended_at - stopped:.2f} s later"
+    )
+    wait_for(lambda: len(nodes(cluster)) == 2, 15, "both nodes registered again")
     assert_idle(cluster, expect_nodes=2)
