@@ -32,7 +32,8 @@ class Stage(enum.Enum):
     """Where a request stands on one node."""
 
     QUEUED = "queued"  # in the engine's queue, nothing computed yet
-    PREFILL = "prefill"  # prompt being computed (prefill node) or awaited (decode node)
+    # Prompt being computed (either node), or awaited from a prefill node (decode node).
+    PREFILL = "prefill"
     TRANSFER = "transfer"  # KV gathered and on the wire (prefill node)
     ADMISSION = "admission"  # decode node: KV landed, not yet in the running batch
     DECODE = "decode"  # decode node: generating

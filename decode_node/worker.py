@@ -223,10 +223,9 @@ class DecodeWorker:
             raise  # nothing was admitted
         except BaseException:
             stage = self._stages.get(rid, Stage.QUEUED)
-            self.stats.aborts.aborted(stage)
             if deadline_passed(deadline):
                 self.stats.aborts.deadline_exceeded += 1
-            self.engine.call(lambda e: self._abort(e, rid))
+            self.engine.call(lambda e: self._abort(e, rid, stage))
             raise
         finally:
             self._stages.pop(rid, None)
@@ -339,7 +338,11 @@ class DecodeWorker:
             engine.commit_request(pending.request_id, resp.first_token_id, lp, resp.cached_tokens)
             pending.state = TransferState.COMMITTED
 
-    def _abort(self, engine: LLMEngine, rid: str) -> None:
+    def _abort(self, engine: LLMEngine, rid: str, stage: Stage) -> None:
+        req = engine.requests.get(rid)
+        if stage is Stage.QUEUED and req is not None and req.first_scheduled_time is not None:
+            stage = Stage.PREFILL  # a local prefill under way (only the engine knows)
+        self.stats.aborts.aborted(stage)
         for pending in list(self._pending.values()):
             if pending.request_id == rid and pending.landed_event is not None:
                 # Blocks a landing may still be writing go back only after it ends.
