@@ -198,7 +198,7 @@ async def serve(args: argparse.Namespace) -> int:
     )
     admin_health = await add_health(admin, [ADMIN])
     add_port(admin, f"{admin_host}:{args.admin_port}", tls)
-    # Before gRPC: its health service says SERVING overall as soon as it starts.
+    # Metrics first: anything a launcher finds SERVING can be scraped.
     serve_metrics(args.metrics_port, args.host, [RouterCollector(routing)])
     await server.start()
     await admin.start()
