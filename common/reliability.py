@@ -89,6 +89,9 @@ class FaultPoint(enum.Enum):
     TRANSFER_MID = "transfer_mid"
     # Decode node: KV landed, before the request joins the running batch.
     DECODE_BEFORE_COMMIT = "decode_before_commit"
+    # Prefill node: after every engine step (a slow or busy accelerator), so
+    # that requests behind a long prompt wait in the queue for a while.
+    PREFILL_STEP = "prefill_step"
 
 
 @dataclass(slots=True, frozen=True)

@@ -117,6 +117,8 @@ class PrefillWorker:
         self.max_queued = max_queued
         self.faults = faults or FaultDelays()
         self.stats = PrefillStats()
+        if step_delay := self.faults.get(FaultPoint.PREFILL_STEP):
+            engine.after_step.append(lambda outputs: time.sleep(step_delay))
 
     async def prefill(
         self, req: internal_pb2.PrefillRequest, deadline: float | None

@@ -23,6 +23,9 @@ from tests.faults.harness import Stream, assert_idle, counters, request, spec, w
 pytestmark = pytest.mark.timeout(900)
 
 STAGE_S = 3.0
+# Each prefill engine step takes at least this long: a ~700-token prompt in
+# 32-token chunks keeps the prefill engine busy for over 2 s on any machine.
+STEP_S = 0.1
 STAGES = ("queued", "prefill", "transfer", "admission", "decode")
 FIELDS = tuple(f"aborted_{s}" for s in STAGES) + ("deadline_exceeded",)
 FREED_WITHIN_S = 1.0
@@ -42,7 +45,8 @@ def cluster(demo_model_dir, tmp_path_factory):
         router_args=["--local-prefill-max-tokens", "0", "--local-prefill-min-hit", "1.0"],
         component_env={
             "prefill-0": {
-                "PDSERVE_FAULT_DELAYS": f"prefill_before_send={STAGE_S},transfer_mid={STAGE_S}"
+                "PDSERVE_FAULT_DELAYS": f"prefill_before_send={STAGE_S},transfer_mid={STAGE_S},"
+                f"prefill_step={STEP_S}"
             },
             "decode-0": {"PDSERVE_FAULT_DELAYS": f"decode_before_commit={STAGE_S}"},
         },
@@ -145,8 +149,8 @@ def test_cancel_mid_decode(cluster):
 
 
 def test_cancel_while_queued_behind_a_long_prompt(cluster):
-    # 32-token chunks of a ~700-token prompt keep the prefill engine busy for
-    # seconds; the request sent after it waits in the prefill node's queue.
+    # 32-token chunks of a ~700-token prompt, STEP_S each at least, keep the
+    # prefill engine busy; the request sent after it waits in the queue.
     long_prompt = "Summarize: " + "the quick brown fox jumps over the lazy dog " * 70
     before = counters(cluster, *FIELDS)
     blocker = Stream(cluster.router_address, request(long_prompt, max_tokens=1))
