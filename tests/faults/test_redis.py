@@ -21,9 +21,11 @@ import redis
 
 from common.block_hash import BlockHasher
 from common.cluster import DEFAULT_PREFIX
+from common.engine.config import EngineConfig
 from common.launcher import LocalCluster
 from common.redis_server import RedisServer, free_port
 from proto import admin_pb2, admin_pb2_grpc
+from router.frontend import Frontend
 from tests.faults.harness import (
     Stream,
     assert_idle,
@@ -105,7 +107,7 @@ def test_a_30s_outage_keeps_serving_and_recovers_by_itself(cluster):
     )
 
 
-def test_false_entries_break_neither_serving_nor_correctness(cluster):
+def test_false_entries_break_neither_serving_nor_correctness(cluster, demo_model_dir):
     prompts = [f"{PROMPT} Answer {i}." for i in range(6)]
     expected = [run(cluster.router_address, request(p)).token_ids for p in prompts]
     id_prompts = [list(range(1000 + 40 * i, 1040 + 40 * i)) for i in range(6)]
@@ -130,9 +132,14 @@ def test_false_entries_break_neither_serving_nor_correctness(cluster):
         running="0",
         waiting="0",
     )
-    # decode-0 claims every block of every prompt (it holds none of them).
+    # decode-0 claims every block of the token-id prompts (it holds none of them).
     hasher = BlockHasher(real["model_id"], int(real["block_size"]))
     lies = [h for ids in id_prompts for h in hasher.hash_blocks(ids)]
+    # The phantom claims the text prompts' blocks (hashed as the router does),
+    # so the router prefers it for them and must fail over, not merely might.
+    frontend = Frontend(EngineConfig.from_kwargs(str(demo_model_dir), max_model_len=1024))
+    bait = [h for p in prompts for h in frontend.parse(request(p)).block_hashes]
+    assert bait, "the text prompts must fill at least one block"
     stop = threading.Event()
 
     def keep_lying():
@@ -149,8 +156,8 @@ def test_false_entries_break_neither_serving_nor_correctness(cluster):
                 f"{DEFAULT_PREFIX}:node:decode-0",
                 mapping={"running": 0, "waiting": 0, "kv_blocks_free": real["kv_blocks_total"]},
             )
-            if lies:
-                pipe.sadd(f"{DEFAULT_PREFIX}:blocks:decode-0", *lies)
+            pipe.sadd(f"{DEFAULT_PREFIX}:blocks:decode-0", *lies)
+            pipe.sadd(f"{DEFAULT_PREFIX}:blocks:phantom", *bait)
             pipe.execute()
             stamp(keys=[f"{DEFAULT_PREFIX}:node:phantom"])
             time.sleep(0.05)
@@ -173,10 +180,10 @@ def test_false_entries_break_neither_serving_nor_correctness(cluster):
     finally:
         stop.set()
         liar.join(5)
-        client.delete(f"{DEFAULT_PREFIX}:node:phantom")
+        client.delete(f"{DEFAULT_PREFIX}:node:phantom", f"{DEFAULT_PREFIX}:blocks:phantom")
         client.srem(f"{DEFAULT_PREFIX}:nodes", "phantom")
         client.close()
-    assert metric(cluster, "router", "pdserve_router_retries_total") >= 1  # the phantom was tried
+    assert metric(cluster, "router", "pdserve_router_retries_total") >= 1  # the phantom failed over
     assert_idle(cluster, expect_nodes=2)
 
 
