@@ -234,8 +234,7 @@ class DecodeWorker:
         """On the engine thread: queue a request this node prefills itself, if the queue has room."""
         try:
             sched = engine.scheduler
-            free = sched.max_num_seqs - len(sched.running) - len(sched.reserved)
-            check_queue(len(sched.waiting), free, self.max_queued, self.node_id)
+            check_queue(len(sched.waiting), sched.num_free_slots, self.max_queued, self.node_id)
         except NoCapacity:
             self.stats.rejected += 1
             raise

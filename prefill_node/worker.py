@@ -186,8 +186,7 @@ class PrefillWorker:
         """On the engine thread: queue the prompt if the queue has room."""
         try:
             sched = engine.scheduler
-            free = sched.max_num_seqs - len(sched.running)
-            check_queue(len(sched.waiting), free, self.max_queued, self.node_id)
+            check_queue(len(sched.waiting), sched.num_free_slots, self.max_queued, self.node_id)
         except NoCapacity:
             self.stats.rejected += 1
             raise

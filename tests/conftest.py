@@ -16,6 +16,9 @@ if not torch.cuda.is_available():
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
+# Router flags that send every prompt to a prefill node (no local prefill on
+# the decode node), for tests of the prefill -> decode hand-off.
+REMOTE_PREFILL_ONLY = ["--local-prefill-max-tokens", "0", "--local-prefill-min-hit", "1.0"]
 
 # Tiny shapes of each supported architecture (fast on a CPU, all code paths).
 TINY_CONFIGS = {

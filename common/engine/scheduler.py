@@ -113,6 +113,11 @@ class Scheduler:
         if self.held.pop(seq.request_id, None) is not None:
             self.block_manager.free(seq)
 
+    @property
+    def num_free_slots(self) -> int:
+        """Sequence slots neither running nor reserved (what a new request may take)."""
+        return self.max_num_seqs - len(self.running) - len(self.reserved)
+
     # ------------------------------------------------------ remote prefill
     def reserve(self, seq: Sequence) -> bool:
         """Claim blocks for the whole prompt without scheduling it (decode node).
@@ -121,7 +126,7 @@ class Scheduler:
         has to arrive; False (nothing changed) when blocks or sequence slots are
         short.
         """
-        if len(self.running) + len(self.reserved) >= self.max_num_seqs:
+        if self.num_free_slots <= 0:
             return False
         bm = self.block_manager
         prefix = bm.find_cached_prefix(seq)

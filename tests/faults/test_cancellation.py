@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from common.launcher import LocalCluster
+from tests.conftest import REMOTE_PREFILL_ONLY
 from tests.faults.harness import Stream, assert_idle, counters, request, spec, wait_idle
 
 pytestmark = pytest.mark.timeout(900)
@@ -42,7 +43,7 @@ def cluster(demo_model_dir, tmp_path_factory):
         # a request sent behind it waits in the queue.
         engine_args=["--max-num-batched-tokens", "32", "--max-num-seqs", "16"],
         # Every prompt is prefilled remotely (the stages under test).
-        router_args=["--local-prefill-max-tokens", "0", "--local-prefill-min-hit", "1.0"],
+        router_args=REMOTE_PREFILL_ONLY,
         component_env={
             "prefill-0": {
                 "PDSERVE_FAULT_DELAYS": f"prefill_before_send={STAGE_S},transfer_mid={STAGE_S},"

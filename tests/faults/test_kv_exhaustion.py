@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from common.launcher import LocalCluster
+from tests.conftest import REMOTE_PREFILL_ONLY
 from tests.faults.harness import Stream, assert_idle, counters, request, run, spec
 
 pytestmark = pytest.mark.timeout(900)
@@ -34,14 +35,7 @@ def cluster(demo_model_dir, tmp_path_factory):
         num_prefill=1,
         num_decode=1,
         engine_args=["--num-kvcache-blocks", str(NUM_BLOCKS), "--max-model-len", "512"],
-        router_args=[
-            "--local-prefill-max-tokens",
-            "0",
-            "--local-prefill-min-hit",
-            "1.0",
-            "--max-model-len",
-            "512",
-        ],
+        router_args=[*REMOTE_PREFILL_ONLY, "--max-model-len", "512"],
     )
     with LocalCluster(s) as c:
         yield c

@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from common.launcher import LocalCluster
+from tests.conftest import REMOTE_PREFILL_ONLY
 from tests.faults.harness import (
     Stream,
     assert_idle,
@@ -46,7 +47,7 @@ def cluster(demo_model_dir, tmp_path_factory):
         num_prefill=2,
         num_decode=2,
         node_args=["--node-ttl", str(TTL_S)],
-        router_args=["--local-prefill-max-tokens", "0", "--local-prefill-min-hit", "1.0"],
+        router_args=REMOTE_PREFILL_ONLY,
         component_env={
             "prefill-0": {"PDSERVE_FAULT_DELAYS": f"transfer_mid={TRANSFER_PAUSE_S}"},
             "decode-0": {"PDSERVE_KV_LEASE_S": str(LEASE_S)},

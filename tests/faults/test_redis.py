@@ -26,6 +26,7 @@ from common.launcher import LocalCluster
 from common.redis_server import RedisServer, free_port
 from proto import admin_pb2, admin_pb2_grpc
 from router.frontend import Frontend
+from tests.conftest import REMOTE_PREFILL_ONLY
 from tests.faults.harness import (
     Stream,
     assert_idle,
@@ -51,7 +52,7 @@ def cluster(demo_model_dir, tmp_path_factory):
         tmp_path_factory.mktemp("redis-logs"),
         num_prefill=1,
         num_decode=1,
-        router_args=["--local-prefill-max-tokens", "0", "--local-prefill-min-hit", "1.0"],
+        router_args=REMOTE_PREFILL_ONLY,
     )
     with LocalCluster(s) as c:
         yield c

@@ -16,7 +16,7 @@ from common import LLM, SamplingParams
 from common.cluster import Cluster, NodeRole
 from common.launcher import ClusterSpec, LocalCluster
 from common.redis_server import free_port
-from tests.conftest import DEMO_MODEL_DIR
+from tests.conftest import DEMO_MODEL_DIR, REMOTE_PREFILL_ONLY
 from tests.integration.test_cluster import PROMPTS, collect
 
 pytestmark = [
@@ -48,7 +48,7 @@ def gpu_cluster(tmp_path_factory):
         node_args=["--verify-kv", "--heartbeat-interval", "0.2"],
         # Every prompt crosses NCCL (short prompts would be prefilled on the
         # decode node otherwise: docs/routing.md, conditional disaggregation).
-        router_args=["--local-prefill-max-tokens", "0", "--local-prefill-min-hit", "1.0"],
+        router_args=REMOTE_PREFILL_ONLY,
         log_dir=str(tmp_path_factory.mktemp("nccl-logs")),
         start_timeout_s=600,
     )

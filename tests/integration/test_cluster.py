@@ -21,6 +21,7 @@ from common.launcher import ClusterSpec, LocalCluster
 from common.redis_server import free_port
 from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2
 from proto.client import agenerate, generate, generate_text
+from tests.conftest import REMOTE_PREFILL_ONLY
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -58,7 +59,7 @@ def cluster(demo_model_dir, tmp_path_factory):
         # Always disaggregate: these tests exercise the KV transfer on short
         # prompts, which the default policy would prefill on the decode node
         # (tests/integration/test_routing.py runs the defaults).
-        router_args=["--local-prefill-max-tokens", "0", "--local-prefill-min-hit", "1.0"],
+        router_args=REMOTE_PREFILL_ONLY,
         log_dir=str(tmp_path_factory.mktemp("cluster-logs")),
         start_timeout_s=300,
     )

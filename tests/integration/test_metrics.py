@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.launcher import ClusterSpec, LocalCluster
 from common.redis_server import free_port
 from proto.client import generate
+from tests.conftest import REMOTE_PREFILL_ONLY
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -34,7 +35,7 @@ def cluster(demo_model_dir, tmp_path_factory):
         engine_args=["--max-model-len", str(MAX_LEN)],
         node_args=["--heartbeat-interval", "0.2"],
         # Always disaggregate, so every request moves KV from prefill to decode.
-        router_args=["--local-prefill-max-tokens", "0", "--local-prefill-min-hit", "1.0"],
+        router_args=REMOTE_PREFILL_ONLY,
         log_dir=str(tmp_path_factory.mktemp("metrics-logs")),
         start_timeout_s=300,
         metrics_port=None,  # a free port per process
