@@ -48,7 +48,7 @@ def fa4():
 
 
 def bench_decode(torch, copy_bw, batches, contexts, pages) -> list[dict[str, Any]]:
-    from common.layers.attention import triton_kernels as tk
+    from engine.layers.attention import triton_kernels as tk
 
     fa = fa4()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -110,7 +110,7 @@ def bench_decode(torch, copy_bw, batches, contexts, pages) -> list[dict[str, Any
 
 
 def bench_prefill(torch, peak_flops, pages, seqs=8, seq_len=2048) -> list[dict[str, Any]]:
-    from common.layers.attention import triton_kernels as tk
+    from engine.layers.attention import triton_kernels as tk
 
     fa = fa4()
     rows = []

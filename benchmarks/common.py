@@ -120,3 +120,10 @@ def measure_matmul_flops(size: int = 8192) -> float:
     b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
     ms = cuda_time_ms(lambda: a @ b, warmup=3, iters=10)
     return 2 * size**3 / (ms / 1e3)
+
+
+def summary_ms(values: list[float]) -> dict[str, float]:
+    from router.stats import summarize  # the percentiles pdctl stats reports
+
+    s = summarize(values)
+    return {"count": s.count, "mean_ms": s.mean, "p50_ms": s.p50, "p90_ms": s.p90, "p99_ms": s.p99}

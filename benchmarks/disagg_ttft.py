@@ -38,10 +38,10 @@ def median(xs: list[float]) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import grpc
 
-    from common.launcher import ClusterSpec, LocalCluster
-    from common.models.config import ModelArchConfig
-    from common.models.shapes import write_shape_dir
-    from common.redis_server import free_port
+    from engine.models.config import ModelArchConfig
+    from engine.models.shapes import write_shape_dir
+    from pdserve.launcher import ClusterSpec, LocalCluster
+    from pdserve.redis_server import free_port
     from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 
     tmp = tempfile.mkdtemp(prefix="pdserve-ttft-")

@@ -24,7 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import save_run
-from common.models.shapes import SHAPES
+from engine.models.shapes import SHAPES
 
 
 def cache_shape(shape: str, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -48,7 +48,7 @@ def worker(rank: int, args: argparse.Namespace, store_port: int, raw_port: int, 
     import torch.distributed as dist
 
     from common.kv_transfer import Destination, KVReceiver, KVSender, TransferHeader
-    from common.kv_transfer.blocks import gather_blocks, scatter_blocks
+    from engine.kv_blocks import gather_blocks, scatter_blocks
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
     import torch.multiprocessing as mp
 
-    from common.redis_server import free_port
+    from pdserve.redis_server import free_port
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))

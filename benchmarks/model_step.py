@@ -28,12 +28,12 @@ from benchmarks.common import (
     measure_matmul_flops,
     save_run,
 )
-from common.models.shapes import write_shape_dir
+from engine.models.shapes import write_shape_dir
 
 
 def make_runner(shape: str, tmp: str, args, max_model_len: int, num_blocks: int, max_num_seqs: int):
-    from common.engine.config import EngineConfig
-    from common.engine.model_runner import ModelRunner
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
 
     model_dir = write_shape_dir(shape, Path(tmp) / shape)
     config = EngineConfig(
@@ -81,8 +81,8 @@ def decode(args, copy_bw) -> list[dict[str, Any]]:
 def decode_shape(args, shape: str, tmp: str, copy_bw: float) -> list[dict[str, Any]]:
     import torch
 
-    from common.engine.sampling_params import SamplingParams
-    from common.layers.sampler import SamplingRow
+    from engine.layers.sampler import SamplingRow
+    from engine.sampling_params import SamplingParams
 
     batches = [int(b) for b in args.batches.split(",")]
     ctx = args.context
@@ -113,7 +113,7 @@ def decode_shape(args, shape: str, tmp: str, copy_bw: float) -> list[dict[str, A
         floor_ms = (wbytes + kv_bytes) / copy_bw * 1e3
         row = {
             "shape": shape,
-            "backend": runner.attention_backend.name,
+            "backend": runner.attention_backend.name.value,
             "cuda_graphs": runner.graphs is not None,
             "fused_ops": runner.config.fused_ops,
             "batch": batch,
@@ -177,7 +177,7 @@ def prefill(args, peak) -> list[dict[str, Any]]:
         flops = linear + attention
         row = {
             "shape": args.prefill_shape,
-            "backend": runner.attention_backend.name,
+            "backend": runner.attention_backend.name.value,
             "seqs": seqs,
             "seq_len": seq_len,
             "ms": ms,

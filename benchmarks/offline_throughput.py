@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import save_run
-from common.models.shapes import SHAPES, write_shape_dir
+from engine.models.shapes import SHAPES, write_shape_dir
 
 GPU_DEFAULTS = dict(shape="qwen3-0.6b", num_seqs=256, min_len=100, max_len=1024)
 CPU_DEFAULTS = dict(shape="smollm2-135m", num_seqs=8, min_len=16, max_len=96)
@@ -88,7 +88,7 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[
 
 
 def run_pdserve(model_dir: Path, args, prompts, out_lens) -> dict[str, Any]:
-    from common import LLM, SamplingParams
+    from engine import LLM, SamplingParams
 
     llm = LLM(
         str(model_dir),
@@ -124,7 +124,7 @@ def run_pdserve(model_dir: Path, args, prompts, out_lens) -> dict[str, Any]:
         "elapsed_s": elapsed,
         "output_tok_per_s": produced / elapsed,
         "total_tok_per_s": (produced + sum(map(len, prompts))) / elapsed,
-        "attention_backend": runner.attention_backend.name,
+        "attention_backend": runner.attention_backend.name.value,
         "dtype": str(runner.dtype).removeprefix("torch."),
         "device": str(runner.device),
         "num_kvcache_blocks": runner.num_kvcache_blocks,
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             model_dir = write_shape_dir(args.shape, tmp)
             shape = args.shape
-        from common.models.config import ModelArchConfig
+        from engine.models.config import ModelArchConfig
 
         arch = ModelArchConfig.from_dir(model_dir)
         prompts, out_lens = make_workload(args, arch.vocab_size)

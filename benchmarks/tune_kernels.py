@@ -30,7 +30,7 @@ def main(argv=None):
     parser.add_argument("--out-dir", type=Path)
     args = parser.parse_args(argv)
 
-    from common.layers.attention import triton_kernels as tk
+    from engine.layers.attention import triton_kernels as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = {"decode": {}, "prefill": {}}

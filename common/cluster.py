@@ -1,6 +1,6 @@
 """Cluster state in Redis: node registry, heartbeats with a TTL, load, block-hash index.
 
-Key schema (DESIGN §4; ``pds`` is the default prefix):
+Key schema (docs/architecture.md, "Cluster state"; ``pds`` is the default prefix):
 
 - ``pds:node:{id}``   hash: the fields of ``NodeInfo`` (role, address, transfer
                       endpoint, model id, block size, KV blocks total/free,
@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any
 
-from common.block_hash import DIGEST_SIZE
+from engine.block_hash import DIGEST_SIZE
 
 DEFAULT_PREFIX = "pds"
 DEFAULT_TTL_S = 5.0

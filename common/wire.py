@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.engine.outputs import RequestOutput
-from common.engine.sampling_params import RequestOutputKind, SamplingParams
-from common.engine.sequence import Logprob
-from common.layers.sampler import TokenLogprobs
+from engine.outputs import RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sequence import FinishReason, Logprob, TokenLogprobs
 from proto import pdserve_pb2
 
 _SCALARS = (
@@ -34,9 +33,9 @@ _SCALARS = (
     "truncate_prompt_tokens",
 )
 _FINISH = {
-    "stop": pdserve_pb2.FINISH_REASON_STOP,
-    "length": pdserve_pb2.FINISH_REASON_LENGTH,
-    "abort": pdserve_pb2.FINISH_REASON_ABORT,
+    FinishReason.STOP: pdserve_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pdserve_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pdserve_pb2.FINISH_REASON_ABORT,
 }
 
 
@@ -111,7 +110,9 @@ def output_to_responses(
                 )
             state.completion_tokens += len(c.token_ids)
         if c.finish_reason is not None and c.index not in state.finished:
-            done = pdserve_pb2.Completion(index=c.index, finish_reason=_FINISH[c.finish_reason])
+            done = pdserve_pb2.Completion(
+                index=c.index, finish_reason=_FINISH[FinishReason(c.finish_reason)]
+            )
             if isinstance(c.stop_reason, str):
                 done.stop_string = c.stop_reason
             elif isinstance(c.stop_reason, int):

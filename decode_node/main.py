@@ -5,12 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from common.cluster import NodeInfo, NodeRole
-from common.engine.config import EngineConfig
-from common.engine.engine_thread import EngineThread
-from common.engine.llm_engine import LLMEngine
-from common.node import add_node_arguments, default_host, engine_kwargs, fault_delays, run_node
-from common.redis_auth import redis_options_from_args
+from common.cluster import NodeRole
+from common.node import run_node, start_node_engine
+from common.node_flags import add_node_arguments, fault_delays
 from common.tls import TLSConfig
 from decode_node.service import DecodeNodeServicer
 from decode_node.worker import DecodeWorker
@@ -37,38 +34,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    if not args.model:
-        raise ValueError("--model (or PDSERVE_MODEL) is required")
-    # Bad TLS or Redis flags fail now, not after loading the model.
-    tls = TLSConfig.from_args(args)
-    redis_options_from_args(args)
-    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
-    engine = LLMEngine(config)
-    engine.block_manager.enable_events()
-    advertise = args.advertise_host or default_host()
-    node_id = args.node_id or f"decode-{advertise}-{args.port}"
-    thread = EngineThread(engine, name=f"engine-{node_id}").start()
+    node = start_node_engine(args, NodeRole.DECODE)
     worker = DecodeWorker(
-        node_id,
-        thread,
-        advertise,
+        node.node_id,
+        node.thread,
+        node.advertise_host,
         args.transfer_port,
         transfer_timeout_s=args.transfer_timeout,
         verify_transfers=args.verify_kv,
         kv_lease_s=args.kv_lease,
         max_queued=args.max_queued_requests,
-        faults=fault_delays(node_id),
-        tls=tls,
+        faults=fault_delays(node.node_id),
+        tls=TLSConfig.from_args(args),
     )
     # Prefill nodes open their KV channel to transfer_host:transfer_port.
-    info = NodeInfo(
-        node_id=node_id,
-        role=NodeRole.DECODE,
-        address=f"{advertise}:{args.port}",
-        model_id=config.served_model_name,
-        block_size=config.kvcache_block_size,
-        max_num_seqs=config.max_num_seqs,
-        transfer_host=advertise,
+    info = node.info(
+        NodeRole.DECODE,
+        args.port,
+        transfer_host=node.advertise_host,
         transfer_port=args.transfer_port,
     )
     return await run_node(
@@ -77,7 +60,7 @@ async def serve(args: argparse.Namespace) -> int:
         add_servicer=lambda s: internal_pb2_grpc.add_DecodeNodeServicer_to_server(
             DecodeNodeServicer(worker), s
         ),
-        thread=thread,
+        thread=node.thread,
         info=info,
         counters=worker.stats.counters,
         close=worker.close,

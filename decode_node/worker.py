@@ -1,4 +1,6 @@
-"""The decode node's engine: admit, reserve, have the prompt filled, decode, stream.
+"""The decode node's request path (asyncio): admit, reserve, have the prompt
+filled, decode, stream. The KV landing (reservations, transfer callbacks, lease
+expiry, commit) is ``decode_node/kv_landing.py``.
 
 Life cycle of a request on a decode node:
 
@@ -27,23 +29,15 @@ running blocks) and cancels the Prefill call (which frees the prefill side).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import grpc
-import torch
 
-from common.engine.engine_thread import EngineThread, RequestStream
-from common.engine.llm_engine import LLMEngine, Reservation
 from common.grpc_server import CLIENT_OPTIONS
-from common.kv_transfer import KVReceiver, TransferError, TransferHeader, TransferState
-from common.kv_transfer.loopback import checksum
+from common.kv_transfer import TransferError
 from common.reliability import (
-    AbortCounters,
     FaultDelays,
     FaultPoint,
     NoCapacity,
@@ -58,6 +52,10 @@ from common.wire import (
     sampling_params_from_proto,
     token_logprobs_from_proto,
 )
+from decode_node.kv_landing import KVLanding
+from decode_node.stats import DecodeStats
+from engine.engine_thread import EngineThread, RequestStream
+from engine.llm_engine import LLMEngine, Reservation
 from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2
 
 logger = logging.getLogger(__name__)
@@ -72,59 +70,6 @@ class PrefillFailed(RuntimeError):
         super().__init__(f"prefill node {node_id} failed: {message}")
         self.node_id = node_id
         self.code = code
-
-
-@dataclass(slots=True)
-class PendingKV:
-    """A reservation waiting for its prompt's KV (shared with the receiver thread)."""
-
-    request_id: str
-    reservation: Reservation
-    peer: str
-    landed: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    state: TransferState = TransferState.RESERVED
-    landed_event: torch.cuda.Event | None = None
-    digest: bytes | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def resolve(self, error: BaseException | None = None) -> None:
-        def done() -> None:
-            if not self.landed.done():
-                if error is None:
-                    self.landed.set_result(None)
-                else:
-                    self.landed.set_exception(error)
-
-        self.loop.call_soon_threadsafe(done)
-
-
-@dataclass(slots=True)
-class DecodeStats:
-    requests: int = 0
-    remote_prefills: int = 0
-    local_prefills: int = 0
-    transfers_landed: int = 0
-    late_transfers: int = 0
-    transfer_failures: int = 0
-    checksum_mismatches: int = 0
-    bytes_received: int = 0
-    leases_expired: int = 0
-    rejected: int = 0  # refused for lack of room (RESOURCE_EXHAUSTED)
-    aborts: AbortCounters = field(default_factory=AbortCounters)
-
-    def counters(self) -> dict[str, int]:
-        return {
-            **self.aborts.counters(),
-            "leases_expired": self.leases_expired,
-            "rejected": self.rejected,
-            "requests_total": self.requests,
-            "kv_transfers": self.transfers_landed,
-            "kv_transfer_failures": self.transfer_failures,
-            "kv_late_transfers": self.late_transfers,
-            "kv_checksum_mismatches": self.checksum_mismatches,
-            "kv_transfer_bytes": self.bytes_received,
-        }
 
 
 class DecodeWorker:
@@ -146,25 +91,20 @@ class DecodeWorker:
         self.node_id = node_id
         self.tls = tls  # for the Prefill calls
         self.engine = engine
-        self.verify_transfers = verify_transfers
         self.kv_lease_s = kv_lease_s
         self.max_queued = max_queued
         self.faults = faults or FaultDelays()
         self.stats = DecodeStats()
         self._stages: dict[str, Stage] = {}
-        self._pending: dict[int, PendingKV] = {}
-        self._reservation_ids = itertools.count(1)
         self._channels: dict[str, grpc.aio.Channel] = {}
-        runner = engine.engine.model_runner
-        self._runner = runner
-        self.receiver = KVReceiver(
+        self.landing = KVLanding(
             node_id,
+            engine.engine.model_runner,
             store_host,
             store_port,
-            runner.device,
-            on_transfer=self._on_transfer,
-            on_peer_failed=self._on_peer_failed,
-            timeout_s=transfer_timeout_s,
+            self.stats,
+            transfer_timeout_s=transfer_timeout_s,
+            verify_transfers=verify_transfers,
         )
 
     # ----------------------------------------------------------- requests
@@ -233,8 +173,7 @@ class DecodeWorker:
     def _admit_local(self, engine: LLMEngine, rid: str, prompt, params) -> None:
         """On the engine thread: queue a request this node prefills itself, if the queue has room."""
         try:
-            sched = engine.scheduler
-            check_queue(len(sched.waiting), sched.num_free_slots, self.max_queued, self.node_id)
+            check_queue(*engine.queue_room(), self.max_queued, self.node_id)
         except NoCapacity:
             self.stats.rejected += 1
             raise
@@ -243,16 +182,13 @@ class DecodeWorker:
     async def _remote_prefill(
         self, req: internal_pb2.DecodeRequest, reservation: Reservation, deadline: float | None
     ) -> internal_pb2.PrefillResponse:
-        loop = asyncio.get_running_loop()
         peer = req.prefill.node_id
-        reservation_id = next(self._reservation_ids)
-        pending = PendingKV(req.request_id, reservation, peer, loop.create_future(), loop)
-        self._pending[reservation_id] = pending
-        epoch = self.receiver.expect(peer, reservation_id)
+        landing = self.landing
+        reservation_id, epoch = landing.open(req.request_id, reservation, peer)
         destination = internal_pb2.KVDestination(
             node_id=self.node_id,
-            store_host=self.receiver.host,
-            store_port=self.receiver.port,
+            store_host=landing.receiver.host,
+            store_port=landing.receiver.port,
             channel_epoch=epoch,
             reservation_id=reservation_id,
             first_block=reservation.first_block,
@@ -278,137 +214,53 @@ class DecodeWorker:
                 if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED and end == deadline:
                     raise  # the client's own deadline: no retry
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    self.receiver.reset(peer)
+                    landing.reset_peer(peer)
                 if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                    self._expire(pending)
+                    landing.expire(reservation_id)
                     raise PrefillFailed(
                         peer, e.code(), f"no KV within the {self.kv_lease_s:g} s lease"
                     ) from e
                 raise PrefillFailed(peer, e.code(), e.details() or e.code().name) from e
             self._stages[req.request_id] = Stage.TRANSFER
             try:
-                await asyncio.wait_for(pending.landed, max(0.0, end - time.monotonic()))
+                await landing.wait(reservation_id, max(0.0, end - time.monotonic()))
             except TimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
-                self._expire(pending)
+                landing.expire(reservation_id)
                 raise PrefillFailed(
                     peer, grpc.StatusCode.DEADLINE_EXCEEDED, "the KV did not land within the lease"
                 ) from None
             except TransferError as e:
                 raise PrefillFailed(peer, grpc.StatusCode.UNAVAILABLE, str(e)) from e
-            if self.verify_transfers and pending.digest != resp.kv_checksum:
-                self.stats.checksum_mismatches += 1
-                raise TransferError("the KV that landed differs from what the prefill node sent")
+            landing.check(reservation_id, resp.kv_checksum)
             self._stages[req.request_id] = Stage.ADMISSION
             if delay := self.faults.get(FaultPoint.DECODE_BEFORE_COMMIT):
                 await asyncio.sleep(delay)
-            await asyncio.wrap_future(self.engine.call(lambda e: self._commit(e, pending, resp)))
-            return resp
-        finally:
-            self.receiver.unexpect(peer, reservation_id)
-            with pending.lock:
-                if pending.state in (TransferState.RESERVED, TransferState.LANDED):
-                    pending.state = TransferState.ABORTED
-            self._pending.pop(reservation_id, None)
-
-    def _expire(self, pending: PendingKV) -> None:
-        """The lease ran out: the reservation is reclaimed (its blocks are freed
-        by the abort that follows); a transfer arriving later is dropped."""
-        with pending.lock:
-            if pending.state in (TransferState.RESERVED, TransferState.LANDED):
-                pending.state = TransferState.EXPIRED
-                self.stats.leases_expired += 1
-
-    # ------------------------------------------------------ engine thread
-    def _commit(
-        self, engine: LLMEngine, pending: PendingKV, resp: internal_pb2.PrefillResponse
-    ) -> None:
-        with pending.lock:
-            if pending.state is not TransferState.LANDED:
-                raise TransferError(f"reservation of {pending.request_id} is {pending.state.name}")
-            if pending.landed_event is not None:
-                torch.cuda.current_stream().wait_event(pending.landed_event)
-            lp = (
+            first_logprobs = (
                 token_logprobs_from_proto(resp.first_logprobs)
                 if resp.HasField("first_logprobs")
                 else None
             )
-            engine.commit_request(pending.request_id, resp.first_token_id, lp, resp.cached_tokens)
-            pending.state = TransferState.COMMITTED
+            await asyncio.wrap_future(
+                self.engine.call(
+                    lambda e: landing.commit(
+                        e, reservation_id, resp.first_token_id, first_logprobs, resp.cached_tokens
+                    )
+                )
+            )
+            return resp
+        finally:
+            landing.close(reservation_id)
 
+    # ------------------------------------------------------ engine thread
     def _abort(self, engine: LLMEngine, rid: str, stage: Stage) -> None:
         req = engine.requests.get(rid)
         if stage is Stage.QUEUED and req is not None and req.first_scheduled_time is not None:
             stage = Stage.PREFILL  # a local prefill under way (only the engine knows)
         self.stats.aborts.aborted(stage)
-        for pending in list(self._pending.values()):
-            if pending.request_id == rid and pending.landed_event is not None:
-                # Blocks a landing may still be writing go back only after it ends.
-                torch.cuda.current_stream().wait_event(pending.landed_event)
+        self.landing.wait_for_landings(rid)
         engine.abort_request(rid)
-
-    # --------------------------------------------------- receiver thread
-    def _on_transfer(
-        self, peer: str, header: TransferHeader, payload: torch.Tensor, stream
-    ) -> None:
-        pending = self._pending.get(header.reservation_id)
-        if pending is None:
-            self.stats.late_transfers += 1
-            logger.info(
-                "dropped a KV transfer for reservation %d, which is gone", header.reservation_id
-            )
-            return
-        with pending.lock:
-            if pending.state is not TransferState.RESERVED:
-                self.stats.late_transfers += 1
-                return
-            blocks = pending.reservation.blocks_to_fill
-            expected = len(blocks) * self._runner.kv_block_bytes
-            if header.num_blocks != len(blocks) or header.num_bytes != expected:
-                pending.state = TransferState.FAILED
-                pending.resolve(
-                    TransferError(
-                        f"transfer for {pending.request_id} has {header.num_blocks} blocks / "
-                        f"{header.num_bytes} bytes, the reservation needs {len(blocks)} / {expected}"
-                    )
-                )
-                return
-            try:
-                if stream is not None:
-                    with torch.cuda.stream(stream):
-                        if blocks:
-                            self._runner.scatter_kv(blocks, payload)
-                        pending.landed_event = torch.cuda.Event()
-                        pending.landed_event.record(stream)
-                elif blocks:
-                    self._runner.scatter_kv(blocks, payload)
-                if self.verify_transfers:
-                    landed = (
-                        self._runner.gather_kv(blocks)
-                        if blocks
-                        else torch.empty(0, dtype=self._runner.dtype)
-                    )
-                    pending.digest = checksum(landed)
-            except Exception as e:
-                pending.state = TransferState.FAILED
-                pending.resolve(
-                    TransferError(f"could not place the KV of {pending.request_id}: {e}")
-                )
-                return
-            pending.state = TransferState.LANDED
-            self.stats.transfers_landed += 1
-            self.stats.bytes_received += header.num_bytes
-        pending.resolve()
-
-    def _on_peer_failed(self, peer: str, error: Exception) -> None:
-        for pending in list(self._pending.values()):
-            with pending.lock:
-                if pending.peer != peer or pending.state is not TransferState.RESERVED:
-                    continue
-                pending.state = TransferState.FAILED
-            self.stats.transfer_failures += 1
-            pending.resolve(TransferError(f"KV channel from {peer} failed: {error}"))
 
     # ---------------------------------------------------------------- misc
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -418,6 +270,6 @@ class DecodeWorker:
         return channel
 
     async def close(self) -> None:
-        self.receiver.close()
+        self.landing.close_receiver()
         for channel in self._channels.values():
             await channel.close()

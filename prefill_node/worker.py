@@ -28,11 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.engine.engine_thread import EngineThread, RequestStream
-from common.engine.llm_engine import LLMEngine
-from common.engine.sampling_params import RequestOutputKind, SamplingParams
 from common.kv_transfer import Destination, KVSender, TransferHeader
-from common.kv_transfer.loopback import checksum
+from common.kv_transfer.checksum import checksum
 from common.metrics.histogram import KV_BANDWIDTH_BUCKETS, KV_TRANSFER_BUCKETS, Histogram
 from common.reliability import (
     AbortCounters,
@@ -44,6 +41,10 @@ from common.reliability import (
     deadline_passed,
 )
 from common.wire import sampling_params_from_proto, token_logprobs_to_proto
+from engine.engine_thread import EngineThread, RequestStream
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sequence import FinishReason
 from proto import internal_pb2
 
 logger = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ class PrefillWorker:
                 self.engine.add(rid, stream.sink, lambda e: self._admit(e, rid, prompt, params))
             )
             out = await stream.final()
-            if out.outputs[0].finish_reason == "abort":
+            if out.outputs[0].finish_reason == FinishReason.ABORT.value:
                 raise RuntimeError("the prefill was aborted")
             first = out.outputs[0].token_ids[0]
             dest = req.destination
@@ -185,8 +186,7 @@ class PrefillWorker:
     def _admit(self, engine: LLMEngine, rid: str, prompt, params: SamplingParams) -> None:
         """On the engine thread: queue the prompt if the queue has room."""
         try:
-            sched = engine.scheduler
-            check_queue(len(sched.waiting), sched.num_free_slots, self.max_queued, self.node_id)
+            check_queue(*engine.queue_room(), self.max_queued, self.node_id)
         except NoCapacity:
             self.stats.rejected += 1
             raise

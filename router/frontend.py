@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.block_hash import BlockHasher
-from common.engine.config import EngineConfig
-from common.engine.input_processor import InputProcessor
-from common.engine.sampling_params import SamplingParams
-from common.engine.tokenizer import load_tokenizer
 from common.wire import sampling_params_from_proto
+from engine.block_hash import BlockHasher
+from engine.config import EngineConfig
+from engine.input_processor import InputProcessor
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer
 from proto import pdserve_pb2
 
 MAX_CACHED_HASHERS = 256

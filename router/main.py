@@ -13,7 +13,6 @@ import grpc
 
 from common.auth import add_token_arguments, router_interceptors
 from common.cluster import Cluster
-from common.engine.config import EngineConfig
 from common.grpc_server import (
     PUBLIC_SERVER_OPTIONS,
     MetadataLimitInterceptor,
@@ -22,13 +21,14 @@ from common.grpc_server import (
     add_reflection,
     set_serving,
 )
-from common.metrics.router import RouterCollector
 from common.metrics.server import add_metrics_arguments, serve_metrics
 from common.redis_auth import add_redis_auth_arguments, check_redis, redis_options_from_args
 from common.tls import TLSConfig, add_port, add_tls_arguments
+from engine.config import EngineConfig
 from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2
 from router.admin import AdminServicer
 from router.frontend import Frontend
+from router.metrics import RouterCollector
 from router.policy import RoutingConfig, RoutingPolicy
 from router.routing import Routing
 from router.service import RouterServicer
@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-model-len",
         type=int,
-        # The nodes' variable too (common/node.py): one setting for the whole cluster.
+        # The nodes' variable too (common/node_flags.py): one setting for the whole cluster.
         default=env("PDSERVE_MAX_MODEL_LEN") or None,
         help="longest prompt + output accepted; must not exceed the nodes' [PDSERVE_MAX_MODEL_LEN]",
     )

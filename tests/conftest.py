@@ -132,7 +132,7 @@ def tiny_llama_dir(tiny_model) -> Path:
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
     """The demo model (SmolLM2-135M-Instruct), prepared on first use (idempotent)."""
-    from common.models.prepare import prepare_demo_model
+    from engine.models.prepare import prepare_demo_model
 
     path, _ = prepare_demo_model(DEMO_MODEL_DIR)
     return path

@@ -1,4 +1,4 @@
-"""KV transfer between a prefill node and a decode node (DESIGN §5).
+"""KV transfer between a prefill node and a decode node (docs/architecture.md, "KV transfer").
 
 One pairwise process group per (prefill, decode) pair, built directly from a
 TCPStore rendezvous that the decode node hosts: gloo on CPU, NCCL on CUDA, the

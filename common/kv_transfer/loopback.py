@@ -7,15 +7,9 @@ channel, so engine-level tests of the prefill/decode hand-off stay fast.
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
-
-def checksum(data: torch.Tensor) -> bytes:
-    """BLAKE2b-128 of a tensor's bytes (both nodes compute it the same way)."""
-    raw = data.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
-    return hashlib.blake2b(raw, digest_size=16).digest()
+from common.kv_transfer.checksum import checksum
 
 
 def loopback_transfer(

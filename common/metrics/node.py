@@ -30,8 +30,8 @@ ABORT_STAGES = tuple(stage.value for stage in Stage)
 
 if TYPE_CHECKING:
     from common.cluster import NodeInfo
-    from common.engine.engine_thread import EngineThread
-    from common.node import Heartbeat
+    from common.heartbeat import Heartbeat
+    from engine.engine_thread import EngineThread
 
 # Worker counters (NodeInfo field names, as ``counters()`` returns them) -> metric.
 # None: deliberately not exported (named with the reason).

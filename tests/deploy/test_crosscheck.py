@@ -16,9 +16,10 @@ from urllib.parse import urlparse
 
 import pytest
 
-from common.engine.config import EngineConfig
 from common.grpc_server import OVERALL
-from common.node import CONTROL_SERVICE, SHUTDOWN_LIMIT_S, engine_kwargs
+from common.node import CONTROL_SERVICE, SHUTDOWN_LIMIT_S
+from common.node_flags import engine_kwargs
+from engine.config import EngineConfig
 from tests.conftest import TINY_CONFIGS, write_config_dir
 from tests.deploy.k8s import (
     COMPONENTS,
@@ -98,9 +99,9 @@ def test_command_is_the_component(overlay, component):
     docs = render(f"overlays/{overlay}")
     c = container(deployment(docs, component))
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert c["command"] == ["pdserve"] and scripts["pdserve"] == "common.cli:main"
+    assert c["command"] == ["pdserve"] and scripts["pdserve"] == "pdserve.cli:main"
     assert c["args"][0] == component
-    from common.cli import build_parser
+    from pdserve.cli import build_parser
 
     # `pdserve <component>` exists and runs the component's serve().
     parsed = build_parser().parse_args(c["args"])

@@ -34,7 +34,7 @@ def parity_prompts(demo_tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def demo_llm(demo_model_dir):
-    from common import LLM
+    from engine import LLM
 
     return LLM(str(demo_model_dir), max_model_len=1024, device="cpu")
 

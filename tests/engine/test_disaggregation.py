@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from common import LLM, RequestOutputKind, SamplingParams
 from common.kv_transfer.loopback import loopback_transfer
+from engine import LLM, RequestOutputKind, SamplingParams
 from tests.engine.conftest import assert_idle
 
 PROMPTS = [
@@ -63,7 +63,7 @@ def disaggregated(prefill, decode, request_id, prompt_ids, params):
     c = first.outputs[0]
     lp = None
     if params.logprobs is not None:
-        from common.layers.sampler import TokenLogprobs
+        from engine.sequence import TokenLogprobs
 
         entry = c.logprobs[0][c.token_ids[0]]
         lp = TokenLogprobs(entry.logprob, entry.rank, [], [])

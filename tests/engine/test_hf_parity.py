@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common import SamplingParams
+from engine import SamplingParams
 from tests.engine.conftest import assert_idle
 
 NEW_TOKENS = 32

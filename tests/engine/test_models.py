@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.engine.config import EngineConfig
-from common.engine.model_runner import ModelRunner
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
 from tests.conftest import TINY_CONFIGS, write_config_dir
 
 KINDS = list(TINY_CONFIGS)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from common import LLM, RequestOutputKind, SamplingParams
+from engine import LLM, RequestOutputKind, SamplingParams
 from tests.engine.conftest import assert_idle
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -252,7 +252,7 @@ def test_delta_with_n_reports_each_finish_once(demo_llm):
 
 
 def test_hasher_cache_is_bounded(demo_llm):
-    from common.engine.llm_engine import MAX_CACHED_HASHERS
+    from engine.llm_engine import MAX_CACHED_HASHERS
 
     engine = demo_llm.llm_engine
     p = SamplingParams(max_tokens=1)

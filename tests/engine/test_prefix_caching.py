@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from common import LLM, SamplingParams
+from engine import LLM, SamplingParams
 from tests.engine.conftest import assert_idle
 
 SYSTEM = (

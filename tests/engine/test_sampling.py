@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common import SamplingParams
+from engine import SamplingParams
 from tests.engine.conftest import assert_idle
 
 PROMPT = "Write a short poem about autumn leaves."

@@ -17,8 +17,8 @@ import grpc
 import redis
 
 from common.cluster import DEFAULT_PREFIX, NodeInfo
-from common.launcher import ClusterSpec, Component, LocalCluster
-from common.redis_server import free_port
+from pdserve.launcher import ClusterSpec, Component, LocalCluster
+from pdserve.redis_server import free_port
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from proto.client import build_request
 

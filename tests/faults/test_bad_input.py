@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.engine.config import EngineConfig
+from engine.config import EngineConfig
 from proto import pdserve_pb2
 from router.frontend import Frontend
 

@@ -20,9 +20,9 @@ import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, Phase, event, given, settings
 
-from common.engine.config import EngineConfig
 from common.grpc_server import METADATA_HARD_LIMIT, METADATA_LIMIT
-from common.launcher import LocalCluster
+from engine.config import EngineConfig
+from pdserve.launcher import LocalCluster
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from router.frontend import Frontend
 from tests.faults.harness import assert_idle, request, run, spec, wait_idle

@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from common.grpc_server import health_check
-from common.launcher import ClusterSpec, LocalCluster
-from common.redis_server import free_port
+from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.redis_server import free_port
 from proto import admin_pb2, admin_pb2_grpc
 from proto.client import generate
 from tests.faults.harness import assert_idle

@@ -13,7 +13,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from common.launcher import LocalCluster
+from pdserve.launcher import LocalCluster
 from tests.conftest import REMOTE_PREFILL_ONLY
 from tests.faults.harness import Stream, assert_idle, counters, request, run, spec
 

@@ -16,8 +16,8 @@ import time
 import grpc
 import pytest
 
-from common import LLM, SamplingParams
-from common.launcher import LocalCluster
+from engine import LLM, SamplingParams
+from pdserve.launcher import LocalCluster
 from tests.faults.harness import Stream, assert_idle, counters, request, spec
 
 pytestmark = pytest.mark.timeout(600)

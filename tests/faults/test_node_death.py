@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 
-from common.launcher import LocalCluster
+from pdserve.launcher import LocalCluster
 from tests.conftest import REMOTE_PREFILL_ONLY
 from tests.faults.harness import (
     Stream,

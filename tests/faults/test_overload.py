@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from common.launcher import LocalCluster
+from pdserve.launcher import LocalCluster
 from tests.faults.harness import Stream, assert_idle, component, request, spec
 
 pytestmark = pytest.mark.timeout(900)

@@ -19,11 +19,11 @@ import grpc
 import pytest
 import redis
 
-from common.block_hash import BlockHasher
 from common.cluster import DEFAULT_PREFIX
-from common.engine.config import EngineConfig
-from common.launcher import LocalCluster
-from common.redis_server import RedisServer, free_port
+from engine.block_hash import BlockHasher
+from engine.config import EngineConfig
+from pdserve.launcher import LocalCluster
+from pdserve.redis_server import RedisServer, free_port
 from proto import admin_pb2, admin_pb2_grpc
 from router.frontend import Frontend
 from tests.conftest import REMOTE_PREFILL_ONLY

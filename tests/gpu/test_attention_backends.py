@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
-from common import LLM, SamplingParams
-from common.engine.config import EngineConfig
-from common.engine.model_runner import ModelRunner
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
 from tests.conftest import DEMO_MODEL_DIR
 from tests.engine.test_models import our_logits
 from tests.kernels.test_triton_kernels import random_layout, reference
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.gpu
 
 
 def fa_version():
-    from common.layers.attention.flash_attn_backend import flash_attn_version
+    from engine.layers.attention.flash_attn_backend import flash_attn_version
 
     return flash_attn_version(torch.device("cuda"))
 
@@ -38,8 +38,8 @@ needs_fa = pytest.mark.skipif(
 @pytest.mark.parametrize("block_size", [16, 64, 256])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (16, 16, 64), (14, 2, 64)])
 def test_flash_attn_backend_matches_torch(block_size, heads, kv_heads, head_dim):
-    from common.layers.attention.backend import AttentionMetadata
-    from common.layers.attention.flash_attn_backend import FlashAttention
+    from engine.layers.attention.backend import AttentionMetadata
+    from engine.layers.attention.flash_attn_backend import FlashAttention
 
     if fa_version() == 2 and block_size % 256:
         pytest.skip("FlashAttention-2 needs pages that are a multiple of 256")
@@ -89,7 +89,7 @@ def qwen3_dir(tmp_path_factory):
     """A Qwen3-0.6B-shaped model with HF's random init, saved in bf16."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common.models.shapes import SHAPES
+    from engine.models.shapes import SHAPES
 
     raw = {
         k: v

@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from common import LLM, SamplingParams
 from common.cluster import Cluster, NodeRole
-from common.launcher import ClusterSpec, LocalCluster
-from common.redis_server import free_port
+from engine import LLM, SamplingParams
+from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.redis_server import free_port
 from tests.conftest import DEMO_MODEL_DIR, REMOTE_PREFILL_ONLY
 from tests.integration.test_cluster import PROMPTS, collect
 

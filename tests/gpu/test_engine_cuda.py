@@ -10,9 +10,9 @@ import gc
 import pytest
 import torch
 
-from common import LLM, SamplingParams
-from common.engine.config import EngineConfig
-from common.engine.model_runner import ModelRunner
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
 from tests.conftest import TINY_CONFIGS
 from tests.engine.test_models import PROMPT, our_logits
 
@@ -44,7 +44,7 @@ def qwen3_0_6b_dir(tmp_path_factory):
     """A Qwen3-0.6B-shaped model with HF's random init, saved as bf16 safetensors."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common.models.shapes import SHAPES
+    from engine.models.shapes import SHAPES
 
     raw = dict(SHAPES["qwen3-0.6b"])
     raw.pop("architectures")
@@ -135,7 +135,7 @@ def test_sampling_many_rows_stays_within_the_memory_budget(tmp_path):
     sort, logprobs), so serving never goes past gpu_memory_utilization."""
     import json
 
-    from common.models.shapes import SHAPES
+    from engine.models.shapes import SHAPES
 
     raw = dict(SHAPES["qwen3-0.6b"], num_hidden_layers=4)
     (tmp_path / "config.json").write_text(json.dumps(raw))

@@ -13,12 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from common import LLM, SamplingParams
-from common.block_hash import hash_prompt_blocks
 from common.cluster import Cluster, NodeRole
 from common.grpc_server import health_check
-from common.launcher import ClusterSpec, LocalCluster
-from common.redis_server import free_port
+from engine import LLM, SamplingParams
+from engine.block_hash import hash_prompt_blocks
+from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.redis_server import free_port
 from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2
 from proto.client import agenerate, generate, generate_text
 from tests.conftest import REMOTE_PREFILL_ONLY
@@ -260,7 +260,7 @@ def test_bad_prompts(cluster):
 
 
 def test_generate_command(cluster):
-    cli = [sys.executable, "-m", "common.cli", "generate", "--address", cluster.router_address]
+    cli = [sys.executable, "-m", "pdserve.cli", "generate", "--address", cluster.router_address]
     ok = subprocess.run(
         [*cli, "What is the capital of France?", "--chat", "--max-tokens", "20"],
         capture_output=True,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common.kv_transfer import Destination, KVReceiver, KVSender, TransferError, TransferHeader
-from common.redis_server import free_port
+from pdserve.redis_server import free_port
 
 
 def payload(i: int, n: int) -> torch.Tensor:

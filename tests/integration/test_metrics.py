@@ -11,8 +11,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.launcher import ClusterSpec, LocalCluster
-from common.redis_server import free_port
+from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.redis_server import free_port
 from proto.client import generate
 from tests.conftest import REMOTE_PREFILL_ONLY
 

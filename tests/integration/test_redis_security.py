@@ -27,7 +27,7 @@ import pytest
 
 from common.cluster import Cluster, NodeInfo, NodeRole
 from common.redis_auth import check_redis, redis_options
-from common.redis_server import RedisServer, find_redis_server, free_port
+from pdserve.redis_server import RedisServer, find_redis_server, free_port
 from tests.certs import make_certs
 
 pytestmark = pytest.mark.timeout(120)

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from common.grpc_server import health_check
-from common.redis_server import free_port
+from pdserve.redis_server import free_port
 from proto import admin_pb2, admin_pb2_grpc
 from proto.client import generate
 
@@ -47,7 +47,7 @@ def up(demo_model_dir, tmp_path_factory):
         [
             sys.executable,
             "-m",
-            "common.cli",
+            "pdserve.cli",
             "up",
             "--model",
             str(demo_model_dir),

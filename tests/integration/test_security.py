@@ -22,8 +22,8 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from common.grpc_server import health_check, wait_serving
-from common.redis_server import free_port
 from common.tls import TLSConfig, make_sync_channel
+from pdserve.redis_server import free_port
 from proto import admin_pb2, admin_pb2_grpc, internal_pb2, internal_pb2_grpc
 from proto.client import channel_credentials, generate, generate_text
 from tests.certs import make_certs
@@ -87,7 +87,7 @@ def up(demo_model_dir, certs, tmp_path_factory):
     )
     env.pop("PDSERVE_REFLECTION", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "up", "--model", str(demo_model_dir)]
+        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(demo_model_dir)]
         + ["--prefill", "1", "--decode", "1", "--max-model-len", str(MAX_LEN)]
         + ["--port", str(free_port()), "--admin-port", str(free_port())]
         + ["--tls-cert", str(certs.cert), "--tls-key", str(certs.key)]
@@ -244,7 +244,7 @@ def test_the_exec_health_probe_uses_the_components_tls_variables(up, certs, clie
 
 
 def test_pdserve_generate_with_token_and_tls(up, certs):
-    base = [sys.executable, "-m", "common.cli", "generate", "Name a fruit."]
+    base = [sys.executable, "-m", "pdserve.cli", "generate", "Name a fruit."]
     base += ["--address", up.router, "--max-tokens", "3", "--timeout", "60"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     ok = subprocess.run(
@@ -326,7 +326,7 @@ def start_router(up, demo_model_dir, certs, *extra: str, env_extra: dict | None 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     env.update(env_extra or {})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "router", "--model", str(demo_model_dir)]
+        [sys.executable, "-m", "pdserve.cli", "router", "--model", str(demo_model_dir)]
         + ["--host", "127.0.0.1", "--port", str(port), "--admin-port", str(free_port())]
         + ["--redis-url", up.redis_url, "--max-model-len", str(MAX_LEN)]
         + ["--tls-cert", str(certs.cert), "--tls-key", str(certs.key)]

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.layers.activation import SiluAndMul
-from common.layers.norm import RMSNorm
-from common.layers.rotary import RotaryEmbedding
-from common.models.config import RopeConfig
+from engine.layers.activation import SiluAndMul
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.layers.specs import RopeConfig
 
-fk = pytest.importorskip("common.layers.fused_kernels", reason="triton is not installed")
+fk = pytest.importorskip("engine.layers.fused_kernels", reason="triton is not installed")
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from common.layers.attention.torch_backend import TorchAttention, gather_kv
+from engine.layers.attention.torch_backend import TorchAttention, gather_kv
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -19,7 +19,7 @@ DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 ATOL = 2e-2 if ON_GPU else 1e-4
 SCALE = 2 if ON_GPU else 1  # bigger shapes on a GPU
 
-tk = pytest.importorskip("common.layers.attention.triton_kernels", reason="triton is not installed")
+tk = pytest.importorskip("engine.layers.attention.triton_kernels", reason="triton is not installed")
 
 
 def random_layout(rng, q_lens, prefix_lens, block_size, num_blocks):

@@ -1,0 +1,142 @@
+"""A node's heartbeat: its load and prefix-cache changes, published to Redis.
+
+A heartbeat publishes the node's load and the block hashes its prefix cache
+stored and evicted since the last one, in one Redis round trip. When Redis is
+unreachable the node keeps serving and retries with backoff; the events it
+could not publish are kept and sent with the next successful heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from common.cluster import Cluster, NodeInfo
+from engine.engine_thread import EngineThread
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Heartbeat:
+    """Publishes a node's state to Redis every ``interval_s`` seconds."""
+
+    cluster: Cluster
+    engine: EngineThread
+    info: NodeInfo
+    interval_s: float = 0.5
+    max_backoff_s: float = 5.0
+    # Returns the node's counters (NodeInfo field names) for each heartbeat.
+    counters: Callable[[], dict[str, int]] | None = None
+    consecutive_failures: int = 0
+    failures: int = 0  # since start (pdserve_redis_errors_total)
+    published: int = 0
+    # Cache changes not yet published (kept across failed heartbeats); last wins.
+    _pending: dict[bytes, bool] = field(default_factory=dict)
+    _reset: bool = True
+    # After failed heartbeats Redis may have restarted empty: republish every
+    # cached block hash (not only the changes) with the next beat that succeeds.
+    _resync: bool = False
+    # One beat at a time: shutdown beats at once (to publish `draining`) while
+    # the periodic task may be mid-beat, and both edit `_pending`.
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # A take of cache events queued on the engine thread and not yet answered.
+    _events_future: Future | None = None
+
+    def refresh_info(self) -> NodeInfo:
+        s = self.engine.stats
+        info = self.info
+        info.kv_blocks_total = s.num_kv_blocks
+        info.kv_blocks_free = s.num_free_kv_blocks
+        info.running = s.num_running + s.num_reserved
+        info.waiting = s.num_waiting
+        info.queued_prefill_tokens = s.num_queued_prefill_tokens
+        info.preemptions = s.num_preemptions
+        for name, value in (self.counters() if self.counters else {}).items():
+            setattr(info, name, value)
+        return info
+
+    async def beat(self) -> None:
+        async with self._lock:
+            await self._beat()
+
+    async def _beat(self) -> None:
+        if self._resync:
+            # Queued after any take still outstanding, so this snapshot supersedes it.
+            self._events_future = None
+            cached = await asyncio.wrap_future(self.engine.call(lambda e: e.cached_block_hashes()))
+            self._pending = dict.fromkeys(cached, True)
+            self._reset = True
+            self._resync = False
+            events = None
+        else:
+            events = await self._cache_events()
+        for h in events.removed if events else ():  # the two lists are disjoint
+            self._pending.pop(h, None)
+            self._pending[h] = False
+        for h in events.stored if events else ():
+            self._pending.pop(h, None)
+            self._pending[h] = True
+        stored = [h for h, v in self._pending.items() if v]
+        removed = [h for h, v in self._pending.items() if not v]
+        await self.cluster.heartbeat(
+            self.refresh_info(), stored=stored, removed=removed, reset_blocks=self._reset
+        )
+        self._pending.clear()
+        self._reset = False
+        self.published += 1
+
+    async def _cache_events(self):
+        """The block manager's changes since the last take, or None when the
+        engine is in the middle of a long step: the beat goes out with the load
+        anyway and the changes follow with a later one. A heartbeat must not
+        wait for a step -- routers take a node silent for a few seconds for a
+        dead one, and a step over hundreds of sequences on a CPU can take that
+        long."""
+        if self._events_future is None:
+            self._events_future = self.engine.call(lambda e: e.take_cache_events())
+        waiting = asyncio.shield(asyncio.wrap_future(self._events_future))
+        try:
+            events = await asyncio.wait_for(waiting, timeout=max(0.05, self.interval_s))
+        except TimeoutError:
+            return None
+        self._events_future = None
+        return events
+
+    async def run_forever(self) -> None:
+        task = asyncio.current_task()
+        # Checked on every turn, not only through CancelledError: the Redis
+        # client can swallow a cancellation that lands mid-read (or turn it
+        # into another error), and a heartbeat loop that outlives its
+        # cancellation would hang the node's shutdown.
+        while not task.cancelling():
+            try:
+                await self.beat()
+                if self.consecutive_failures:
+                    logger.info("Redis reachable again; heartbeats resumed")
+                self.consecutive_failures = 0
+                await asyncio.sleep(self.interval_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if task.cancelling():
+                    break
+                self.consecutive_failures += 1
+                self._resync = True
+                self.failures += 1
+                delay = min(self.max_backoff_s, self.interval_s * 2**self.consecutive_failures)
+                logger.warning("heartbeat to Redis failed (%s); retrying in %.1f s", e, delay)
+                await asyncio.sleep(delay)
+        raise asyncio.CancelledError
+
+    async def deregister(self) -> None:
+        for attempt in range(2):  # a pooled connection may have died with the heartbeat task
+            try:
+                await self.cluster.deregister(self.info.node_id)
+                return
+            except Exception as e:
+                if attempt:  # leaving anyway; the TTL removes us
+                    logger.warning("could not deregister from Redis: %s", e)

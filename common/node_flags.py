@@ -1,0 +1,156 @@
+"""The flags (and their PDSERVE_* variables) that both node kinds take, the
+engine's options among them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+from typing import Any
+
+from common.metrics.server import add_metrics_arguments
+from common.redis_auth import add_redis_auth_arguments
+from common.reliability import FAULT_DELAYS_ENV, FaultDelays
+from common.tls import add_tls_arguments
+
+logger = logging.getLogger(__name__)
+
+# Engine options a node takes from its command line (EngineConfig names).
+ENGINE_FLAGS: dict[str, type] = {
+    "max_model_len": int,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "kvcache_block_size": int,
+    "num_kvcache_blocks": int,
+    "gpu_memory_utilization": float,
+    "dtype": str,
+    "device": str,
+    "attention_backend": str,
+    "served_model_name": str,
+    "seed": int,
+    "load_format": str,
+}
+
+
+# Engine options read PDSERVE_<OPTION>, except the block size: the router has
+# always read PDSERVE_BLOCK_SIZE, and sharing its names (that one,
+# PDSERVE_SERVED_MODEL_NAME, PDSERVE_MAX_MODEL_LEN) lets one setting (a
+# Kubernetes ConfigMap, say) give the router and the nodes the same value.
+_ENGINE_ENV = {"kvcache_block_size": "PDSERVE_BLOCK_SIZE"}
+
+
+def engine_env_name(name: str) -> str:
+    """The environment variable that sets engine option ``name`` (ENGINE_FLAGS or a switch)."""
+    return _ENGINE_ENV.get(name, f"PDSERVE_{name.upper()}")
+
+
+def add_engine_flags(parser: Any) -> None:
+    env = os.environ.get
+    for name, kind in ENGINE_FLAGS.items():
+        var = engine_env_name(name)
+        # An empty value counts as unset. A string default goes through `type`,
+        # so a bad value is reported like a bad flag.
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=kind, default=env(var) or None, help=f"[{var}]"
+        )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=env(engine_env_name("enforce_eager")) == "1" or None,
+        help="[PDSERVE_ENFORCE_EAGER=1]",
+    )
+    parser.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        default=env(engine_env_name("skip_tokenizer_init")) == "1" or None,
+        help="no tokenizer: token ids in, token ids out (dummy-weight models) "
+        "[PDSERVE_SKIP_TOKENIZER_INIT=1]",
+    )
+
+
+def engine_kwargs(args: Any) -> dict[str, Any]:
+    out = {n: getattr(args, n) for n in ENGINE_FLAGS if getattr(args, n, None) is not None}
+    for flag in ("enforce_eager", "skip_tokenizer_init"):
+        if getattr(args, flag, None):
+            out[flag] = True
+    return out
+
+
+def fault_delays(node_id: str) -> FaultDelays:
+    """The fault-injection delays (tests/faults only), loudly."""
+    faults = FaultDelays.from_env()
+    if faults:
+        logger.warning("%s: fault injection on (%s)", node_id, os.environ[FAULT_DELAYS_ENV])
+    return faults
+
+
+def default_host() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
+    """Flags (and their PDSERVE_* variables) that prefill and decode nodes share."""
+    env = os.environ.get
+    p.add_argument(
+        "--model", default=env("PDSERVE_MODEL"), help="HF model directory [PDSERVE_MODEL]"
+    )
+    p.add_argument(
+        "--host", default=env("PDSERVE_HOST", "0.0.0.0"), help="listen address [PDSERVE_HOST]"
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=int(env("PDSERVE_PORT", str(default_port))),
+        help="gRPC port [PDSERVE_PORT]",
+    )
+    p.add_argument(
+        "--advertise-host",
+        default=env("PDSERVE_ADVERTISE_HOST"),
+        help="host other nodes reach this one at [PDSERVE_ADVERTISE_HOST; default: this host's address]",
+    )
+    p.add_argument(
+        "--node-id", default=env("PDSERVE_NODE_ID"), help="id in the registry [PDSERVE_NODE_ID]"
+    )
+    p.add_argument(
+        "--redis-url",
+        default=env("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        help="cluster state [PDSERVE_REDIS_URL]",
+    )
+    p.add_argument(
+        "--heartbeat-interval", type=float, default=float(env("PDSERVE_HEARTBEAT_S", "0.5"))
+    )
+    p.add_argument("--node-ttl", type=float, default=float(env("PDSERVE_NODE_TTL_S", "5")))
+    p.add_argument(
+        "--transfer-timeout", type=float, default=float(env("PDSERVE_TRANSFER_TIMEOUT_S", "30"))
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=float(env("PDSERVE_DRAIN_TIMEOUT_S", "30")),
+        help="on SIGTERM, seconds to let in-flight requests finish (a second signal: "
+        "stop now) [PDSERVE_DRAIN_TIMEOUT_S]",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=int(env("PDSERVE_MAX_QUEUED_REQUESTS", "256")),
+        help="requests waiting for the engine beyond which new ones get RESOURCE_EXHAUSTED "
+        "(0: no bound) [PDSERVE_MAX_QUEUED_REQUESTS]",
+    )
+    p.add_argument(
+        "--verify-kv",
+        action="store_true",
+        default=env("PDSERVE_VERIFY_KV") == "1",
+        help="checksum every KV transfer on both sides (slow; for tests) [PDSERVE_VERIFY_KV=1]",
+    )
+    p.add_argument(
+        "--enable-reflection", action="store_true", default=env("PDSERVE_REFLECTION") == "1"
+    )
+    add_metrics_arguments(p)
+    add_tls_arguments(p)
+    add_redis_auth_arguments(p)
+    add_engine_flags(p)

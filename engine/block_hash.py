@@ -1,0 +1,103 @@
+"""Chained block hashes: the one implementation the router and the nodes share.
+
+Spec, version 1 (docs/architecture.md, "Block hashes"). Router and nodes must agree bit for bit,
+so anything that changes a digest bumps ``BLOCK_HASH_VERSION``.
+
+- A block is ``block_size`` consecutive token ids; only full blocks are hashed.
+- ``h_0`` is 16 zero bytes; ``h_i = BLAKE2b-128(key, h_{i-1} || tokens_i)`` where
+  ``tokens_i`` is the block's ids as little-endian uint32.
+- ``key = BLAKE2b-256("pdserve/block-hash/v1" 0x00 model_id 0x00 cache_salt)``:
+  keyed by the model identity and the request's optional ``cache_salt``, so two
+  tenants with different salts never share a hash (and so never a cache hit,
+  which would leak timing). The key is derived because BLAKE2b keys are limited
+  to 64 bytes and model ids are not.
+
+Hashes are hints: whoever finds a hash in its cache still verifies the block's
+tokens before reusing it. Nothing here uses Python's ``hash()``, which is salted
+per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+
+BLOCK_HASH_VERSION = 1
+DIGEST_SIZE = 16
+ROOT_HASH = bytes(DIGEST_SIZE)
+MAX_TOKEN_ID = 2**32 - 1
+_KEY_DOMAIN = b"pdserve/block-hash/v1"
+
+
+def derive_key(model_id: str, cache_salt: str | None = None) -> bytes:
+    """The 32-byte BLAKE2b key for one model and one (optional) tenant salt."""
+    if not model_id:
+        raise ValueError("model_id must be a non-empty string")
+    material = b"\0".join((_KEY_DOMAIN, model_id.encode(), (cache_salt or "").encode()))
+    return hashlib.blake2b(material, digest_size=32).digest()
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes; a clear error for ids out of range."""
+    try:
+        packed = array("I", token_ids)
+    except (OverflowError, TypeError) as e:
+        bad = next(
+            (t for t in token_ids if not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID),
+            None,
+        )
+        raise ValueError(f"token ids must be integers in [0, 2**32); got {bad!r}") from e
+    if packed.itemsize != 4:  # pragma: no cover - no mainstream platform has this
+        raise RuntimeError("array('I') is not 4 bytes wide on this platform")
+    if sys.byteorder == "big":  # pragma: no cover - x86 and ARM are little-endian
+        packed.byteswap()
+    return packed.tobytes()
+
+
+class BlockHasher:
+    """Computes the chained hashes of full blocks for one (model, salt, block size)."""
+
+    __slots__ = ("_base", "block_size")
+
+    def __init__(self, model_id: str, block_size: int, cache_salt: str | None = None) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        # A keyed BLAKE2b object is set up once; copying it per block is much
+        # cheaper than re-deriving the keyed state for every block.
+        self._base = hashlib.blake2b(key=derive_key(model_id, cache_salt), digest_size=DIGEST_SIZE)
+
+    def hash_blocks(
+        self, token_ids: Sequence[int], parent: bytes = ROOT_HASH, start_block: int = 0
+    ) -> list[bytes]:
+        """Hashes of the full blocks of ``token_ids`` from block ``start_block`` on.
+
+        ``parent`` is the hash of block ``start_block - 1`` (``ROOT_HASH`` for
+        block 0), so a caller can extend a chain as a sequence grows without
+        rehashing its prefix. A trailing partial block is ignored.
+        """
+        bs = self.block_size
+        num_full = len(token_ids) // bs
+        if start_block >= num_full:
+            return []
+        data = pack_tokens(token_ids[start_block * bs : num_full * bs])
+        step = bs * 4
+        hashes: list[bytes] = []
+        prev = parent
+        base = self._base
+        for off in range(0, len(data), step):
+            h = base.copy()
+            h.update(prev)
+            h.update(data[off : off + step])
+            prev = h.digest()
+            hashes.append(prev)
+        return hashes
+
+
+def hash_prompt_blocks(
+    token_ids: Sequence[int], model_id: str, block_size: int, cache_salt: str | None = None
+) -> list[bytes]:
+    """Convenience: all full-block hashes of a prompt (what the router looks up)."""
+    return BlockHasher(model_id, block_size, cache_salt).hash_blocks(token_ids)

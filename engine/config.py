@@ -1,0 +1,213 @@
+"""Engine configuration with vLLM's field names, validated with errors that name the field.
+
+Modes are Enums inside the engine; the public constructor also takes their
+string values (``attention_backend="torch"``), as vLLM's does.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from engine.layers.specs import AttentionBackendName
+from engine.models.config import ModelArchConfig
+
+logger = logging.getLogger(__name__)
+
+ALLOWED_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+# Without a GPU the KV pool is sized from this many bytes unless told otherwise
+# (vLLM's CPU backend has the same kind of knob, VLLM_CPU_KVCACHE_SPACE).
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+
+
+class PreemptionMode(enum.Enum):
+    RECOMPUTE = "recompute"
+
+
+class LoadFormat(enum.Enum):
+    AUTO = "auto"  # safetensors from the model directory
+    DUMMY = "dummy"  # random weights from config.json alone (benchmarks)
+
+
+class DeviceKind(enum.Enum):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+# vLLM's dtype spellings.
+_DTYPE_ALIASES = {
+    "auto": "auto",
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
+
+
+def _parse_enum(name: str, value: Any, enum_cls: type[enum.Enum]) -> Any:
+    if isinstance(value, enum_cls):
+        return value
+    for member in enum_cls:
+        if value == member.value:
+            return member
+    allowed = ", ".join(repr(m.value) for m in enum_cls)
+    raise ValueError(f"{name} must be one of {allowed}; got {value!r}")
+
+
+def _require_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer; got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}; got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}; got {value}")
+
+
+def _require_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False; got {value!r}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    max_logprobs: int = 20
+    gpu_memory_utilization: float = 0.9
+    kvcache_block_size: int = 16
+    num_kvcache_blocks: int = -1
+    kv_cache_memory_bytes: int | None = None
+    enforce_eager: bool = False
+    # pdserve-specific: fused Triton kernels for RMSNorm, SiLU-and-mul and RoPE on
+    # CUDA (False: the plain torch ops, e.g. to measure what they buy).
+    fused_ops: bool = True
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    tensor_parallel_size: int = 1
+    load_format: LoadFormat = LoadFormat.AUTO
+    skip_tokenizer_init: bool = False
+    device: DeviceKind = DeviceKind.AUTO
+    attention_backend: AttentionBackendName = AttentionBackendName.AUTO
+    # Derived in __post_init__.
+    model_config: ModelArchConfig = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str | os.PathLike) or not str(self.model):
+            raise ValueError(f"model must be a path to a model directory; got {self.model!r}")
+        self.model = str(self.model)
+        if not Path(self.model).is_dir():
+            raise ValueError(
+                f"model: {self.model!r} is not a directory; pass a local Hugging Face model "
+                "directory (`pdserve model prepare` makes the demo model)"
+            )
+        self.model_config = ModelArchConfig.from_dir(self.model)
+        self.preemption_mode = _parse_enum("preemption_mode", self.preemption_mode, PreemptionMode)
+        self.load_format = _parse_enum("load_format", self.load_format, LoadFormat)
+        self.device = _parse_enum("device", self.device, DeviceKind)
+        self.attention_backend = _parse_enum(
+            "attention_backend", self.attention_backend, AttentionBackendName
+        )
+        if self.dtype not in _DTYPE_ALIASES:
+            allowed = ", ".join(repr(k) for k in _DTYPE_ALIASES)
+            raise ValueError(f"dtype must be one of {allowed}; got {self.dtype!r}")
+        self.dtype = _DTYPE_ALIASES[self.dtype]
+        _require_int("seed", self.seed, 0, 2**63 - 1)
+        _require_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size must be 1 (tensor parallelism is not supported yet); "
+                f"got {self.tensor_parallel_size}"
+            )
+        if self.kvcache_block_size not in ALLOWED_BLOCK_SIZES:
+            raise ValueError(
+                f"kvcache_block_size must be one of {ALLOWED_BLOCK_SIZES}; "
+                f"got {self.kvcache_block_size!r}"
+            )
+        _require_int("num_kvcache_blocks", self.num_kvcache_blocks)
+        if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
+            raise ValueError(
+                "num_kvcache_blocks must be -1 (size from available memory) or >= 1; "
+                f"got {self.num_kvcache_blocks}"
+            )
+        if self.kv_cache_memory_bytes is not None:
+            _require_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        util = self.gpu_memory_utilization
+        if not isinstance(util, int | float) or isinstance(util, bool) or not 0.0 < util <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {util!r}")
+        _require_int("max_num_seqs", self.max_num_seqs, 1)
+        _require_int("max_logprobs", self.max_logprobs, 0)
+        for name in (
+            "enforce_eager",
+            "fused_ops",
+            "enable_prefix_caching",
+            "enable_chunked_prefill",
+            "skip_tokenizer_init",
+        ):
+            _require_bool(name, getattr(self, name))
+        self._resolve_lengths()
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        if self.served_model_name is None:
+            self.served_model_name = Path(self.model).resolve().name
+
+    def _resolve_lengths(self) -> None:
+        limit = self.model_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        _require_int("max_model_len", self.max_model_len, 2)
+        if self.max_model_len > limit:
+            logger.warning(
+                "max_model_len %d is clipped to the model's max_position_embeddings %d",
+                self.max_model_len,
+                limit,
+            )
+            self.max_model_len = limit
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (
+                max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+                if self.enable_chunked_prefill
+                else max(self.max_model_len, self.max_num_seqs)
+            )
+        _require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when enable_chunked_prefill is False, or the longest "
+                "prompts could never be scheduled"
+            )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.init]
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        unknown = sorted(set(kwargs) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(
+                f"unknown engine option(s) {', '.join(unknown)}; "
+                f"valid options: {', '.join(cls.field_names())}"
+            )
+        return cls(model=model, **kwargs)

@@ -1,0 +1,128 @@
+"""Turns what a caller passes (text, token ids, vLLM-style prompt dicts) into checked token ids.
+
+Every check raises ValueError naming the field, before the engine holds any
+state for the request, so a rejected request leaves the engine as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+
+# A prompt: "text", [token ids], {"prompt": text}, or {"prompt_token_ids": [...]};
+# dicts may also carry "cache_salt" (tenant isolation of the prefix cache).
+PromptType = str | list[int] | dict[str, Any]
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+
+
+@dataclass(slots=True)
+class ProcessedPrompt:
+    prompt: str | None
+    token_ids: list[int]
+    cache_salt: str | None
+
+
+class InputProcessor:
+    def __init__(
+        self, config: EngineConfig, tokenizer: Any | None, eos_token_ids: frozenset[int]
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = config.model_config.vocab_size
+        self.eos_token_ids = eos_token_ids
+
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        text, token_ids, salt = self._parse(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty: it must have at least one token")
+        self._check_ids("prompt_token_ids", token_ids)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
+        max_len = self.config.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {max_len}: the prompt "
+                "must be shorter than max_model_len to leave room for output"
+            )
+        if params.n > self.config.max_num_seqs:
+            # Its sequences could never all run at once on any node.
+            raise ValueError(
+                f"n is {params.n} but max_num_seqs is {self.config.max_num_seqs}: "
+                "n must be at most max_num_seqs"
+            )
+        self._check_params(params)
+        return ProcessedPrompt(text, token_ids, salt)
+
+    def _parse(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        salt = None
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - _PROMPT_KEYS
+            if unknown:
+                raise ValueError(
+                    f"unknown prompt field(s) {sorted(unknown)}; allowed: {sorted(_PROMPT_KEYS)}"
+                )
+            salt = prompt.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise ValueError(f"cache_salt must be a string, got {salt!r}")
+            if "prompt_token_ids" in prompt:
+                text = prompt.get("prompt")
+                ids = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                text, ids = prompt["prompt"], None
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text, ids = prompt, None
+        elif isinstance(prompt, list | tuple):
+            text, ids = None, prompt
+        else:
+            raise ValueError(
+                f"prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}"
+            )
+        if ids is None:
+            if not isinstance(text, str):
+                raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+            if self.tokenizer is None:
+                raise ValueError(
+                    "text prompts need a tokenizer; with skip_tokenizer_init=True pass token ids"
+                )
+            ids = self.tokenizer.encode(text)
+        elif not isinstance(ids, list | tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        return text, list(ids), salt
+
+    def _check_ids(self, name: str, ids: list[int] | tuple[int, ...]) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"{name} contains {bad}, outside the vocabulary [0, {self.vocab_size})"
+            )
+
+    def _check_params(self, p: SamplingParams) -> None:
+        if p.stop_token_ids:
+            self._check_ids("stop_token_ids", p.stop_token_ids)
+        if p.allowed_token_ids:
+            self._check_ids("allowed_token_ids", p.allowed_token_ids)
+        if p.logit_bias:
+            self._check_ids("logit_bias", list(p.logit_bias))
+        limit = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(p, name)
+            if v is not None and v > limit:
+                raise ValueError(f"{name} must be at most max_logprobs ({limit}), got {v}")
+        if p.allowed_token_ids and p.min_tokens > 0:
+            stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else self.eos_token_ids)
+            if set(p.allowed_token_ids) <= stops:
+                raise ValueError(
+                    "allowed_token_ids holds only stop tokens, which min_tokens forbids: "
+                    "no token could be sampled"
+                )
+        if self.tokenizer is None and p.stop_strings:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True)")
+        if p.stop_strings and not p.detokenize:
+            raise ValueError("stop strings need detokenize=True")

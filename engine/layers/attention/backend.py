@@ -1,0 +1,82 @@
+"""The attention-backend interface every backend (torch, triton, flash_attn) implements.
+
+Contract:
+- The KV cache of one layer is two tensors, ``k_cache`` and ``v_cache``, each
+  ``[num_blocks, block_size, num_kv_heads, head_dim]`` (the paged layout that
+  FlashAttention's ``page_table`` / ``block_table`` arguments expect). Token
+  ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset
+  ``t % block_size``; its flat *slot* is ``block * block_size + offset``.
+- One forward call covers a mixed batch: every sequence contributes
+  ``query_len`` new tokens (a prompt, a chunk of one, or a single decode token)
+  on top of ``seq_len - query_len`` tokens already in the cache. Attention is
+  causal, aligned to the bottom right (new token i sees the cached prefix and
+  new tokens 0..i).
+- ``forward`` first writes the new tokens' K and V into their slots, then attends.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from engine.layers.specs import AttentionBackendName
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where one forward's tokens come from and go to. Tensors live on the model's device."""
+
+    num_seqs: int
+    num_tokens: int
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: prefix sums of query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length including the new tokens
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    # Host copies for backends that loop in Python (the torch reference).
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    # Split-K factor for decode kernels, fixed when a CUDA graph is captured
+    # (None: the backend picks one per step).
+    decode_num_splits: int | None = None
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[AttentionBackendName]
+    # True when the decode path reads nothing from the host (no Python loop
+    # over host lists), so a CUDA graph can capture it.
+    supports_cuda_graphs: ClassVar[bool] = False
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.block_size = block_size
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """None if this backend can run on ``device`` in ``dtype``, else a one-line reason."""
+        return None
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...

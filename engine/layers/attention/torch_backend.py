@@ -1,0 +1,96 @@
+"""The reference backend: plain torch, one scaled_dot_product_attention per sequence.
+
+Runs on CPU and CUDA. It is the oracle the faster backends are tested against,
+so it favours obviousness over speed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers.attention.backend import (
+    AttentionBackend,
+    AttentionBackendName,
+    AttentionMetadata,
+)
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store each new token's K and V at its cache slot."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` tokens of one sequence, [seq_len, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache.index_select(0, block_table[:num_blocks])
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+class TorchAttention(AttentionBackend):
+    name = AttentionBackendName.TORCH
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            return self._decode(q, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
+        qsl = meta.query_start_loc_cpu
+        for i in range(meta.num_seqs):
+            start, end = qsl[i], qsl[i + 1]
+            query_len, seq_len = end - start, meta.seq_lens_cpu[i]
+            keys = gather_kv(k_cache, meta.block_tables[i], seq_len)
+            values = gather_kv(v_cache, meta.block_tables[i], seq_len)
+            out[start:end] = self._attend(q[start:end], keys, values, query_len, seq_len)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """One query per sequence: gather every context padded to the longest, mask the padding."""
+        block_size = k_cache.shape[1]
+        num_blocks = -(-meta.max_seq_len // block_size)
+        tables = meta.block_tables[:, :num_blocks]
+        batch, ctx = meta.num_seqs, num_blocks * block_size
+        # [batch, blocks, block_size, kv_heads, dim] -> [batch, kv_heads, ctx, dim]
+        keys = k_cache[tables].reshape(batch, ctx, self.num_kv_heads, -1).transpose(1, 2)
+        values = v_cache[tables].reshape(batch, ctx, self.num_kv_heads, -1).transpose(1, 2)
+        valid = torch.arange(ctx, device=q.device)[None, :] < meta.seq_lens[:, None]
+        # Padding slots hold whatever the cache memory held (possibly NaN bit
+        # patterns): masking their scores is not enough, since 0 * NaN = NaN.
+        pad = ~valid[:, None, :, None]
+        keys = keys.masked_fill(pad, 0.0)
+        values = values.masked_fill(pad, 0.0)
+        if self.num_kv_heads != self.num_heads:
+            groups = self.num_heads // self.num_kv_heads
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :], scale=self.scale
+        )
+        return out.squeeze(2)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_len: int, seq_len: int
+    ) -> torch.Tensor:
+        # [tokens, heads, dim] -> [heads, tokens, dim]
+        q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+        if self.num_kv_heads != self.num_heads:
+            groups = self.num_heads // self.num_kv_heads
+            k = k.repeat_interleave(groups, dim=0)
+            v = v.repeat_interleave(groups, dim=0)
+        mask = None
+        if query_len > 1:
+            # Bottom-right causal: new token i sits at position seq_len - query_len + i.
+            q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return out.transpose(0, 1)

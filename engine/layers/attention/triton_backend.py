@@ -1,0 +1,82 @@
+"""The `triton` backend: our own paged-attention kernels (triton_kernels.py)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.layers.attention.backend import (
+    AttentionBackend,
+    AttentionBackendName,
+    AttentionMetadata,
+)
+
+
+def interpreter_enabled() -> bool:
+    """Triton's interpreter runs kernels on the CPU (slowly): used by CI tests."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class TritonAttention(AttentionBackend):
+    name = AttentionBackendName.TRITON
+    supports_cuda_graphs = True
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, scale, block_size) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
+        from engine.layers.attention import triton_kernels
+
+        self._kernels = triton_kernels
+        self._num_sms: int | None = None
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        if device.type != "cuda" and not interpreter_enabled():
+            return "it needs a CUDA GPU (or TRITON_INTERPRET=1 for tests)"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "the triton package is not installed"
+        return None
+
+    def num_splits(self, meta: AttentionMetadata, device: torch.device) -> int:
+        if meta.decode_num_splits is not None:
+            return meta.decode_num_splits  # fixed when a CUDA graph was captured
+        if self._num_sms is None:
+            self._num_sms = (
+                torch.cuda.get_device_properties(device).multi_processor_count
+                if device.type == "cuda"
+                else 4
+            )
+        return self._kernels.decode_num_splits(
+            meta.num_seqs, self.num_kv_heads, meta.max_seq_len, self._num_sms
+        )
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        kern = self._kernels
+        kern.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.is_decode_only:
+            kern.decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                out,
+                meta.block_tables,
+                meta.seq_lens,
+                self.scale,
+                self.num_splits(meta, q.device),
+            )
+        else:
+            kern.prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                out,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.max_query_len,
+                self.scale,
+            )
+        return out

@@ -1,0 +1,188 @@
+"""Batched sampling with per-request parameters (vLLM's semantics and order).
+
+Order for each row: allowed_token_ids, logit_bias and min_tokens masks; then
+repetition (prompt + output), frequency and presence (output) penalties; then
+greedy argmax, or temperature -> min_p -> top_k -> top_p -> sample.
+
+Sampling draws ``argmax(p / q)`` with ``q ~ Exponential(1)``, which picks token
+``i`` with probability ``p_i``. A request with a ``seed`` draws its ``q`` from
+its own generator, so its samples depend only on its seed and its own history,
+never on what else is in the batch.
+
+Logprobs are those of the raw model distribution, before any processing
+(vLLM's default, ``raw_logprobs``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprobs
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One sequence's sampling inputs for this step.
+
+    ``token_ids`` is the sequence's own list (prompt then output), not a copy:
+    only penalties read it, so building a row costs nothing per token.
+    """
+
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int
+    generator: torch.Generator | None
+    # EOS and stop ids to mask while fewer than min_tokens have been generated.
+    min_tokens_stop_ids: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def top_logprobs(
+    logprobs: torch.Tensor, chosen: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen logprob, chosen rank, top-k ids, top-k logprobs) for each row."""
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    rank = (logprobs > chosen_lp.unsqueeze(1)).sum(dim=1) + 1
+    top_lp, top_ids = (
+        logprobs.topk(k, dim=1) if k > 0 else (logprobs[:, :0], chosen[:, None][:, :0])
+    )
+    return chosen_lp, rank, top_ids, top_lp
+
+
+def _host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without a synchronous copy."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        # Unseeded requests share this generator: reproducible for a given
+        # engine seed and workload, as vLLM's global seed is.
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        logits = logits.float()
+        want_logprobs = [r.params.logprobs for r in rows]
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
+        )
+        self._apply_masks_and_bias(logits, rows)
+        self._apply_penalties(logits, rows)
+        token_ids = self._sample(logits, rows)
+        logprob_out: list[TokenLogprobs | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            logprob_rows = [i for i, k in enumerate(want_logprobs) if k is not None]
+            idx = _host_tensor(logprob_rows, torch.int64, logits.device)
+            k_max = max(want_logprobs[i] for i in logprob_rows)
+            lp, rank, top_ids, top_lp = top_logprobs(raw_logprobs[idx], token_ids[idx], k_max)
+            lp, rank, top_ids, top_lp = (t.tolist() for t in (lp, rank, top_ids, top_lp))
+            for j, i in enumerate(logprob_rows):
+                k = want_logprobs[i]
+                logprob_out[i] = TokenLogprobs(lp[j], rank[j], top_ids[j][:k], top_lp[j][:k])
+        return SamplerOutput(token_ids.tolist(), logprob_out)
+
+    # ------------------------------------------------------------- processing
+    def _apply_masks_and_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.allowed_token_ids is not None:
+                allowed = torch.tensor(p.allowed_token_ids, device=logits.device)
+                kept = logits[i, allowed].clone()
+                logits[i].fill_(float("-inf"))
+                logits[i, allowed] = kept
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), device=logits.device)
+                bias = torch.tensor(list(p.logit_bias.values()), device=logits.device)
+                logits[i].index_add_(0, ids, bias)
+            if row.min_tokens_stop_ids and row.num_output_tokens < p.min_tokens:
+                logits[i, row.min_tokens_stop_ids] = float("-inf")
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        for i, row in enumerate(rows):
+            p = row.params
+            if not p.needs_penalties:
+                continue
+            ids = torch.tensor(row.token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(ids[row.num_prompt_tokens :], minlength=self.vocab_size)
+            counts = counts[: self.vocab_size]
+            if p.repetition_penalty != 1.0:
+                seen = counts > 0
+                seen[ids[: row.num_prompt_tokens]] = True
+                penalised = torch.where(
+                    logits[i] > 0,
+                    logits[i] / p.repetition_penalty,
+                    logits[i] * p.repetition_penalty,
+                )
+                logits[i] = torch.where(seen, penalised, logits[i])
+            if p.frequency_penalty != 0.0:
+                logits[i] -= p.frequency_penalty * counts.to(logits.dtype)
+            if p.presence_penalty != 0.0:
+                logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        # Row facts are host data: deciding on them never waits for the GPU.
+        greedy_rows = [r.params.greedy for r in rows]
+        argmax = logits.argmax(dim=-1)
+        if all(greedy_rows):
+            return argmax
+        dev = logits.device
+        temps = _host_tensor(
+            [1.0 if r.params.greedy else r.params.temperature for r in rows], torch.float32, dev
+        )
+        logits = logits / temps.unsqueeze(1)
+        if any(r.params.min_p > 0.0 for r in rows):
+            min_p = _host_tensor([r.params.min_p for r in rows], torch.float32, dev)
+            probs = torch.softmax(logits, dim=-1)
+            threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows):
+            logits = self._top_k_top_p(logits, rows)
+        probs = torch.softmax(logits, dim=-1)
+        q = torch.empty_like(probs)
+        q.exponential_(generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.generator is not None and not row.params.greedy:
+                q[i].exponential_(generator=row.generator)
+        # exponential_ can return exactly 0, which would make probs / q inf (or NaN
+        # for a masked token): keep q strictly positive.
+        q.clamp_(min=torch.finfo(q.dtype).tiny)
+        sampled = (probs / q).argmax(dim=-1)
+        if not any(greedy_rows):
+            return sampled
+        return torch.where(_host_tensor(greedy_rows, torch.bool, dev), argmax, sampled)
+
+    def _top_k_top_p(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        k = _host_tensor(
+            [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows],
+            torch.int64,
+            logits.device,
+        )
+        p = _host_tensor([r.params.top_p for r in rows], logits.dtype, logits.device)
+        sorted_logits, order = logits.sort(dim=-1, descending=False)
+        # top_k: drop everything below the k-th largest value.
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        # top_p: drop the smallest tokens whose total mass stays within 1 - top_p,
+        # always keeping the largest.
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)

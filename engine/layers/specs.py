@@ -1,0 +1,30 @@
+"""Plain descriptions the layers are built from: the attention backends' names
+and the rotary embedding's configuration.
+
+Torch-free on purpose: the engine's config parses these, and the router
+validates requests with that config without importing torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class AttentionBackendName(enum.Enum):
+    """``attention_backend`` in EngineConfig; a backend class's ``name``."""
+
+    AUTO = "auto"
+    TORCH = "torch"
+    TRITON = "triton"
+    FLASH_ATTN = "flash_attn"
+
+
+@dataclass(slots=True, frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192

@@ -1,0 +1,361 @@
+"""LLMEngine: the step-level API that the offline LLM and both node kinds drive.
+
+Life cycle of a request inside the engine:
+
+1. ``add_request`` checks the prompt and parameters (InputProcessor; a bad
+   request raises ValueError and leaves no state behind), then creates one
+   Sequence per completion (``n``) and queues them WAITING.
+2. Each ``step``: the Scheduler picks (sequence, new tokens) pairs — decodes
+   first, then chunks of prefills starting past their verified prefix-cache
+   hit — and claims KV blocks, preempting by recompute if the pool is full.
+3. The ModelRunner writes the new tokens' KV into their blocks, runs the model
+   and samples for sequences whose last uncomputed token was in the step.
+4. The Scheduler advances ``num_computed_tokens`` and registers newly full
+   blocks in the prefix cache; the OutputProcessor attaches logprobs,
+   detokenizes, applies stop conditions and frees finished sequences' blocks.
+5. ``step`` returns a RequestOutput for each request with news, per its
+   ``output_kind``; finished requests are forgotten.
+
+``abort_request`` frees a request's blocks immediately; its final output
+(finish_reason "abort") comes from the next ``step``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from engine.block_hash import BlockHasher
+from engine.block_manager import BlockManager, CacheEvents
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, TokenizerInfo
+from engine.input_processor import InputProcessor, PromptType
+from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Request, Sequence, SequenceStatus, TokenLogprobs
+from engine.tokenizer import load_tokenizer
+
+MAX_CACHED_HASHERS = 256
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Blocks a decode node holds for a prompt that a prefill node computes."""
+
+    request_id: str
+    block_ids: list[int]  # the prompt's whole block table
+    first_block: int  # blocks before this came from this node's own prefix cache
+    num_prompt_tokens: int
+
+    @property
+    def blocks_to_fill(self) -> list[int]:
+        return self.block_ids[self.first_block :]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_reserved: int
+    num_queued_prefill_tokens: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_cached_free_kv_blocks: int
+    num_preemptions: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer)
+        tok_info = TokenizerInfo.from_tokenizer(self.tokenizer) if self.tokenizer else None
+        eos = set(config.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.model_runner = ModelRunner(config, self.eos_token_ids)
+        self.block_manager = BlockManager(
+            self.model_runner.num_kvcache_blocks,
+            config.kvcache_block_size,
+            config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.input_processor = InputProcessor(config, self.tokenizer, self.eos_token_ids)
+        self.output_processor = OutputProcessor(
+            self.scheduler, self.model_runner, tok_info, self.eos_token_ids, config.max_model_len
+        )
+        self._tok_info = tok_info
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self._touched: set[str] = set()
+        self._seq_ids = itertools.count()
+        self._hashers: dict[str | None, BlockHasher] = {}
+
+    @classmethod
+    def from_engine_args(cls, model: str, **kwargs) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(model, **kwargs))
+
+    # ------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        hold_kv: bool = False,
+    ) -> None:
+        """Queue a request. ``hold_kv`` (prefill node): keep its blocks when it
+        finishes, until ``release_held``."""
+        req = self._new_request(request_id, prompt, params, arrival_time)
+        for seq in req.seqs:
+            seq.hold_kv = hold_kv
+        self.requests[request_id] = req
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+
+    def reserve_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Reservation | None:
+        """Decode node: claim KV blocks for a prompt that a prefill node will compute.
+
+        Uses this node's own prefix cache first, so the prefill node only sends
+        blocks from ``first_block`` on. Returns None, changing nothing, when the
+        node lacks blocks or sequence slots. The request is not scheduled until
+        ``commit_request``; ``abort_request`` frees its blocks.
+        """
+        req = self._new_request(request_id, prompt, params, arrival_time)
+        if req.params.n != 1:
+            raise ValueError("a request prefilled remotely must have n = 1")
+        if req.params.prompt_logprobs is not None:
+            raise ValueError("a request prefilled remotely cannot ask for prompt_logprobs")
+        seq = req.seqs[0]
+        if not self.scheduler.reserve(seq):
+            return None
+        self.requests[request_id] = req
+        bs = self.config.kvcache_block_size
+        return Reservation(
+            request_id=request_id,
+            block_ids=list(seq.block_table),
+            first_block=seq.num_computed_tokens // bs,
+            num_prompt_tokens=seq.num_prompt_tokens,
+        )
+
+    def commit_request(
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprobs: TokenLogprobs | None = None,
+        cached_tokens: int = 0,
+    ) -> None:
+        """Decode node: the reserved prompt's KV has landed and the prefill node
+        sampled ``first_token``; the request joins the running batch (its first
+        output comes from the next ``step``)."""
+        req = self.requests.get(request_id)
+        if req is None or req.seqs[0].status is not SequenceStatus.RESERVED:
+            raise KeyError(f"request {request_id!r} has no reservation")
+        seq = req.seqs[0]
+        self.scheduler.commit(seq)
+        seq.num_cached_tokens = cached_tokens  # what the prefill node served from its cache
+        seq.token_ids.append(first_token)
+        req.first_token_time = time.monotonic()
+        self.output_processor.accept_token(req, seq, first_token, first_logprobs)
+        self._touched.add(request_id)
+
+    def take_held(self, request_id: str) -> Sequence | None:
+        """Prefill node: a finished request whose blocks are held for its transfer."""
+        return self.scheduler.held.get(request_id)
+
+    def release_held(self, request_id: str) -> None:
+        seq = self.scheduler.held.get(request_id)
+        if seq is not None:
+            self.scheduler.release_held(seq)
+            self.model_runner.release(seq)
+
+    def _new_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None,
+        arrival_time: float | None,
+    ) -> Request:
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        else:
+            # A private, re-validated copy: the caller may reuse and edit its object.
+            params = params.clone()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests or request_id in self.scheduler.held:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        processed = self.input_processor.process(prompt, params)
+        hasher = self._hasher(processed.cache_salt)
+        seqs = []
+        for index in range(params.n):
+            seq = Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=request_id,
+                index=index,
+                token_ids=list(processed.token_ids),
+                num_prompt_tokens=len(processed.token_ids),
+                params=params,
+                hasher=hasher,
+            )
+            if self._tok_info is not None and params.detokenize:
+                seq.detokenizer = IncrementalDetokenizer(
+                    self._tok_info, processed.token_ids, params
+                )
+            seqs.append(seq)
+        return Request(
+            request_id=request_id,
+            prompt=processed.prompt,
+            prompt_token_ids=processed.token_ids,
+            params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            seqs=seqs,
+            cache_salt=processed.cache_salt,
+            # The first prompt token has no context, so no logprob.
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Free the requests' KV blocks now (reserved and held ones too); unknown
+        or finished ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            self.release_held(request_id)
+            self._touched.discard(request_id)
+            req = self.requests.pop(request_id, None)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                self.scheduler.abort([seq])
+                self.model_runner.release(seq)
+            req.aborted = True
+            req.finished_time = time.monotonic()
+            self._aborted.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self._aborted)
+
+    def has_work(self) -> bool:
+        """Whether ``step`` would do anything (reserved requests wait for their KV)."""
+        return bool(self._aborted or self._touched or self.scheduler.has_unfinished())
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------- what the service nodes ask
+    def queue_room(self) -> tuple[int, int]:
+        """(requests waiting, free sequence slots): what a node's queue bound needs."""
+        return len(self.scheduler.waiting), self.scheduler.num_free_slots
+
+    def num_held(self) -> int:
+        """Prefill node: finished requests whose blocks wait for their transfer."""
+        return len(self.scheduler.held)
+
+    def enable_cache_events(self) -> None:
+        """Record the block hashes the prefix cache stores and evicts (for Redis)."""
+        self.block_manager.enable_events()
+
+    def take_cache_events(self) -> CacheEvents:
+        """The prefix cache's changes since the last take."""
+        return self.block_manager.take_events()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every block hash the prefix cache holds now; the events so far are
+        superseded by this snapshot (a node republishing after a Redis outage)."""
+        self.block_manager.take_events()
+        return self.block_manager.cached_hashes()
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        outputs = [out for req in self._aborted if (out := self.output_processor.make_output(req))]
+        self._aborted.clear()
+        # Requests that changed between steps (committed remote prefills): their
+        # output goes out now, not after another forward pass (it is a TTFT).
+        for request_id in self._touched:
+            outputs.extend(self._output_for(request_id))
+        self._touched.clear()
+        if outputs or not self.scheduler.has_unfinished():
+            return outputs
+        batch = self.scheduler.schedule()
+        now = time.monotonic()
+        for seq in batch.seqs:
+            req = self.requests[seq.request_id]
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        if not batch.seqs:
+            if batch.preempted:
+                return outputs  # memory was reclaimed; the next step admits again
+            raise RuntimeError("the scheduler could not schedule any pending sequence")
+        result = self.model_runner.execute(batch)
+        self.scheduler.update(batch, result.sampled)
+        for request_id in self.output_processor.process(self.requests, batch, result):
+            outputs.extend(self._output_for(request_id))
+        return outputs
+
+    def _output_for(self, request_id: str) -> list[RequestOutput]:
+        req = self.requests[request_id]
+        out = self.output_processor.make_output(req)
+        if req.finished:
+            del self.requests[request_id]
+        return [out] if out is not None else []
+
+    # --------------------------------------------------------------- misc
+    def _hasher(self, cache_salt: str | None) -> BlockHasher | None:
+        if not self.config.enable_prefix_caching:
+            return None
+        hasher = self._hashers.pop(cache_salt, None)
+        if hasher is None:
+            hasher = BlockHasher(
+                self.config.served_model_name, self.config.kvcache_block_size, cache_salt
+            )
+        # Keep the most recently used ones only: salts are per tenant, unbounded.
+        self._hashers[cache_salt] = hasher
+        if len(self._hashers) > MAX_CACHED_HASHERS:
+            del self._hashers[next(iter(self._hashers))]
+        return hasher
+
+    def reset_prefix_cache(self) -> int:
+        """Evict the cached blocks no request holds; returns how many."""
+        return self.block_manager.reset_prefix_cache()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats
+        bm = self.block_manager
+        sched = self.scheduler
+        queued = sum(seq.num_uncomputed_tokens for seq in sched.waiting)
+        queued += sum(
+            seq.num_uncomputed_tokens for seq in sched.running if seq.num_uncomputed_tokens > 1
+        )
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_reserved=len(sched.reserved),
+            num_queued_prefill_tokens=queued,
+            num_kv_blocks=bm.num_blocks,
+            num_free_kv_blocks=bm.num_free_blocks,
+            num_cached_free_kv_blocks=bm.num_cached_free_blocks,
+            num_preemptions=s.num_preemptions,
+            prefix_cache_queried_tokens=s.prefix_cache_queried_tokens,
+            prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
+        )

@@ -1,0 +1,411 @@
+"""Runs the model for one scheduled batch: builds inputs, forwards, samples.
+
+It owns everything on the device: weights, the paged KV cache (one tensor of
+shape ``[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]``; each
+layer sees views ``kv[0, i]`` and ``kv[1, i]``), the sampler, and per-request
+random generators. What it returns is plain Python data, so the scheduler and
+output processing stay free of torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+
+import numpy as np
+import torch
+
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, LoadFormat
+from engine.cuda_graphs import DecodeGraphs
+from engine.device import default_dtype, resolve_device, resolve_dtype
+from engine.kv_blocks import gather_blocks, scatter_blocks
+from engine.layers.attention import AttentionMetadata, select_backend
+from engine.layers.sampler import Sampler, SamplingRow, top_logprobs
+from engine.model_io import ModelInputs, PromptTokenLogprob, StepOutput
+from engine.models.decoder import DecoderForCausalLM
+from engine.models.loader import init_dummy_weights, load_weights
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence, TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+PROMPT_LOGPROBS_SLICE = 1024
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        cfg = config.model_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, cfg.torch_dtype, self.device)
+        self.block_size = config.kvcache_block_size
+        backend_cls = select_backend(config.attention_backend, self.device, self.dtype)
+        self.attention_backend = backend_cls(
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.head_dim**-0.5,
+            self.block_size,
+        )
+        torch.manual_seed(config.seed)
+        fused = config.fused_ops and self.device.type == "cuda" and _triton_available()
+        with torch.device(self.device), default_dtype(self.dtype):
+            self.model = DecoderForCausalLM(
+                cfg, self.attention_backend, config.max_model_len, fused_ops=fused
+            )
+        if config.load_format is LoadFormat.DUMMY:
+            init_dummy_weights(self.model, config.seed)
+        else:
+            load_weights(self.model, config.model)
+        self.model.eval()
+        self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
+        self._generators: dict[int, torch.Generator] = {}
+        self.num_kvcache_blocks = self._decide_num_blocks()
+        self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            if self.attention_backend.supports_cuda_graphs:
+                self.graphs = DecodeGraphs(
+                    config, self.model, self.attention_backend, self.device, self.dtype
+                )
+            else:
+                logger.info(
+                    "CUDA graphs are off: the %s attention backend reads host values",
+                    self.attention_backend.name.value,
+                )
+
+    # ------------------------------------------------------------- KV cache
+    @property
+    def kv_block_bytes(self) -> int:
+        cfg = self.config.model_config
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return (
+            2
+            * cfg.num_hidden_layers
+            * self.block_size
+            * cfg.num_key_value_heads
+            * cfg.head_dim
+            * elem
+        )
+
+    def _decide_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kvcache_blocks > 0:
+            num_blocks = cfg.num_kvcache_blocks
+        else:
+            if cfg.kv_cache_memory_bytes is not None:
+                budget = cfg.kv_cache_memory_bytes
+            elif self.device.type == "cuda":
+                budget = self._profile_cuda_budget()
+            else:
+                budget = min(DEFAULT_CPU_KV_CACHE_BYTES, _available_host_memory() // 2)
+            num_blocks = budget // self.kv_block_bytes
+            if num_blocks < 1:
+                raise ValueError(
+                    f"no memory is left for the KV cache (budget {budget / GiB:.2f} GiB); raise "
+                    "gpu_memory_utilization or kv_cache_memory_bytes, or set num_kvcache_blocks"
+                )
+        capacity = num_blocks * self.block_size
+        if capacity < cfg.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
+                f"{self.block_size}), fewer than max_model_len ({cfg.max_model_len}); lower "
+                "max_model_len or raise num_kvcache_blocks / gpu_memory_utilization"
+            )
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %.1f full-length sequences)",
+            num_blocks,
+            self.block_size,
+            capacity,
+            num_blocks * self.kv_block_bytes / GiB,
+            capacity / cfg.max_model_len,
+        )
+        return num_blocks
+
+    def gather_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """These blocks of every layer, K and V, in one contiguous tensor."""
+        return gather_blocks(self.kv_cache, block_ids)
+
+    def scatter_kv(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write ``gather_kv``'s layout (or its raw bytes) into these blocks."""
+        scatter_blocks(self.kv_cache, block_ids, data)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        cfg = self.config.model_config
+        # Zeroed on a GPU: kernels that load whole pages (FlashAttention-4's TMA
+        # path) read the unused rows of a sequence's last page, and a NaN there
+        # would poison the output through 0 * NaN. Left lazy on a CPU, where
+        # touching every page would commit the whole pool up front.
+        alloc = torch.zeros if self.device.type == "cuda" else torch.empty
+        kv = alloc(
+            2,
+            cfg.num_hidden_layers,
+            num_blocks,
+            self.block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        for i, attn in enumerate(self.model.attention_layers):
+            attn.k_cache = kv[0, i]
+            attn.v_cache = kv[1, i]
+        return kv
+
+    def _profile_cuda_budget(self) -> int:
+        """KV budget = utilisation x total - (weights + peak activations + non-torch memory)."""
+        cfg = self.config
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        weights = torch.cuda.memory_allocated()
+        # The largest batch the scheduler can form: the token budget, split into
+        # as few sequences as max_model_len allows.
+        num_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
+        num_seqs = -(-num_tokens // cfg.max_model_len)
+        lens = [num_tokens // num_seqs] * num_seqs
+        lens[-1] += num_tokens - sum(lens)
+        temp_blocks = sum(-(-n // self.block_size) for n in lens)
+        temp_kv = self._allocate_kv_cache(temp_blocks)
+        temp_bytes = temp_kv.numel() * temp_kv.element_size()
+        self.profile_run(lens)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - temp_bytes
+        # The layers' views keep the temporary cache alive: drop them too.
+        for attn in self.model.attention_layers:
+            attn.k_cache = attn.v_cache = torch.empty(0)
+        del temp_kv
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        non_torch = total - free - torch.cuda.memory_reserved()
+        budget = int(total * cfg.gpu_memory_utilization - peak - non_torch)
+        logger.info(
+            "memory: weights %.2f GiB, peak activations %.2f GiB, non-torch %.2f GiB, "
+            "GPU total %.2f GiB x %.2f utilisation -> KV budget %.2f GiB",
+            weights / GiB,
+            (peak - weights) / GiB,
+            non_torch / GiB,
+            total / GiB,
+            cfg.gpu_memory_utilization,
+            budget / GiB,
+        )
+        return budget
+
+    @torch.inference_mode()
+    def profile_run(self, lens: list[int]) -> None:
+        """A forward + logits pass over prompts of these lengths (uses blocks from 0 on)."""
+        tables: list[list[int]] = []
+        next_block = 0
+        for n in lens:
+            num_blocks = -(-n // self.block_size)
+            tables.append(list(range(next_block, next_block + num_blocks)))
+            next_block += num_blocks
+        inputs = self.build_inputs([[0] * n for n in lens], [0] * len(lens), lens, tables)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        # The sampler's peak: a decode step samples up to max_num_seqs rows with
+        # top-k/top-p (a full-vocabulary sort) and logprobs.
+        num_rows = self.config.max_num_seqs
+        rows_hidden = hidden[torch.arange(num_rows, device=self.device) % hidden.shape[0]]
+        logits = self.model.compute_logits(rows_hidden)
+        params = SamplingParams(
+            temperature=1.0, top_k=50, top_p=0.9, logprobs=self.config.max_logprobs
+        )
+        self.sampler(logits, [SamplingRow(params, [0], 1, None, [])] * num_rows)
+
+    # --------------------------------------------------------------- inputs
+    def build_inputs(
+        self,
+        token_ids: list[list[int]],
+        starts: list[int],
+        num_new: list[int],
+        block_tables: list[list[int]],
+    ) -> ModelInputs:
+        """Sequence i contributes tokens ``token_ids[i][starts[i]:starts[i] + num_new[i]]``."""
+        bs = self.block_size
+        num_seqs = len(num_new)
+        start_np = np.asarray(starts, dtype=np.int64)
+        count = np.asarray(num_new, dtype=np.int64)
+        ends = start_np + count
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(count, out=qsl[1:])
+        total = int(qsl[-1])
+        tables = np.zeros((num_seqs, max(len(t) for t in block_tables)), dtype=np.int32)
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = table
+        if total == num_seqs:  # one token each: a decode step
+            input_ids = np.fromiter(
+                (ids[s] for ids, s in zip(token_ids, starts, strict=True)), np.int64, num_seqs
+            )
+            positions = start_np
+            seq_index = np.arange(num_seqs)
+        else:
+            input_ids = np.fromiter(
+                itertools.chain.from_iterable(
+                    ids[s:e] for ids, s, e in zip(token_ids, starts, ends.tolist(), strict=True)
+                ),
+                np.int64,
+                total,
+            )
+            seq_index = np.repeat(np.arange(num_seqs), count)
+            positions = np.arange(total, dtype=np.int64) + np.repeat(start_np - qsl[:-1], count)
+        slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+        dev = self.device
+        qsl_list, seq_lens = qsl.tolist(), ends.tolist()
+        meta = AttentionMetadata(
+            num_seqs=num_seqs,
+            num_tokens=total,
+            query_start_loc=_to_device(qsl.astype(np.int32), dev),
+            seq_lens=_to_device(ends.astype(np.int32), dev),
+            slot_mapping=_to_device(slots, dev),
+            block_tables=_to_device(tables, dev),
+            max_query_len=int(count.max()),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=qsl_list,
+            seq_lens_cpu=seq_lens,
+        )
+        return ModelInputs(_to_device(input_ids, dev), _to_device(positions, dev), meta)
+
+    # -------------------------------------------------------------- execute
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        seqs = batch.seqs
+        inputs = self.build_inputs(
+            [s.token_ids for s in seqs],
+            [s.num_computed_tokens for s in seqs],
+            batch.num_new_tokens,
+            [s.block_table for s in seqs],
+        )
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            hidden = self.graphs.run(inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        qsl = inputs.meta.query_start_loc_cpu
+        num = len(seqs)
+        sampled: list[int | None] = [None] * num
+        logprobs: list[TokenLogprobs | None] = [None] * num
+        prompt_logprobs: list[list[PromptTokenLogprob] | None] = [None] * num
+
+        # Only sequences whose last uncomputed token is in this step sample.
+        sampling = [
+            i
+            for i, (s, n) in enumerate(zip(seqs, batch.num_new_tokens, strict=True))
+            if s.num_computed_tokens + n == s.num_tokens
+        ]
+        if sampling:
+            last = _to_device(np.array([qsl[i + 1] - 1 for i in sampling]), self.device)
+            logits = self.model.compute_logits(hidden[last])
+            out = self.sampler(logits, [self._sampling_row(seqs[i]) for i in sampling])
+            for j, i in enumerate(sampling):
+                sampled[i] = out.token_ids[j]
+                logprobs[i] = out.logprobs[j]
+        for i, (seq, n) in enumerate(zip(seqs, batch.num_new_tokens, strict=True)):
+            if seq.params.prompt_logprobs is not None and seq.index == 0:
+                prompt_logprobs[i] = self._prompt_logprobs(seq, n, hidden[qsl[i] : qsl[i + 1]])
+        return StepOutput(sampled, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, seq: Sequence, num_new: int, hidden: torch.Tensor
+    ) -> list[PromptTokenLogprob]:
+        start = seq.num_computed_tokens
+        # Position p predicts prompt token p + 1.
+        end = min(start + num_new, seq.num_prompt_tokens - 1)
+        if end <= start:
+            return []
+        entries: list[PromptTokenLogprob] = []
+        # Full-vocabulary fp32 logits for a long chunk would be huge (8k x 152k x 4
+        # bytes = 4.6 GiB): go a slice at a time.
+        for lo in range(start, end, PROMPT_LOGPROBS_SLICE):
+            hi = min(lo + PROMPT_LOGPROBS_SLICE, end)
+            targets = seq.token_ids[lo + 1 : hi + 1]
+            logits = self.model.compute_logits(hidden[lo - start : hi - start]).float()
+            lps = torch.log_softmax(logits, dim=-1)
+            chosen = torch.tensor(targets, device=self.device)
+            k = seq.params.prompt_logprobs
+            lp, rank, top_ids, top_lp = (t.tolist() for t in top_logprobs(lps, chosen, k))
+            entries.extend(
+                PromptTokenLogprob(
+                    lo + 1 + j, tok, TokenLogprobs(lp[j], rank[j], top_ids[j], top_lp[j])
+                )
+                for j, tok in enumerate(targets)
+            )
+        return entries
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        p = seq.params
+        stop_ids: list[int] = []
+        if p.min_tokens > 0:
+            if not p.ignore_eos:
+                stop_ids.extend(self.eos_token_ids)
+            stop_ids.extend(p.stop_token_ids or ())
+        return SamplingRow(
+            params=p,
+            token_ids=seq.token_ids,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            generator=self._generator_for(seq),
+            min_tokens_stop_ids=stop_ids,
+        )
+
+    def _generator_for(self, seq: Sequence) -> torch.Generator | None:
+        if seq.params.seed is None:
+            return None
+        gen = self._generators.get(seq.seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            # Completion i of an n>1 request uses seed + i, so they differ.
+            gen.manual_seed((seq.params.seed + seq.index) & 0xFFFF_FFFF_FFFF_FFFF)
+            if not seq.params.greedy:
+                # Tokens already there were sampled elsewhere (a prefill node's first
+                # token): skip their draws so the stream matches a single node's.
+                vocab = self.config.model_config.vocab_size
+                for _ in range(seq.num_output_tokens):
+                    torch.empty(vocab, device=self.device).exponential_(generator=gen)
+            self._generators[seq.seq_id] = gen
+        return gen
+
+    def release(self, seq: Sequence) -> None:
+        """Forget per-sequence state (its random generator) once it finished."""
+        self._generators.pop(seq.seq_id, None)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array -> device tensor without stalling the host: pinned, non-blocking copy."""
+    t = torch.from_numpy(np.ascontiguousarray(values))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def _available_host_memory() -> int:
+    """Free host memory, bounded by the container's cgroup limit where there is one."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX hosts
+        free = 8 * GiB
+    for path, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",  # cgroup v1
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        try:
+            with open(path) as f, open(usage) as g:
+                limit_text, used = f.read().strip(), int(g.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text.isdigit():
+            free = min(free, max(0, int(limit_text) - used))
+        break
+    return free

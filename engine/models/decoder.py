@@ -1,0 +1,174 @@
+"""Decoder-only transformer covering LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
+
+The three differ only in facts read from config.json (ModelArchConfig): Qwen2
+has biases on q/k/v, Qwen3 normalises q and k per head before RoPE, Llama may
+have neither. Projections are fused (q/k/v into ``qkv_proj``, gate/up into
+``gate_up_proj``) so each layer runs two fewer matmuls; the loader splits the
+checkpoint's separate tensors into them. With ``fused_ops`` (CUDA), RMSNorm,
+SiLU-and-mul and q/k-norm + RoPE run as single Triton kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers.activation import SiluAndMul
+from engine.layers.attention import AttentionBackend, AttentionMetadata
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.config import ModelArchConfig
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        fused: bool = False,
+    ) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.eps = cfg.rms_norm_eps
+        # Fused: q/k norm and RoPE in one in-place Triton kernel per tensor.
+        self.fused = fused
+        # Shared, not owned: registering them as submodules would duplicate them.
+        self._rotary = (rotary,)
+        self.backend = backend
+        # Set by the model runner once the KV cache is allocated.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        rotary = self._rotary[0]
+        if self.fused:
+            from engine.layers.fused_kernels import rope_qk_
+
+            rope_qk_(
+                q,
+                k,
+                positions,
+                rotary.cos_cache,
+                rotary.sin_cache,
+                self.q_norm.weight if self.qk_norm else None,
+                self.k_norm.weight if self.qk_norm else None,
+                self.eps,
+            )
+        else:
+            if self.qk_norm:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
+            q, k = rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, fused: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = SiluAndMul(fused)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        fused: bool = False,
+    ) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, rotary, backend, fused)
+        self.mlp = MLP(cfg, fused)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            # The residual stream is fp32 whatever the activation dtype (no bf16
+            # rounding of the running sum at every layer).
+            residual = x.to(torch.float32)
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        backend: AttentionBackend,
+        max_positions: int,
+        fused_ops: bool = False,
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.rotary, backend, fused_ops) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self._fp32_logits_gemm = True
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.layers]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [num_tokens, hidden_size]."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits. Rounded to bf16 (8 mantissa bits on values of 10-30), the top
+        two tokens tie exactly at a few percent of positions; the GEMM accumulates in
+        fp32 anyway, so ask for fp32 output where torch can."""
+        if hidden.dtype != torch.float32 and hidden.is_cuda and self._fp32_logits_gemm:
+            try:
+                return torch.mm(hidden, self.lm_head.weight.t(), out_dtype=torch.float32)
+            except (TypeError, RuntimeError):  # a torch without mixed-precision GEMM output
+                self._fp32_logits_gemm = False
+        return self.lm_head(hidden).float()

@@ -1,0 +1,191 @@
+"""After each step: attach logprobs, detokenize, apply stop conditions, build outputs.
+
+Stop conditions, in vLLM's order and with its semantics:
+- nothing stops a sequence before ``min_tokens`` tokens (the sampler also masks
+  EOS and stop ids until then);
+- EOS (unless ``ignore_eos``) or a ``stop_token_ids`` entry: finish "stop"; the
+  token stays in ``token_ids`` but adds no text unless
+  ``include_stop_str_in_output``;
+- a stop string completed by the new text: finish "stop", text cut before it
+  (or after it with ``include_stop_str_in_output``);
+- ``max_tokens`` generated or ``max_model_len`` reached: finish "length".
+A finished sequence frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine.detokenizer import TokenizerInfo, find_stop_string, stop_holdback
+from engine.model_io import PromptTokenLogprob, StepOutput
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import RequestOutputKind
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import FinishReason, Logprob, Request, Sequence, TokenLogprobs
+
+
+class OutputProcessor:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        tokenizer_info: TokenizerInfo | None,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tok = tokenizer_info
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    # ---------------------------------------------------------------- step
+    def process(
+        self, requests: dict[str, Request], batch: ScheduledBatch, result: StepOutput
+    ) -> set[str]:
+        """Apply one step's results; returns the ids of requests with news."""
+        now = time.monotonic()
+        touched: set[str] = set()
+        for i, seq in enumerate(batch.seqs):
+            req = requests.get(seq.request_id)
+            if req is None:
+                continue
+            if result.prompt_logprobs[i]:
+                self._add_prompt_logprobs(req, result.prompt_logprobs[i])
+            token = result.sampled[i]
+            if token is None or seq.is_finished:
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self.accept_token(req, seq, token, result.logprobs[i], now)
+            touched.add(seq.request_id)
+        return touched
+
+    def accept_token(
+        self,
+        req: Request,
+        seq: Sequence,
+        token: int,
+        logprobs: TokenLogprobs | None,
+        now: float | None = None,
+    ) -> None:
+        """A token just appended to ``seq``: logprobs, text, stop conditions."""
+        if logprobs is not None:
+            self._add_logprobs(seq, token, logprobs)
+        self._check_stop(seq, token)
+        # req.finished looks at every sibling: only ask when this one just ended.
+        if seq.is_finished and req.finished_time is None and req.finished:
+            req.finished_time = now if now is not None else time.monotonic()
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        num_out = seq.num_output_tokens
+        reason: FinishReason | None = None
+        stop_reason: int | str | None = None
+        if num_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                reason = FinishReason.STOP
+            elif p.stop_token_ids and token in p.stop_token_ids:
+                reason, stop_reason = FinishReason.STOP, token
+        detok = seq.detokenizer
+        if detok is not None and (reason is None or p.include_stop_str_in_output):
+            new_text = detok.add_token(token)
+            if reason is None and num_out >= p.min_tokens and p.stop_strings:
+                hit = find_stop_string(
+                    detok.output_text, len(new_text), p.stop_strings, p.include_stop_str_in_output
+                )
+                if hit is not None:
+                    stop_reason, keep = hit
+                    detok.truncate(keep)
+                    reason = FinishReason.STOP
+        if reason is None:
+            limit = p.max_tokens if p.max_tokens is not None else self.max_model_len
+            if num_out >= limit or seq.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+        if reason is not None:
+            self.scheduler.finish(seq, reason, stop_reason)
+            self.runner.release(seq)
+
+    # ------------------------------------------------------------ logprobs
+    def _decoded(self, token_id: int, seq_params_detok: bool) -> str | None:
+        if self.tok is None or not seq_params_detok:
+            return None
+        return self.tok.decode_one(token_id)
+
+    def _logprob_dict(self, token: int, lp: TokenLogprobs, detok: bool) -> dict[int, Logprob]:
+        entry = {token: Logprob(lp.logprob, lp.rank, self._decoded(token, detok))}
+        for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1):
+            if tid not in entry:
+                entry[tid] = Logprob(value, rank, self._decoded(tid, detok))
+        return entry
+
+    def _add_logprobs(self, seq: Sequence, token: int, lp: TokenLogprobs) -> None:
+        if seq.logprobs is None:
+            seq.logprobs = []
+        seq.logprobs.append(self._logprob_dict(token, lp, seq.params.detokenize))
+        seq.cumulative_logprob += lp.logprob
+
+    def _add_prompt_logprobs(self, req: Request, entries: list[PromptTokenLogprob]) -> None:
+        for entry in entries:
+            # A recompute after preemption yields positions already recorded.
+            if entry.position == len(req.prompt_logprobs):
+                req.prompt_logprobs.append(
+                    self._logprob_dict(entry.token_id, entry.logprob, req.params.detokenize)
+                )
+
+    # ------------------------------------------------------------- outputs
+    def make_output(self, req: Request) -> RequestOutput | None:
+        kind = req.params.output_kind
+        finished = req.finished
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
+        holdback = stop_holdback(req.params)
+        completions = []
+        for seq in req.seqs:
+            if delta and seq.finish_reported:
+                continue  # a finished completion of an n > 1 request: nothing new
+            text = seq.output_text
+            text_end = len(text) if seq.is_finished else max(0, len(text) - holdback)
+            text_end = max(text_end, seq.num_text_reported)
+            ids = seq.output_token_ids
+            if delta:
+                out_text = text[seq.num_text_reported : text_end]
+                out_ids = ids[seq.num_tokens_reported :]
+                out_lps = (
+                    seq.logprobs[seq.num_tokens_reported :] if seq.logprobs is not None else None
+                )
+            else:
+                out_text, out_ids, out_lps = text[:text_end], list(ids), seq.logprobs
+            seq.num_text_reported = text_end
+            seq.num_tokens_reported = len(ids)
+            seq.finish_reported = seq.is_finished
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=out_text,
+                    token_ids=out_ids,
+                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                    logprobs=list(out_lps) if out_lps is not None else None,
+                    finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        prompt_logprobs = req.prompt_logprobs
+        if delta:
+            # Streaming sends the prompt's logprobs once, with the first output.
+            prompt_logprobs = None if req.prompt_logprobs_reported else prompt_logprobs
+            req.prompt_logprobs_reported = True
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=req.num_cached_tokens,
+            metrics=RequestMetrics(
+                req.arrival_time, req.first_token_time, req.finished_time, req.first_scheduled_time
+            ),
+        )

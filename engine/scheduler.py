@@ -1,0 +1,266 @@
+"""Continuous-batching scheduler with chunked prefill and preemption by recompute.
+
+Pure Python, no torch. Each step it hands the model runner a list of
+(sequence, number of new tokens) pairs under two budgets: ``max_num_batched_tokens``
+tokens and ``max_num_seqs`` running sequences.
+
+Order within a step:
+1. Running sequences that are decoding (one token each). Nothing else is
+   scheduled before them, so a long prefill can never starve decodes.
+2. Running sequences part-way through a chunked prefill.
+3. Waiting sequences, first come first served (preempted ones go to the front),
+   each starting from its verified prefix-cache hit. None are admitted in a
+   step that had to preempt: memory is short, admitting more would thrash.
+
+When the KV pool cannot hold a running sequence's next tokens, the most
+recently admitted sequence not yet scheduled this step is preempted: its blocks
+are freed (cached ones stay in the prefix cache, so the recompute mostly hits)
+and it goes back to the front of the queue with ``num_computed_tokens = 0``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_steps: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        # Decode node: sequences whose prompt KV a prefill node is computing.
+        self.reserved: dict[int, Sequence] = {}
+        # Prefill node: finished sequences whose blocks are held for a transfer.
+        self.held: dict[str, Sequence] = {}
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------ membership
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(
+        self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None
+    ) -> None:
+        """Mark a sequence finished and free its blocks at once (or hold them, for a
+        prefill node's transfer, unless it was aborted)."""
+        if seq.is_finished:
+            if reason is FinishReason.ABORT:
+                self.release_held(seq)
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.RESERVED:
+            del self.reserved[seq.seq_id]
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        if seq.hold_kv and reason is not FinishReason.ABORT:
+            self.held[seq.request_id] = seq
+        else:
+            self.block_manager.free(seq)
+
+    def release_held(self, seq: Sequence) -> None:
+        if self.held.pop(seq.request_id, None) is not None:
+            self.block_manager.free(seq)
+
+    @property
+    def num_free_slots(self) -> int:
+        """Sequence slots neither running nor reserved (what a new request may take)."""
+        return self.max_num_seqs - len(self.running) - len(self.reserved)
+
+    # ------------------------------------------------------ remote prefill
+    def reserve(self, seq: Sequence) -> bool:
+        """Claim blocks for the whole prompt without scheduling it (decode node).
+
+        Starts from this node's own verified prefix-cache hit, so only the rest
+        has to arrive; False (nothing changed) when blocks or sequence slots are
+        short.
+        """
+        if self.num_free_slots <= 0:
+            return False
+        bm = self.block_manager
+        prefix = bm.find_cached_prefix(seq)
+        num_prefix_tokens = len(prefix) * bm.block_size
+        if not bm.allocate_slots(seq, seq.num_tokens - num_prefix_tokens, prefix):
+            return False
+        seq.num_cached_tokens = num_prefix_tokens
+        self.stats.prefix_cache_queried_tokens += seq.num_tokens
+        self.stats.prefix_cache_hit_tokens += num_prefix_tokens
+        seq.status = SequenceStatus.RESERVED
+        self.reserved[seq.seq_id] = seq
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """The reserved prompt's KV has landed: the sequence joins the running batch."""
+        del self.reserved[seq.seq_id]
+        seq.num_computed_tokens = seq.num_tokens
+        self.block_manager.cache_full_blocks(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.finish(seq, FinishReason.ABORT)
+
+    # ------------------------------------------------------------- schedule
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        decoding, prefilling = [], []
+        for s in self.running:
+            (decoding if len(s.token_ids) - s.num_computed_tokens == 1 else prefilling).append(s)
+        running = SequenceStatus.RUNNING
+        for seq in decoding + prefilling:
+            if budget == 0:
+                break
+            if seq.status is not running:
+                continue  # preempted earlier in this step
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(seq, num_new, scheduled_ids, batch):
+                continue
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            scheduled_ids.add(seq.seq_id)
+            budget -= num_new
+
+        if not batch.preempted:
+            budget = self._admit_waiting(batch, budget)
+        self.stats.num_steps += 1
+        return batch
+
+    def _allocate_or_preempt(
+        self, seq: Sequence, num_new: int, scheduled_ids: set[int], batch: ScheduledBatch
+    ) -> bool:
+        while not self.block_manager.allocate_slots(seq, num_new):
+            victim = next(
+                (s for s in reversed(self.running) if s.seq_id not in scheduled_ids), None
+            )
+            if victim is None:  # pragma: no cover - seq itself is always a candidate
+                raise RuntimeError("no sequence left to preempt")
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.stats.num_preemptions += 1
+        logger.warning(
+            "preempted request %s (seq %d, %d tokens) by recompute: KV cache is full "
+            "(%d preemptions so far); consider a larger KV cache or a lower max_num_seqs",
+            seq.request_id,
+            seq.seq_id,
+            seq.num_tokens,
+            self.stats.num_preemptions,
+        )
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
+        bm = self.block_manager
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) + len(self.reserved) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            # Prompt logprobs need logits at every prompt position, so such a
+            # request computes its whole prompt (its blocks still get cached).
+            use_cache = seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is None
+            prefix = bm.find_cached_prefix(seq) if use_cache else []
+            num_prefix_tokens = len(prefix) * bm.block_size
+            num_new = seq.num_uncomputed_tokens - num_prefix_tokens
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not bm.allocate_slots(seq, num_new, prefix):
+                break
+            self.waiting.popleft()
+            if seq.num_cached_tokens < 0:  # first admission: report the hit once
+                seq.num_cached_tokens = min(num_prefix_tokens, seq.num_prompt_tokens)
+                self.stats.prefix_cache_queried_tokens += seq.num_tokens
+                self.stats.prefix_cache_hit_tokens += num_prefix_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return budget
+
+    # --------------------------------------------------------------- update
+    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+        """Advance counters after a model step; append sampled tokens.
+
+        Returns the sequences that received a new token. Token-level stop
+        conditions (EOS, stop_token_ids, max_tokens, max_model_len) are applied by
+        the engine's output processor, which also checks stop strings.
+        """
+        appended: list[Sequence] = []
+        for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                if token is None:
+                    raise RuntimeError(f"no token sampled for completed sequence {seq.seq_id}")
+                seq.token_ids.append(token)
+                appended.append(seq)
+        return appended

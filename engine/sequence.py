@@ -1,0 +1,162 @@
+"""Sequences and requests: the engine's CPU-side state, free of torch.
+
+One request with ``n`` completions owns ``n`` sequences. Each sequence has one
+progress counter, ``num_computed_tokens`` (vLLM v1's idea): the scheduler gives
+it ``len(token_ids) - num_computed_tokens`` more tokens to compute, whether
+that is a whole prompt, a chunk of one, a recompute after preemption, or a
+single decode token. No prefill/decode special cases.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.block_hash import ROOT_HASH
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.block_hash import BlockHasher
+    from engine.detokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    # Decode node: blocks reserved for the prompt, which a prefill node computes;
+    # not scheduled until its KV lands and it is committed.
+    RESERVED = enum.auto()
+    FINISHED = enum.auto()
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # aborted by the caller
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One token's log-probability (vLLM's shape)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprob facts for one sampled token (host data)."""
+
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+# Per generated token: {token_id: Logprob} holding the top-k and the chosen token.
+SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt position (None for the first token, which has no context).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n completions
+    token_ids: list[int]  # prompt followed by generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    hasher: BlockHasher | None
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache at first admission (usage report).
+    num_cached_tokens: int = -1
+    block_table: list[int] = field(default_factory=list)
+    # Hashes of the full blocks of token_ids, extended as the sequence grows.
+    block_hashes: list[bytes] = field(default_factory=list)
+    # How many block_table entries are registered in the prefix cache.
+    num_cached_blocks: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: SampleLogprobs | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    # Characters of the output text already reported (DELTA outputs).
+    num_text_reported: int = 0
+    num_tokens_reported: int = 0
+    finish_reported: bool = False
+    num_preemptions: int = 0
+    # Prefill node: keep the blocks when the sequence finishes, until the node has
+    # gathered them for the transfer (LLMEngine.release_held).
+    hold_kv: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def output_text(self) -> str:
+        return self.detokenizer.output_text if self.detokenizer is not None else ""
+
+    def update_block_hashes(self) -> None:
+        """Extend block_hashes to cover every full block of token_ids."""
+        if self.hasher is None:
+            return
+        if len(self.token_ids) // self.hasher.block_size <= len(self.block_hashes):
+            return
+        parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+        self.block_hashes.extend(
+            self.hasher.hash_blocks(
+                self.token_ids, parent=parent, start_block=len(self.block_hashes)
+            )
+        )
+
+
+@dataclass(slots=True)
+class Request:
+    """A client request: one prompt, one set of params, ``params.n`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seqs: list[Sequence]
+    cache_salt: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_reported: bool = False
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    aborted: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.aborted or all(s.status is SequenceStatus.FINISHED for s in self.seqs)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return max(0, self.seqs[0].num_cached_tokens)

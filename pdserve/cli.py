@@ -1,0 +1,334 @@
+"""`pdserve`: the command line for running and preparing pdserve.
+
+pdserve up --model DIR [--prefill N] [--decode M] [--port 50051] [--redis-url URL]
+pdserve router|prefill|decode --model DIR [...]   one component (flags or PDSERVE_* variables)
+pdserve generate PROMPT [--address HOST:PORT] [--max-tokens N] [--temperature T] [--chat]
+                 [--token T] [--tls-ca FILE] [--tls-cert FILE --tls-key FILE]
+pdserve model prepare [--out DIR] [--force]      demo model -> HF directory
+pdserve demo [--model DIR] [...]                 offline engine on chat prompts
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences what a GPU is.",
+    "List three fruits that are red.",
+    "How many legs does a spider have?",
+    "Give me a short tip for learning to code.",
+]
+
+
+def _version() -> str:
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _configure_logging(verbose: bool) -> None:
+    # Processes started by `pdserve up` share a terminal: say who is speaking.
+    who = os.environ.get("PDSERVE_LOG_NAME")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format=f"%(asctime)s {who + ' ' if who else ''}%(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def cmd_model_prepare(args: argparse.Namespace) -> int:
+    from engine.models.prepare import PrepareError, prepare_demo_model
+
+    try:
+        start = time.perf_counter()
+        path, converted = prepare_demo_model(args.out, force=args.force)
+    except PrepareError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 1
+    if converted:
+        print(f"demo model written to {path} in {time.perf_counter() - start:.1f} s")
+    else:
+        print(f"demo model already prepared at {path}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(
+        args.model,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        max_model_len=args.max_model_len,
+    )
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
+    conversations = [[{"role": "user", "content": p}] for p in DEMO_PROMPTS]
+    start = time.perf_counter()
+    outputs = llm.chat(conversations, params)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(DEMO_PROMPTS, outputs, strict=True):
+        print(f"\n>>> {prompt}\n{out.outputs[0].text.strip()}")
+    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    device = llm.llm_engine.model_runner.device
+    print(
+        f"\n{len(outputs)} requests on {device}: {num_prompt} prompt + {num_out} output tokens "
+        f"in {elapsed:.2f} s -> {num_out / elapsed:.1f} output tok/s, "
+        f"{(num_prompt + num_out) / elapsed:.1f} total tok/s"
+    )
+    return 0
+
+
+def cmd_component(args: argparse.Namespace) -> int:
+    import asyncio
+
+    return asyncio.run(args.serve(args))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from common.tls import TLSConfig
+    from pdserve.launcher import ClusterSpec, LocalCluster
+
+    if not args.model:
+        raise ValueError("--model (or PDSERVE_MODEL) is required")
+    tls = TLSConfig.from_args(args)
+    if tls.serves_tls != tls.calls_tls:
+        # One certificate set for every process: each is a server and a client.
+        raise ValueError("pdserve up with TLS wants --tls-cert, --tls-key and --tls-ca together")
+    engine_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+    spec = ClusterSpec(
+        model=args.model,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        host=args.host,
+        port=args.port,
+        admin_port=args.admin_port,
+        redis_url=args.redis_url,
+        engine_args=engine_args,
+        node_args=["--verify-kv"] if args.verify_kv else [],
+        router_args=(["--routing-policy", args.routing_policy] if args.routing_policy else [])
+        + (["--api-tokens-file", args.api_tokens_file] if args.api_tokens_file else []),
+        num_routers=args.routers,
+        log_dir=args.log_dir,
+        metrics_port=args.metrics_port,
+        tls=tls,
+        redis_password=args.redis_password,
+        redis_username=args.redis_username,
+        redis_tls_ca=args.redis_tls_ca,
+        # Secrets go to the children through the environment, not argv (which
+        # every local user can read in the process list).
+        env={"PDSERVE_ADMIN_TOKEN": args.admin_token} if args.admin_token else {},
+    )
+    cluster = LocalCluster(spec)
+    stopping = False
+
+    def stop(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        cluster.start(progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except RuntimeError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 1
+    for address, admin in zip(cluster.router_addresses, cluster.admin_addresses, strict=True):
+        print(f"router listening on {address} (admin API on {admin})", flush=True)
+    # With TLS the example commands need the client's files; with tokens, a token.
+    tls_flags = "".join(f" {flag} {path}" for flag, path in tls.paths if flag != "--tls-client-ca")
+    gen_token = " --token TOKEN" if args.api_tokens_file else ""
+    admin_token = " --token ADMIN_TOKEN" if args.admin_token or args.api_tokens_file else ""
+    print(
+        f'try: pdserve generate "What is the capital of France?" --chat '
+        f"--address {cluster.router_address}{gen_token}{tls_flags}\n"
+        f"     pdctl --address {cluster.admin_address}{admin_token}{tls_flags} nodes",
+        flush=True,
+    )
+    try:
+        while not stopping:
+            for c in cluster.components:
+                if c.process.poll() is not None and not stopping:
+                    print(
+                        f"pdserve: {c.name} exited with code {c.process.returncode}",
+                        file=sys.stderr,
+                    )
+                    stopping = True
+            time.sleep(0.5)
+    finally:
+        print("stopping...", file=sys.stderr, flush=True)
+        cluster.stop()
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from common.tls import TLSConfig, make_sync_channel
+    from proto import pdserve_pb2
+    from proto.client import generate
+
+    channel = make_sync_channel(args.address, TLSConfig.from_args(args))
+
+    kwargs = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+    prompt = None if args.chat else args.prompt
+    if args.chat:
+        kwargs["chat"] = [{"role": "user", "content": args.prompt}]
+    final = None
+    try:
+        for response in generate(
+            args.address,
+            prompt,
+            timeout=args.timeout,
+            token=args.token,
+            channel=channel,
+            **kwargs,
+        ):
+            for delta in response.deltas:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+            if response.HasField("final"):
+                final = response.final
+    except grpc.RpcError as e:
+        print(f"\npdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        channel.close()
+    sys.stdout.write("\n")
+    if final is not None:
+        u = final.usage
+        reason = final.completions[0].finish_reason if final.completions else 0
+        name = pdserve_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+        print(
+            f"[{u.prompt_tokens} prompt ({u.cached_tokens} cached) + {u.completion_tokens} "
+            f"completion tokens; first token in {u.time_to_first_token_ms:.0f} ms; finish: {name}; "
+            f"prefill: {u.prefill_node or 'on the decode node'}; decode: {u.decode_node}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from common.metrics.server import DEFAULT_METRICS_PORT, metrics_port
+
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="model files")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    prepare = model_sub.add_parser(
+        "prepare", help="convert the demo model (SmolLM2-135M-Instruct) into an HF directory"
+    )
+    prepare.add_argument("--out", default="models/smollm2-135m-instruct", help="output directory")
+    prepare.add_argument("--force", action="store_true", help="convert again even if present")
+    prepare.set_defaults(func=cmd_model_prepare)
+
+    demo = sub.add_parser("demo", help="run the offline engine on a few chat prompts")
+    demo.add_argument("--model", default="models/smollm2-135m-instruct", help="HF model directory")
+    demo.add_argument("--max-tokens", type=int, default=64)
+    demo.add_argument("--temperature", type=float, default=0.0)
+    demo.add_argument("--max-model-len", type=int, default=2048)
+    demo.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    demo.add_argument("--attention-backend", default="auto")
+    demo.set_defaults(func=cmd_demo)
+
+    env = os.environ.get
+    up = sub.add_parser("up", help="run a whole cluster locally (Redis, nodes, router)")
+    up.add_argument(
+        "--model", default=env("PDSERVE_MODEL"), help="HF model directory [PDSERVE_MODEL]"
+    )
+    up.add_argument("--prefill", type=int, default=1, help="prefill nodes")
+    up.add_argument("--decode", type=int, default=1, help="decode nodes")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=50051, help="router port")
+    up.add_argument("--admin-port", type=int, default=50052)
+    up.add_argument("--routers", type=int, default=1, help="router replicas")
+    up.add_argument(
+        "--admin-token",
+        default=env("PDSERVE_ADMIN_TOKEN"),
+        help="admin API token (pdctl --token) [PDSERVE_ADMIN_TOKEN]",
+    )
+    up.add_argument(
+        "--routing-policy",
+        choices=["cost", "round-robin", "random"],
+        default=None,
+        help="default cost (docs/routing.md)",
+    )
+    up.add_argument(
+        "--redis-url", default=env("PDSERVE_REDIS_URL"), help="use this Redis, start none"
+    )
+    up.add_argument("--max-model-len", type=int, default=None)
+    up.add_argument("--verify-kv", action="store_true", help="checksum every KV transfer")
+    up.add_argument("--log-dir", default=None, help="write each process's log here")
+    up.add_argument(
+        "--metrics-port",
+        type=metrics_port,
+        default=metrics_port(os.environ.get("PDSERVE_METRICS_PORT", str(DEFAULT_METRICS_PORT))),
+        help="first /metrics port: the router's; the other processes take the next ones "
+        f"(default {DEFAULT_METRICS_PORT}; 0 disables) [PDSERVE_METRICS_PORT]",
+    )
+    # Security (docs/security.md): the same files for every process it starts.
+    from common.auth import add_token_arguments
+    from common.redis_auth import add_redis_auth_arguments
+    from common.tls import add_client_tls_arguments, add_tls_arguments
+
+    add_token_arguments(up)
+    add_tls_arguments(up)
+    add_redis_auth_arguments(up)
+    up.set_defaults(func=cmd_up)
+
+    from decode_node import main as decode_main
+    from prefill_node import main as prefill_main
+    from router import main as router_main
+
+    for name, module, text in (
+        ("router", router_main, "run the router (public and admin API)"),
+        ("prefill", prefill_main, "run one prefill node"),
+        ("decode", decode_main, "run one decode node"),
+    ):
+        p = sub.add_parser(name, help=text)
+        module.add_arguments(p)
+        p.set_defaults(func=cmd_component, serve=module.serve)
+
+    gen = sub.add_parser("generate", help="stream a generation from a running router")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default=env("PDSERVE_ADDRESS", "127.0.0.1:50051"))
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--timeout", type=float, default=120.0, help="seconds")
+    gen.add_argument(
+        "--token", default=env("PDSERVE_TOKEN"), help="the router's API token [PDSERVE_TOKEN]"
+    )
+    add_client_tls_arguments(gen, "PDSERVE")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        # Bad configuration or input: one line, no traceback.
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

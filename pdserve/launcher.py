@@ -1,0 +1,312 @@
+"""`pdserve up`: Redis, decode nodes, prefill nodes and the router as local processes.
+
+Decode nodes start first (they host the KV rendezvous), then prefill nodes,
+then the router. With GPUs, each node gets one (CUDA_VISIBLE_DEVICES, round
+robin); without, every node runs on the CPU. Start-up waits until every
+component's grpc.health.v1 says SERVING, and gives up (stopping everything)
+when a process exits or the wait times out. Stopping sends SIGTERM to every
+child, then SIGKILL to the ones still alive after the grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.grpc_server import health_check
+from common.metrics.server import METRICS_PATH, plan_metrics_ports
+from common.tls import NO_TLS, TLSConfig
+from pdserve.redis_server import RedisServer, free_port
+
+
+@dataclass
+class Component:
+    name: str
+    address: str  # host:port of its gRPC server
+    process: subprocess.Popen
+    argv: list[str] = field(default_factory=list)  # `pdserve` arguments, to restart it
+    gpu: int | None = None
+    metrics_port: int = 0  # its /metrics port (0: none)
+
+    @property
+    def metrics_url(self) -> str | None:
+        host = self.address.rsplit(":", 1)[0]
+        return f"http://{host}:{self.metrics_port}{METRICS_PATH}" if self.metrics_port else None
+
+
+@dataclass
+class ClusterSpec:
+    model: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 50051
+    admin_port: int = 50052
+    redis_url: str | None = None
+    engine_args: list[str] = field(default_factory=list)  # passed to every node
+    node_args: list[str] = field(default_factory=list)  # e.g. --verify-kv
+    router_args: list[str] = field(default_factory=list)  # e.g. --skip-tokenizer-init
+    num_routers: int = 1  # replicas beyond the first take free ports
+    start_timeout_s: float = 600.0
+    stop_grace_s: float = 15.0
+    log_dir: str | None = None  # None: children share our stderr
+    # Extra environment per component name (e.g. "prefill-0"); tests/faults uses it.
+    component_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # /metrics ports: None a free one each, 0 none, N: N for the first router,
+    # then N+1, ... for the other routers, the decode nodes, the prefill nodes.
+    metrics_port: int | None = None
+    # Security (docs/security.md). TLS: the same files for every component (each
+    # is a server and a client), and for the start-up health checks.
+    tls: TLSConfig = NO_TLS
+    # With no redis_url, the Redis started here requires this password (and user).
+    redis_password: str | None = None
+    redis_username: str | None = None
+    redis_tls_ca: str | None = None  # with a rediss:// redis_url
+    env: dict[str, str] = field(default_factory=dict)  # for every child: secrets go here
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.redis: RedisServer | None = None
+        self.components: list[Component] = []
+        self.redis_url = spec.redis_url
+        # (public port, admin port) of each router replica.
+        self.router_ports: list[tuple[int, int]] = [(spec.port, spec.admin_port)]
+        self.metrics_ports: dict[str, int] = {}  # by component name
+
+    @property
+    def router_address(self) -> str:
+        return f"{self.spec.host}:{self.spec.port}"
+
+    @property
+    def admin_address(self) -> str:
+        return f"{self.spec.host}:{self.spec.admin_port}"
+
+    @property
+    def router_addresses(self) -> list[str]:
+        return [f"{self.spec.host}:{p}" for p, _ in self.router_ports]
+
+    @property
+    def admin_addresses(self) -> list[str]:
+        return [f"{self.spec.host}:{a}" for _, a in self.router_ports]
+
+    def _gpu_count(self) -> int:
+        try:
+            import torch
+
+            return torch.cuda.device_count() if torch.cuda.is_available() else 0
+        except ImportError:  # pragma: no cover - torch is a dependency
+            return 0
+
+    def _spawn(self, name: str, argv: list[str], port: int, gpu: int | None) -> Component:
+        process = self._popen(name, argv, gpu)
+        metrics_port = self.metrics_ports.get(name, 0)
+        component = Component(name, f"{self.spec.host}:{port}", process, argv, gpu, metrics_port)
+        self.components.append(component)
+        return component
+
+    def restart(self, component: Component, timeout_s: float | None = None) -> None:
+        """Start a component that exited (or was killed) again, same flags; wait until SERVING."""
+        if component.process.poll() is None:
+            raise RuntimeError(f"{component.name} is still running")
+        component.process = self._popen(component.name, component.argv, component.gpu)
+        deadline = time.monotonic() + (timeout_s or self.spec.start_timeout_s)
+        while not health_check(component.address, timeout=0.5):
+            code = component.process.poll()
+            if code is not None:
+                raise RuntimeError(f"{component.name} exited with code {code} while restarting")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{component.name} not serving after restart")
+            time.sleep(0.25)
+
+    def _popen(self, name: str, argv: list[str], gpu: int | None) -> subprocess.Popen:
+        env = dict(os.environ, **self._secret_env(), PDSERVE_LOG_NAME=name, PYTHONUNBUFFERED="1")
+        env.update(self.spec.component_env.get(name, {}))
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        metrics_port = self.metrics_ports.get(name, 0)
+        argv = [*argv, "--metrics-port", str(metrics_port)]
+        out = None
+        if self.spec.log_dir:
+            Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
+            out = open(Path(self.spec.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        return subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", *argv],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,  # Ctrl-C reaches us; we stop the children in order
+        )
+
+    def _secret_env(self) -> dict[str, str]:
+        env = dict(self.spec.env)
+        if self.spec.redis_password:
+            env["PDSERVE_REDIS_PASSWORD"] = self.spec.redis_password
+        return env
+
+    def _security_args(self) -> list[str]:
+        spec = self.spec
+        out = spec.tls.flags()
+        if spec.redis_username:
+            out += ["--redis-username", spec.redis_username]
+        if spec.redis_tls_ca:
+            out += ["--redis-tls-ca", spec.redis_tls_ca]
+        return out
+
+    def start(self, progress=print) -> LocalCluster:
+        spec = self.spec
+        names = ["router"] + [f"router-{i}" for i in range(1, spec.num_routers)]
+        names += [f"decode-{i}" for i in range(spec.num_decode)]
+        names += [f"prefill-{i}" for i in range(spec.num_prefill)]
+        self.metrics_ports = plan_metrics_ports(
+            spec.metrics_port, names, lambda: free_port(spec.host)
+        )
+        if self.redis_url is None:
+            if spec.redis_tls_ca:
+                raise ValueError(
+                    "--redis-tls-ca needs --redis-url: the Redis started here has no TLS"
+                )
+            self.redis = RedisServer(
+                password=spec.redis_password, username=spec.redis_username
+            ).start()
+            self.redis_url = self.redis.url
+            progress(f"redis-server on {self.redis_url}")
+        gpus = self._gpu_count()
+        device = ["--device", "cuda"] if gpus else ["--device", "cpu"]
+        common = [
+            "--model",
+            spec.model,
+            "--redis-url",
+            self.redis_url,
+            "--host",
+            spec.host,
+            "--advertise-host",
+            spec.host,
+            *self._security_args(),
+        ]
+        slot = 0
+        started: list[Component] = []
+        for i in range(spec.num_decode):
+            port, tport = free_port(spec.host), free_port(spec.host)
+            gpu = slot % gpus if gpus else None
+            slot += 1
+            started.append(
+                self._spawn(
+                    f"decode-{i}",
+                    [
+                        "decode",
+                        *common,
+                        "--port",
+                        str(port),
+                        "--transfer-port",
+                        str(tport),
+                        "--node-id",
+                        f"decode-{i}",
+                        *device,
+                        *spec.engine_args,
+                        *spec.node_args,
+                    ],
+                    port,
+                    gpu,
+                )
+            )
+        for i in range(spec.num_prefill):
+            port = free_port(spec.host)
+            gpu = slot % gpus if gpus else None
+            slot += 1
+            started.append(
+                self._spawn(
+                    f"prefill-{i}",
+                    [
+                        "prefill",
+                        *common,
+                        "--port",
+                        str(port),
+                        "--node-id",
+                        f"prefill-{i}",
+                        *device,
+                        *spec.engine_args,
+                        *spec.node_args,
+                    ],
+                    port,
+                    gpu,
+                )
+            )
+        if spec.num_routers < 1:
+            raise ValueError(f"num_routers must be >= 1, got {spec.num_routers}")
+        self.router_ports = [(spec.port, spec.admin_port)] + [
+            (free_port(spec.host), free_port(spec.host)) for _ in range(spec.num_routers - 1)
+        ]
+        for i, (port, admin_port) in enumerate(self.router_ports):
+            started.append(
+                self._spawn(
+                    "router" if i == 0 else f"router-{i}",
+                    [
+                        "router",
+                        "--model",
+                        spec.model,
+                        "--redis-url",
+                        self.redis_url,
+                        "--host",
+                        spec.host,
+                        "--port",
+                        str(port),
+                        "--admin-port",
+                        str(admin_port),
+                        *self._security_args(),
+                        *spec.router_args,
+                    ],
+                    port,
+                    None,
+                )
+            )
+        self._wait_serving(started, progress)
+        return self
+
+    def _wait_serving(self, components: list[Component], progress) -> None:
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        waiting = list(components)
+        while waiting:
+            for c in list(waiting):
+                code = c.process.poll()
+                if code is not None:
+                    self.stop()
+                    raise RuntimeError(f"{c.name} exited with code {code} while starting")
+                if health_check(c.address, timeout=0.5, tls=self.spec.tls):
+                    metrics = f" (metrics on {c.metrics_url})" if c.metrics_port else ""
+                    progress(f"{c.name} serving on {c.address}{metrics}")
+                    waiting.remove(c)
+            if waiting and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in waiting)
+                self.stop()
+                raise RuntimeError(f"{names} not serving after {self.spec.start_timeout_s:.0f} s")
+            if waiting:
+                time.sleep(0.25)
+
+    def stop(self) -> None:
+        for c in reversed(self.components):  # router first, decode nodes last
+            if c.process.poll() is None:
+                c.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.spec.stop_grace_s
+        for c in self.components:
+            try:
+                c.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.process.kill()
+                c.process.wait()
+        self.components.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,148 @@
+"""The Redis registry and block index against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.cluster import Cluster, NodeInfo, NodeRole
+from engine.block_hash import hash_prompt_blocks
+from pdserve.redis_server import RedisServer
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with RedisServer() as server:
+        yield server.url
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def node(node_id, role=NodeRole.PREFILL, **kw):
+    return NodeInfo(
+        node_id=node_id,
+        role=role,
+        address=f"127.0.0.1:{hash(node_id) % 1000 + 40000}",
+        model_id="m",
+        block_size=16,
+        kv_blocks_total=100,
+        kv_blocks_free=kw.pop("free", 100),
+        **kw,
+    )
+
+
+def test_heartbeat_registers_and_routing_counts_prefix_hits(redis_url):
+    async def go():
+        cluster = Cluster.from_url(redis_url, prefix="t1")
+        hashes = hash_prompt_blocks(list(range(160)), "m", 16)  # 10 blocks
+        await cluster.heartbeat(node("p0", max_num_seqs=64), stored=hashes[:6], reset_blocks=True)
+        await cluster.heartbeat(node("d0", NodeRole.DECODE, free=40), reset_blocks=True)
+        view = await cluster.view(hashes)
+        cands = {c.node.node_id: c for c in view.candidates}
+        assert set(cands) == {"p0", "d0"}
+        assert cands["p0"].hit_blocks == 6
+        assert cands["d0"].hit_blocks == 0
+        p0, d0 = cands["p0"].node, cands["d0"].node
+        assert p0.max_num_seqs == 64 and p0.address == node("p0").address
+        assert d0.role is NodeRole.DECODE and d0.kv_blocks_free == 40
+        # Ages are read on the server's clock, whatever the node's clock says.
+        assert d0.seen_ms > 0 and 0 <= view.age_ms(d0) < 1000
+        # Evictions are published too.
+        await cluster.heartbeat(node("p0"), removed=hashes[3:6])
+        cands = {c.node.node_id: c for c in await cluster.candidates(hashes)}
+        assert cands["p0"].hit_blocks == 3
+        await cluster.close()
+
+    run(go())
+
+
+@pytest.mark.parametrize("num_blocks", [1, 2, 3, 7, 8, 9, 64, 100])
+def test_the_prefix_search_is_exact_on_prefix_closed_sets(redis_url, num_blocks):
+    # What nodes publish is prefix-closed (see test_block_manager); on such a
+    # set the galloping search finds the same leading run a linear scan would.
+    async def go():
+        cluster = Cluster.from_url(redis_url, prefix=f"t5-{num_blocks}")
+        hashes = hash_prompt_blocks(list(range(16 * num_blocks)), "m", 16)
+        for held in range(num_blocks + 1):
+            await cluster.heartbeat(node("p0"), stored=hashes[:held], reset_blocks=True)
+            (cand,) = await cluster.candidates(hashes)
+            assert cand.hit_blocks == held
+        await cluster.close()
+
+    run(go())
+
+
+def test_a_set_with_holes_is_credited_between_its_leading_run_and_its_last_block(redis_url):
+    async def go():
+        cluster = Cluster.from_url(redis_url, prefix="t6")
+        hashes = hash_prompt_blocks(list(range(160)), "m", 16)  # 10 blocks
+        await cluster.heartbeat(node("p1"), stored=hashes[:2] + hashes[3:9], reset_blocks=True)
+        (cand,) = await cluster.candidates(hashes)
+        assert 2 <= cand.hit_blocks <= 9
+        await cluster.close()
+
+    run(go())
+
+
+def test_drained_nodes_are_flagged_until_undrained(redis_url):
+    async def go():
+        cluster = Cluster.from_url(redis_url, prefix="t7")
+        await cluster.heartbeat(node("p0"), reset_blocks=True)
+        await cluster.drain("p0")
+        (cand,) = await cluster.candidates([])
+        assert cand.drained
+        assert [n.draining for n in await cluster.nodes()] == [True]
+        assert await cluster.undrain("p0") and not await cluster.undrain("p0")
+        (cand,) = await cluster.candidates([])
+        assert not cand.drained
+        await cluster.close()
+
+    run(go())
+
+
+def test_dead_nodes_expire_and_are_pruned(redis_url):
+    async def go():
+        cluster = Cluster.from_url(redis_url, prefix="t2", ttl_s=0.3)
+        await cluster.heartbeat(node("p0"), stored=[b"x" * 16], reset_blocks=True)
+        assert [n.node_id for n in await cluster.nodes()] == ["p0"]
+        await asyncio.sleep(0.5)
+        assert await cluster.nodes() == []
+        assert await cluster.candidates([]) == []  # the routing read prunes the set
+        assert not await cluster.redis.sismember("t2:nodes", "p0")  # pruned from the set
+        assert await cluster.node_blocks("p0") == set()  # the block set expired too
+        await cluster.close()
+
+    run(go())
+
+
+def test_restart_resets_the_block_set_and_deregister_removes_everything(redis_url):
+    async def go():
+        cluster = Cluster.from_url(redis_url, prefix="t3")
+        await cluster.heartbeat(node("p0"), stored=[b"a" * 16, b"b" * 16], reset_blocks=True)
+        await cluster.heartbeat(
+            node("p0"), stored=[b"c" * 16], reset_blocks=True
+        )  # a restarted node
+        assert await cluster.node_blocks("p0") == {b"c" * 16}
+        await cluster.deregister("p0")
+        assert await cluster.nodes() == []
+        await cluster.close()
+
+    run(go())
+
+
+def test_node_info_round_trips_through_redis_fields():
+    info = node(
+        "x",
+        NodeRole.DECODE,
+        running=3,
+        waiting=2,
+        queued_prefill_tokens=77,
+        draining=True,
+        transfer_host="10.0.0.1",
+        transfer_port=29500,
+    )
+    back = NodeInfo.from_fields({k.encode(): v.encode() for k, v in info.to_fields().items()})
+    assert back == info

@@ -1,0 +1,294 @@
+"""Metrics: the histogram, the collectors over fake node and router state, the
+HTTP endpoint, and the port plan of `pdserve up`."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import socket
+import urllib.request
+from dataclasses import fields
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.cluster import NodeInfo, NodeRole
+from common.metrics.histogram import (
+    E2E_BUCKETS,
+    KV_BANDWIDTH_BUCKETS,
+    KV_TRANSFER_BUCKETS,
+    TOKEN_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    Histogram,
+)
+from common.metrics.node import COUNTERS, HISTOGRAMS, NodeCollector
+from common.metrics.server import make_registry, plan_metrics_ports, serve_metrics
+from decode_node.worker import DecodeStats
+from engine.llm_engine import EngineStats
+from pdserve.redis_server import free_port
+from prefill_node.worker import PrefillStats
+from router.inflight import InflightTracker
+from router.metrics import RouterCollector
+from router.stats import RequestTrace, RouterStats
+
+
+def scrape(*collectors) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of what a registry of ``collectors`` exposes."""
+    from prometheus_client import generate_latest
+
+    text = generate_latest(make_registry(collectors)).decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples, name, **labels) -> float:
+    """The one sample named ``name`` whose labels include ``labels``."""
+    hits = [v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items()]
+    assert len(hits) == 1, (name, labels, hits)
+    return hits[0]
+
+
+# ------------------------------------------------------------------ histogram
+def test_histogram_buckets_are_cumulative_and_inclusive():
+    h = Histogram([0.1, 0.5, 1.0])
+    h.observe(0.1)  # le is inclusive: lands in 0.1
+    h.observe(0.3, count=2)
+    h.observe_many([1.0, 7.0, 0.05])
+    snap = h.snapshot()
+    assert snap.buckets == [(0.1, 2), (0.5, 4), (1.0, 5), (math.inf, 6)]
+    assert snap.count == h.count == 6
+    assert snap.sum == pytest.approx(0.1 + 0.6 + 1.0 + 7.0 + 0.05)
+
+
+def test_a_batch_counts_like_one_value_at_a_time():
+    rng = random.Random(0)
+    # Exact bucket bounds included: le is inclusive either way.
+    values = [rng.choice(TOKEN_LATENCY_BUCKETS) for _ in range(200)]
+    values += [rng.expovariate(20) for _ in range(2000)] + [99.0]
+    batch, single = Histogram(TOKEN_LATENCY_BUCKETS), Histogram(TOKEN_LATENCY_BUCKETS)
+    batch.observe_many(values)
+    batch.observe_many([])
+    for v in values:
+        single.observe(v)
+    assert batch.snapshot().buckets == single.snapshot().buckets
+    assert batch.snapshot().sum == pytest.approx(single.snapshot().sum)
+
+
+@pytest.mark.parametrize("bounds", [[], [1.0, 1.0], [2.0, 1.0], [1.0, math.inf]])
+def test_histogram_rejects_bad_bounds(bounds):
+    with pytest.raises(ValueError, match="strictly increasing"):
+        Histogram(bounds)
+
+
+@pytest.mark.parametrize(
+    "buckets",
+    [TTFT_BUCKETS, TOKEN_LATENCY_BUCKETS, E2E_BUCKETS, KV_TRANSFER_BUCKETS, KV_BANDWIDTH_BUCKETS],
+)
+def test_bucket_sets_are_valid(buckets):
+    Histogram(buckets)
+
+
+# -------------------------------------------------------------------- router
+def router_state():
+    stats = RouterStats()
+    return SimpleNamespace(stats=stats, inflight=InflightTracker()), stats
+
+
+def test_router_exports_latency_histograms_and_final_statuses():
+    routing, stats = router_state()
+    ok = RequestTrace(start=10.0)
+    ok.on_tokens(1, 10.2)  # TTFT 200 ms
+    ok.on_tokens(2, 10.3)  # two tokens 100 ms later: ITL 50 ms each
+    ok.on_tokens(1, 10.35)  # ITL 50 ms
+    stats.routed("d0", "p0")
+    stats.finished(ok, 10.4, "OK", prompt_tokens=40, cached_tokens=16)
+    stats.routed("d0", None)
+    stats.finished(RequestTrace(start=0.0), 1.0, "RESOURCE_EXHAUSTED")
+    stats.redis_errors = 3
+    s = scrape(RouterCollector(routing))
+
+    assert value(s, "pdserve_router_requests_total", status="OK") == 1
+    assert value(s, "pdserve_router_requests_total", status="RESOURCE_EXHAUSTED") == 1
+    # Known statuses exist before they first happen (rate() needs the 0).
+    assert value(s, "pdserve_router_requests_total", status="DEADLINE_EXCEEDED") == 0
+    ttft = "pdserve_router_time_to_first_token_seconds"
+    assert value(s, ttft + "_count") == 1  # failures are not timed
+    assert value(s, ttft + "_sum") == pytest.approx(0.2)
+    assert value(s, ttft + "_bucket", le="0.15") == 0
+    assert value(s, ttft + "_bucket", le="0.2") == 1
+    itl = "pdserve_router_inter_token_latency_seconds"
+    assert value(s, itl + "_count") == 3 and value(s, itl + "_sum") == pytest.approx(0.15)
+    tpot = "pdserve_router_time_per_output_token_seconds"
+    assert value(s, tpot + "_sum") == pytest.approx(0.15 / 3)
+    e2e = "pdserve_router_e2e_request_latency_seconds"
+    assert value(s, e2e + "_count") == 1 and value(s, e2e + "_sum") == pytest.approx(0.4)
+    assert value(s, "pdserve_router_prompt_tokens_total") == 40
+    assert value(s, "pdserve_router_cached_prompt_tokens_total") == 16
+    assert value(s, "pdserve_router_routed_requests_total", role="decode", node="d0") == 2
+    assert value(s, "pdserve_router_routed_requests_total", role="prefill", node="p0") == 1
+    assert value(s, "pdserve_router_local_prefills_total") == 1
+    assert value(s, "pdserve_redis_errors_total", op="route") == 3
+    assert value(s, "pdserve_router_requests_in_flight") == 0
+
+
+# ---------------------------------------------------------------------- node
+def engine_stats(**overrides) -> EngineStats:
+    # Distinct values, so a field exported under the wrong name shows.
+    base = dict(
+        num_running=3,
+        num_waiting=5,
+        num_reserved=7,
+        num_queued_prefill_tokens=11,
+        num_kv_blocks=100,
+        num_free_kv_blocks=60,
+        num_cached_free_kv_blocks=13,
+        num_preemptions=17,
+        prefix_cache_queried_tokens=19,
+        prefix_cache_hit_tokens=23,
+    )
+    return EngineStats(**(base | overrides))
+
+
+def node_info(role=NodeRole.PREFILL) -> NodeInfo:
+    return NodeInfo("p-1", role, "127.0.0.1:1", "smol", 16)
+
+
+def test_node_exports_engine_snapshot_and_block_states():
+    engine = SimpleNamespace(stats=engine_stats(), alive=True)
+    s = scrape(NodeCollector(node_info(), engine))
+    labels = {"role": "prefill", "node": "p-1"}
+    assert value(s, "pdserve_requests_running", **labels) == 3
+    assert value(s, "pdserve_requests_waiting", **labels) == 5
+    assert value(s, "pdserve_requests_reserved", **labels) == 7
+    assert value(s, "pdserve_queued_prefill_tokens", **labels) == 11
+    assert value(s, "pdserve_kv_blocks_capacity", **labels) == 100
+    # num_free_kv_blocks counts cached-free blocks too; the states partition the pool.
+    free = value(s, "pdserve_kv_blocks", state="free")
+    cached = value(s, "pdserve_kv_blocks", state="cached")
+    used = value(s, "pdserve_kv_blocks", state="used")
+    assert (free, cached, used) == (47, 13, 40)
+    assert value(s, "pdserve_preemptions_total") == 17
+    assert value(s, "pdserve_prefix_cache_queried_tokens_total") == 19
+    assert value(s, "pdserve_prefix_cache_hit_tokens_total") == 23
+    assert value(s, "pdserve_node_info", model="smol", block_size="16") == 1
+    assert value(s, "pdserve_engine_alive") == 1 and value(s, "pdserve_node_draining") == 0
+
+
+def test_every_engine_stats_field_is_exported():
+    engine = SimpleNamespace(stats=engine_stats(), alive=False)
+    exported = set(scrape(NodeCollector(node_info(), engine)).values())
+    derived = {47, 40}  # free without cached, used
+    for f in fields(EngineStats):
+        v = getattr(engine.stats, f.name)
+        if f.name in ("num_free_kv_blocks",):
+            assert derived <= exported
+        else:
+            assert v in exported, f"EngineStats.{f.name} is not exported"
+
+
+def test_the_scrape_reads_the_latest_published_snapshot():
+    engine = SimpleNamespace(stats=engine_stats(), alive=True)
+    collector = NodeCollector(node_info(), engine)
+    engine.stats = engine_stats(num_running=0, num_free_kv_blocks=100)  # the engine swapped it
+    s = scrape(collector)
+    assert value(s, "pdserve_requests_running") == 0
+    assert value(s, "pdserve_kv_blocks", state="used") == 0
+
+
+@pytest.mark.parametrize("stats", [PrefillStats(), DecodeStats()])
+def test_every_worker_counter_has_a_decision(stats):
+    # A counter added to a worker must be named here (or skipped with a reason).
+    assert set(stats.counters()) <= set(COUNTERS)
+
+
+def test_prefill_node_exports_counters_transfer_histograms_and_redis_errors():
+    stats = PrefillStats(requests=4)
+    stats.transferred(1_000_000, 0.004)  # 250 MB/s
+    stats.transferred(0, 0.001)  # nothing to send (all cached on the decode node)
+    stats.transfers_failed = 1
+    assert set(stats.histograms()) <= set(HISTOGRAMS)
+    heartbeat = SimpleNamespace(published=9, consecutive_failures=2, failures=5)
+    engine = SimpleNamespace(stats=engine_stats(), alive=True)
+    s = scrape(NodeCollector(node_info(), engine, heartbeat, stats.counters, stats.histograms))
+    assert value(s, "pdserve_node_requests_total") == 4
+    assert value(s, "pdserve_kv_transfers_total") == 2
+    assert value(s, "pdserve_kv_transfer_bytes_total") == 1_000_000
+    assert value(s, "pdserve_kv_transfer_failures_total") == 1
+    dur = "pdserve_kv_transfer_duration_seconds"
+    assert value(s, dur + "_count") == 2 and value(s, dur + "_sum") == pytest.approx(0.005)
+    assert value(s, dur + "_bucket", le="0.001") == 1
+    bw = "pdserve_kv_transfer_bandwidth_bytes_per_second"
+    assert value(s, bw + "_count") == 1  # the empty push has no rate
+    assert value(s, bw + "_bucket", le="2.5e+08") == 1
+    assert value(s, bw + "_bucket", le="1e+08") == 0
+    assert value(s, "pdserve_heartbeats_total") == 9
+    assert value(s, "pdserve_heartbeat_consecutive_failures") == 2
+    assert value(s, "pdserve_redis_errors_total", op="heartbeat", role="prefill") == 5
+    assert not [k for k in s if k[0] == "pdserve_kv_transfer_us_total"]
+
+
+def test_decode_node_exports_its_counters():
+    stats = DecodeStats(requests=3, transfers_landed=2, late_transfers=1, bytes_received=4096)
+    engine = SimpleNamespace(stats=engine_stats(), alive=True)
+    info = NodeInfo("d-1", NodeRole.DECODE, "127.0.0.1:2", "smol", 16)
+    s = scrape(NodeCollector(info, engine, counters=stats.counters))
+    labels = {"role": "decode", "node": "d-1"}
+    assert value(s, "pdserve_kv_transfers_total", **labels) == 2
+    assert value(s, "pdserve_kv_late_transfers_total", **labels) == 1
+    assert value(s, "pdserve_kv_transfer_bytes_total", **labels) == 4096
+    assert value(s, "pdserve_kv_checksum_mismatches_total", **labels) == 0
+
+
+# -------------------------------------------------------------------- server
+def test_metrics_endpoint_serves_the_registry_over_http():
+    routing, stats = router_state()
+    stats.finished(RequestTrace(start=0.0), 1.0, "CANCELLED")
+    server = serve_metrics(free_port(), "127.0.0.1", [RouterCollector(routing)])
+    assert server is not None
+    try:
+        with urllib.request.urlopen(server.url, timeout=5) as r:
+            assert r.status == 200
+            text = r.read().decode()
+        assert server.url.endswith("/metrics")
+        assert 'pdserve_router_requests_total{status="CANCELLED"} 1.0' in text
+        # One explicit registry: no default process/platform/gc collectors.
+        assert "process_cpu_seconds_total" not in text and "python_gc" not in text
+    finally:
+        server.close()
+
+
+def test_port_zero_disables_and_a_busy_port_is_logged_not_fatal(caplog):
+    routing, _ = router_state()
+    assert serve_metrics(0, "127.0.0.1", [RouterCollector(routing)]) is None
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with caplog.at_level(logging.ERROR, logger="common.metrics.server"):
+            assert serve_metrics(port, "127.0.0.1", [RouterCollector(routing)]) is None
+    assert f"cannot listen on 127.0.0.1:{port}" in caplog.text
+
+
+def test_port_plan_for_processes_sharing_a_host():
+    names = ["router", "decode-0", "decode-1", "prefill-0"]
+    assert plan_metrics_ports(9400, names, None) == {
+        "router": 9400,
+        "decode-0": 9401,
+        "decode-1": 9402,
+        "prefill-0": 9403,
+    }
+    assert set(plan_metrics_ports(0, names, None).values()) == {0}
+    free = iter([5001, 5002, 5003, 5004])
+    assert list(plan_metrics_ports(None, names, lambda: next(free)).values()) == [
+        5001,
+        5002,
+        5003,
+        5004,
+    ]
+    with pytest.raises(ValueError, match="exceed 65535"):
+        plan_metrics_ports(65534, names, None)

@@ -1,0 +1,114 @@
+"""The block-hash spec (docs/architecture.md, version 1): router and nodes must agree bit for bit."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import pytest
+
+from engine.block_hash import (
+    BLOCK_HASH_VERSION,
+    ROOT_HASH,
+    BlockHasher,
+    derive_key,
+    hash_prompt_blocks,
+    pack_tokens,
+)
+
+
+def spec_hashes(tokens: list[int], model_id: str, block_size: int, salt: str | None) -> list[bytes]:
+    """An independent, literal reading of the spec (no shared code with the module)."""
+    key = hashlib.blake2b(
+        b"pdserve/block-hash/v1\0" + model_id.encode() + b"\0" + (salt or "").encode(),
+        digest_size=32,
+    ).digest()
+    out, prev = [], bytes(16)
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        block = tokens[start : start + block_size]
+        data = prev + struct.pack(f"<{block_size}I", *block)
+        prev = hashlib.blake2b(data, key=key, digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+def test_pinned_digests_of_spec_version_1():
+    # Changing any of these means router and nodes of different versions would
+    # disagree: bump BLOCK_HASH_VERSION and the key domain together.
+    assert BLOCK_HASH_VERSION == 1
+    hashes = hash_prompt_blocks(list(range(32)), "demo-model", 16)
+    assert [h.hex() for h in hashes] == [
+        "6de08888fb15dcdbfa6a769fd84687b9",
+        "fbf0ddc097bbda69552e3601209017de",
+    ]
+    salted = hash_prompt_blocks(list(range(32)), "demo-model", 16, "tenant-a")
+    assert salted[0].hex() == "7d923532d8af32b4d5f409738f93c7f0"
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16, 256])
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_matches_literal_spec(block_size, salt):
+    tokens = [(i * 7919) % 50000 for i in range(1000)]
+    assert hash_prompt_blocks(tokens, "m", block_size, salt) == spec_hashes(
+        tokens, "m", block_size, salt
+    )
+
+
+def test_only_full_blocks_are_hashed():
+    hasher = BlockHasher("m", 16)
+    assert len(hasher.hash_blocks(list(range(15)))) == 0
+    assert len(hasher.hash_blocks(list(range(16)))) == 1
+    assert len(hasher.hash_blocks(list(range(47)))) == 2
+
+
+def test_chain_depends_on_the_whole_prefix():
+    hasher = BlockHasher("m", 4)
+    a = hasher.hash_blocks([1, 2, 3, 4, 5, 6, 7, 8])
+    b = hasher.hash_blocks([9, 2, 3, 4, 5, 6, 7, 8])
+    assert a[1] != b[1]  # same second block, different first block
+    assert hasher.hash_blocks([5, 6, 7, 8]) != [a[1]]
+
+
+def test_incremental_extension_equals_full_hash():
+    hasher = BlockHasher("m", 8)
+    tokens = list(range(100))
+    full = hasher.hash_blocks(tokens)
+    head = hasher.hash_blocks(tokens[:40])
+    tail = hasher.hash_blocks(tokens, parent=head[-1], start_block=len(head))
+    assert head + tail == full
+
+
+def test_model_and_salt_separate_caches():
+    tokens = list(range(32))
+    base = hash_prompt_blocks(tokens, "model-a", 16)
+    assert hash_prompt_blocks(tokens, "model-b", 16) != base
+    assert hash_prompt_blocks(tokens, "model-a", 16, "t1") != base
+    assert hash_prompt_blocks(tokens, "model-a", 16, "t1") != hash_prompt_blocks(
+        tokens, "model-a", 16, "t2"
+    )
+    assert hash_prompt_blocks(tokens, "model-a", 16, "t1") == hash_prompt_blocks(
+        tokens, "model-a", 16, "t1"
+    )
+
+
+def test_digests_are_16_bytes_and_root_is_zero():
+    assert bytes(16) == ROOT_HASH
+    assert all(len(h) == 16 for h in hash_prompt_blocks(list(range(64)), "m", 16))
+    assert len(derive_key("m")) == 32
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], [1.5], ["a"]])
+def test_bad_token_ids_raise_value_error(bad):
+    with pytest.raises(ValueError, match="token ids"):
+        pack_tokens(bad)
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError, match="block_size"):
+        BlockHasher("m", 0)
+    with pytest.raises(ValueError, match="model_id"):
+        derive_key("")
+
+
+def test_little_endian_layout():
+    assert pack_tokens([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"

@@ -1,0 +1,185 @@
+"""Scheduler: continuous batching, chunked prefill, decode priority, limits, preemption, abort."""
+
+from __future__ import annotations
+
+import logging
+
+from engine.block_manager import BlockManager
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, SequenceStatus
+from tests.unit.engine.helpers import make_seq
+
+BS = 4
+
+
+def make(num_blocks=64, max_seqs=8, budget=64, max_len=256, chunked=True, caching=True):
+    bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
+    return Scheduler(bm, max_seqs, budget, max_len, enable_chunked_prefill=chunked)
+
+
+def step(sched: Scheduler, token: int = 1):
+    """Schedule, pretend the model ran, append `token` for sequences that sampled."""
+    batch = sched.schedule()
+    sampled = [
+        token if s.num_computed_tokens + n == s.num_tokens else None
+        for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+    ]
+    sched.update(batch, sampled)
+    sched.block_manager.check_invariants()
+    return batch
+
+
+def scheduled(batch) -> dict[int, int]:
+    return {s.seq_id: n for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)}
+
+
+def test_continuous_batching_admits_new_work_between_steps():
+    sched = make()
+    a = make_seq(8, BS)
+    sched.add(a)
+    assert scheduled(step(sched)) == {a.seq_id: 8}
+    b = make_seq(5, BS)
+    sched.add(b)
+    batch = step(sched)
+    assert scheduled(batch) == {a.seq_id: 1, b.seq_id: 5}
+    assert a.num_output_tokens == 2 and b.num_output_tokens == 1
+
+
+def test_chunked_prefill_splits_a_long_prompt_under_the_budget():
+    sched = make(budget=32)
+    seq = make_seq(100, BS)
+    sched.add(seq)
+    chunks = [scheduled(step(sched))[seq.seq_id] for _ in range(4)]
+    assert chunks == [32, 32, 32, 4]
+    assert seq.num_output_tokens == 1  # only the last chunk samples
+
+
+def test_decodes_are_scheduled_before_prefill_chunks():
+    sched = make(budget=16)
+    decoders = [make_seq(4, BS) for _ in range(3)]
+    for d in decoders:
+        sched.add(d)
+    step(sched)  # prefill the three short prompts (12 tokens)
+    long = make_seq(200, BS)
+    sched.add(long)
+    for _ in range(10):
+        batch = scheduled(step(sched))
+        assert all(batch[d.seq_id] == 1 for d in decoders)  # every step, every decode
+        assert batch[long.seq_id] == 16 - 3  # the prefill gets what is left
+
+
+def test_without_chunking_a_prompt_waits_for_budget():
+    sched = make(budget=32, chunked=False)
+    a, b = make_seq(20, BS), make_seq(20, BS)
+    sched.add(a)
+    sched.add(b)
+    assert scheduled(step(sched)) == {a.seq_id: 20}
+    assert scheduled(step(sched)) == {a.seq_id: 1, b.seq_id: 20}
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    sched = make(max_seqs=2)
+    seqs = [make_seq(4, BS) for _ in range(5)]
+    for s in seqs:
+        sched.add(s)
+    step(sched)
+    assert len(sched.running) == 2 and len(sched.waiting) == 3
+    sched.finish(seqs[0], FinishReason.STOP)
+    step(sched)
+    assert len(sched.running) == 2 and seqs[2].status is SequenceStatus.RUNNING
+
+
+def test_finish_and_abort_free_blocks_at_once():
+    sched = make(num_blocks=16)
+    a, b, c = make_seq(8, BS), make_seq(8, BS), make_seq(8, BS)
+    for s in (a, b):
+        sched.add(s)
+    step(sched)
+    sched.add(c)  # waiting, holds nothing yet
+    used = sched.block_manager.num_used_blocks
+    sched.finish(a, FinishReason.LENGTH)
+    # 8 computed tokens in 2 blocks (the sampled 9th gets its slot next step)
+    assert sched.block_manager.num_used_blocks == used - 2
+    assert a.finish_reason is FinishReason.LENGTH and a not in sched.running
+    sched.abort([b, c])
+    assert sched.block_manager.num_free_blocks == 16
+    assert not sched.has_unfinished()
+    assert b.finish_reason is FinishReason.ABORT and c.finish_reason is FinishReason.ABORT
+
+
+def test_preemption_by_recompute_when_blocks_run_out(caplog):
+    # 6 blocks of 4 tokens; two sequences of 8 tokens each need 3 blocks once they decode.
+    sched = make(num_blocks=6, caching=False)
+    a, b = make_seq(8, BS), make_seq(8, BS)
+    sched.add(a)
+    sched.add(b)
+    step(sched)  # both prefilled: 2 + 2 blocks, 9 tokens each
+    with caplog.at_level(logging.WARNING):
+        step(sched)  # both need a third block: 2 free -> fine
+        for _ in range(4):
+            batch = step(sched)
+            if batch.preempted:
+                break
+    assert batch.preempted == [b]  # the most recently admitted goes
+    assert sched.stats.num_preemptions == 1
+    assert "preempted" in caplog.text
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
+    assert b.block_table == [] and sched.waiting[0] is b
+    assert b.num_output_tokens > 0  # generated tokens are kept and recomputed
+    # No admission in a step that preempted; b returns once a finishes.
+    sched.finish(a, FinishReason.STOP)
+    batch = step(sched)
+    assert scheduled(batch) == {b.seq_id: b.num_tokens - 1}
+
+
+def test_a_sequence_can_preempt_itself_and_resume():
+    sched = make(num_blocks=3, caching=False, max_len=12)
+    a = make_seq(7, BS)
+    sched.add(a)
+    for _ in range(5):
+        step(sched)
+    assert a.num_tokens == 12 and sched.stats.num_preemptions == 0
+
+
+def test_prefix_hit_is_reported_once_at_first_admission():
+    sched = make()
+    a = make_seq(list(range(20)), BS)
+    sched.add(a)
+    step(sched)
+    b = make_seq(list(range(16)) + [7, 7], BS)
+    sched.add(b)
+    batch = scheduled(step(sched))
+    assert batch[b.seq_id] == 2  # only the two uncached tokens are computed
+    assert b.num_cached_tokens == 16
+    assert sched.stats.prefix_cache_hit_tokens == 16
+    assert sched.stats.prefix_cache_queried_tokens == 20 + 18
+
+
+def test_no_progress_is_impossible_when_pool_fits_max_len():
+    # A pool exactly the size of one max-length sequence serves many sequences in turn.
+    sched = make(num_blocks=4, max_seqs=4, caching=False, max_len=16)
+    seqs = [make_seq(6, BS) for _ in range(4)]
+    for s in seqs:
+        sched.add(s)
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
+        step(sched)
+        for s in list(sched.running):
+            if s.num_tokens >= 12:
+                sched.finish(s, FinishReason.LENGTH)
+    assert not sched.has_unfinished()
+    assert all(s.num_tokens >= 12 for s in seqs)
+
+
+def test_prompt_logprobs_requests_compute_the_whole_prompt():
+    from engine.sampling_params import SamplingParams
+
+    sched = make()
+    a = make_seq(list(range(20)), BS)
+    sched.add(a)
+    step(sched)
+    b = make_seq(list(range(20)), BS, params=SamplingParams(prompt_logprobs=1))
+    sched.add(b)
+    assert scheduled(step(sched))[b.seq_id] == 20  # no cache read: every position has logits
+    assert b.num_cached_tokens == 0

