@@ -255,6 +255,6 @@ def test_auto_picks_the_fastest_available_backend(qwen3_dir, caplog):
             str(qwen3_dir), skip_tokenizer_init=True, max_model_len=512, num_kvcache_blocks=64
         )
     expected = "flash_attn" if fa_version() is not None else "triton"
-    assert llm.llm_engine.model_runner.attention_backend.name == expected
+    assert llm.llm_engine.model_runner.attention_backend.name.value == expected
     lines = [r.message for r in caplog.records if r.message.startswith("attention backend")]
     assert len(lines) == 1 and "Traceback" not in caplog.text
