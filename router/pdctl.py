@@ -329,8 +329,17 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(admin_pb2_grpc.AdminStub(channel), args)
         except KeyboardInterrupt:
             return 0
+        except BrokenPipeError:
+            return closed_stdout()
         except grpc.RpcError as e:
             return report(e, args)
+
+
+def closed_stdout() -> int:
+    """The reader left (`pdctl stats --json | head`): exit quietly. Python's
+    own flush of stdout at exit would fail again, so stdout goes to /dev/null."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
 
 
 def report(e: grpc.RpcError, args) -> int:
