@@ -10,6 +10,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine_thread import EngineThread
 from common.engine.llm_engine import LLMEngine
 from common.node import add_node_arguments, default_host, engine_kwargs, fault_delays, run_node
+from common.ports import PlannedPort, check_free
 from common.redis_auth import redis_options_from_args
 from common.tls import TLSConfig
 from decode_node.service import DecodeNodeServicer
@@ -42,6 +43,13 @@ async def serve(args: argparse.Namespace) -> int:
     # Bad TLS or Redis flags fail now, not after loading the model.
     tls = TLSConfig.from_args(args)
     redis_options_from_args(args)
+    check_free(
+        args.host,
+        [
+            PlannedPort(args.port, "--port", "decode node gRPC API"),
+            PlannedPort(args.transfer_port, "--transfer-port", "KV transfer"),
+        ],
+    )
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     engine = LLMEngine(config)
     engine.block_manager.enable_events()

@@ -10,6 +10,7 @@ from common.engine.engine_thread import EngineThread
 from common.engine.llm_engine import LLMEngine
 from common.kv_transfer import KVSender
 from common.node import add_node_arguments, default_host, engine_kwargs, fault_delays, run_node
+from common.ports import PlannedPort, check_free
 from common.redis_auth import redis_options_from_args
 from common.tls import TLSConfig
 from prefill_node.service import PrefillNodeServicer
@@ -29,6 +30,7 @@ async def serve(args: argparse.Namespace) -> int:
     # Bad TLS or Redis flags fail now, not after loading the model.
     TLSConfig.from_args(args)
     redis_options_from_args(args)
+    check_free(args.host, [PlannedPort(args.port, "--port", "prefill node gRPC API")])
     # A prefill node never produces text: no tokenizer to load.
     kwargs = engine_kwargs(args) | {"skip_tokenizer_init": True}
     config = EngineConfig.from_kwargs(args.model, **kwargs)
