@@ -29,9 +29,12 @@ from common.grpc_server import SERVER_OPTIONS, add_health, add_reflection, set_s
 from common.metrics.histogram import Histogram
 from common.metrics.node import NodeCollector
 from common.metrics.server import add_metrics_arguments, serve_metrics
+from common.ports import listen
+from common.progress_log import DEFAULT_INTERVAL_S as DEFAULT_STATS_INTERVAL_S
+from common.progress_log import log_progress
 from common.redis_auth import add_redis_auth_arguments, check_redis, redis_options_from_args
 from common.reliability import FAULT_DELAYS_ENV, FaultDelays
-from common.tls import TLSConfig, add_port, add_tls_arguments
+from common.tls import TLSConfig, add_tls_arguments
 from proto import internal_pb2, internal_pb2_grpc
 
 CONTROL_SERVICE = internal_pb2.DESCRIPTOR.services_by_name["NodeControl"].full_name
@@ -274,6 +277,13 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument(
         "--heartbeat-interval", type=float, default=float(env("PDSERVE_HEARTBEAT_S", "0.5"))
     )
+    p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=float(env("PDSERVE_LOG_STATS_INTERVAL_S", str(DEFAULT_STATS_INTERVAL_S))),
+        help="seconds between progress lines while busy (tok/s, queue, KV); 0: none "
+        "[PDSERVE_LOG_STATS_INTERVAL_S]",
+    )
     p.add_argument("--node-ttl", type=float, default=float(env("PDSERVE_NODE_TTL_S", "5")))
     p.add_argument(
         "--transfer-timeout", type=float, default=float(env("PDSERVE_TRANSFER_TIMEOUT_S", "30"))
@@ -350,7 +360,7 @@ async def run_node(
     health = await add_health(server, [service, CONTROL_SERVICE])
     if args.enable_reflection:
         add_reflection(server, [service, CONTROL_SERVICE])
-    add_port(server, f"{args.host}:{args.port}", TLSConfig.from_args(args))
+    listen(server, args.host, args.port, "--port", "node gRPC API", TLSConfig.from_args(args))
     await server.start()
 
     heartbeat = Heartbeat(
@@ -359,6 +369,7 @@ async def run_node(
     metrics.heartbeat = heartbeat
     await heartbeat.beat()
     beating = asyncio.create_task(heartbeat.run_forever())
+    progress = asyncio.create_task(log_progress(thread, info.node_id, args.log_stats_interval))
     await set_serving(health, [service, CONTROL_SERVICE], True)
     logger.info("%s node %s serving on %s:%d", info.role.value, info.node_id, args.host, args.port)
 
@@ -386,6 +397,7 @@ async def run_node(
     watchdog.daemon = True
     watchdog.start()
     beating.cancel()
+    progress.cancel()
     await asyncio.wait({beating}, timeout=5)
     await heartbeat.deregister()
     # Grace for the last messages of finished streams; then cancel the rest.
