@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 SILENCE_CHECK_S = 1.0
 PROBE_TIMEOUT_S = 2.0
 PROBE_TTL_S = 1.0
+# A client whose deadline passes cancels its stream; our copy of the deadline
+# (its grpc-timeout counted from when the call arrived) ends this much later at
+# most, so a cancel this close to it is the deadline's doing.
+DEADLINE_SLACK_S = 0.25
 
 
 class RouterServicer(pdserve_pb2_grpc.RouterServicer):
@@ -112,7 +116,7 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
             )
         finally:
             remaining = context.time_remaining()
-            if status == "CANCELLED" and remaining is not None and remaining <= 0:
+            if status == "CANCELLED" and remaining is not None and remaining < DEADLINE_SLACK_S:
                 # The client's deadline ended it, not the client: count it as such.
                 status = "DEADLINE_EXCEEDED"
             stats.finished(
