@@ -240,3 +240,32 @@ def test_command_name_finds_a_runnable_pdserve():
     name = command_name("pdserve", "common.cli")
     assert name == "pdserve" or name.endswith("pdserve") or name.endswith("-m common.cli")
     assert command_name("no-such-script", "x.y").endswith("-m x.y")
+
+
+# ------------------------------------------------------------------ 5. pdctl top
+def test_pdctl_top_renders_every_node_and_the_latencies(cluster):
+    list(generate(cluster.router_address, "Name a fruit.", max_tokens=4, timeout=120))
+    out = run([*PDCTL, "--address", cluster.admin_address, "top", "--once", "--interval", "0.5"])
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for expected in ("decode-0", "prefill-0", "KV USAGE", "HEARTBEAT", "TTFT", "TPOT", "ITL"):
+        assert expected in text, text
+    assert "requests/s" in text and "%" in text
+    ttft = next(line for line in text.splitlines() if "TTFT" in line)
+    assert any(ch.isdigit() for ch in ttft.replace("TTFT", "")), ttft
+
+
+def test_pdctl_top_frame_from_samples():
+    from proto import admin_pb2
+    from router.pdctl_top import Sample, render_text
+
+    node = admin_pb2.NodeInfo(
+        node_id="decode-9", role="decode", kv_blocks_total=100, kv_blocks_free=25, running=3
+    )
+    later = admin_pb2.NodeInfo()
+    later.CopyFrom(node)
+    later.requests_total = 20
+    stats = admin_pb2.StatsResponse()
+    text = render_text(Sample(0.0, [node], stats), Sample(2.0, [later], stats), "host:1")
+    assert "decode-9" in text and " 75%" in text
+    assert "10.0" in text  # 20 requests in 2 s
