@@ -65,7 +65,7 @@ def kv_bar(node, width: int = 20) -> Text:
 
 def nodes_table(prev: Sample | None, cur: Sample) -> Table:
     t = Table(title="nodes", title_justify="left")
-    for name in ("NODE", "ROLE", "RUNNING", "WAITING", "KV USAGE", "QUEUED TOK", "REQ/S"):
+    for name in ("NODE", "ROLE", "RUNNING", "WAITING", "KV USAGE", "QUEUED TOK", "REQ/S", "TOK/S"):
         t.add_column(name, justify="left" if name in ("NODE", "ROLE", "KV USAGE") else "right")
     t.add_column("HEARTBEAT", justify="right")
     t.add_column("DRAINING")
@@ -74,6 +74,10 @@ def nodes_table(prev: Sample | None, cur: Sample) -> Table:
     for n in cur.nodes:
         old = before.get(n.node_id)
         rate = _rate(n.requests_total, old.requests_total, seconds) if old else "-"
+        # Tokens through the model: prompts on a prefill node, mostly decode steps on a decode node.
+        tok_rate = (
+            _rate(n.computed_tokens_total, old.computed_tokens_total, seconds) if old else "-"
+        )
         age = Text(
             f"{n.heartbeat_age_ms} ms",
             style="red" if n.heartbeat_age_ms > HEARTBEAT_STALE_MS else "",
@@ -86,6 +90,7 @@ def nodes_table(prev: Sample | None, cur: Sample) -> Table:
             kv_bar(n),
             str(n.queued_prefill_tokens),
             rate,
+            tok_rate,
             age,
             Text("yes", style="yellow") if n.draining else "no",
         )

@@ -248,7 +248,16 @@ def test_pdctl_top_renders_every_node_and_the_latencies(cluster):
     out = run([*PDCTL, "--address", cluster.admin_address, "top", "--once", "--interval", "0.5"])
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    for expected in ("decode-0", "prefill-0", "KV USAGE", "HEARTBEAT", "TTFT", "TPOT", "ITL"):
+    for expected in (
+        "decode-0",
+        "prefill-0",
+        "KV USAGE",
+        "TOK/S",
+        "HEARTBEAT",
+        "TTFT",
+        "TPOT",
+        "ITL",
+    ):
         assert expected in text, text
     assert "requests/s" in text and "%" in text
     ttft = next(line for line in text.splitlines() if "TTFT" in line)
@@ -265,7 +274,9 @@ def test_pdctl_top_frame_from_samples():
     later = admin_pb2.NodeInfo()
     later.CopyFrom(node)
     later.requests_total = 20
+    later.computed_tokens_total = 1234
     stats = admin_pb2.StatsResponse()
     text = render_text(Sample(0.0, [node], stats), Sample(2.0, [later], stats), "host:1")
-    assert "decode-9" in text and " 75%" in text
+    assert "decode-9" in text and " 75%" in text and "TOK/S" in text
     assert "10.0" in text  # 20 requests in 2 s
+    assert "617" in text  # 1234 tokens through the model in 2 s
