@@ -4,6 +4,7 @@ that says what the cluster serves, and a fast `pdserve generate`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -280,3 +281,37 @@ def test_pdctl_top_frame_from_samples():
     assert "decode-9" in text and " 75%" in text and "TOK/S" in text
     assert "10.0" in text  # 20 requests in 2 s
     assert "617" in text  # 1234 tokens through the model in 2 s
+
+
+def test_pdctl_top_runs_full_screen_in_a_terminal_and_q_quits(cluster):
+    # A real pseudo-terminal: the live view draws, and the q key ends it.
+    import pty
+    import select as select_
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: pdctl top on a terminal wide enough for every column
+        env = dict(os.environ, COLUMNS="200", LINES="50")
+        os.execve(sys.executable, [*PDCTL, "--address", cluster.admin_address, "top"], env)
+    screen = b""
+    try:
+        deadline = time.monotonic() + 30
+        while b"decode-0" not in screen and time.monotonic() < deadline:
+            if select_.select([fd], [], [], 0.5)[0]:
+                screen += os.read(fd, 65536)
+        assert b"decode-0" in screen and b"TOK/S" in screen, screen[-2000:]
+        os.write(fd, b"q")
+        end = time.monotonic() + 10
+        status = None
+        while status is None and time.monotonic() < end:
+            if select_.select([fd], [], [], 0.2)[0]:
+                with contextlib.suppress(OSError):
+                    os.read(fd, 65536)
+            done, code = os.waitpid(pid, os.WNOHANG)
+            status = code if done else None
+        assert status is not None, "pdctl top did not quit on q"
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        os.close(fd)
