@@ -6,6 +6,7 @@ pdserve generate PROMPT [--address HOST:PORT] [--max-tokens N] [--temperature T]
                  [--token T] [--tls-ca FILE] [--tls-cert FILE --tls-key FILE]
 pdserve model prepare [--out DIR] [--force]      demo model -> HF directory
 pdserve demo [--model DIR] [...]                 offline engine on chat prompts
+pdserve bench serve|plot [...]                   serving benchmark (docs/performance.md)
 """
 
 from __future__ import annotations
@@ -314,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_client_tls_arguments(gen, "PDSERVE")
     gen.set_defaults(func=cmd_generate)
+
+    # `pdserve bench serve|plot` (pdserve/bench); building its parser loads no client.
+    from pdserve.bench.cli import add_bench_parsers
+
+    add_bench_parsers(sub.add_parser("bench", help="serving benchmark: load sweeps, plots"))
     return parser
 
 
