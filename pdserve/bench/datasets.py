@@ -159,14 +159,14 @@ class MultiTurnWorkload:
             list(self.systems[user % len(self.systems)]), self.messages[user], self.output_tokens
         )
 
+    def first_turn(self, user: int) -> BenchRequest:
+        c = self.conversation(user)
+        ids = c.system + c.messages[0]
+        return BenchRequest(ids, len(ids), c.output_len, conversation=user, turn=0)
+
     def first_turns(self) -> list[BenchRequest]:
         """One request per conversation (its first turn); later turns follow replies."""
-        out = []
-        for user in range(len(self.messages)):
-            c = self.conversation(user)
-            ids = c.system + c.messages[0]
-            out.append(BenchRequest(ids, len(ids), c.output_len, conversation=user, turn=0))
-        return out
+        return [self.first_turn(user) for user in range(len(self.messages))]
 
     def next_turn(self, done: BenchRequest, reply: list[int]) -> BenchRequest | None:
         """The turn after ``done`` given its reply's token ids; None after the last."""
