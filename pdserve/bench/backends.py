@@ -135,14 +135,15 @@ class OpenAIBackend:
                         return out
                     if obj.get("usage"):
                         usage = obj["usage"]
-                    for choice in obj.get("choices") or ():
-                        text = choice.get("text") or ""
-                        ids = choice.get("token_ids") or ()
-                        if text or ids:
-                            timer.chunk()
-                            chunks += 1
-                            out.text += text
-                            out.output_ids.extend(ids)
+                    if choices := obj.get("choices"):
+                        # Any chunk with a choice is output, its text empty or
+                        # not (vllm bench serve's rule): a server without a
+                        # tokenizer (dummy weights) streams empty texts.
+                        timer.chunk()
+                        chunks += 1
+                        for choice in choices:
+                            out.text += choice.get("text") or ""
+                            out.output_ids.extend(choice.get("token_ids") or ())
                 timer.end()
                 if not done:
                     out.error = "the stream ended without data: [DONE]"
