@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
-import threading
+import subprocess
+import sys
+import time
+import urllib.request
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -77,49 +79,60 @@ def make_app(default: Script) -> web.Application:
         await resp.write_eof()
         return resp
 
+    async def stats(request: web.Request) -> web.Response:
+        return web.json_response(counts)
+
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/stats", stats)
     app[COUNTS] = counts
     return app
 
 
 class FakeServer:
-    """The fake on a real port, in a background thread (tests)."""
+    """The fake on a real port in its own process (tests): its event loop must
+    not share a GIL with the client's, whose timings the tests check."""
 
     def __init__(self, default: Script | None = None) -> None:
+        from pdserve.redis_server import free_port  # the script itself runs without pdserve
+
         self.default = default or Script()
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self._sock = sock
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.port = free_port()
+        self._proc: subprocess.Popen | None = None
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self.app = make_app(self.default)
-        self._runner = web.AppRunner(self.app, access_log=None)
-        self._loop.run_until_complete(self._runner.setup())
-        site = web.SockSite(self._runner, self._sock)
-        self._loop.run_until_complete(site.start())
-        self._ready.set()
-        self._loop.run_forever()
+    def requests(self) -> int:
+        """Completions requests received so far."""
+        with urllib.request.urlopen(self.base_url + "/stats", timeout=10) as r:
+            return json.loads(r.read())["requests"]
 
     def __enter__(self) -> FakeServer:
-        self._thread.start()
-        if not self._ready.wait(30):
-            raise RuntimeError("the fake server did not start")
-        return self
+        self._proc = subprocess.Popen(
+            [sys.executable, __file__, "--port", str(self.port)]
+            + [
+                "--ttft-ms",
+                str(self.default.ttft_s * 1e3),
+                "--itl-ms",
+                str(self.default.itl_s * 1e3),
+            ]
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                self.requests()
+                return self
+            except OSError:
+                time.sleep(0.1)
+        self._proc.kill()
+        raise RuntimeError("the fake server did not start")
 
     def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(30)
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(timeout=30)
 
 
 def main() -> None:
