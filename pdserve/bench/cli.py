@@ -114,7 +114,7 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     plot.set_defaults(func=cmd_plot)
 
 
-def build_dataset(args: argparse.Namespace):
+def build_dataset(args: argparse.Namespace, seed: int):
     from pdserve.bench import datasets as ds
 
     vocab = args.vocab_size
@@ -131,7 +131,7 @@ def build_dataset(args: argparse.Namespace):
                 args.random_input_len,
                 out_len,
                 vocab,
-                args.seed,
+                seed,
                 args.random_range_ratio,
                 fmt,
             )
@@ -144,7 +144,7 @@ def build_dataset(args: argparse.Namespace):
                 args.shared_prefix_question_len,
                 out_len,
                 vocab,
-                args.seed,
+                seed,
                 fmt,
             )
             return ds.Dataset(args.dataset, reqs)
@@ -158,12 +158,12 @@ def build_dataset(args: argparse.Namespace):
                 max_user_tokens=args.multi_turn_max_user_len,
                 output_tokens=out_len,
             )
-            w = ds.MultiTurnWorkload.make(spec, vocab, args.seed)
+            w = ds.MultiTurnWorkload.make(spec, vocab, seed)
             return ds.Dataset(args.dataset, w.first_turns(), multi_turn=w)
         case DatasetKind.JSONL:
             if args.jsonl_path is None:
                 raise ValueError("--dataset jsonl needs --jsonl-path")
-            reqs = ds.jsonl_requests(args.jsonl_path, out_len, args.num_prompts, args.seed)
+            reqs = ds.jsonl_requests(args.jsonl_path, out_len, args.num_prompts, seed)
             return ds.Dataset(args.dataset, reqs)
     raise ValueError(f"unknown dataset {args.dataset}")  # pragma: no cover
 
@@ -184,8 +184,6 @@ def make_backend(args: argparse.Namespace):
 
 async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
     """Every rate in turn; returns {"record": path, "plot": path|None, "rates": [...]}."""
-    from dataclasses import replace
-
     from tqdm import tqdm
 
     from pdserve.bench.loadgen import run_rate, warm_up
@@ -193,17 +191,20 @@ async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict
     from pdserve.bench.report import DEFAULT_RESULT_DIR, table, write_record
 
     slo = parse_slo(args.slo) if args.slo else None
-    dataset = build_dataset(args)
+    # Each rate (and the warm-up) gets prompts of its own seed: with the same
+    # prompts, a server's prefix cache would serve rate k+1 what rate k computed.
+    # (A jsonl file's prompts are the same at every rate.)
+    datasets = [build_dataset(args, args.seed + i) for i in range(len(args.request_rate))]
     label = args.label or args.backend.value
     backend = make_backend(args)
     rates = []
     try:
         if args.num_warmups > 0:
-            warm = [replace(r) for r in dataset.requests[: args.num_warmups]]
+            warm = build_dataset(args, args.seed + 1_000_003).requests[: args.num_warmups]
             bad = [r.error for r in await warm_up(backend, warm) if not r.success]
             if bad:
                 print(f"warm-up: {len(bad)} of {len(warm)} failed: {bad[0]}", file=sys.stderr)
-        for rate in args.request_rate:
+        for rate, dataset in zip(args.request_rate, datasets, strict=True):
             bar = tqdm(
                 total=dataset.total_requests,
                 desc=f"rate {rate:g}",

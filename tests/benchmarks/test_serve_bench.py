@@ -25,8 +25,8 @@ from pdserve.bench.metrics import SloMetric, compute, parse_slo, percentile
 from pdserve.cli import main as pdserve_main
 
 # The server sleeps the scripted delays, so a measured time is never below its
-# script; above it by at most SLACK_MS (two event loops on 2 shared CI cores).
-SLACK_MS = 80
+# script; above it by at most SLACK_MS (2 CI cores shared with other jobs).
+SLACK_MS = 150
 
 
 def _jsonl(tmp_path, lines: list[dict]):
@@ -187,3 +187,21 @@ def test_no_successes_exit_nonzero_and_are_all_listed(tmp_path):
 def test_metrics_of_no_requests_are_nan_not_errors():
     m = compute([], 1.0, 1.0)
     assert m.completed == 0 and math.isnan(m.ttft_ms["p50"])
+
+
+def test_each_rate_gets_its_own_prompts_so_no_rate_feeds_the_next_ones_cache():
+    from pdserve.bench.cli import build_dataset
+    from pdserve.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "serve", "--dataset", "shared-prefix", "--shared-prefix-groups", "2"]
+        + ["--shared-prefix-prompts-per-group", "3", "--shared-prefix-system-len", "32"]
+        + ["--shared-prefix-question-len", "8", "--vocab-size", "5000"]
+    )
+    a, b = build_dataset(args, 0), build_dataset(args, 1)
+    assert len(a.requests) == len(b.requests) == 6
+    assert {r.prompt_len for r in a.requests} == {40}
+    # Within one dataset, prompts share one of two system prompts; across seeds none.
+    systems = {tuple(r.prompt[:32]) for r in a.requests}
+    assert len(systems) == 2 and not systems & {tuple(r.prompt[:32]) for r in b.requests}
+    assert build_dataset(args, 0).requests[0].prompt == a.requests[0].prompt  # seeded
