@@ -65,11 +65,16 @@ def bench(args, label: str, target: list[str], workload: str, out: Path) -> None
     cmd += ["--model-dir", str(args.model_dir), "--request-rate", *rates, "--slo", SLO]
     cmd += ["--num-warmups", "8", "--seed", "0", "--result-dir", str(out), "--no-progress"]
     cmd += ["--timeout", "120"]
+    # Leave time to stop the servers and write the plots before the device's limit.
+    timeout = min(args.sweep_timeout, args.deadline - time.monotonic() - 45)
+    if timeout < 30:
+        log(f"{label} {workload}: skipped, --time-budget spent")
+        return
     log(f"{label} {workload}: rates {' '.join(rates)}")
     try:
-        subprocess.run(cmd, check=False, timeout=args.sweep_timeout)
+        subprocess.run(cmd, check=False, timeout=timeout)
     except subprocess.TimeoutExpired:
-        log(f"{label} {workload}: sweep timed out after {args.sweep_timeout} s (record lost)")
+        log(f"{label} {workload}: sweep timed out after {timeout:.0f} s (record lost)")
 
 
 def run_pdserve(args, out: Path) -> None:
@@ -189,9 +194,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-prompts", type=int, default=96, help="per rate (random)")
     p.add_argument("--start-timeout", type=float, default=300)
     p.add_argument("--sweep-timeout", type=float, default=400)
+    p.add_argument(
+        "--time-budget", type=float, default=580, help="seconds for everything (device limit 600)"
+    )
     p.add_argument("--pdserve-engine-args", default="", help="e.g. '--attention-backend fa4'")
     p.add_argument("--vllm-args", default="--gpu-memory-utilization 0.9 --max-num-seqs 256")
     args = p.parse_args(argv)
+    args.deadline = time.monotonic() + args.time_budget
     args.rates = {"random": args.random_rates, "shared-prefix": args.shared_prefix_rates}
     from engine.models.shapes import write_shape_dir
 
