@@ -8,6 +8,7 @@ pdserve generate PROMPT [--address HOST:PORT] [--max-tokens N] [--temperature T]
                  [--token T] [--tls-ca FILE] [--tls-cert FILE --tls-key FILE]
 pdserve model prepare [--out DIR] [--force]      demo model -> HF directory
 pdserve demo [--model DIR] [...]                 offline engine on chat prompts
+pdserve bench serve|plot [...]                   serving benchmark (docs/performance.md)
 """
 
 from __future__ import annotations
@@ -264,6 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.generate import add_generate_parser
 
     add_generate_parser(sub)
+
+    # `pdserve bench serve|plot` (pdserve/bench); building its parser loads no client.
+    from pdserve.bench.cli import add_bench_parsers
+
+    add_bench_parsers(sub.add_parser("bench", help="serving benchmark: load sweeps, plots"))
     return parser
 
 
