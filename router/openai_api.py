@@ -243,7 +243,15 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats, max_model_len: i
             generate = [body.to_generate(max_model_len)]
         except InvalidField as e:
             raise ApiError(400, str(e), "invalid_request_error", e.param) from None
-        assembler = Assembler(frontend, "chatcmpl", model_id, body.n, 1, chat=True)
+        assembler = Assembler(
+            frontend,
+            "chatcmpl",
+            model_id,
+            body.n,
+            1,
+            chat=True,
+            top_logprobs=body.top_logprobs or 0,
+        )
         return await run(request, body, generate, assembler)
 
     async def parse(request: Request, schema):

@@ -30,7 +30,9 @@ class _Choice:
 
 
 class Assembler:
-    def __init__(self, frontend, prefix, model, n, num_prompts, *, chat, echo=None) -> None:
+    def __init__(
+        self, frontend, prefix, model, n, num_prompts, *, chat, echo=None, top_logprobs=0
+    ) -> None:
         self.tokenizer = frontend.tokenizer
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -38,6 +40,9 @@ class Assembler:
         self.n = n
         self.chat = chat
         self.echo = echo  # completions: the prompt texts to prepend, by prompt
+        # Chat's top_logprobs is exactly k long (OpenAI); the engine adds the
+        # sampled token when it is not among the k best (completions keep it, as vLLM).
+        self.top_logprobs = top_logprobs
         self.object = "chat.completion" if chat else "text_completion"
         self.choices = [_Choice() for _ in range(n * num_prompts)]
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
@@ -71,7 +76,7 @@ class Assembler:
                                 "logprob": t.logprob,
                                 "bytes": list(text.encode()),
                             }
-                            for t in lp.top
+                            for t in sorted(lp.top, key=lambda t: -t.logprob)[: self.top_logprobs]
                         ],
                     }
                 )
