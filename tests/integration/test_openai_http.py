@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -327,6 +328,28 @@ def test_disconnect_mid_stream_frees_every_block_and_a_busy_router_says_429(clus
     wait_all_blocks_free(cluster)
     # The slot is free again too.
     assert client.completions.create(model=model, prompt=PROMPT, max_tokens=2).choices
+
+
+def test_disconnect_before_a_non_streamed_answer_frees_every_block(cluster):
+    body = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True}
+    conn = http.client.HTTPConnection("127.0.0.1", cluster.http_ports[0], timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Authorization": f"Bearer {ALICE}"})
+    auth = (("authorization", f"Bearer {OPS}"),)
+    deadline = time.monotonic() + 30
+    while True:  # until the decode node holds the request's blocks
+        with grpc.insecure_channel(cluster.admin_address) as ch:
+            nodes = (
+                admin_pb2_grpc.AdminStub(ch)
+                .ListNodes(admin_pb2.ListNodesRequest(), timeout=5, metadata=auth)
+                .nodes
+            )
+        if any(n.role == "decode" and n.running for n in nodes):
+            break
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.1)
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away before any byte came back
+    conn.close()
+    wait_all_blocks_free(cluster)
 
 
 def test_no_node_is_503(cluster, demo_model_dir, tmp_path):
