@@ -15,6 +15,8 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 
 import grpc
 import uvicorn
@@ -196,14 +198,10 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats, max_model_len: i
 
     @app.get("/version")
     async def version():
-        from importlib.metadata import PackageNotFoundError
-        from importlib.metadata import version as package_version
-
         try:
-            v = package_version("pdserve")
-        except PackageNotFoundError:
-            v = "dev"
-        return {"version": v}
+            return {"version": package_version("pdserve")}
+        except PackageNotFoundError:  # a source checkout that was never installed
+            return {"version": "dev"}
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():

@@ -96,6 +96,13 @@ def hf(demo_model_dir, demo_tokenizer):
     return greedy
 
 
+def nodes(cluster) -> list:
+    auth = (("authorization", f"Bearer {OPS}"),)
+    with grpc.insecure_channel(cluster.admin_address) as ch:
+        stub = admin_pb2_grpc.AdminStub(ch)
+        return list(stub.ListNodes(admin_pb2.ListNodesRequest(), timeout=5, metadata=auth).nodes)
+
+
 def wait_all_blocks_free(cluster) -> list:
     auth = (("authorization", f"Bearer {OPS}"),)
     deadline = time.monotonic() + 10
@@ -313,17 +320,13 @@ def test_disconnect_mid_stream_frees_every_block_and_a_busy_router_says_429(clus
     # --max-in-flight 1 and this stream in flight: no capacity.
     e = error_of(lambda: client.completions.create(model=model, prompt=PROMPT, max_tokens=2))
     assert e.status_code == 429 and e.response.headers["retry-after"]
-    with grpc.insecure_channel(cluster.admin_address) as ch:
-        busy = (
-            admin_pb2_grpc.AdminStub(ch)
-            .ListNodes(
-                admin_pb2.ListNodesRequest(),
-                timeout=5,
-                metadata=(("authorization", f"Bearer {OPS}"),),
-            )
-            .nodes
-        )
-    assert any(n.role == "decode" and n.kv_blocks_free < n.kv_blocks_total for n in busy)
+    # The nodes publish their free blocks with each heartbeat: wait for one.
+    deadline = time.monotonic() + 10
+    while not any(
+        n.role == "decode" and n.kv_blocks_free < n.kv_blocks_total for n in nodes(cluster)
+    ):
+        assert time.monotonic() < deadline, "the stream's blocks never showed"
+        time.sleep(0.1)
     stream.close()  # the client goes away mid-stream
     wait_all_blocks_free(cluster)
     # The slot is free again too.
