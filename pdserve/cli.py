@@ -122,6 +122,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         router_args=(["--routing-policy", args.routing_policy] if args.routing_policy else [])
         + (["--api-tokens-file", args.api_tokens_file] if args.api_tokens_file else []),
         num_routers=args.routers,
+        http_port=args.http_port,
         log_dir=args.log_dir,
         metrics_port=args.metrics_port,
         tls=tls,
@@ -146,8 +147,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 1
-    for address, admin in zip(cluster.router_addresses, cluster.admin_addresses, strict=True):
+    for i, (address, admin) in enumerate(
+        zip(cluster.router_addresses, cluster.admin_addresses, strict=True)
+    ):
         print(f"router listening on {address} (admin API on {admin})", flush=True)
+        if cluster.http_ports:
+            scheme = "https" if tls.serves_tls else "http"
+            print(f"OpenAI API on {scheme}://{args.host}:{cluster.http_ports[i]}/v1", flush=True)
     # With TLS the example commands need the client's files; with tokens, a token.
     tls_flags = "".join(f" {flag} {path}" for flag, path in tls.paths if flag != "--tls-client-ca")
     gen_token = " --token TOKEN" if args.api_tokens_file else ""
@@ -214,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=50051, help="router port")
     up.add_argument("--admin-port", type=int, default=50052)
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="OpenAI-compatible HTTP API port of the router (docs/openai.md); off when unset",
+    )
     up.add_argument("--routers", type=int, default=1, help="router replicas")
     up.add_argument(
         "--admin-token",

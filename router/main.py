@@ -57,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="public port [PDSERVE_PORT]",
     )
     p.add_argument(
+        "--http-port",
+        type=int,
+        default=int(env("PDSERVE_HTTP_PORT") or 0) or None,
+        help="OpenAI-compatible HTTP API port (docs/openai.md); off when unset [PDSERVE_HTTP_PORT]",
+    )
+    p.add_argument(
         "--admin-port",
         type=int,
         default=int(env("PDSERVE_ADMIN_PORT", "50052")),
@@ -150,13 +156,16 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def router_ports(args: argparse.Namespace) -> list[PlannedPort]:
-    """The router's gRPC listeners (a new front adds its (port, flag) here).
+    """The router's listeners: gRPC public and admin, and the OpenAI HTTP API when on.
     Not --metrics-port: a metrics port that cannot be bound is logged and
     skipped (common/metrics/server.py); `pdserve up` checks it beforehand."""
-    return [
+    ports = [
         PlannedPort(args.port, "--port", "router public API"),
         PlannedPort(args.admin_port, "--admin-port", "router admin API"),
     ]
+    if args.http_port:
+        ports.append(PlannedPort(args.http_port, "--http-port", "router OpenAI HTTP API"))
+    return ports
 
 
 def routing_config(args: argparse.Namespace) -> RoutingConfig:
@@ -217,9 +226,34 @@ async def serve(args: argparse.Namespace) -> int:
     )
     admin_health = await add_health(admin, [ADMIN])
     listen(admin, admin_host, args.admin_port, "--admin-port", "router admin API", tls)
+    collectors = [RouterCollector(routing)]
+    http = None
+    if args.http_port:
+        from router import openai_api  # FastAPI is imported only where the port is on
+
+        http_stats = openai_api.HttpStats()
+        collectors.append(openai_api.HttpCollector(http_stats))
+        app = openai_api.build_app(
+            router, public_auth[0] if public_auth else None, http_stats, config.max_model_len
+        )
+        http = openai_api.make_server(app, args.host, args.http_port, tls, args.drain_timeout)
     # Metrics first: anything a launcher finds SERVING can be scraped.
-    serve_metrics(args.metrics_port, args.host, [RouterCollector(routing)])
+    serve_metrics(args.metrics_port, args.host, collectors)
     await server.start()
+    http_task = None
+    if http is not None:
+        http_task = asyncio.ensure_future(http.serve())
+        while not http.started:  # serving before health says SERVING
+            if http_task.done():
+                http_task.result()  # the port is taken, etc.: fail as loudly as gRPC would
+                raise RuntimeError(f"HTTP server on port {args.http_port} did not start")
+            await asyncio.sleep(0.01)
+        logger.info(
+            "OpenAI API on http%s://%s:%d/v1",
+            "s" if tls.serves_tls else "",
+            args.host,
+            args.http_port,
+        )
     await admin.start()
     await set_serving(health, [ROUTER], True)
     await set_serving(admin_health, [ADMIN], True)
@@ -240,7 +274,11 @@ async def serve(args: argparse.Namespace) -> int:
     # NOT_SERVING at once; streams in flight get the drain timeout, new calls are refused.
     await set_serving(health, [ROUTER], False)
     logger.info("router stopping: %d streams in flight", routing.inflight.in_flight)
+    if http is not None:
+        http.should_exit = True  # stops accepting; streams get the same drain timeout
     await server.stop(grace=args.drain_timeout)
+    if http_task is not None:
+        await http_task
     await admin.stop(grace=1)
     await router.close()
     await routing.close()

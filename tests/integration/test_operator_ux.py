@@ -95,6 +95,15 @@ def test_up_checks_the_metrics_ports_too(demo_model_dir, taken_port):
     assert f"{taken_port} (decode-0 metrics; change it with --metrics-port)" in out.stderr
 
 
+def test_up_checks_the_http_port_too(demo_model_dir, taken_port):
+    out = run(
+        [*PDSERVE, "up", "--model", str(demo_model_dir), "--port", str(free_port())]
+        + ["--admin-port", str(free_port()), "--metrics-port", "0", "--http-port", str(taken_port)]
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"{taken_port} (router OpenAI HTTP API; change it with --http-port)" in out.stderr
+
+
 @pytest.mark.parametrize("component", ["router", "prefill", "decode"])
 def test_a_component_on_a_taken_port_fails_in_one_line(demo_model_dir, taken_port, component):
     out = run(
