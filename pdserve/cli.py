@@ -2,7 +2,7 @@
 
 pdserve up --model DIR [--prefill N] [--decode M] [--port 50051] [--redis-url URL]
 pdserve router|prefill|decode --model DIR [...]   one component (flags or PDSERVE_* variables)
-pdserve generate PROMPT [--address HOST:PORT] [--max-tokens N] [--temperature T] [--chat]
+pdserve generate PROMPT|- [--address HOST:PORT] [--max-tokens N] [--temperature T] [--chat]
                  [--token T] [--tls-ca FILE] [--tls-cert FILE --tls-key FILE]
 pdserve model prepare [--out DIR] [--force]      demo model -> HF directory
 pdserve demo [--model DIR] [...]                 offline engine on chat prompts
@@ -180,9 +180,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     channel = make_sync_channel(args.address, TLSConfig.from_args(args))
 
     kwargs = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
-    prompt = None if args.chat else args.prompt
+    # "-": the prompt comes on stdin (a long one does not fit in argv).
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = None if args.chat else text
     if args.chat:
-        kwargs["chat"] = [{"role": "user", "content": args.prompt}]
+        kwargs["chat"] = [{"role": "user", "content": text}]
     final = None
     try:
         for response in generate(
@@ -302,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=cmd_component, serve=module.serve)
 
     gen = sub.add_parser("generate", help="stream a generation from a running router")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help='the prompt; "-" reads it from stdin')
     gen.add_argument("--address", default=env("PDSERVE_ADDRESS", "127.0.0.1:50051"))
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
