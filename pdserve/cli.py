@@ -133,6 +133,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     def stop(signum, frame):
         nonlocal stopping
+        if stopping:  # a second signal: stop at once
+            cluster.kill_all()
         stopping = True
 
     signal.signal(signal.SIGINT, stop)
@@ -154,10 +156,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"     pdctl --address {cluster.admin_address}{admin_token}{tls_flags} nodes",
         flush=True,
     )
+    supervisor = None if args.no_restart else make_supervisor(cluster)
     try:
         while not stopping:
+            if supervisor is not None:
+                supervisor.poll()
             for c in cluster.components:
-                if c.process.poll() is not None and not stopping:
+                if supervisor is None and c.process.poll() is not None and not stopping:
                     print(
                         f"pdserve: {c.name} exited with code {c.process.returncode}",
                         file=sys.stderr,
@@ -168,6 +173,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("stopping...", file=sys.stderr, flush=True)
         cluster.stop()
     return 0
+
+
+def make_supervisor(cluster):
+    from pdserve.supervisor import Supervisor
+
+    return Supervisor(cluster, say=lambda msg: print(msg, file=sys.stderr, flush=True))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -273,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--verify-kv", action="store_true", help="checksum every KV transfer")
     up.add_argument("--log-dir", default=None, help="write each process's log here")
+    up.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="stop everything when a component exits (default: restart it, with backoff)",
+    )
     up.add_argument(
         "--metrics-port",
         type=metrics_port,
