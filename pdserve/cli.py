@@ -116,7 +116,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         engine_args=engine_args,
         node_args=["--verify-kv"] if args.verify_kv else [],
         router_args=(["--routing-policy", args.routing_policy] if args.routing_policy else [])
-        + (["--api-tokens-file", args.api_tokens_file] if args.api_tokens_file else []),
+        + (["--api-tokens-file", args.api_tokens_file] if args.api_tokens_file else [])
+        + (["--no-migration"] if args.no_migration else []),
         num_routers=args.routers,
         log_dir=args.log_dir,
         metrics_port=args.metrics_port,
@@ -288,6 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-restart",
         action="store_true",
         help="stop everything when a component exits (default: restart it, with backoff)",
+    )
+    up.add_argument(
+        "--no-migration",
+        action="store_true",
+        help="a stream fails with its decode node (default: it continues on another)",
     )
     up.add_argument(
         "--metrics-port",
