@@ -68,6 +68,10 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
+    # For throughput lines (common/progress_log.py): tokens run through the
+    # model, and tokens sampled; their difference is prompt work.
+    num_computed_tokens: int = 0
+    num_generated_tokens: int = 0
 
 
 class LLMEngine:
@@ -99,6 +103,8 @@ class LLMEngine:
         self._tok_info = tok_info
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
+        self.num_computed_tokens = 0  # since start (EngineStats)
+        self.num_generated_tokens = 0
         self._touched: set[str] = set()
         self._seq_ids = itertools.count()
         self._hashers: dict[str | None, BlockHasher] = {}
@@ -308,6 +314,8 @@ class LLMEngine:
                 return outputs  # memory was reclaimed; the next step admits again
             raise RuntimeError("the scheduler could not schedule any pending sequence")
         result = self.model_runner.execute(batch)
+        self.num_computed_tokens += batch.num_tokens
+        self.num_generated_tokens += sum(t is not None for t in result.sampled)
         self.scheduler.update(batch, result.sampled)
         for request_id in self.output_processor.process(self.requests, batch, result):
             outputs.extend(self._output_for(request_id))
@@ -358,4 +366,6 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             prefix_cache_queried_tokens=s.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
+            num_computed_tokens=self.num_computed_tokens,
+            num_generated_tokens=self.num_generated_tokens,
         )

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from common.grpc_server import health_check
 from common.metrics.server import METRICS_PATH, plan_metrics_ports
+from common.ports import check_free, cluster_plan
 from common.tls import NO_TLS, TLSConfig
 from pdserve.redis_server import RedisServer, free_port
 
@@ -179,6 +180,8 @@ class LocalCluster:
         self.metrics_ports = plan_metrics_ports(
             spec.metrics_port, names, lambda: free_port(spec.host)
         )
+        # Before Redis and model loading: a taken port fails in one line, at once.
+        check_free(spec.host, cluster_plan(spec.port, spec.admin_port, self.metrics_ports))
         if self.redis_url is None:
             if spec.redis_tls_ca:
                 raise ValueError(

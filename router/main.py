@@ -22,8 +22,9 @@ from common.grpc_server import (
     set_serving,
 )
 from common.metrics.server import add_metrics_arguments, serve_metrics
+from common.ports import PlannedPort, check_free, listen
 from common.redis_auth import add_redis_auth_arguments, check_redis, redis_options_from_args
-from common.tls import TLSConfig, add_port, add_tls_arguments
+from common.tls import TLSConfig, add_tls_arguments
 from engine.config import EngineConfig
 from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2
 from router.admin import AdminServicer
@@ -113,6 +114,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=float(env("PDSERVE_DRAIN_TIMEOUT_S", "30")),
         help="on SIGTERM, seconds to let streams in flight finish [PDSERVE_DRAIN_TIMEOUT_S]",
     )
+    p.add_argument(
+        "--no-access-log",
+        action="store_true",
+        default=env("PDSERVE_NO_ACCESS_LOG") == "1",
+        help="no INFO line per request [PDSERVE_NO_ACCESS_LOG=1]",
+    )
     add_metrics_arguments(p)
     add_routing_arguments(p)
 
@@ -148,6 +155,16 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
         )
 
 
+def router_ports(args: argparse.Namespace) -> list[PlannedPort]:
+    """The router's gRPC listeners (a new front adds its (port, flag) here).
+    Not --metrics-port: a metrics port that cannot be bound is logged and
+    skipped (common/metrics/server.py); `pdserve up` checks it beforehand."""
+    return [
+        PlannedPort(args.port, "--port", "router public API"),
+        PlannedPort(args.admin_port, "--admin-port", "router admin API"),
+    ]
+
+
 def routing_config(args: argparse.Namespace) -> RoutingConfig:
     config = RoutingConfig(**{f.name: getattr(args, f.name) for f in fields(RoutingConfig)})
     if getattr(
@@ -164,6 +181,8 @@ async def serve(args: argparse.Namespace) -> int:
     tls = TLSConfig.from_args(args)
     redis_connection = redis_options_from_args(args)
     public_auth, admin_auth = router_interceptors(args.api_tokens_file, args.admin_token)
+    # Before loading the tokenizer: a taken port is one line, at once.
+    check_free(args.host, router_ports(args))
     kwargs = {"kvcache_block_size": args.kvcache_block_size}
     if args.served_model_name:
         kwargs["served_model_name"] = args.served_model_name
@@ -183,7 +202,7 @@ async def serve(args: argparse.Namespace) -> int:
         route_config,
         remote_prefill=not args.no_remote_prefill,
     )
-    router = RouterServicer(frontend, routing, tls=tls)
+    router = RouterServicer(frontend, routing, tls=tls, access_log=not args.no_access_log)
 
     # Clients' mistakes get INVALID_ARGUMENT naming them, even those the servicer
     # never sees: oversized metadata, request bytes that do not parse (invalid UTF-8).
@@ -194,7 +213,7 @@ async def serve(args: argparse.Namespace) -> int:
     health = await add_health(server, [ROUTER])
     if args.enable_reflection:
         add_reflection(server, [ROUTER])
-    add_port(server, f"{args.host}:{args.port}", tls)
+    listen(server, args.host, args.port, "--port", "router public API", tls)
 
     if admin_auth:
         admin = grpc.aio.server(interceptors=admin_auth)
@@ -208,7 +227,7 @@ async def serve(args: argparse.Namespace) -> int:
         AdminServicer(cluster, routing, frontend, router.channel), admin
     )
     admin_health = await add_health(admin, [ADMIN])
-    add_port(admin, f"{admin_host}:{args.admin_port}", tls)
+    listen(admin, admin_host, args.admin_port, "--admin-port", "router admin API", tls)
     # Metrics first: anything a launcher finds SERVING can be scraped.
     serve_metrics(args.metrics_port, args.host, [RouterCollector(routing)])
     await server.start()

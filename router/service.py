@@ -15,6 +15,7 @@ from common.grpc_server import CLIENT_OPTIONS
 from common.reliability import FAILED_NODE_KEY as _FAILED_NODE_KEY
 from common.tls import NO_TLS, TLSConfig, make_channel
 from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
+from router.access_log import AccessEntry, log_access
 from router.frontend import Frontend
 from router.migration import Seam, StreamProgress, held_back, migratable
 from router.policy import NoRoute
@@ -29,11 +30,22 @@ logger = logging.getLogger(__name__)
 SILENCE_CHECK_S = 1.0
 PROBE_TIMEOUT_S = 2.0
 PROBE_TTL_S = 1.0
+# A client whose deadline passes cancels its stream; our copy of the deadline
+# (its grpc-timeout counted from when the call arrived) ends this much later at
+# most, so a cancel this close to it is the deadline's doing.
+DEADLINE_SLACK_S = 0.25
 
 
 class RouterServicer(pdserve_pb2_grpc.RouterServicer):
-    def __init__(self, frontend: Frontend, routing: Routing, tls: TLSConfig = NO_TLS) -> None:
+    def __init__(
+        self,
+        frontend: Frontend,
+        routing: Routing,
+        tls: TLSConfig = NO_TLS,
+        access_log: bool = True,
+    ) -> None:
         self.frontend = frontend
+        self.access_log = access_log  # one INFO line per request (router/access_log.py)
         self.routing = routing
         self.tls = tls  # for the calls to nodes (Decode, and the admin API's NodeControl)
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -65,6 +77,7 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                 f"this router relays {limit} requests already (--max-in-flight); try again later",
             )
         status, usage = "CANCELLED", None
+        nodes = ("", "")  # (prefill, decode) of the last attempt, for the access log
         avoid: set[str] = set()
         failure: grpc.aio.AioRpcError | None = None  # the last attempt's
         progress = StreamProgress(len(parsed.prompt_token_ids))
@@ -82,6 +95,11 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                     status = "UNAVAILABLE"
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(no_route))
                 tried = _Attempt(self, routed, parsed, request, client_id, context, trace, progress)
+                decision = routed.decision
+                nodes = (
+                    decision.prefill.node_id if decision.prefill else "",
+                    decision.decode.node_id,
+                )
                 async for response in tried.relay():
                     yield response
                 status, usage = tried.status, tried.usage
@@ -106,6 +124,10 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                 failure.code(), f"{failure.details()} (after {attempt + 1} attempts)"
             )
         finally:
+            remaining = context.time_remaining()
+            if status == "CANCELLED" and remaining is not None and remaining < DEADLINE_SLACK_S:
+                # The client's deadline ended it, not the client: count it as such.
+                status = "DEADLINE_EXCEEDED"
             if progress.migrations:
                 stats.migrations["completed" if status == "OK" else "failed"] += 1
             stats.finished(
@@ -115,6 +137,19 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                 usage.prompt_tokens if usage else 0,
                 usage.cached_tokens if usage else 0,
             )
+            if self.access_log:
+                log_access(
+                    AccessEntry(
+                        client_id,
+                        status,
+                        usage.prompt_tokens if usage else len(original.prompt_token_ids),
+                        usage.cached_tokens if usage else 0,
+                        usage.completion_tokens if usage else trace.tokens,
+                        (trace.first_token - trace.start) * 1e3 if trace.first_token else None,
+                        (time.monotonic() - trace.start) * 1e3,
+                        *nodes,
+                    )
+                )
 
     def migrate(self, parsed, progress: StreamProgress, failure, client_id: str) -> bool:
         """Set ``progress`` up for a continuation on another decode node, if allowed."""
