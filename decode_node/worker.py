@@ -113,6 +113,7 @@ class DecodeWorker:
     ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         rid = req.request_id
         params = sampling_params_from_proto(req.sampling)
+        params.resume_offset = req.resume_offset  # a migrated stream's seeded draws
         prompt = {"prompt_token_ids": list(req.prompt_token_ids)}
         if req.cache_salt:
             prompt["cache_salt"] = req.cache_salt
@@ -200,6 +201,7 @@ class DecodeWorker:
             sampling=req.sampling,
             cache_salt=req.cache_salt,
             destination=destination,
+            resume_offset=req.resume_offset,
         )
         stub = internal_pb2_grpc.PrefillNodeStub(self._channel(req.prefill.address))
         # The lease bounds how long the blocks stay reserved for this prefill

@@ -359,9 +359,10 @@ class ModelRunner:
             gen.manual_seed((seq.params.seed + seq.index) & 0xFFFF_FFFF_FFFF_FFFF)
             if not seq.params.greedy:
                 # Tokens already there were sampled elsewhere (a prefill node's first
-                # token): skip their draws so the stream matches a single node's.
+                # token, a migrated stream's earlier tokens): skip their draws so
+                # the stream matches a single node's.
                 vocab = self.config.model_config.vocab_size
-                for _ in range(seq.num_output_tokens):
+                for _ in range(seq.num_output_tokens + seq.params.resume_offset):
                     torch.empty(vocab, device=self.device).exponential_(generator=gen)
             self._generators[seq.seq_id] = gen
         return gen

@@ -67,6 +67,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Not vLLM's: draws of the seeded generator that tokens sampled elsewhere
+    # already made (a migrated request continues a stream whose first
+    # resume_offset tokens are now part of its prompt), skipped so that the
+    # continuation samples exactly what the first node would have.
+    resume_offset: int = 0
     # Normalised forms, filled in by __post_init__.
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -77,7 +82,7 @@ class SamplingParams:
 
     # ----------------------------------------------------------------- checks
     def _validate_types(self) -> None:
-        for name in ("n", "top_k", "min_tokens"):
+        for name in ("n", "top_k", "min_tokens", "resume_offset"):
             if not _is_int(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         for name in ("max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens", "seed"):

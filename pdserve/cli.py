@@ -2,7 +2,7 @@
 
 pdserve up --model DIR [--prefill N] [--decode M] [--port 50051] [--redis-url URL]
 pdserve router|prefill|decode --model DIR [...]   one component (flags or PDSERVE_* variables)
-pdserve generate PROMPT [--address HOST:PORT] [--max-tokens N] [--temperature T] [--chat]
+pdserve generate PROMPT|- [--address HOST:PORT] [--max-tokens N] [--temperature T] [--chat]
                  [--top-p P] [--top-k K] [--min-p P] [--stop S] [--n N] [--logprobs K]
                  [--ignore-eos] [--timeout S]
                  [--token T] [--tls-ca FILE] [--tls-cert FILE --tls-key FILE]
@@ -120,7 +120,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         engine_args=engine_args,
         node_args=["--verify-kv"] if args.verify_kv else [],
         router_args=(["--routing-policy", args.routing_policy] if args.routing_policy else [])
-        + (["--api-tokens-file", args.api_tokens_file] if args.api_tokens_file else []),
+        + (["--api-tokens-file", args.api_tokens_file] if args.api_tokens_file else [])
+        + (["--no-migration"] if args.no_migration else []),
         num_routers=args.routers,
         http_port=args.http_port,
         log_dir=args.log_dir,
@@ -138,6 +139,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     def stop(signum, frame):
         nonlocal stopping
+        if stopping:  # a second signal: stop at once
+            cluster.kill_all()
         stopping = True
 
     signal.signal(signal.SIGINT, stop)
@@ -168,10 +171,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"     {pdctl} --address {cluster.admin_address}{admin_token}{tls_flags} nodes",
         flush=True,
     )
+    supervisor = None if args.no_restart else make_supervisor(cluster)
     try:
         while not stopping:
+            if supervisor is not None:
+                supervisor.poll()
             for c in cluster.components:
-                if c.process.poll() is not None and not stopping:
+                if supervisor is None and c.process.poll() is not None and not stopping:
                     print(
                         f"pdserve: {c.name} exited with code {c.process.returncode}",
                         file=sys.stderr,
@@ -182,6 +188,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("stopping...", file=sys.stderr, flush=True)
         cluster.stop()
     return 0
+
+
+def make_supervisor(cluster):
+    from pdserve.supervisor import Supervisor
+
+    return Supervisor(cluster, say=lambda msg: print(msg, file=sys.stderr, flush=True))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -244,6 +256,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--verify-kv", action="store_true", help="checksum every KV transfer")
     up.add_argument("--log-dir", default=None, help="write each process's log here")
+    up.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="stop everything when a component exits (default: restart it, with backoff)",
+    )
+    up.add_argument(
+        "--no-migration",
+        action="store_true",
+        help="a stream fails with its decode node (default: it continues on another)",
+    )
     up.add_argument(
         "--metrics-port",
         type=metrics_port,

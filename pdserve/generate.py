@@ -40,7 +40,9 @@ def command_name(script: str, module: str) -> str:
 def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     """Every flag shows its default (the parser uses ArgumentDefaultsHelpFormatter)."""
     env = os.environ.get
-    gen.add_argument("prompt", help="the prompt text (a user message with --chat)")
+    gen.add_argument(
+        "prompt", help='the prompt text (a user message with --chat); "-" reads it from stdin'
+    )
     gen.add_argument(
         "--address",
         default=env("PDSERVE_ADDRESS", DEFAULT_ADDRESS),
@@ -97,10 +99,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     tls = TLSConfig.from_args(args)
     channel = make_sync_channel(args.address, tls)
-    prompt = None if args.chat else args.prompt
+    # "-": the prompt comes on stdin (a long one does not fit in argv).
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = None if args.chat else text
     kwargs = sampling_kwargs(args)
     if args.chat:
-        kwargs["chat"] = [{"role": "user", "content": args.prompt}]
+        kwargs["chat"] = [{"role": "user", "content": text}]
     final = None
     texts: dict[int, list[str]] = {}
     logprobs: dict[int, list] = {}

@@ -116,9 +116,7 @@ class LocalCluster:
 
     def restart(self, component: Component, timeout_s: float | None = None) -> None:
         """Start a component that exited (or was killed) again, same flags; wait until SERVING."""
-        if component.process.poll() is None:
-            raise RuntimeError(f"{component.name} is still running")
-        component.process = self._popen(component.name, component.argv, component.gpu)
+        self.respawn(component)
         deadline = time.monotonic() + (timeout_s or self.spec.start_timeout_s)
         while not health_check(component.address, timeout=0.5):
             code = component.process.poll()
@@ -127,6 +125,20 @@ class LocalCluster:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{component.name} not serving after restart")
             time.sleep(0.25)
+
+    def respawn(self, component: Component) -> None:
+        """Start a component that exited again, same flags, ports and node id; no wait."""
+        if component.process.poll() is None:
+            raise RuntimeError(f"{component.name} is still running")
+        component.process = self._popen(component.name, component.argv, component.gpu)
+
+    def kill_all(self) -> None:
+        """SIGKILL every child at once (a second Ctrl-C: no more waiting)."""
+        for c in self.components:
+            if c.process.poll() is None:
+                c.process.kill()
+        if self.redis is not None and self.redis.process is not None:
+            self.redis.process.kill()
 
     def _popen(self, name: str, argv: list[str], gpu: int | None) -> subprocess.Popen:
         env = dict(os.environ, **self._secret_env(), PDSERVE_LOG_NAME=name, PYTHONUNBUFFERED="1")

@@ -127,6 +127,7 @@ class PrefillWorker:
         rid = req.request_id
         ids = list(req.prompt_token_ids)
         params = prefill_params(sampling_params_from_proto(req.sampling))
+        params.resume_offset = req.resume_offset  # a migrated stream's seeded draws
         prompt = {"prompt_token_ids": ids}
         if req.cache_salt:
             prompt["cache_salt"] = req.cache_salt

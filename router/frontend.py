@@ -102,3 +102,10 @@ class Frontend:
         if len(self._hashers) > MAX_CACHED_HASHERS:
             del self._hashers[next(iter(self._hashers))]
         return hasher
+
+    def continuation(self, parsed: ParsedRequest, generated: list[int]) -> ParsedRequest:
+        """A migrated request: the prompt followed by the tokens generated so far
+        (hashed anew, so that routing finds the nodes caching any of it)."""
+        prompt = [*parsed.prompt_token_ids, *generated]
+        hashes = self._hasher(parsed.cache_salt).hash_blocks(prompt)
+        return ParsedRequest(prompt, parsed.params, parsed.cache_salt, hashes)

@@ -134,6 +134,12 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     """One flag per RoutingConfig field (docs/routing.md explains them)."""
     g = p.add_argument_group("routing (docs/routing.md)")
     defaults = RoutingConfig()
+    g.add_argument(
+        "--no-migration",
+        action="store_true",
+        help="fail a stream whose decode node dies after its first token "
+        "(default: continue it elsewhere, --max-migrations times)",
+    )
     for f in fields(RoutingConfig):
         env_name = f"PDSERVE_{f.name.upper()}"
         default = os.environ.get(env_name)
@@ -169,7 +175,12 @@ def router_ports(args: argparse.Namespace) -> list[PlannedPort]:
 
 
 def routing_config(args: argparse.Namespace) -> RoutingConfig:
-    return RoutingConfig(**{f.name: getattr(args, f.name) for f in fields(RoutingConfig)})
+    config = RoutingConfig(**{f.name: getattr(args, f.name) for f in fields(RoutingConfig)})
+    if getattr(
+        args, "no_migration", False
+    ):  # streams fail with their decode node, as without migration
+        config.max_migrations = 0
+    return config
 
 
 async def serve(args: argparse.Namespace) -> int:

@@ -111,6 +111,13 @@ class RouterCollector(Collector):
             NO_LABELS,
             stats.retries,
         )
+        yield labelled_counter(
+            "pdserve_router_migrations_total",
+            "Streams moved to another decode node after their first token, by outcome.",
+            NO_LABELS,
+            "outcome",
+            {o: stats.migrations[o] for o in ("started", "completed", "failed", "refused")},
+        )
         yield counter(
             "pdserve_router_stale_routes_total",
             "Routing decisions made on the last-known nodes while Redis was unreachable.",

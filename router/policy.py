@@ -78,6 +78,9 @@ class RoutingConfig:
     failure_cooldown_s: float = 5.0
     # Tries per request when a node fails before the first token (each on other nodes).
     max_attempts: int = 3
+    # Times a stream whose decode node dies after its first token moves to
+    # another one (router/migration.py); 0: it fails instead.
+    max_migrations: int = 2
     # Requests this router relays at once; beyond, RESOURCE_EXHAUSTED at once.
     max_in_flight: int = 1024
     # While Redis is unreachable: route on the last-known nodes, probe it this often.
@@ -106,6 +109,8 @@ class RoutingConfig:
         for name in ("max_attempts", "max_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         for name in ("stale_heartbeat_s", "failure_cooldown_s", "redis_retry_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -17,6 +17,7 @@ from common.tls import NO_TLS, TLSConfig, make_channel
 from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from router.access_log import AccessEntry, log_access
 from router.frontend import Frontend
+from router.migration import Seam, StreamProgress, held_back, migratable
 from router.policy import NoRoute
 from router.routing import Routing
 from router.stats import RequestTrace
@@ -101,8 +102,11 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         nodes = ("", "")  # (prefill, decode) of the last attempt, for the access log
         avoid: set[str] = set()
         failure: grpc.aio.AioRpcError | None = None  # the last attempt's
+        progress = StreamProgress(len(parsed.prompt_token_ids))
+        original = parsed
+        attempt = -1
         try:
-            for attempt in range(self.routing.config.max_attempts):
+            while (attempt := attempt + 1) < self.routing.config.max_attempts:
                 if attempt:
                     stats.retries += 1
                 try:
@@ -114,7 +118,9 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                         ) from None
                     status = "UNAVAILABLE"
                     raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(no_route)) from None
-                tried = _Attempt(self, routed, parsed, request, client_id, deadline, trace)
+                tried = _Attempt(
+                    self, routed, parsed, request, client_id, deadline, trace, progress
+                )
                 decision = routed.decision
                 nodes = (
                     decision.prefill.node_id if decision.prefill else "",
@@ -126,6 +132,11 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                 if tried.error is None:
                     return
                 failure = tried.error
+                if tried.received and self.migrate(original, progress, failure, client_id):
+                    parsed = self.frontend.continuation(original, progress.token_ids)
+                    avoid = {routed.decision.decode.node_id}
+                    attempt = -1  # the continuation has its own tries
+                    continue
                 if tried.received or not tried.retry_elsewhere(avoid):
                     raise RequestFailed(failure.code(), failure.details() or str(failure.code()))
                 logger.info(
@@ -143,6 +154,8 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
             if status == "CANCELLED" and remaining is not None and remaining < DEADLINE_SLACK_S:
                 # The client's deadline ended it, not the client: count it as such.
                 status = "DEADLINE_EXCEEDED"
+            if progress.migrations:
+                stats.migrations["completed" if status == "OK" else "failed"] += 1
             stats.finished(
                 trace,
                 time.monotonic(),
@@ -155,7 +168,7 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                     AccessEntry(
                         client_id,
                         status,
-                        usage.prompt_tokens if usage else len(parsed.prompt_token_ids),
+                        usage.prompt_tokens if usage else len(original.prompt_token_ids),
                         usage.cached_tokens if usage else 0,
                         usage.completion_tokens if usage else trace.tokens,
                         (trace.first_token - trace.start) * 1e3 if trace.first_token else None,
@@ -163,6 +176,34 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                         *nodes,
                     )
                 )
+
+    def migrate(self, parsed, progress: StreamProgress, failure, client_id: str) -> bool:
+        """Set ``progress`` up for a continuation on another decode node, if allowed."""
+        stats = self.routing.stats
+        if not migratable(failure, progress, parsed.params, self.routing.config.max_migrations):
+            if progress.token_ids and failure.code() is grpc.StatusCode.UNAVAILABLE:
+                stats.migrations["refused"] += 1
+            return False
+        stats.migrations["started"] += 1
+        progress.migrations += 1
+        progress.resume_offset = len(progress.token_ids)
+        held = held_back(
+            self.frontend.tokenizer,
+            progress.token_ids,
+            progress.text,
+            parsed.params.skip_special_tokens,
+        )
+        stops = parsed.params.stop_strings
+        progress.seam = Seam(held, stops, parsed.params.include_stop_str_in_output)
+        logger.info(
+            "request %s: decode node failed after %d tokens (%s); migrating (%d of at most %d)",
+            client_id,
+            progress.resume_offset,
+            failure.details(),
+            progress.migrations,
+            self.routing.config.max_migrations,
+        )
+        return True
 
     async def node_responsive(self, address: str) -> bool:
         """Whether the node at ``address`` answers a health check in time.
@@ -197,8 +238,11 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
 class _Attempt:
     """One try at a request: a Decode stream on the chosen nodes, relayed."""
 
-    def __init__(self, servicer, routed, parsed, request, client_id, deadline, trace) -> None:
+    def __init__(
+        self, servicer, routed, parsed, request, client_id, deadline, trace, progress
+    ) -> None:
         self.servicer = servicer
+        self.progress = progress  # the client's stream so far (router/migration.py)
         self.routing = servicer.routing
         self.routed = routed
         self.parsed = parsed
@@ -218,8 +262,9 @@ class _Attempt:
             # Unique downstream even when clients reuse ids: streams never cross.
             request_id=uuid.uuid4().hex,
             prompt_token_ids=self.parsed.prompt_token_ids,
-            sampling=self.request.sampling,
+            sampling=self.progress.sampling(self.request.sampling),
             cache_salt=self.parsed.cache_salt,
+            resume_offset=self.progress.resume_offset,
         )
         if route.prefill is not None:
             downstream.prefill.node_id = route.prefill.node_id
@@ -241,12 +286,16 @@ class _Attempt:
                     if new_tokens and trace.first_token is None:
                         self.routing.inflight.first_token(dispatch)
                     trace.on_tokens(new_tokens, now)
+                    seam_stop = self.progress.rewrite(response)
                     if response.HasField("final"):
                         self.usage = response.final.usage
                         self.usage.time_to_first_token_ms = (
                             (trace.first_token - trace.start) * 1e3 if trace.first_token else 0.0
                         )
+                    self.progress.observe(response)
                     yield response
+                    if seam_stop:
+                        break  # a stop string across a migration's seam ended it
             self.status = "OK"
             self.routing.inflight.succeeded(route.decode.node_id)
         except grpc.aio.AioRpcError as e:

@@ -87,6 +87,9 @@ class RouterStats:
     requests_by_prefill_node: Counter = field(default_factory=Counter)
     local_prefills: int = 0
     retries: int = 0  # attempts after a node failed before the first token
+    # Streams moved after their first token (router/migration.py), by outcome:
+    # started, completed, failed (after moving), refused (no migration left).
+    migrations: Counter = field(default_factory=Counter)
     redis_errors: int = 0  # routing reads that failed
     stale_routes: int = 0  # decisions made on the last-known nodes (Redis unreachable)
     # Since start, successful requests only (as the windows above), in seconds.

@@ -4,7 +4,8 @@ of a transfer, SIGSTOP either kind, restart the dead ones.
 
 Every request here is prefilled remotely (the router's local-prefill
 thresholds are off), so every one crosses the prefill -> decode hand-off.
-prefill-0 holds each transfer mid-way for TRANSFER_PAUSE_S seconds: a window
+The router runs with --no-migration: a stream whose decode node dies fails
+(test_self_healing.py covers migration). prefill-0 holds each transfer mid-way for TRANSFER_PAUSE_S seconds: a window
 in which to kill it with a transfer on the wire.
 """
 
@@ -47,7 +48,9 @@ def cluster(demo_model_dir, tmp_path_factory):
         num_prefill=2,
         num_decode=2,
         node_args=["--node-ttl", str(TTL_S)],
-        router_args=REMOTE_PREFILL_ONLY,
+        # Streams fail with their decode node here (the off-switch's behaviour);
+        # tests/faults/test_self_healing.py has them migrate instead.
+        router_args=[*REMOTE_PREFILL_ONLY, "--no-migration"],
         component_env={
             "prefill-0": {"PDSERVE_FAULT_DELAYS": f"transfer_mid={TRANSFER_PAUSE_S}"},
             "decode-0": {"PDSERVE_KV_LEASE_S": str(LEASE_S)},
