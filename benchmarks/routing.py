@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import subprocess
 import sys
 import tempfile
@@ -51,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import save_run, summary_ms
 from benchmarks.routing_decision import decision_latency
+from pdserve.bench.datasets import MultiTurnSpec, MultiTurnWorkload
 
 POLICIES = ("random", "round-robin", "cost")
 
@@ -70,43 +70,33 @@ class Turn:
     decode_node: str = ""
 
 
-@dataclass(slots=True)
-class Workload:
-    systems: list[list[int]]
-    messages: list[list[list[int]]]  # [user][turn] -> the user's message ids
-
-    @classmethod
-    def make(cls, args: argparse.Namespace, vocab: int) -> Workload:
-        rng = random.Random(args.seed)
-
-        def ids(n: int) -> list[int]:
-            # Clear of the lowest and highest ids, where special tokens live.
-            return [rng.randrange(300, vocab - 300) for _ in range(n)]
-
-        systems = [ids(args.system_tokens) for _ in range(args.systems)]
-        messages = [
-            [
-                ids(rng.randint(args.min_user_tokens, args.max_user_tokens))
-                for _ in range(args.turns)
-            ]
-            for _ in range(args.users)
-        ]
-        return cls(systems, messages)
+def make_workload(args: argparse.Namespace, vocab: int) -> MultiTurnWorkload:
+    """The conversations (one implementation: `pdserve bench serve --dataset multi-turn`'s)."""
+    spec = MultiTurnSpec(
+        users=args.users,
+        turns=args.turns,
+        systems=args.systems,
+        system_tokens=args.system_tokens,
+        min_user_tokens=args.min_user_tokens,
+        max_user_tokens=args.max_user_tokens,
+        output_tokens=args.output_tokens,
+    )
+    return MultiTurnWorkload.make(spec, vocab, args.seed)
 
 
 def run_conversation(
-    address: str, w: Workload, user: int, args, turns: list[Turn], progress=None
+    address: str, w: MultiTurnWorkload, user: int, args, turns: list[Turn], progress=None
 ) -> None:
     from proto.client import generate
 
-    history = list(w.systems[user % len(w.systems)])
-    for t, message in enumerate(w.messages[user]):
-        rec = Turn(user, t, history + message)
+    req = w.first_turn(user)
+    while req is not None:
+        rec = Turn(user, req.turn, list(req.prompt))
         rec.sent = time.monotonic()
         for r in generate(
             address,
             token_ids=rec.prompt,
-            max_tokens=args.output_tokens,
+            max_tokens=req.output_len,
             temperature=0.0,
             ignore_eos=True,
             timeout=600,
@@ -124,7 +114,7 @@ def run_conversation(
         turns.append(rec)
         if progress is not None:
             progress()
-        history = rec.prompt + rec.output
+        req = w.next_turn(req, rec.output)
 
 
 def best_possible(turns: list[Turn], block_size: int) -> list[int]:
@@ -224,7 +214,7 @@ def run_workload(args: argparse.Namespace) -> dict[str, Any]:
     if args.device != "auto":
         engine_args += ["--device", args.device]
     vocab = ModelArchConfig.from_dir(model).vocab_size
-    w = Workload.make(args, vocab)
+    w = make_workload(args, vocab)
     if args.num_kvcache_blocks:
         engine_args += ["--num-kvcache-blocks", str(args.num_kvcache_blocks)]
     spec = ClusterSpec(

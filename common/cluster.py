@@ -147,6 +147,8 @@ class NodeInfo:
     # Counters since the node started.
     requests_total: int = 0
     preemptions: int = 0
+    computed_tokens: int = 0  # through the model: prompts, chunks, decode steps
+    generated_tokens: int = 0  # sampled
     kv_transfers: int = 0  # sent (prefill node) or landed (decode node)
     kv_transfer_failures: int = 0
     kv_late_transfers: int = 0  # arrived for a reservation that was gone; dropped

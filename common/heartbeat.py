@@ -55,6 +55,8 @@ class Heartbeat:
         info.waiting = s.num_waiting
         info.queued_prefill_tokens = s.num_queued_prefill_tokens
         info.preemptions = s.num_preemptions
+        info.computed_tokens = s.num_computed_tokens
+        info.generated_tokens = s.num_generated_tokens
         for name, value in (self.counters() if self.counters else {}).items():
             setattr(info, name, value)
         return info

@@ -23,8 +23,10 @@ from common.metrics.histogram import Histogram
 from common.metrics.node import NodeCollector
 from common.metrics.server import serve_metrics
 from common.node_flags import default_host, engine_kwargs
+from common.ports import PlannedPort, check_free, listen
+from common.progress_log import log_progress
 from common.redis_auth import check_redis, redis_options_from_args
-from common.tls import TLSConfig, add_port
+from common.tls import TLSConfig
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
@@ -58,14 +60,17 @@ class NodeEngine:
         )
 
 
-def start_node_engine(args: argparse.Namespace, role: NodeRole, **overrides) -> NodeEngine:
-    """The start-up sequence both node kinds share: flags that can fail fail
-    before the model loads, then the engine (publishing its cache events for
-    the heartbeat) starts on its own thread."""
+def start_node_engine(
+    args: argparse.Namespace, role: NodeRole, ports: list[PlannedPort], **overrides
+) -> NodeEngine:
+    """The start-up sequence both node kinds share: flags that can fail, and
+    ``ports`` already taken, fail before the model loads; then the engine
+    (publishing its cache events for the heartbeat) starts on its own thread."""
     if not args.model:
         raise ValueError("--model (or PDSERVE_MODEL) is required")
     TLSConfig.from_args(args)
     redis_options_from_args(args)
+    check_free(args.host, ports)
     config = EngineConfig.from_kwargs(args.model, **(engine_kwargs(args) | overrides))
     engine = LLMEngine(config)
     engine.enable_cache_events()
@@ -118,7 +123,7 @@ async def run_node(
     health = await add_health(server, [service, CONTROL_SERVICE])
     if args.enable_reflection:
         add_reflection(server, [service, CONTROL_SERVICE])
-    add_port(server, f"{args.host}:{args.port}", TLSConfig.from_args(args))
+    listen(server, args.host, args.port, "--port", "node gRPC API", TLSConfig.from_args(args))
     await server.start()
 
     heartbeat = Heartbeat(
@@ -127,6 +132,7 @@ async def run_node(
     metrics.heartbeat = heartbeat
     await heartbeat.beat()
     beating = asyncio.create_task(heartbeat.run_forever())
+    progress = asyncio.create_task(log_progress(thread, info.node_id, args.log_stats_interval))
     await set_serving(health, [service, CONTROL_SERVICE], True)
     logger.info("%s node %s serving on %s:%d", info.role.value, info.node_id, args.host, args.port)
 
@@ -154,6 +160,7 @@ async def run_node(
     watchdog.daemon = True
     watchdog.start()
     beating.cancel()
+    progress.cancel()
     await asyncio.wait({beating}, timeout=5)
     await heartbeat.deregister()
     # Grace for the last messages of finished streams; then cancel the rest.

@@ -10,6 +10,7 @@ import socket
 from typing import Any
 
 from common.metrics.server import add_metrics_arguments
+from common.progress_log import DEFAULT_INTERVAL_S as DEFAULT_STATS_INTERVAL_S
 from common.redis_auth import add_redis_auth_arguments
 from common.reliability import FAULT_DELAYS_ENV, FaultDelays
 from common.tls import add_tls_arguments
@@ -122,6 +123,13 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     )
     p.add_argument(
         "--heartbeat-interval", type=float, default=float(env("PDSERVE_HEARTBEAT_S", "0.5"))
+    )
+    p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=float(env("PDSERVE_LOG_STATS_INTERVAL_S", str(DEFAULT_STATS_INTERVAL_S))),
+        help="seconds between progress lines while busy (tok/s, queue, KV); 0: none "
+        "[PDSERVE_LOG_STATS_INTERVAL_S]",
     )
     p.add_argument("--node-ttl", type=float, default=float(env("PDSERVE_NODE_TTL_S", "5")))
     p.add_argument(

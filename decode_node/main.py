@@ -8,6 +8,7 @@ import os
 from common.cluster import NodeRole
 from common.node import run_node, start_node_engine
 from common.node_flags import add_node_arguments, fault_delays
+from common.ports import PlannedPort
 from common.tls import TLSConfig
 from decode_node.service import DecodeNodeServicer
 from decode_node.worker import DecodeWorker
@@ -34,7 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    node = start_node_engine(args, NodeRole.DECODE)
+    ports = [
+        PlannedPort(args.port, "--port", "decode node gRPC API"),
+        PlannedPort(args.transfer_port, "--transfer-port", "KV transfer"),
+    ]
+    node = start_node_engine(args, NodeRole.DECODE, ports)
     worker = DecodeWorker(
         node.node_id,
         node.thread,

@@ -69,6 +69,10 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
+    # For throughput lines (common/progress_log.py): tokens run through the
+    # model, and tokens sampled; their difference is prompt work.
+    num_computed_tokens: int = 0
+    num_generated_tokens: int = 0
 
 
 class LLMEngine:
@@ -100,6 +104,8 @@ class LLMEngine:
         self._tok_info = tok_info
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
+        self.num_computed_tokens = 0  # since start (EngineStats)
+        self.num_generated_tokens = 0
         self._touched: set[str] = set()
         self._seq_ids = itertools.count()
         self._hashers: dict[str | None, BlockHasher] = {}
@@ -333,6 +339,7 @@ class LLMEngine:
                 return outputs  # memory was reclaimed; the next step admits again
             raise RuntimeError("the scheduler could not schedule any pending sequence")
         step = self.model_runner.launch(batch, prev, non_blocking=self.async_scheduling)
+        self.num_computed_tokens += batch.num_tokens
         # The device runs `step` while the host reads and processes `prev`.
         if prev is not None:
             outputs.extend(self._finish_step(prev))
@@ -352,6 +359,7 @@ class LLMEngine:
             hit = step.placeholders.get(seq.seq_id)
             if hit is not None and not seq.is_finished:
                 seq.token_ids[hit[1]] = result.sampled[step.sampling[hit[0]]]
+                self.num_generated_tokens += 1  # a dropped extra-step token is not counted
         outputs: list[RequestOutput] = []
         for request_id in self.output_processor.process(self.requests, step.batch, result):
             outputs.extend(self._output_for(request_id))
@@ -402,4 +410,6 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             prefix_cache_queried_tokens=s.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
+            num_computed_tokens=self.num_computed_tokens,
+            num_generated_tokens=self.num_generated_tokens,
         )

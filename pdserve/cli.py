@@ -3,9 +3,12 @@
 pdserve up --model DIR [--prefill N] [--decode M] [--port 50051] [--redis-url URL]
 pdserve router|prefill|decode --model DIR [...]   one component (flags or PDSERVE_* variables)
 pdserve generate PROMPT [--address HOST:PORT] [--max-tokens N] [--temperature T] [--chat]
+                 [--top-p P] [--top-k K] [--min-p P] [--stop S] [--n N] [--logprobs K]
+                 [--ignore-eos] [--timeout S]
                  [--token T] [--tls-ca FILE] [--tls-cert FILE --tls-key FILE]
 pdserve model prepare [--out DIR] [--force]      demo model -> HF directory
 pdserve demo [--model DIR] [...]                 offline engine on chat prompts
+pdserve bench serve|plot [...]                   serving benchmark (docs/performance.md)
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
 
+DESCRIPTION = __doc__.split("\n")[0]
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -118,6 +122,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         router_args=(["--routing-policy", args.routing_policy] if args.routing_policy else [])
         + (["--api-tokens-file", args.api_tokens_file] if args.api_tokens_file else []),
         num_routers=args.routers,
+        http_port=args.http_port,
         log_dir=args.log_dir,
         metrics_port=args.metrics_port,
         tls=tls,
@@ -142,16 +147,25 @@ def cmd_up(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 1
-    for address, admin in zip(cluster.router_addresses, cluster.admin_addresses, strict=True):
+    for i, (address, admin) in enumerate(
+        zip(cluster.router_addresses, cluster.admin_addresses, strict=True)
+    ):
         print(f"router listening on {address} (admin API on {admin})", flush=True)
+        if cluster.http_ports:
+            scheme = "https" if tls.serves_tls else "http"
+            print(f"OpenAI API on {scheme}://{args.host}:{cluster.http_ports[i]}/v1", flush=True)
     # With TLS the example commands need the client's files; with tokens, a token.
     tls_flags = "".join(f" {flag} {path}" for flag, path in tls.paths if flag != "--tls-client-ca")
     gen_token = " --token TOKEN" if args.api_tokens_file else ""
     admin_token = " --token ADMIN_TOKEN" if args.admin_token or args.api_tokens_file else ""
+    from pdserve.generate import command_name
+
+    # Commands that work from here: `pdserve` may not be on PATH (an unactivated venv).
+    pdserve, pdctl = command_name("pdserve", "pdserve.cli"), command_name("pdctl", "router.pdctl")
     print(
-        f'try: pdserve generate "What is the capital of France?" --chat '
+        f'try: {pdserve} generate "What is the capital of France?" --chat '
         f"--address {cluster.router_address}{gen_token}{tls_flags}\n"
-        f"     pdctl --address {cluster.admin_address}{admin_token}{tls_flags} nodes",
+        f"     {pdctl} --address {cluster.admin_address}{admin_token}{tls_flags} nodes",
         flush=True,
     )
     try:
@@ -170,57 +184,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    import grpc
-
-    from common.tls import TLSConfig, make_sync_channel
-    from proto import pdserve_pb2
-    from proto.client import generate
-
-    channel = make_sync_channel(args.address, TLSConfig.from_args(args))
-
-    kwargs = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
-    prompt = None if args.chat else args.prompt
-    if args.chat:
-        kwargs["chat"] = [{"role": "user", "content": args.prompt}]
-    final = None
-    try:
-        for response in generate(
-            args.address,
-            prompt,
-            timeout=args.timeout,
-            token=args.token,
-            channel=channel,
-            **kwargs,
-        ):
-            for delta in response.deltas:
-                sys.stdout.write(delta.text)
-                sys.stdout.flush()
-            if response.HasField("final"):
-                final = response.final
-    except grpc.RpcError as e:
-        print(f"\npdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
-    finally:
-        channel.close()
-    sys.stdout.write("\n")
-    if final is not None:
-        u = final.usage
-        reason = final.completions[0].finish_reason if final.completions else 0
-        name = pdserve_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
-        print(
-            f"[{u.prompt_tokens} prompt ({u.cached_tokens} cached) + {u.completion_tokens} "
-            f"completion tokens; first token in {u.time_to_first_token_ms:.0f} ms; finish: {name}; "
-            f"prefill: {u.prefill_node or 'on the decode node'}; decode: {u.decode_node}]",
-            file=sys.stderr,
-        )
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     from common.metrics.server import DEFAULT_METRICS_PORT, metrics_port
 
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="pdserve", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -253,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=50051, help="router port")
     up.add_argument("--admin-port", type=int, default=50052)
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="OpenAI-compatible HTTP API port of the router (docs/openai.md); off when unset",
+    )
     up.add_argument("--routers", type=int, default=1, help="router replicas")
     up.add_argument(
         "--admin-token",
@@ -281,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Security (docs/security.md): the same files for every process it starts.
     from common.auth import add_token_arguments
     from common.redis_auth import add_redis_auth_arguments
-    from common.tls import add_client_tls_arguments, add_tls_arguments
+    from common.tls import add_tls_arguments
 
     add_token_arguments(up)
     add_tls_arguments(up)
@@ -301,24 +274,24 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(p)
         p.set_defaults(func=cmd_component, serve=module.serve)
 
-    gen = sub.add_parser("generate", help="stream a generation from a running router")
-    gen.add_argument("prompt")
-    gen.add_argument("--address", default=env("PDSERVE_ADDRESS", "127.0.0.1:50051"))
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    gen.add_argument("--timeout", type=float, default=120.0, help="seconds")
-    gen.add_argument(
-        "--token", default=env("PDSERVE_TOKEN"), help="the router's API token [PDSERVE_TOKEN]"
-    )
-    add_client_tls_arguments(gen, "PDSERVE")
-    gen.set_defaults(func=cmd_generate)
+    from pdserve.generate import add_generate_parser
+
+    add_generate_parser(sub)
+
+    # `pdserve bench serve|plot` (pdserve/bench); building its parser loads no client.
+    from pdserve.bench.cli import add_bench_parsers
+
+    add_bench_parsers(sub.add_parser("bench", help="serving benchmark: load sweeps, plots"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from pdserve.generate import generate_only_parser, is_generate
+
+    argv = sys.argv[1:] if argv is None else argv
+    # `generate` must start fast: the full parser imports the nodes (torch, the engine).
+    parser = generate_only_parser(DESCRIPTION) if is_generate(argv) else build_parser()
+    args = parser.parse_args(argv)
     _configure_logging(args.verbose)
     try:
         return args.func(args)
@@ -328,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `pdserve generate ... | head`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from common.grpc_server import health_check
 from common.metrics.server import METRICS_PATH, plan_metrics_ports
+from common.ports import PlannedPort, check_free, cluster_plan
 from common.tls import NO_TLS, TLSConfig
 from pdserve.redis_server import RedisServer, free_port
 
@@ -52,6 +53,7 @@ class ClusterSpec:
     node_args: list[str] = field(default_factory=list)  # e.g. --verify-kv
     router_args: list[str] = field(default_factory=list)  # e.g. --skip-tokenizer-init
     num_routers: int = 1  # replicas beyond the first take free ports
+    http_port: int | None = None  # OpenAI HTTP API of the first router (replicas: free ports)
     start_timeout_s: float = 600.0
     stop_grace_s: float = 15.0
     log_dir: str | None = None  # None: children share our stderr
@@ -79,6 +81,7 @@ class LocalCluster:
         # (public port, admin port) of each router replica.
         self.router_ports: list[tuple[int, int]] = [(spec.port, spec.admin_port)]
         self.metrics_ports: dict[str, int] = {}  # by component name
+        self.http_ports: list[int] = []  # each router's OpenAI HTTP port, when spec.http_port
 
     @property
     def router_address(self) -> str:
@@ -167,6 +170,14 @@ class LocalCluster:
         self.metrics_ports = plan_metrics_ports(
             spec.metrics_port, names, lambda: free_port(spec.host)
         )
+        # Before Redis and model loading: a taken port fails in one line, at once.
+        http = [PlannedPort(spec.http_port, "--http-port", "router OpenAI HTTP API")]
+        check_free(
+            spec.host,
+            cluster_plan(
+                spec.port, spec.admin_port, self.metrics_ports, http if spec.http_port else ()
+            ),
+        )
         if self.redis_url is None:
             if spec.redis_tls_ca:
                 raise ValueError(
@@ -243,7 +254,12 @@ class LocalCluster:
         self.router_ports = [(spec.port, spec.admin_port)] + [
             (free_port(spec.host), free_port(spec.host)) for _ in range(spec.num_routers - 1)
         ]
+        if spec.http_port:
+            self.http_ports = [spec.http_port] + [
+                free_port(spec.host) for _ in range(spec.num_routers - 1)
+            ]
         for i, (port, admin_port) in enumerate(self.router_ports):
+            http = ["--http-port", str(self.http_ports[i])] if self.http_ports else []
             started.append(
                 self._spawn(
                     "router" if i == 0 else f"router-{i}",
@@ -260,6 +276,7 @@ class LocalCluster:
                         "--admin-port",
                         str(admin_port),
                         *self._security_args(),
+                        *http,
                         *spec.router_args,
                     ],
                     port,

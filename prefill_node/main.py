@@ -8,6 +8,7 @@ from common.cluster import NodeRole
 from common.kv_transfer import KVSender
 from common.node import run_node, start_node_engine
 from common.node_flags import add_node_arguments, fault_delays
+from common.ports import PlannedPort
 from prefill_node.service import PrefillNodeServicer
 from prefill_node.worker import PrefillWorker
 from proto import internal_pb2, internal_pb2_grpc
@@ -21,7 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 async def serve(args: argparse.Namespace) -> int:
     # A prefill node never produces text: no tokenizer to load.
-    node = start_node_engine(args, NodeRole.PREFILL, skip_tokenizer_init=True)
+    ports = [PlannedPort(args.port, "--port", "prefill node gRPC API")]
+    node = start_node_engine(args, NodeRole.PREFILL, ports, skip_tokenizer_init=True)
     faults = fault_delays(node.node_id)
     sender = KVSender(
         node.node_id,

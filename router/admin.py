@@ -158,6 +158,8 @@ def node_to_proto(n: NodeInfo, cached_blocks: int, server_now_ms: int) -> admin_
         heartbeat_age_ms=max(0, server_now_ms - n.seen_ms),
         requests_total=n.requests_total,
         preemptions=n.preemptions,
+        computed_tokens_total=n.computed_tokens,
+        generated_tokens_total=n.generated_tokens,
     )
 
 

@@ -55,12 +55,26 @@ class Frontend:
         if request.cache_salt:
             prompt["cache_salt"] = request.cache_salt
         processed = self.inputs.process(prompt, params)
+        if request.sampling.HasField("max_tokens"):
+            self._check_fits(len(processed.token_ids), params.max_tokens)
         return ParsedRequest(
             processed.token_ids,
             params,
             request.cache_salt,
             self._hasher(request.cache_salt).hash_blocks(processed.token_ids),
         )
+
+    def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
+        """vLLM's rule: an explicit max_tokens must fit beside the prompt (unset,
+        the output just stops at the context length). Without it a request for
+        a million tokens streams until the client's deadline."""
+        max_len = self.config.max_model_len
+        if num_prompt + max_tokens > max_len:
+            raise ValueError(
+                f"the prompt's {num_prompt} tokens plus max_tokens {max_tokens} make "
+                f"{num_prompt + max_tokens}, more than max_model_len {max_len}: shorten the "
+                f"prompt or ask for at most {max_len - num_prompt} tokens"
+            )
 
     def _chat_prompt(self, chat: pdserve_pb2.ChatMessages) -> dict:
         if not chat.messages:

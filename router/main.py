@@ -22,8 +22,9 @@ from common.grpc_server import (
     set_serving,
 )
 from common.metrics.server import add_metrics_arguments, serve_metrics
+from common.ports import PlannedPort, check_free, listen
 from common.redis_auth import add_redis_auth_arguments, check_redis, redis_options_from_args
-from common.tls import TLSConfig, add_port, add_tls_arguments
+from common.tls import TLSConfig, add_tls_arguments
 from engine.config import EngineConfig
 from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2
 from router.admin import AdminServicer
@@ -54,6 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=int(env("PDSERVE_PORT", "50051")),
         help="public port [PDSERVE_PORT]",
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=int(env("PDSERVE_HTTP_PORT") or 0) or None,
+        help="OpenAI-compatible HTTP API port (docs/openai.md); off when unset [PDSERVE_HTTP_PORT]",
     )
     p.add_argument(
         "--admin-port",
@@ -113,6 +120,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=float(env("PDSERVE_DRAIN_TIMEOUT_S", "30")),
         help="on SIGTERM, seconds to let streams in flight finish [PDSERVE_DRAIN_TIMEOUT_S]",
     )
+    p.add_argument(
+        "--no-access-log",
+        action="store_true",
+        default=env("PDSERVE_NO_ACCESS_LOG") == "1",
+        help="no INFO line per request [PDSERVE_NO_ACCESS_LOG=1]",
+    )
     add_metrics_arguments(p)
     add_routing_arguments(p)
 
@@ -142,6 +155,19 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
         )
 
 
+def router_ports(args: argparse.Namespace) -> list[PlannedPort]:
+    """The router's listeners: gRPC public and admin, and the OpenAI HTTP API when on.
+    Not --metrics-port: a metrics port that cannot be bound is logged and
+    skipped (common/metrics/server.py); `pdserve up` checks it beforehand."""
+    ports = [
+        PlannedPort(args.port, "--port", "router public API"),
+        PlannedPort(args.admin_port, "--admin-port", "router admin API"),
+    ]
+    if args.http_port:
+        ports.append(PlannedPort(args.http_port, "--http-port", "router OpenAI HTTP API"))
+    return ports
+
+
 def routing_config(args: argparse.Namespace) -> RoutingConfig:
     return RoutingConfig(**{f.name: getattr(args, f.name) for f in fields(RoutingConfig)})
 
@@ -153,6 +179,8 @@ async def serve(args: argparse.Namespace) -> int:
     tls = TLSConfig.from_args(args)
     redis_connection = redis_options_from_args(args)
     public_auth, admin_auth = router_interceptors(args.api_tokens_file, args.admin_token)
+    # Before loading the tokenizer: a taken port is one line, at once.
+    check_free(args.host, router_ports(args))
     kwargs = {"kvcache_block_size": args.kvcache_block_size}
     if args.served_model_name:
         kwargs["served_model_name"] = args.served_model_name
@@ -172,7 +200,7 @@ async def serve(args: argparse.Namespace) -> int:
         route_config,
         remote_prefill=not args.no_remote_prefill,
     )
-    router = RouterServicer(frontend, routing, tls=tls)
+    router = RouterServicer(frontend, routing, tls=tls, access_log=not args.no_access_log)
 
     # Clients' mistakes get INVALID_ARGUMENT naming them, even those the servicer
     # never sees: oversized metadata, request bytes that do not parse (invalid UTF-8).
@@ -183,7 +211,7 @@ async def serve(args: argparse.Namespace) -> int:
     health = await add_health(server, [ROUTER])
     if args.enable_reflection:
         add_reflection(server, [ROUTER])
-    add_port(server, f"{args.host}:{args.port}", tls)
+    listen(server, args.host, args.port, "--port", "router public API", tls)
 
     if admin_auth:
         admin = grpc.aio.server(interceptors=admin_auth)
@@ -197,10 +225,35 @@ async def serve(args: argparse.Namespace) -> int:
         AdminServicer(cluster, routing, frontend, router.channel), admin
     )
     admin_health = await add_health(admin, [ADMIN])
-    add_port(admin, f"{admin_host}:{args.admin_port}", tls)
+    listen(admin, admin_host, args.admin_port, "--admin-port", "router admin API", tls)
+    collectors = [RouterCollector(routing)]
+    http = None
+    if args.http_port:
+        from router import openai_api  # FastAPI is imported only where the port is on
+
+        http_stats = openai_api.HttpStats()
+        collectors.append(openai_api.HttpCollector(http_stats))
+        app = openai_api.build_app(
+            router, public_auth[0] if public_auth else None, http_stats, config.max_model_len
+        )
+        http = openai_api.make_server(app, args.host, args.http_port, tls, args.drain_timeout)
     # Metrics first: anything a launcher finds SERVING can be scraped.
-    serve_metrics(args.metrics_port, args.host, [RouterCollector(routing)])
+    serve_metrics(args.metrics_port, args.host, collectors)
     await server.start()
+    http_task = None
+    if http is not None:
+        http_task = asyncio.ensure_future(http.serve())
+        while not http.started:  # serving before health says SERVING
+            if http_task.done():
+                http_task.result()  # the port is taken, etc.: fail as loudly as gRPC would
+                raise RuntimeError(f"HTTP server on port {args.http_port} did not start")
+            await asyncio.sleep(0.01)
+        logger.info(
+            "OpenAI API on http%s://%s:%d/v1",
+            "s" if tls.serves_tls else "",
+            args.host,
+            args.http_port,
+        )
     await admin.start()
     await set_serving(health, [ROUTER], True)
     await set_serving(admin_health, [ADMIN], True)
@@ -221,7 +274,11 @@ async def serve(args: argparse.Namespace) -> int:
     # NOT_SERVING at once; streams in flight get the drain timeout, new calls are refused.
     await set_serving(health, [ROUTER], False)
     logger.info("router stopping: %d streams in flight", routing.inflight.in_flight)
+    if http is not None:
+        http.should_exit = True  # stops accepting; streams get the same drain timeout
     await server.stop(grace=args.drain_timeout)
+    if http_task is not None:
+        await http_task
     await admin.stop(grace=1)
     await router.close()
     await routing.close()

@@ -6,6 +6,7 @@
     pdctl stats [--watch [SECONDS]]  latency percentiles, prefix hits, placement
     pdctl explain PROMPT             where PROMPT would go now, and why
     pdctl flush NODE                 evict NODE's unused cached KV blocks
+    pdctl top [--interval S] [--once] live view of nodes and router latency (q quits)
 
 Options (or environment): --address HOST:PORT [PDCTL_ADDRESS, default
 127.0.0.1:50052], --token TOKEN [PDCTL_TOKEN], --timeout SECONDS, --json
@@ -297,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("flush", parents=[common], help="evict NODE's unused cached blocks")
     f.add_argument("node")
     f.set_defaults(func=cmd_flush)
+    from router.pdctl_top import add_top_parser  # rich loads only with the parser
+
+    add_top_parser(sub, [common])
     return p
 
 
@@ -329,8 +333,17 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(admin_pb2_grpc.AdminStub(channel), args)
         except KeyboardInterrupt:
             return 0
+        except BrokenPipeError:
+            return closed_stdout()
         except grpc.RpcError as e:
             return report(e, args)
+
+
+def closed_stdout() -> int:
+    """The reader left (`pdctl stats --json | head`): exit quietly. Python's
+    own flush of stdout at exit would fail again, so stdout goes to /dev/null."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
 
 
 def report(e: grpc.RpcError, args) -> int:

@@ -15,6 +15,7 @@ from common.grpc_server import CLIENT_OPTIONS
 from common.reliability import FAILED_NODE_KEY as _FAILED_NODE_KEY
 from common.tls import NO_TLS, TLSConfig, make_channel
 from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
+from router.access_log import AccessEntry, log_access
 from router.frontend import Frontend
 from router.policy import NoRoute
 from router.routing import Routing
@@ -28,11 +29,31 @@ logger = logging.getLogger(__name__)
 SILENCE_CHECK_S = 1.0
 PROBE_TIMEOUT_S = 2.0
 PROBE_TTL_S = 1.0
+# A client whose deadline passes cancels its stream; our copy of the deadline
+# (its grpc-timeout counted from when the call arrived) ends this much later at
+# most, so a cancel this close to it is the deadline's doing.
+DEADLINE_SLACK_S = 0.25
+
+
+class RequestFailed(Exception):
+    """A request refused or failed, as a gRPC status: each encoding reports it its own way."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
 
 
 class RouterServicer(pdserve_pb2_grpc.RouterServicer):
-    def __init__(self, frontend: Frontend, routing: Routing, tls: TLSConfig = NO_TLS) -> None:
+    def __init__(
+        self,
+        frontend: Frontend,
+        routing: Routing,
+        tls: TLSConfig = NO_TLS,
+        access_log: bool = True,
+    ) -> None:
         self.frontend = frontend
+        self.access_log = access_log  # one INFO line per request (router/access_log.py)
         self.routing = routing
         self.tls = tls  # for the calls to nodes (Decode, and the admin API's NodeControl)
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -48,22 +69,36 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
     async def Generate(
         self, request: pdserve_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ):
+        try:
+            async with contextlib.aclosing(
+                self.generate(request, context.time_remaining())
+            ) as responses:
+                async for response in responses:
+                    yield response
+        except RequestFailed as e:
+            await context.abort(e.code, e.details)
+
+    async def generate(self, request: pdserve_pb2.GenerateRequest, timeout_s: float | None):
+        """The one request path of both encodings (gRPC Generate, the OpenAI HTTP API):
+        validate, route, relay, retry. Yields the responses; raises RequestFailed."""
         trace = RequestTrace(time.monotonic())
+        deadline = None if timeout_s is None else trace.start + timeout_s
         stats = self.routing.stats
         client_id = request.request_id or uuid.uuid4().hex
         try:
             parsed = self.frontend.parse(request)
         except ValueError as e:
             stats.requests_by_status["INVALID_ARGUMENT"] += 1
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         limit = self.routing.config.max_in_flight
         if self.routing.inflight.in_flight >= limit:
             stats.requests_by_status["RESOURCE_EXHAUSTED"] += 1
-            await context.abort(
+            raise RequestFailed(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"this router relays {limit} requests already (--max-in-flight); try again later",
             )
         status, usage = "CANCELLED", None
+        nodes = ("", "")  # (prefill, decode) of the last attempt, for the access log
         avoid: set[str] = set()
         failure: grpc.aio.AioRpcError | None = None  # the last attempt's
         try:
@@ -74,10 +109,17 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                     routed = await self.routing.route(parsed, avoid)
                 except NoRoute as no_route:  # no usable node, or Redis unreachable
                     if failure is not None:  # every node left failed: say how the last did
-                        await context.abort(failure.code(), failure.details() or str(no_route))
+                        raise RequestFailed(
+                            failure.code(), failure.details() or str(no_route)
+                        ) from None
                     status = "UNAVAILABLE"
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(no_route))
-                tried = _Attempt(self, routed, parsed, request, client_id, context, trace)
+                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(no_route)) from None
+                tried = _Attempt(self, routed, parsed, request, client_id, deadline, trace)
+                decision = routed.decision
+                nodes = (
+                    decision.prefill.node_id if decision.prefill else "",
+                    decision.decode.node_id,
+                )
                 async for response in tried.relay():
                     yield response
                 status, usage = tried.status, tried.usage
@@ -85,7 +127,7 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                     return
                 failure = tried.error
                 if tried.received or not tried.retry_elsewhere(avoid):
-                    await context.abort(failure.code(), failure.details() or str(failure.code()))
+                    raise RequestFailed(failure.code(), failure.details() or str(failure.code()))
                 logger.info(
                     "request %s: attempt %d failed before its first token (%s: %s); retrying",
                     client_id,
@@ -93,10 +135,14 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                     failure.code().name,
                     failure.details(),
                 )
-            await context.abort(
+            raise RequestFailed(
                 failure.code(), f"{failure.details()} (after {attempt + 1} attempts)"
             )
         finally:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if status == "CANCELLED" and remaining is not None and remaining < DEADLINE_SLACK_S:
+                # The client's deadline ended it, not the client: count it as such.
+                status = "DEADLINE_EXCEEDED"
             stats.finished(
                 trace,
                 time.monotonic(),
@@ -104,6 +150,19 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                 usage.prompt_tokens if usage else 0,
                 usage.cached_tokens if usage else 0,
             )
+            if self.access_log:
+                log_access(
+                    AccessEntry(
+                        client_id,
+                        status,
+                        usage.prompt_tokens if usage else len(parsed.prompt_token_ids),
+                        usage.cached_tokens if usage else 0,
+                        usage.completion_tokens if usage else trace.tokens,
+                        (trace.first_token - trace.start) * 1e3 if trace.first_token else None,
+                        (time.monotonic() - trace.start) * 1e3,
+                        *nodes,
+                    )
+                )
 
     async def node_responsive(self, address: str) -> bool:
         """Whether the node at ``address`` answers a health check in time.
@@ -138,14 +197,14 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
 class _Attempt:
     """One try at a request: a Decode stream on the chosen nodes, relayed."""
 
-    def __init__(self, servicer, routed, parsed, request, client_id, context, trace) -> None:
+    def __init__(self, servicer, routed, parsed, request, client_id, deadline, trace) -> None:
         self.servicer = servicer
         self.routing = servicer.routing
         self.routed = routed
         self.parsed = parsed
         self.request = request
         self.client_id = client_id
-        self.context = context
+        self.deadline = deadline  # time.monotonic() at which the client gives up; None: never
         self.trace = trace
         self.received = False
         self.status = "CANCELLED"
@@ -168,7 +227,8 @@ class _Attempt:
         dispatch = self.routing.dispatch(self.routed)
         self.channel = self.servicer.channel(route.decode.address)
         call = internal_pb2_grpc.DecodeNodeStub(self.channel).Decode(
-            downstream, timeout=self.context.time_remaining()
+            downstream,
+            timeout=None if self.deadline is None else max(0.0, self.deadline - time.monotonic()),
         )
         trace = self.trace
         try:

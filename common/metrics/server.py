@@ -15,9 +15,10 @@ import os
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
@@ -69,15 +70,47 @@ def make_registry(collectors: Iterable[Collector]) -> CollectorRegistry:
     return registry
 
 
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a slow scraper never holds up exit
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:
+        pass  # one line per scrape would drown the process's log
+
+
+def metrics_only_app(registry: CollectorRegistry):
+    """The metrics on METRICS_PATH, 404 on any other path (a typo should not
+    look like a working endpoint)."""
+    metrics = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        if environ.get("PATH_INFO") != METRICS_PATH:
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [f"not found: the metrics are at {METRICS_PATH}\n".encode()]
+        return metrics(environ, start_response)
+
+    return app
+
+
+def _start(port: int, host: str, registry: CollectorRegistry):
+    httpd = make_server(
+        host, port, metrics_only_app(registry), _ThreadingServer, handler_class=_QuietHandler
+    )
+    thread = threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True)
+    thread.start()
+    return httpd, thread
+
+
 def serve_metrics(port: int, host: str, collectors: Iterable[Collector]) -> MetricsServer | None:
-    """Serve ``collectors`` on ``host:port`` (any path; ``/metrics`` by convention).
+    """Serve ``collectors`` on ``host:port`` at ``/metrics`` (other paths: 404).
     Returns None when ``port`` is 0 or cannot be bound."""
     if port == 0:
         logger.info("metrics endpoint disabled (--metrics-port 0)")
         return None
     registry = make_registry(collectors)
     try:
-        httpd, thread = start_http_server(port, addr=host, registry=registry)
+        httpd, thread = _start(port, host, registry)
     except OSError as e:
         logger.error("metrics endpoint not started: cannot listen on %s:%d (%s)", host, port, e)
         return None

@@ -12,15 +12,15 @@ import math
 import torch
 from torch import nn
 
-from engine.layers.specs import RopeConfig
+from engine.layers.specs import RopeConfig, RopeType
 
 
 def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
     inv_freq = 1.0 / (rope.theta**exponents)
-    if rope.rope_type == "linear":
+    if rope.rope_type is RopeType.LINEAR:
         inv_freq = inv_freq / rope.factor
-    elif rope.rope_type == "llama3":
+    elif rope.rope_type is RopeType.LLAMA3:
         inv_freq = _llama3_scaling(inv_freq, rope)
     return inv_freq
 

@@ -20,10 +20,18 @@ class AttentionBackendName(enum.Enum):
     FLASH_ATTN = "flash_attn"
 
 
+class RopeType(enum.StrEnum):
+    """HF config.json's ``rope_type`` values we implement."""
+
+    DEFAULT = "default"
+    LINEAR = "linear"
+    LLAMA3 = "llama3"
+
+
 @dataclass(slots=True, frozen=True)
 class RopeConfig:
     theta: float
-    rope_type: str = "default"
+    rope_type: RopeType = RopeType.DEFAULT
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0

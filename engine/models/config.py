@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.layers.specs import RopeConfig
+from engine.layers.specs import RopeConfig, RopeType
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = tuple(t.value for t in RopeType)
 
 
 @dataclass(slots=True, frozen=True)
@@ -136,7 +136,7 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
         )
     return RopeConfig(
         theta=theta,
-        rope_type=rope_type,
+        rope_type=RopeType(rope_type),
         factor=float(scaling.get("factor", 1.0)),
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),

@@ -79,6 +79,7 @@ def allowed(docs, src: Pod, dst: Pod, port: int) -> bool:
 # (caller, callee, port name or number): what pdserve needs, and nothing more.
 MUST_REACH = [
     ("elsewhere", "router", "grpc"),
+    ("elsewhere", "router", "http"),  # the OpenAI-compatible HTTP API
     ("admin-client", "router", "admin"),
     ("router", "redis", "redis"),
     ("prefill", "redis", "redis"),

@@ -31,9 +31,8 @@ from tests.faults.test_bad_input import requests
 pytestmark = pytest.mark.timeout(900)
 
 GENERATE = "/pdserve.v1.Router/Generate"  # proto/pdserve.proto: package pdserve.v1, service Router
-# CPU decoding is slow: valid fuzzed requests ask for at most MAX_TOKENS, and
-# the "huge max_tokens" ones (valid too: they stop at the context length) for at
-# most MAX_LEN less their prompt.
+# CPU decoding is slow: valid fuzzed requests ask for at most MAX_TOKENS (the
+# "huge max_tokens" ones are refused: prompt + max_tokens > max_model_len).
 MAX_TOKENS = 4
 MAX_LEN = 128
 BAD_UTF8 = b"\xc3\x28\xff\xfe"  # a broken two-byte sequence, then bytes never valid in UTF-8
@@ -113,10 +112,21 @@ def test_fuzzed_requests_end_ok_or_invalid_argument(cluster, frontend, req):
     wait_idle(cluster, timeout_s=10, expect_nodes=2)
 
 
-def test_huge_max_tokens_stops_at_the_context_length(cluster):
-    # Valid (vLLM's meaning): the fuzz draws such requests only by chance.
+def test_huge_max_tokens_is_refused_naming_the_numbers(cluster):
+    # vLLM's rule (issue #22): an explicit max_tokens must fit beside the prompt;
+    # before, this streamed until the context was full.
     prompt = list(range(1000, 1010))
     req = request(token_ids=prompt, max_tokens=2**62, ignore_eos=True)
+    outcome = run(cluster.router_address, req, timeout=300)
+    assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT, (outcome.code, outcome.details)
+    assert (
+        f"max_tokens {2**62}" in outcome.details and f"max_model_len {MAX_LEN}" in outcome.details
+    )
+
+
+def test_unset_max_tokens_is_not_checked_against_the_context(cluster):
+    prompt = list(range(1000, 1000 + MAX_LEN - 4))  # room for 4 tokens, the default asks 16
+    req = request(token_ids=prompt, max_tokens=None, ignore_eos=True)
     outcome = run(cluster.router_address, req, timeout=300)
     assert outcome.code is grpc.StatusCode.OK, (outcome.code, outcome.details)
     usage = outcome.final.usage

@@ -1,0 +1,220 @@
+"""pdserve against vLLM on one GPU, driven by `pdserve bench serve` over HTTP
+(and pdserve over gRPC too: the HTTP edge's cost under load).
+
+    PYTHONPATH=/tmp/vsite:$PWD python benchmarks/serve_side_by_side.py --out $OUT
+
+One command for the whole GPU run (docs/performance.md, "Serving"): dummy
+weights of ``--shape`` (config only, engine/models/shapes.py), then for each
+system in ``--systems`` (pdserve: one decode node that prefills locally, no
+prefill node; vllm: `vllm serve` on the same config) start the server, poll
+until it answers, sweep both workloads (random 1024 in / 128 out; shared
+prefix 8 groups x 32 prompts, 2048-token system prompt, 128-token questions),
+stop it. Writes every record, one plot per workload and summary.json (the
+issue's targets) under ``--out``. Each sweep and each start has a timeout; the
+servers are killed on any exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pdserve.redis_server import free_port
+
+SLO = "ttft:500,tpot:50"
+WORKLOADS = {
+    "random": ["--dataset", "random", "--random-input-len", "1024", "--random-output-len", "128"],
+    "shared-prefix": ["--dataset", "shared-prefix", "--shared-prefix-groups", "8"]
+    + ["--shared-prefix-prompts-per-group", "32", "--shared-prefix-system-len", "2048"]
+    + ["--shared-prefix-question-len", "128", "--random-output-len", "128"],
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}) before answering {url}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url} did not answer in {timeout_s:.0f} s")
+
+
+def bench(args, label: str, target: list[str], workload: str, out: Path) -> None:
+    rates = args.rates[workload]
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--label", label, *target]
+    cmd += [*WORKLOADS[workload], "--num-prompts", str(args.num_prompts), "--ignore-eos"]
+    cmd += ["--model-dir", str(args.model_dir), "--request-rate", *rates, "--slo", SLO]
+    cmd += ["--num-warmups", "8", "--seed", "0", "--result-dir", str(out), "--no-progress"]
+    cmd += ["--timeout", "120"]
+    # Leave time to stop the servers and write the plots before the device's limit.
+    timeout = min(args.sweep_timeout, args.deadline - time.monotonic() - 45)
+    if timeout < 30:
+        log(f"{label} {workload}: skipped, --time-budget spent")
+        return
+    log(f"{label} {workload}: rates {' '.join(rates)}")
+    try:
+        subprocess.run(cmd, check=False, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log(f"{label} {workload}: sweep timed out after {timeout:.0f} s (record lost)")
+
+
+def run_pdserve(args, out: Path) -> None:
+    from pdserve.launcher import ClusterSpec, LocalCluster
+
+    has_http = (
+        "--http-port"
+        in subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "router", "--help"],
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
+    http_port = free_port()
+    engine = ["--load-format", "dummy", "--skip-tokenizer-init", "--max-model-len", "4096"]
+    engine += args.pdserve_engine_args.split()
+    spec = ClusterSpec(
+        model=str(args.model_dir),
+        num_prefill=0,
+        num_decode=1,
+        port=free_port(),
+        admin_port=free_port(),
+        engine_args=engine,
+        router_args=["--skip-tokenizer-init", "--no-remote-prefill", "--max-model-len", "4096"]
+        + (["--http-port", str(http_port)] if has_http else []),
+        start_timeout_s=args.start_timeout,
+        log_dir=str(out / "logs-pdserve"),
+    )
+    log("starting pdserve (1 decode node, local prefill)")
+    with LocalCluster(spec) as cluster:
+        for workload in args.workloads:
+            if has_http:
+                url = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{http_port}"]
+                bench(args, "pdserve-http", url, workload, out)
+            else:
+                log("pdserve's router has no --http-port yet: HTTP sweep skipped")
+            grpc = ["--backend", "grpc", "--address", cluster.router_address]
+            bench(args, "pdserve-grpc", grpc, workload, out)
+
+
+def run_vllm(args, out: Path) -> None:
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(args.model_dir),
+    ]
+    cmd += ["--served-model-name", "dummy", "--load-format", "dummy", "--skip-tokenizer-init"]
+    cmd += ["--max-model-len", "4096", "--port", str(port), "--host", "127.0.0.1"]
+    cmd += args.vllm_args.split()
+    (out / "logs-vllm").mkdir(parents=True, exist_ok=True)
+    logf = open(out / "logs-vllm" / "server.log", "w")  # noqa: SIM115 - lives with the process
+    log("starting vLLM: " + " ".join(cmd))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_USE_FLASHINFER_SAMPLER="0")
+    proc = subprocess.Popen(
+        cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", args.start_timeout, proc)
+        target = [
+            "--backend",
+            "openai",
+            "--base-url",
+            f"http://127.0.0.1:{port}",
+            "--model",
+            "dummy",
+        ]
+        for workload in args.workloads:
+            bench(args, "vllm", target, workload, out)
+    finally:
+        # The whole process group: the API server and its engine core process.
+        with __import__("contextlib").suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        logf.close()
+
+
+def summarize(out: Path, workloads: list[str]) -> dict:
+    """Plots per workload and the issue's two targets, from the records."""
+    from pdserve.bench.plot import plot_records
+    from pdserve.bench.report import load_record
+
+    summary: dict = {}
+    for workload in workloads:
+        recs = [load_record(p) for p in sorted(out.glob(f"serve-*-{workload}-*.json"))]
+        if not recs:
+            continue
+        plot_records(recs, out / f"plot-{workload}.png")
+        per = {r["label"]: r["rates"] for r in recs}
+        if workload == "random":
+            summary["random_max_goodput"] = {
+                k: max((x["goodput"] or 0.0) for x in v) for k, v in per.items()
+            }
+        else:
+            summary["shared_prefix_ttft_p50_ms"] = {
+                k: {str(x["request_rate"]): x["ttft_ms"]["p50"] for x in v} for k, v in per.items()
+            }
+        summary[f"{workload}_failed"] = {k: sum(x["failed"] for x in v) for k, v in per.items()}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    print(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "serve-side-by-side")))
+    p.add_argument("--shape", default="llama-3.1-8b")
+    p.add_argument("--systems", nargs="+", choices=["pdserve", "vllm"], default=["pdserve", "vllm"])
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--random-rates", nargs="+", default=["4", "8", "16", "32", "64"])
+    p.add_argument("--shared-prefix-rates", nargs="+", default=["8", "16", "32", "64"])
+    p.add_argument("--num-prompts", type=int, default=96, help="per rate (random)")
+    p.add_argument("--start-timeout", type=float, default=300)
+    p.add_argument("--sweep-timeout", type=float, default=400)
+    p.add_argument(
+        "--time-budget", type=float, default=580, help="seconds for everything (device limit 600)"
+    )
+    p.add_argument("--pdserve-engine-args", default="", help="e.g. '--attention-backend fa4'")
+    p.add_argument("--vllm-args", default="--gpu-memory-utilization 0.9 --max-num-seqs 256")
+    args = p.parse_args(argv)
+    args.deadline = time.monotonic() + args.time_budget
+    args.rates = {"random": args.random_rates, "shared-prefix": args.shared_prefix_rates}
+    from engine.models.shapes import write_shape_dir
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.model_dir = write_shape_dir(args.shape, args.out / "model")
+    # SIGTERM (a timeout) unwinds through the finally blocks that stop the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    for system in args.systems:
+        try:
+            (run_pdserve if system == "pdserve" else run_vllm)(args, args.out)
+        except Exception as e:  # the other system still runs; the error is in the log
+            log(f"{system}: {type(e).__name__}: {e}")
+    summarize(args.out, args.workloads)
+
+
+if __name__ == "__main__":
+    main()

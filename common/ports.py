@@ -1,0 +1,101 @@
+"""Ports a process or `pdserve up` will listen on: checked before anything
+loads, and a failed bind said in one line naming the flag that changes it.
+
+Start-up loads the model first (tens of seconds), so a port someone else
+holds must be found before, not after: `check_free` binds each planned port
+once and lets it go. A plan is a list of ``PlannedPort``s so that a new
+listener (an HTTP front, say) is one more entry, not new code.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import grpc
+
+from common.tls import NO_TLS, TLSConfig, add_port
+
+
+@dataclass(slots=True, frozen=True)
+class PlannedPort:
+    port: int
+    flag: str  # the command-line flag that changes it
+    what: str  # who listens there, e.g. "router public API"
+
+    def describe(self) -> str:
+        return f"{self.port} ({self.what}; change it with {self.flag})"
+
+
+class PortInUse(ValueError):
+    """A port cannot be listened on. A ValueError: the CLIs print it as one
+    line (configuration, not a crash)."""
+
+
+def _is_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR as servers set it: a port in TIME_WAIT is free to them,
+        # a port someone listens on is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            raise
+    return True
+
+
+def taken(host: str, planned: Iterable[PlannedPort]) -> list[PlannedPort]:
+    """The planned ports (non-zero) that cannot be bound on ``host`` now."""
+    return [p for p in planned if p.port and not _is_free(host, p.port)]
+
+
+def check_free(host: str, planned: Iterable[PlannedPort]) -> None:
+    """Raise PortInUse naming every taken port and its flag, in one line."""
+    planned = list(planned)
+    ports = [p.port for p in planned if p.port]
+    dupes = sorted({p for p in ports if ports.count(p) > 1})
+    if dupes:
+        users = "; ".join(p.describe() for p in planned if p.port in dupes)
+        raise PortInUse(f"the same port is planned twice: {users}")
+    busy = taken(host, planned)
+    if busy:
+        raise PortInUse(
+            f"port{'s' if len(busy) > 1 else ''} already in use on {host}: "
+            + "; ".join(p.describe() for p in busy)
+        )
+
+
+def listen(
+    server: grpc.aio.Server, host: str, port: int, flag: str, what: str, tls: TLSConfig = NO_TLS
+) -> int:
+    """``add_port`` that fails with one line (PortInUse) instead of gRPC's
+    RuntimeError and its traceback."""
+    try:
+        return add_port(server, f"{host}:{port}", tls)
+    except RuntimeError as e:
+        raise PortInUse(
+            f"cannot listen on {host}:{port} for the {what} (is the port taken? "
+            f"change it with {flag}): {e}"
+        ) from None
+
+
+def cluster_plan(
+    port: int, admin_port: int, metrics_ports: dict[str, int], extra: Iterable[PlannedPort] = ()
+) -> list[PlannedPort]:
+    """What `pdserve up` listens on at fixed ports (the rest are picked free).
+    ``extra``: more listeners (e.g. an HTTP front with its flag)."""
+    plan = [
+        PlannedPort(port, "--port", "router public API"),
+        PlannedPort(admin_port, "--admin-port", "router admin API"),
+    ]
+    plan += [
+        PlannedPort(p, "--metrics-port", f"{name} metrics")
+        for name, p in metrics_ports.items()
+        if p
+    ]
+    return plan + list(extra)

@@ -1,0 +1,232 @@
+"""Backends: one streamed request in, its timings and tokens out.
+
+OpenAI HTTP: ``POST {base_url}/v1/completions`` with ``stream: true``; Server-Sent
+Events ``data: {json}`` lines ending ``data: [DONE]`` (any OpenAI-compatible
+server: pdserve's HTTP edge, vLLM, SGLang). pdserve gRPC: Router.Generate.
+
+Timings follow ``vllm bench serve``: TTFT is send to the first chunk with
+output; ITL is the gap between later chunks with output (one entry per chunk, a
+chunk may carry several tokens); latency is send to the end of the stream.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pdserve.bench.datasets import BenchRequest
+
+
+class BackendKind(enum.Enum):
+    OPENAI = "openai"
+    GRPC = "grpc"
+
+    def __str__(self) -> str:  # argparse shows choices by str()
+        return self.value
+
+
+@dataclass(slots=True)
+class RequestResult:
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    start_s: float = 0.0  # perf_counter at send
+    output_ids: list[int] = field(default_factory=list)  # when the server gives them
+    cached_tokens: int = 0
+    text: str = ""
+
+
+class Backend(Protocol):
+    async def send(self, req: BenchRequest) -> RequestResult: ...
+    async def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class SamplingOptions:
+    model: str = ""
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    timeout_s: float = 600.0
+    # Ask for the reply's token ids (vLLM's return_token_ids): multi-turn needs them.
+    want_token_ids: bool = False
+
+
+class _Timer:
+    """Marks the first output and the gaps after it."""
+
+    __slots__ = ("last", "out", "start")
+
+    def __init__(self, out: RequestResult) -> None:
+        self.out = out
+        self.start = self.last = out.start_s = time.perf_counter()
+
+    def chunk(self) -> None:
+        now = time.perf_counter()
+        if self.out.ttft_s == 0.0:
+            self.out.ttft_s = now - self.start
+        else:
+            self.out.itl_s.append(now - self.last)
+        self.last = now
+
+    def end(self) -> None:
+        self.out.latency_s = time.perf_counter() - self.start
+
+
+class OpenAIBackend:
+    def __init__(self, base_url: str, opts: SamplingOptions, api_key: str | None = None) -> None:
+        import aiohttp
+
+        self.url = base_url.rstrip("/") + "/v1/completions"
+        self.opts = opts
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # No connection cap: --max-concurrency is the only limit on requests in flight.
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            timeout=aiohttp.ClientTimeout(total=opts.timeout_s),
+            headers=headers,
+        )
+
+    def body(self, req: BenchRequest) -> dict:
+        body = {
+            "prompt": req.prompt,
+            "max_tokens": req.output_len,
+            "temperature": self.opts.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.opts.model:  # else the server's one model (vLLM, pdserve take no name)
+            body["model"] = self.opts.model
+        if self.opts.ignore_eos:
+            body["ignore_eos"] = True  # vLLM's extra; pdserve's HTTP edge takes it too
+        if self.opts.want_token_ids:
+            body["return_token_ids"] = True
+        return body
+
+    async def send(self, req: BenchRequest) -> RequestResult:
+        out = RequestResult(prompt_len=req.prompt_len)
+        timer = _Timer(out)
+        chunks = 0
+        usage = None
+        try:
+            async with self.session.post(self.url, json=self.body(req)) as resp:
+                if resp.status != 200:
+                    out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                    return out
+                done = False
+                # SSE: one event per "data: ..." line; blank lines and comments between.
+                async for raw in resp.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        done = True
+                        break
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        out.error = str(obj["error"])[:200]
+                        return out
+                    if obj.get("usage"):
+                        usage = obj["usage"]
+                    if choices := obj.get("choices"):
+                        # Any chunk with a choice is output, its text empty or
+                        # not (vllm bench serve's rule): a server without a
+                        # tokenizer (dummy weights) streams empty texts.
+                        timer.chunk()
+                        chunks += 1
+                        for choice in choices:
+                            out.text += choice.get("text") or ""
+                            out.output_ids.extend(choice.get("token_ids") or ())
+                timer.end()
+                if not done:
+                    out.error = "the stream ended without data: [DONE]"
+                    return out
+        except Exception as e:  # every failure is counted and listed, none dropped
+            out.error = f"{type(e).__name__}: {e}"[:200]
+            return out
+        if usage:
+            out.output_tokens = int(usage.get("completion_tokens") or 0)
+            out.prompt_len = int(usage.get("prompt_tokens") or out.prompt_len)
+            details = usage.get("prompt_tokens_details") or {}
+            out.cached_tokens = int(details.get("cached_tokens") or 0)
+        else:
+            # No usage (server ignores include_usage): token ids if given, else chunks.
+            out.output_tokens = len(out.output_ids) or chunks
+        out.success = out.output_tokens > 0
+        if not out.success:
+            out.error = "no output tokens"
+        return out
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+class GrpcBackend:
+    """pdserve's Router.Generate over one shared channel (HTTP/2 multiplexes the streams)."""
+
+    def __init__(self, address: str, opts: SamplingOptions, token: str | None = None) -> None:
+        import grpc
+
+        from proto import pdserve_pb2_grpc
+
+        self.opts = opts
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = pdserve_pb2_grpc.RouterStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+
+    async def send(self, req: BenchRequest) -> RequestResult:
+        import grpc
+
+        from proto.client import build_request
+
+        out = RequestResult(prompt_len=req.prompt_len)
+        prompt = {"token_ids": req.prompt} if isinstance(req.prompt, list) else {}
+        request = build_request(
+            None if prompt else req.prompt,
+            **prompt,
+            max_tokens=req.output_len,
+            temperature=self.opts.temperature,
+            ignore_eos=self.opts.ignore_eos,
+        )
+        timer = _Timer(out)
+        final = None
+        try:
+            call = self.stub.Generate(request, timeout=self.opts.timeout_s, metadata=self.metadata)
+            async for r in call:
+                got = False
+                for d in r.deltas:
+                    if d.token_ids or d.text:
+                        got = True
+                        out.output_ids.extend(d.token_ids)
+                        out.text += d.text
+                if got:
+                    timer.chunk()
+                if r.HasField("final"):
+                    final = r.final
+            timer.end()
+        except grpc.RpcError as e:
+            out.error = f"{e.code().name}: {e.details()}"[:200]
+            return out
+        except Exception as e:
+            out.error = f"{type(e).__name__}: {e}"[:200]
+            return out
+        if final is None:
+            out.error = "the stream ended without a Final message"
+            return out
+        out.output_tokens = final.usage.completion_tokens
+        out.prompt_len = final.usage.prompt_tokens or out.prompt_len
+        out.cached_tokens = final.usage.cached_tokens
+        out.success = out.output_tokens > 0
+        if not out.success:
+            out.error = "no output tokens"
+        return out
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,111 @@
+"""The open-loop load generator: requests leave on a schedule, whatever the server does.
+
+Inter-arrival gaps are gamma distributed with shape ``burstiness`` and mean
+1 / rate (burstiness 1 is a Poisson process; lower is burstier, higher more
+regular), as in ``vllm bench serve``; rate inf sends everything at once.
+``max_concurrency`` caps requests in flight: a request whose time has come
+waits for a slot (so the run is no longer open-loop past that point).
+Multi-turn: conversations start on the schedule; each sends its next turn
+when the previous reply is complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from pdserve.bench.backends import Backend, RequestResult
+from pdserve.bench.datasets import BenchRequest, Dataset
+
+
+def arrival_gaps(rate: float, burstiness: float, seed: int) -> Iterator[float]:
+    """Seconds between consecutive sends."""
+    if burstiness <= 0:
+        raise ValueError("--burstiness must be positive")
+    rng = random.Random(seed)
+    while True:
+        if math.isinf(rate):
+            yield 0.0
+        else:
+            # Gamma with mean 1/rate: shape k = burstiness, scale 1 / (rate * k).
+            yield rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+
+
+@dataclass(slots=True)
+class RunResult:
+    results: list[RequestResult]
+    duration_s: float
+    # How late requests left against their schedule (no concurrency cap only):
+    # the generator's own limit shows here before it shows in the figures.
+    send_lag_mean_ms: float
+    send_lag_max_ms: float
+
+
+async def run_rate(
+    backend: Backend,
+    dataset: Dataset,
+    rate: float,
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    on_done: Callable[[RequestResult], None] | None = None,
+) -> RunResult:
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    results: list[RequestResult] = []
+    lags: list[float] = []
+    workload = dataset.multi_turn
+
+    async def one(req: BenchRequest, due: float | None) -> RequestResult:
+        if sem is not None:
+            async with sem:
+                r = await backend.send(req)
+        else:
+            r = await backend.send(req)
+        if due is not None:
+            lags.append(r.start_s - due)
+        results.append(r)
+        if on_done is not None:
+            on_done(r)
+        return r
+
+    async def conversation(first: BenchRequest, due: float) -> None:
+        req: BenchRequest | None = first
+        while req is not None:
+            r = await one(req, due)
+            due = None  # only a conversation's first turn has a schedule
+            if not r.success or workload is None:
+                return
+            if not r.output_ids:
+                # A failure, counted: the next turn needs the reply's token ids.
+                r.success = False
+                r.error = "multi-turn needs the reply's token ids (server gave none)"
+                return
+            req = workload.next_turn(req, r.output_ids)
+
+    tasks = []
+    gaps = arrival_gaps(rate, burstiness, seed)
+    start = time.perf_counter()
+    due = start
+    for req in dataset.requests:
+        now = time.perf_counter()
+        if due > now:
+            await asyncio.sleep(due - now)
+        tasks.append(asyncio.create_task(conversation(req, due if sem is None else None)))
+        due += next(gaps)
+    await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    return RunResult(
+        results=results,
+        duration_s=duration,
+        send_lag_mean_ms=1e3 * sum(lags) / len(lags) if lags else 0.0,
+        send_lag_max_ms=1e3 * max(lags, default=0.0),
+    )
+
+
+async def warm_up(backend: Backend, requests: list[BenchRequest]) -> list[RequestResult]:
+    """Send ``requests`` all at once and wait; their results are not counted."""
+    return list(await asyncio.gather(*(backend.send(r) for r in requests)))

@@ -1,0 +1,448 @@
+"""The OpenAI-compatible HTTP API (FastAPI on uvicorn), on the router's own asyncio loop.
+
+A thin edge: JSON -> GenerateRequest (router/openai_schemas.py), then the very
+coroutine the gRPC Generate runs (RouterServicer.generate: validation, routing,
+retries, relaying), then GenerateResponse -> OpenAI JSON or Server-Sent Events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import ssl
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
+
+import grpc
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.sse import EventSourceResponse, format_sse_event
+from prometheus_client.core import CounterMetricFamily
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from common.tls import TLSConfig
+from proto import pdserve_pb2
+from router.openai_chunks import Assembler
+from router.openai_schemas import ChatCompletionRequest, CompletionRequest, InvalidField
+from router.service import RequestFailed, RouterServicer
+
+GENERATE_METHOD = "/pdserve.v1.Router/Generate"  # the gRPC method whose right HTTP calls need
+TIMEOUT_HEADER = "x-request-timeout"  # seconds; the gRPC deadline's counterpart (504 past it)
+DONE = format_sse_event(data_str="[DONE]")
+
+# gRPC status -> (HTTP status, OpenAI error type)
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str, param=None, code=None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = (
+            status,
+            message,
+            kind,
+            param,
+            code,
+        )
+
+    @classmethod
+    def from_failure(cls, e: RequestFailed) -> ApiError:
+        status, kind = HTTP_STATUS.get(e.code, (500, "server_error"))
+        # The context-length refusal has OpenAI's own code (clients match on it).
+        code = "context_length_exceeded" if "max_model_len" in e.details else e.code.name
+        return cls(status, e.details, kind, None, code)
+
+    def response(self) -> JSONResponse:
+        body = {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+        headers = {"Retry-After": "1"} if self.status == 429 else None
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+@dataclass(slots=True)
+class HttpStats:
+    """Requests by endpoint and HTTP status (pdserve_router_http_requests_total)."""
+
+    by_endpoint_status: collections.Counter = field(default_factory=collections.Counter)
+
+
+class HttpCollector:
+    def __init__(self, stats: HttpStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "pdserve_router_http_requests",
+            "OpenAI HTTP API requests, by endpoint and HTTP status (streams: the status sent).",
+            labels=["endpoint", "status"],
+        )
+        for (endpoint, status), n in sorted(self.stats.by_endpoint_status.items()):
+            family.add_metric([endpoint, str(status)], n)
+        yield family
+
+
+ENDPOINTS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version"}
+)
+
+
+class _Count:
+    """Counts requests by endpoint and status (plain ASGI: BaseHTTPMiddleware
+    would wrap every stream and its disconnects)."""
+
+    def __init__(self, app, stats: HttpStats) -> None:
+        self.app = app
+        self.stats = stats
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 499  # no status line sent: the client left first
+
+        async def sending(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            # Known paths only: a scanner's made-up paths must not grow the label set.
+            path = scope["path"] if scope["path"] in ENDPOINTS else "other"
+            self.stats.by_endpoint_status[(path, status)] += 1
+
+
+def build_app(servicer: RouterServicer, auth, stats: HttpStats, max_model_len: int) -> FastAPI:
+    """``auth``: the gRPC TokenAuthInterceptor (same tokens file, same rights), or None."""
+    frontend = servicer.frontend
+    model_id = frontend.model_id
+    app = FastAPI(title="pdserve", openapi_url=None, docs_url=None, redoc_url=None)
+
+    app.add_middleware(_Count, stats=stats)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, e: ApiError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, e: RequestValidationError):
+        return _invalid(e.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, e: StarletteHTTPException):
+        return ApiError(e.status_code, str(e.detail), "invalid_request_error").response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Request, e: Exception):  # never a traceback to the client
+        return ApiError(500, f"internal error: {type(e).__name__}", "server_error").response()
+
+    def authorize(request: Request) -> None:
+        if auth is None:
+            return
+        header = request.headers.get("authorization")
+        refusal = auth.check(GENERATE_METHOD, [("authorization", header)] if header else [])
+        if refusal is not None:
+            raise ApiError.from_failure(RequestFailed(*refusal))
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != model_id:
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist (this server serves {model_id!r})",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
+
+    def timeout_of(request: Request) -> float | None:
+        text = request.headers.get(TIMEOUT_HEADER)
+        if text is None:
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not 0 < value < 1e9:
+            raise ApiError(400, f"{TIMEOUT_HEADER} must be seconds > 0", "invalid_request_error")
+        return value
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({})
+
+    @app.get("/version")
+    async def version():
+        try:
+            return {"version": package_version("pdserve")}
+        except PackageNotFoundError:  # a source checkout that was never installed
+            return {"version": "dev"}
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_id,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "pdserve",
+                    "root": model_id,
+                    "max_model_len": max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(request: Request):
+        body = await parse(request, CompletionRequest)
+        check_model(body.model)
+        try:
+            generate = body.to_generate()
+        except InvalidField as e:
+            raise ApiError(400, str(e), "invalid_request_error", e.param) from None
+        echo = [_prompt_text(frontend, g) for g in generate] if body.echo else None
+        assembler = Assembler(
+            frontend, "cmpl", model_id, body.n, len(generate), chat=False, echo=echo
+        )
+        return await run(request, body, generate, assembler)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat(request: Request):
+        body = await parse(request, ChatCompletionRequest)
+        check_model(body.model)
+        try:
+            generate = [body.to_generate(max_model_len)]
+        except InvalidField as e:
+            raise ApiError(400, str(e), "invalid_request_error", e.param) from None
+        assembler = Assembler(
+            frontend,
+            "chatcmpl",
+            model_id,
+            body.n,
+            1,
+            chat=True,
+            top_logprobs=body.top_logprobs or 0,
+        )
+        return await run(request, body, generate, assembler)
+
+    async def parse(request: Request, schema):
+        # JSON whatever the Content-Type says (curl -d sends form-urlencoded).
+        try:
+            return schema.model_validate_json(await request.body())
+        except ValidationError as e:
+            raise _invalid(e.errors()) from None
+
+    async def run(request: Request, body, generate: list, assembler: Assembler):
+        timeout = timeout_of(request)
+        streams = [servicer.generate(g, timeout) for g in generate]
+        try:
+            # The first message of each before any byte is sent: a refusal
+            # (400, 429, 503...) gets its HTTP status, even when streaming.
+            first = await _until_disconnected(request, _firsts(streams))
+        except RequestFailed as e:
+            await _close(streams)
+            error = ApiError.from_failure(e)
+            # The engine's messages start with the field they refuse: name it as param.
+            field_name = e.details.split(" ", 1)[0]
+            if error.status == 400 and field_name in type(body).model_fields:
+                error.param = field_name
+            raise error from None
+        except BaseException:
+            await _close(streams)
+            raise
+        merged = _merged(streams, first)
+        if body.stream:
+            return EventSourceResponse(_sse(merged, assembler, body.include_usage))
+        try:
+            async with contextlib.aclosing(merged):
+                await _until_disconnected(request, _collect(merged, assembler))
+        except RequestFailed as e:
+            raise ApiError.from_failure(e) from None
+        return JSONResponse(assembler.whole())
+
+    return app
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "TextPart"})
+
+
+def _invalid(errors) -> ApiError:
+    """400 naming the first bad field (``messages.0.role``), as OpenAI's ``param``."""
+    first = errors[0] if errors else {}
+    # pydantic's loc names union members too ("prompt", "list[int]", 0): keep the field path.
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(x for x in loc if x not in _TYPE_NAMES and "[" not in x) or None
+    message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+    return ApiError(400, message, "invalid_request_error", param)
+
+
+async def _firsts(streams: list[AsyncIterator]) -> list:
+    tasks = [asyncio.ensure_future(anext(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:  # one failed (or the client left): the others end too, downstream included
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect(merged, assembler: Assembler) -> None:
+    async for index, response in merged:
+        assembler.add(index, response)
+
+
+async def _until_disconnected(request: Request, work):
+    """``work``'s result; cancelled (aborting downstream, freeing the nodes'
+    blocks) when the client drops the connection first."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise asyncio.CancelledError("the client disconnected")
+    return task.result()
+
+
+async def _close(streams) -> None:
+    for s in streams:
+        with contextlib.suppress(BaseException):
+            await s.aclose()
+
+
+async def _merged(
+    streams: list, first: list
+) -> AsyncIterator[tuple[int, pdserve_pb2.GenerateResponse]]:
+    """(prompt index, response) of every stream, interleaved as they come."""
+    try:
+        for i, response in enumerate(first):
+            yield i, response
+        if len(streams) == 1:  # the common case: no tasks, no queue
+            async for response in streams[0]:
+                yield 0, response
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream) -> None:
+            try:
+                async for response in stream:
+                    await queue.put((i, response, None))
+            except Exception as e:  # RequestFailed: handed to the consumer
+                await queue.put((i, None, e))
+            await queue.put((i, None, None))
+
+        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            running = len(pumps)
+            while running:
+                i, response, error = await queue.get()
+                if error is not None:
+                    raise error
+                if response is None:
+                    running -= 1
+                    continue
+                yield i, response
+        finally:
+            for p in pumps:
+                p.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+    finally:
+        await _close(streams)
+
+
+async def _sse(merged, assembler: Assembler, include_usage: bool):
+    # Starlette cancels this generator when the client disconnects: aclosing
+    # then closes the streams, which cancels the Decode calls downstream.
+    async with contextlib.aclosing(merged):
+        try:
+            for chunk in assembler.start_chunks():
+                yield _event(chunk)
+            async for index, response in merged:
+                for chunk in assembler.chunks(index, response):
+                    yield _event(chunk)
+            if include_usage:
+                yield _event(assembler.usage_chunk())
+        except RequestFailed as e:
+            # Mid-stream the status line is sent already: the error goes in the stream.
+            error = ApiError.from_failure(e)
+            yield _event(
+                {"error": {"message": error.message, "type": error.kind, "code": error.code}}
+            )
+        yield DONE
+
+
+def _event(obj: dict) -> bytes:
+    return format_sse_event(data_str=json.dumps(obj, separators=(",", ":")))
+
+
+def _prompt_text(frontend, request: pdserve_pb2.GenerateRequest) -> str:
+    if request.WhichOneof("input") == "prompt":
+        return request.prompt
+    if frontend.tokenizer is None:
+        raise ApiError(400, "echo of token ids needs a tokenizer", "invalid_request_error", "echo")
+    return frontend.tokenizer.decode(list(request.token_ids.ids))
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # The router's own handlers (router/main.py) stop it with the gRPC servers.
+        yield
+
+
+def make_server(
+    app: FastAPI, host: str, port: int, tls: TLSConfig, drain_s: float
+) -> uvicorn.Server:
+    """The HTTP server with the gRPC port's TLS files (mTLS when --tls-client-ca)."""
+    paths = dict(tls.paths)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        lifespan="off",
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=max(1, int(drain_s)),
+        ssl_certfile=paths.get("--tls-cert"),
+        ssl_keyfile=paths.get("--tls-key"),
+        ssl_ca_certs=paths.get("--tls-client-ca"),
+        ssl_cert_reqs=ssl.CERT_REQUIRED if "--tls-client-ca" in paths else ssl.CERT_NONE,
+    )
+    return _Server(config)

@@ -1,0 +1,207 @@
+"""`pdserve bench serve` against a scripted fake OpenAI server: the metric
+arithmetic with known delays, failures counted, the arrival process, the
+record and the plot."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import statistics
+
+import pytest
+
+from benchmarks.serve_fake_server import FakeServer, Script
+from pdserve.bench.backends import OpenAIBackend, RequestResult, SamplingOptions
+from pdserve.bench.datasets import (
+    BenchRequest,
+    Dataset,
+    DatasetKind,
+    MultiTurnSpec,
+    MultiTurnWorkload,
+)
+from pdserve.bench.loadgen import arrival_gaps, run_rate
+from pdserve.bench.metrics import SloMetric, compute, parse_slo, percentile
+from pdserve.cli import main as pdserve_main
+
+# The server sleeps the scripted delays, so a measured time is never below its
+# script; above it by at most SLACK_MS (2 CI cores shared with other jobs).
+SLACK_MS = 150
+
+
+def _jsonl(tmp_path, lines: list[dict]):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def _within(measured: float, scripted: float, slack: float = SLACK_MS) -> bool:
+    return scripted - 1 <= measured <= scripted + slack
+
+
+def test_metrics_match_the_scripted_delays(tmp_path):
+    fast = {"prompt": "ttft=0.05 itl=0.01 a b c", "output_len": 6}
+    slow = {"prompt": "ttft=0.5 itl=0.1 a b c", "output_len": 6}
+    fail = {"prompt": "fail=1", "output_len": 6}
+    path = _jsonl(tmp_path, [fast] * 4 + [slow] * 2 + [fail])
+    with FakeServer() as server:
+        code = pdserve_main(
+            ["bench", "serve", "--base-url", server.base_url, "--dataset", "jsonl"]
+            + ["--jsonl-path", str(path), "--num-prompts", "7", "--request-rate", "inf"]
+            + ["--slo", "ttft:250,tpot:50", "--result-dir", str(tmp_path), "--no-progress"]
+        )
+        assert server.requests() == 7
+    assert code == 0
+    rec = json.loads(next(tmp_path.glob("serve-openai-jsonl-*.json")).read_text())
+    (r,) = rec["rates"]
+    assert r["request_rate"] == "inf"
+    assert r["completed"] == 6 and r["failed"] == 1
+    assert list(r["errors"]) == ['HTTP 500: {"error": {"message": "scripted failure"}}']
+    assert r["failures"][0]["error"].startswith("HTTP 500")
+    assert r["total_output_tokens"] == 36 and r["total_input_tokens"] == 6 * 5
+    # TTFT: four at 50 ms, two at 500 ms; p50 is a fast one, p90 a slow one.
+    assert _within(r["ttft_ms"]["p50"], 50) and _within(r["ttft_ms"]["p90"], 500)
+    assert _within(r["ttft_ms"]["mean"], (4 * 50 + 2 * 500) / 6)
+    # TPOT = (e2e - ttft) / (6 - 1): the five gaps of 10 or 100 ms.
+    assert _within(r["tpot_ms"]["p50"], 10, SLACK_MS / 5)
+    assert _within(r["tpot_ms"]["p99"], 100, SLACK_MS / 5)
+    assert _within(r["tpot_ms"]["mean"], (4 * 10 + 2 * 100) / 6, SLACK_MS / 5)
+    # ITL pools every gap: 20 of 10 ms, 10 of 100 ms; the mean is what they sum to.
+    assert _within(r["itl_ms"]["mean"], (20 * 10 + 10 * 100) / 30, SLACK_MS / 5)
+    assert _within(r["e2el_ms"]["p99"], 500 + 5 * 100, 2 * SLACK_MS)
+    # Everything was sent at once, so the slowest request bounds the duration.
+    assert 1.0 <= r["duration_s"] <= 1.0 + 2 * SLACK_MS / 1e3
+    assert r["request_throughput"] == pytest.approx(6 / r["duration_s"])
+    # Goodput: only the four fast requests meet TTFT <= 250 and TPOT <= 50.
+    assert r["goodput"] == pytest.approx(4 / r["duration_s"])
+    assert r["output_tokens_per_s_per_user"] == pytest.approx(1e3 / r["tpot_ms"]["mean"])
+    assert next(tmp_path.glob("serve-*.png")).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_metric_arithmetic_is_exact_on_known_results():
+    def req(ttft, itls, tokens, ok=True):
+        lat = ttft + sum(itls)
+        return RequestResult(ok, "" if ok else "boom", 10, tokens, ttft, lat, list(itls))
+
+    results = [
+        req(0.1, [0.02] * 4, 5),  # TPOT 20 ms
+        req(0.3, [0.05] * 4, 5),  # TPOT 50 ms: misses tpot:40
+        req(0.2, [], 1),  # one token: no TPOT, meets any TPOT objective
+        req(0.0, [], 0, ok=False),
+    ]
+    m = compute(results, 2.0, 4.0, parse_slo("ttft:250,tpot:40"), max_concurrency=3)
+    assert (m.completed, m.failed, m.errors) == (3, 1, {"boom": 1})
+    assert m.request_throughput == 1.5 and m.goodput == 1.0  # 2 good of 3 in 2 s
+    assert m.output_throughput == 5.5 and m.total_token_throughput == 20.5
+    assert m.ttft_ms["mean"] == pytest.approx(200) and m.ttft_ms["p50"] == pytest.approx(200)
+    assert m.ttft_ms["p90"] == pytest.approx(280)  # 200 + 0.8 x (300 - 200)
+    assert m.tpot_ms["mean"] == pytest.approx(35) and m.tpot_ms["p99"] == pytest.approx(49.7)
+    assert m.itl_ms["mean"] == pytest.approx(35) and m.itl_ms["p50"] == pytest.approx(35)
+    assert m.e2el_ms["p50"] == pytest.approx(200)
+    assert m.output_tokens_per_s_per_user == pytest.approx(1e3 / 35)
+
+
+def test_a_sweep_writes_one_entry_per_rate_and_plots_two_systems(tmp_path):
+    with FakeServer(Script(ttft_s=0.01, itl_s=0.002)) as server:
+        for label in ("a", "b"):
+            pdserve_main(
+                ["bench", "serve", "--base-url", server.base_url, "--label", label]
+                + ["--random-input-len", "16", "--random-output-len", "4", "--num-prompts", "20"]
+                + ["--request-rate", "50", "200", "inf", "--max-concurrency", "8"]
+                + ["--num-warmups", "2", "--result-dir", str(tmp_path), "--no-plot"]
+                + ["--no-progress"]
+            )
+        # Warm-ups are not counted: 2 + 3 x 20 requests per label.
+        assert server.requests() == 2 * 62
+    a, b = sorted(tmp_path.glob("serve-*.json"))
+    rec = json.loads(a.read_text())
+    assert [r["request_rate"] for r in rec["rates"]] == [50, 200, "inf"]
+    assert all(r["completed"] == 20 and r["failed"] == 0 for r in rec["rates"])
+    assert all(r["total_input_tokens"] == 20 * 16 for r in rec["rates"])
+    assert rec["rates"][0]["goodput"] is None  # no --slo
+    # 20 Poisson arrivals at 50 req/s take about 0.4 s; at inf far less.
+    assert rec["rates"][0]["duration_s"] > rec["rates"][2]["duration_s"]
+    out = tmp_path / "both.png"
+    assert pdserve_main(["bench", "plot", str(a), str(b), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_multi_turn_sends_every_turn_with_the_reply_in_the_history():
+    spec = MultiTurnSpec(users=3, turns=3, systems=2, system_tokens=10, output_tokens=4)
+    spec.min_user_tokens = spec.max_user_tokens = 5
+    w = MultiTurnWorkload.make(spec, vocab=1000, seed=1)
+    dataset = Dataset(DatasetKind.MULTI_TURN, w.first_turns(), multi_turn=w)
+    assert dataset.total_requests == 9
+
+    async def go():
+        with FakeServer() as server:
+            backend = OpenAIBackend(server.base_url, SamplingOptions(want_token_ids=True))
+            try:
+                return await run_rate(backend, dataset, math.inf)
+            finally:
+                await backend.close()
+
+    run = asyncio.run(go())
+    assert len(run.results) == 9 and all(r.success for r in run.results)
+    # Turn t's prompt: system 10 + t x (message 5 + reply 4) + message 5.
+    assert sorted(r.prompt_len for r in run.results) == [15] * 3 + [24] * 3 + [33] * 3
+    nxt = w.next_turn(BenchRequest([1, 2], 2, 4, conversation=0, turn=0), [7, 8])
+    assert nxt.prompt == [1, 2, 7, 8, *w.messages[0][1]]
+    assert w.next_turn(BenchRequest([], 0, 4, conversation=0, turn=2), []) is None
+
+
+def test_arrivals_are_poisson_at_the_rate_and_burstiness_keeps_the_mean():
+    for burstiness in (1.0, 0.25, 4.0):
+        gaps = arrival_gaps(20.0, burstiness, seed=3)
+        xs = [next(gaps) for _ in range(20000)]
+        assert statistics.fmean(xs) == pytest.approx(1 / 20, rel=0.05)
+        # Gamma(k): coefficient of variation 1 / sqrt(k); 1 for Poisson.
+        cv = statistics.pstdev(xs) / statistics.fmean(xs)
+        assert cv == pytest.approx(1 / math.sqrt(burstiness), rel=0.08)
+    assert next(arrival_gaps(math.inf, 1.0, 0)) == 0.0
+
+
+def test_slo_parsing_and_percentiles():
+    assert parse_slo("ttft:500,tpot:50") == {SloMetric.TTFT: 0.5, SloMetric.TPOT: 0.05}
+    for bad in ("ttft", "ttft:x", "foo:1", "tpot:-3"):
+        with pytest.raises(ValueError, match="--slo"):
+            parse_slo(bad)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([10.0], 99) == 10.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_no_successes_exit_nonzero_and_are_all_listed(tmp_path):
+    path = _jsonl(tmp_path, [{"prompt": "fail=1"}])
+    with FakeServer() as server:
+        code = pdserve_main(
+            ["bench", "serve", "--base-url", server.base_url, "--dataset", "jsonl"]
+            + ["--jsonl-path", str(path), "--num-prompts", "3", "--no-plot", "--no-progress"]
+            + ["--result-dir", str(tmp_path)]
+        )
+    assert code == 1
+    (r,) = json.loads(next(tmp_path.glob("serve-*.json")).read_text())["rates"]
+    assert r["completed"] == 0 and r["failed"] == 3 and len(r["failures"]) == 3
+
+
+def test_metrics_of_no_requests_are_nan_not_errors():
+    m = compute([], 1.0, 1.0)
+    assert m.completed == 0 and math.isnan(m.ttft_ms["p50"])
+
+
+def test_each_rate_gets_its_own_prompts_so_no_rate_feeds_the_next_ones_cache():
+    from pdserve.bench.cli import build_dataset
+    from pdserve.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "serve", "--dataset", "shared-prefix", "--shared-prefix-groups", "2"]
+        + ["--shared-prefix-prompts-per-group", "3", "--shared-prefix-system-len", "32"]
+        + ["--shared-prefix-question-len", "8", "--vocab-size", "5000"]
+    )
+    a, b = build_dataset(args, 0), build_dataset(args, 1)
+    assert len(a.requests) == len(b.requests) == 6
+    assert {r.prompt_len for r in a.requests} == {40}
+    # Within one dataset, prompts share one of two system prompts; across seeds none.
+    systems = {tuple(r.prompt[:32]) for r in a.requests}
+    assert len(systems) == 2 and not systems & {tuple(r.prompt[:32]) for r in b.requests}
+    assert build_dataset(args, 0).requests[0].prompt == a.requests[0].prompt  # seeded
