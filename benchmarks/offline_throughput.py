@@ -9,6 +9,7 @@ benchmarks/results/.
 
     python benchmarks/offline_throughput.py                      # CPU-sized defaults
     python benchmarks/offline_throughput.py --shape qwen3-0.6b --num-seqs 256 --hf-baseline
+    python benchmarks/offline_throughput.py --shape qwen3-0.6b --peer vllm   # vLLM, same run
 
 HF's ``generate`` pads a batch to its longest prompt and runs every row to the
 batch's longest output; its "useful" rate counts only the tokens the workload
@@ -19,6 +20,7 @@ produced.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 import tempfile
@@ -59,6 +61,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-fused-ops", action="store_true", help="plain torch RMSNorm/SiLU/RoPE")
     p.add_argument("--hf-baseline", action="store_true", help="also run HF transformers generate")
     p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument(
+        "--peer",
+        choices=["vllm"],
+        help="also run this engine on the same workload after pdserve (one JSON record)",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="pdserve's async scheduling (auto: on for CUDA)",
+    )
     p.add_argument(
         "--out-dir", type=Path, help="where the JSON record goes (default benchmarks/results)"
     )
@@ -105,6 +118,7 @@ def run_pdserve(model_dir: Path, args, prompts, out_lens) -> dict[str, Any]:
         enforce_eager=args.enforce_eager,
         fused_ops=not args.no_fused_ops,
         seed=args.seed,
+        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
     )
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     params = [
@@ -129,6 +143,7 @@ def run_pdserve(model_dir: Path, args, prompts, out_lens) -> dict[str, Any]:
         "device": str(runner.device),
         "num_kvcache_blocks": runner.num_kvcache_blocks,
         "num_preemptions": stats.num_preemptions,
+        "async_scheduling": llm.llm_engine.async_scheduling,
     }
 
 
@@ -225,6 +240,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"HF transformers generate (batch {hf['batch_size']}): {hf['output_tok_per_s']:.1f} "
                 f"useful output tok/s ({hf['generated_tok_per_s']:.1f} generated) -> pdserve is "
                 f"{results['ratio_vs_hf']:.2f}x",
+                flush=True,
+            )
+        if args.peer == "vllm":
+            from benchmarks.peers.vllm_peer import run_vllm
+
+            # pdserve's engine is gone: give its memory back before vLLM sizes its cache.
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            peer = run_vllm(model_dir, args, prompts, out_lens)
+            results["vllm"] = peer
+            results["ratio_vs_vllm"] = ours["output_tok_per_s"] / peer["output_tok_per_s"]
+            print(
+                f"vLLM {peer['version']}: {peer['output_tok_per_s']:.1f} output tok/s -> pdserve is "
+                f"{results['ratio_vs_vllm']:.2f}x",
                 flush=True,
             )
     return save_run("offline_throughput", args, results, argv)

@@ -105,6 +105,10 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     device: DeviceKind = DeviceKind.AUTO
     attention_backend: AttentionBackendName = AttentionBackendName.AUTO
+    # Overlap the host's scheduling and output processing with the device's step
+    # (vLLM's name). None: on for CUDA, off elsewhere; True also works on a CPU
+    # (the same code path, without the overlap), which is how CI covers it.
+    async_scheduling: bool | None = None
     # Derived in __post_init__.
     model_config: ModelArchConfig = field(init=False, repr=False)
 
@@ -161,6 +165,8 @@ class EngineConfig:
             "skip_tokenizer_init",
         ):
             _require_bool(name, getattr(self, name))
+        if self.async_scheduling is not None:
+            _require_bool("async_scheduling", self.async_scheduling)
         self._resolve_lengths()
         if self.tokenizer is None:
             self.tokenizer = self.model

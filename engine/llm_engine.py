@@ -26,6 +26,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
+from engine.async_step import InFlightStep
 from engine.block_hash import BlockHasher
 from engine.block_manager import BlockManager, CacheEvents
 from engine.config import EngineConfig
@@ -35,8 +36,8 @@ from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Request, Sequence, SequenceStatus, TokenLogprobs
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus, TokenLogprobs
 from engine.tokenizer import load_tokenizer
 
 MAX_CACHED_HASHERS = 256
@@ -108,6 +109,13 @@ class LLMEngine:
         self._touched: set[str] = set()
         self._seq_ids = itertools.count()
         self._hashers: dict[str | None, BlockHasher] = {}
+        # Async scheduling: the launched step whose samples the host has not read.
+        self._in_flight: InFlightStep | None = None
+        self.async_scheduling = (
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else self.model_runner.device.type == "cuda"
+        )
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> LLMEngine:
@@ -253,6 +261,8 @@ class LLMEngine:
             if req is None:
                 continue
             for seq in req.seqs:
+                if seq.token_ids[-1] == PLACEHOLDER:
+                    seq.token_ids.pop()  # its token was never read: not part of the output
                 self.scheduler.abort([seq])
                 self.model_runner.release(seq)
             req.aborted = True
@@ -264,7 +274,12 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         """Whether ``step`` would do anything (reserved requests wait for their KV)."""
-        return bool(self._aborted or self._touched or self.scheduler.has_unfinished())
+        return bool(
+            self._aborted
+            or self._touched
+            or self._in_flight is not None
+            or self.scheduler.has_unfinished()
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -301,23 +316,52 @@ class LLMEngine:
         for request_id in self._touched:
             outputs.extend(self._output_for(request_id))
         self._touched.clear()
-        if outputs or not self.scheduler.has_unfinished():
+        prev, self._in_flight = self._in_flight, None
+        if outputs or not (self.scheduler.has_unfinished() or prev):
+            self._in_flight = prev
             return outputs
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else ScheduledBatch()
         now = time.monotonic()
         for seq in batch.seqs:
             req = self.requests[seq.request_id]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+        # Penalties read the output ids on the host: such a step waits for the last.
+        if prev is not None and (
+            not batch.seqs or any(s.params.needs_penalties for s in batch.seqs)
+        ):
+            outputs.extend(self._finish_step(prev))
+            if not batch.seqs:
+                return outputs  # the next step schedules what this one's tokens allow
+            prev = None
         if not batch.seqs:
             if batch.preempted:
                 return outputs  # memory was reclaimed; the next step admits again
             raise RuntimeError("the scheduler could not schedule any pending sequence")
-        result = self.model_runner.execute(batch)
+        step = self.model_runner.launch(batch, prev, non_blocking=self.async_scheduling)
         self.num_computed_tokens += batch.num_tokens
-        self.num_generated_tokens += sum(t is not None for t in result.sampled)
-        self.scheduler.update(batch, result.sampled)
-        for request_id in self.output_processor.process(self.requests, batch, result):
+        # The device runs `step` while the host reads and processes `prev`.
+        if prev is not None:
+            outputs.extend(self._finish_step(prev))
+        sample_index = {row: j for j, row in enumerate(step.sampling)}
+        for row, seq in self.scheduler.advance(batch):
+            step.placeholders[seq.seq_id] = (sample_index[row], seq.num_tokens - 1)
+        if self.async_scheduling:
+            self._in_flight = step
+        else:
+            outputs.extend(self._finish_step(step))
+        return outputs
+
+    def _finish_step(self, step: InFlightStep) -> list[RequestOutput]:
+        """Read a launched step's samples, fill its placeholders, process outputs."""
+        result = step.wait()
+        for seq in step.batch.seqs:
+            hit = step.placeholders.get(seq.seq_id)
+            if hit is not None and not seq.is_finished:
+                seq.token_ids[hit[1]] = result.sampled[step.sampling[hit[0]]]
+                self.num_generated_tokens += 1  # a dropped extra-step token is not counted
+        outputs: list[RequestOutput] = []
+        for request_id in self.output_processor.process(self.requests, step.batch, result):
             outputs.extend(self._output_for(request_id))
         return outputs
 

@@ -16,6 +16,7 @@ import os
 import numpy as np
 import torch
 
+from engine.async_step import InFlightStep, patch_inputs
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, LoadFormat
 from engine.cuda_graphs import DecodeGraphs
 from engine.device import default_dtype, resolve_device, resolve_dtype
@@ -270,24 +271,32 @@ class ModelRunner:
         return ModelInputs(_to_device(input_ids, dev), _to_device(positions, dev), meta)
 
     # -------------------------------------------------------------- execute
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Run one step and wait for its results."""
+        return self.launch(batch).wait()
+
+    @torch.inference_mode()
+    def launch(
+        self, batch: ScheduledBatch, prev: InFlightStep | None = None, non_blocking: bool = False
+    ) -> InFlightStep:
+        """Enqueue one step on the device; ``prev``'s unread samples feed its inputs.
+
+        ``non_blocking``: copy the samples back without waiting (async scheduling);
+        the caller reads them with ``wait``.
+        """
         seqs = batch.seqs
+        starts = [s.num_computed_tokens for s in seqs]
         inputs = self.build_inputs(
-            [s.token_ids for s in seqs],
-            [s.num_computed_tokens for s in seqs],
-            batch.num_new_tokens,
-            [s.block_table for s in seqs],
+            [s.token_ids for s in seqs], starts, batch.num_new_tokens, [s.block_table for s in seqs]
         )
+        if prev is not None:
+            patch_inputs(inputs, batch, starts, prev)
         if self.graphs is not None and self.graphs.can_run(inputs):
             hidden = self.graphs.run(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         qsl = inputs.meta.query_start_loc_cpu
-        num = len(seqs)
-        sampled: list[int | None] = [None] * num
-        logprobs: list[TokenLogprobs | None] = [None] * num
-        prompt_logprobs: list[list[PromptTokenLogprob] | None] = [None] * num
+        prompt_logprobs: list[list[PromptTokenLogprob] | None] = [None] * len(seqs)
 
         # Only sequences whose last uncomputed token is in this step sample.
         sampling = [
@@ -295,17 +304,15 @@ class ModelRunner:
             for i, (s, n) in enumerate(zip(seqs, batch.num_new_tokens, strict=True))
             if s.num_computed_tokens + n == s.num_tokens
         ]
+        samples = None
         if sampling:
             last = _to_device(np.array([qsl[i + 1] - 1 for i in sampling]), self.device)
             logits = self.model.compute_logits(hidden[last])
-            out = self.sampler(logits, [self._sampling_row(seqs[i]) for i in sampling])
-            for j, i in enumerate(sampling):
-                sampled[i] = out.token_ids[j]
-                logprobs[i] = out.logprobs[j]
+            samples = self.sampler.sample(logits, [self._sampling_row(seqs[i]) for i in sampling])
         for i, (seq, n) in enumerate(zip(seqs, batch.num_new_tokens, strict=True)):
             if seq.params.prompt_logprobs is not None and seq.index == 0:
                 prompt_logprobs[i] = self._prompt_logprobs(seq, n, hidden[qsl[i] : qsl[i + 1]])
-        return StepOutput(sampled, logprobs, prompt_logprobs)
+        return InFlightStep.start(batch, sampling, samples, prompt_logprobs, non_blocking)
 
     def _prompt_logprobs(
         self, seq: Sequence, num_new: int, hidden: torch.Tensor

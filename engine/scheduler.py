@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +167,8 @@ class Scheduler:
                 break
             if seq.status is not running:
                 continue  # preempted earlier in this step
+            if self._done_by_length(seq):
+                continue  # its last token is still on the device (async scheduling)
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if not self._allocate_or_preempt(seq, num_new, scheduled_ids, batch):
                 continue
@@ -179,6 +181,16 @@ class Scheduler:
             budget = self._admit_waiting(batch, budget)
         self.stats.num_steps += 1
         return batch
+
+    def _done_by_length(self, seq: Sequence) -> bool:
+        """The sequence will finish by length once its unread token is read: running
+        it once more would only compute a token to drop (and, on a prefill node,
+        claim a block the transfer does not want). Never true without async
+        scheduling, where such a sequence has finished already."""
+        limit = seq.params.max_tokens
+        return (limit is not None and seq.num_output_tokens >= limit) or (
+            seq.num_tokens >= self.max_model_len
+        )
 
     def _allocate_or_preempt(
         self, seq: Sequence, num_new: int, scheduled_ids: set[int], batch: ScheduledBatch
@@ -245,22 +257,31 @@ class Scheduler:
         return budget
 
     # --------------------------------------------------------------- update
-    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Advance counters after a model step; append sampled tokens.
+    def advance(self, batch: ScheduledBatch) -> list[tuple[int, Sequence]]:
+        """After a step is launched: count its tokens computed, register newly full
+        blocks, and append ``PLACEHOLDER`` to each sequence that samples in it.
 
-        Returns the sequences that received a new token. Token-level stop
-        conditions (EOS, stop_token_ids, max_tokens, max_model_len) are applied by
-        the engine's output processor, which also checks stop strings.
+        Returns (batch row, sequence) for each placeholder; the engine fills them
+        when it reads the step's samples. Sequences that finished meanwhile (an
+        abort, or a stop found one step late under async scheduling) are skipped:
+        the token this step computes for them is dropped.
         """
-        appended: list[Sequence] = []
-        for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
-            if seq.is_finished:  # aborted while the step ran
+        appended: list[tuple[int, Sequence]] = []
+        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            if seq.is_finished:
                 continue
             seq.num_computed_tokens += num_new
             self.block_manager.cache_full_blocks(seq)
             if seq.num_computed_tokens == seq.num_tokens:
-                if token is None:
-                    raise RuntimeError(f"no token sampled for completed sequence {seq.seq_id}")
-                seq.token_ids.append(token)
-                appended.append(seq)
+                seq.token_ids.append(PLACEHOLDER)
+                appended.append((i, seq))
         return appended
+
+    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+        """``advance`` and fill the placeholders at once (synchronous form)."""
+        appended = self.advance(batch)
+        for i, seq in appended:
+            if sampled[i] is None:
+                raise RuntimeError(f"no token sampled for completed sequence {seq.seq_id}")
+            seq.token_ids[-1] = sampled[i]
+        return [seq for _, seq in appended]

@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
 
 
+# Stands for a token sampled on the device that the host has not read yet (async
+# scheduling; see engine/async_step.py). Real token ids are never negative.
+PLACEHOLDER = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()

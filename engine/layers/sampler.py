@@ -15,7 +15,7 @@ Logprobs are those of the raw model distribution, before any processing
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,42 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+@dataclass(slots=True)
+class DeviceSamples:
+    """One step's samples, still on the device (``to_host`` waits for them)."""
+
+    token_ids: torch.Tensor  # [rows] int64
+    want_logprobs: list[int | None]
+    logprob_rows: list[int] = field(default_factory=list)
+    # (chosen logprob, rank, top ids, top logprobs) of the logprob_rows.
+    logprob_tensors: tuple[torch.Tensor, ...] | None = None
+
+    def copy_to_host(self, non_blocking: bool) -> None:
+        """Start the device-to-host copies (pinned buffers, so they can overlap)."""
+        pin = non_blocking and self.token_ids.device.type == "cuda"
+        self.token_ids = _to_host(self.token_ids, pin)
+        if self.logprob_tensors is not None:
+            self.logprob_tensors = tuple(_to_host(t, pin) for t in self.logprob_tensors)
+
+    def to_host(self) -> SamplerOutput:
+        """Plain lists (waits for the device if ``copy_to_host`` was not synchronised)."""
+        logprob_out: list[TokenLogprobs | None] = [None] * len(self.want_logprobs)
+        if self.logprob_tensors is not None:
+            lp, rank, top_ids, top_lp = (t.tolist() for t in self.logprob_tensors)
+            for j, i in enumerate(self.logprob_rows):
+                k = self.want_logprobs[i]
+                logprob_out[i] = TokenLogprobs(lp[j], rank[j], top_ids[j][:k], top_lp[j][:k])
+        return SamplerOutput(self.token_ids.tolist(), logprob_out)
+
+
+def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    if not pin:
+        return t.cpu()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 def top_logprobs(
     logprobs: torch.Tensor, chosen: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,6 +113,12 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        return self.sample(logits, rows).to_host()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSamples:
+        """Sample on the device without waiting for it: the results stay tensors
+        (async scheduling feeds ``token_ids`` to the next step before the host
+        has seen them)."""
         logits = logits.float()
         want_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = (
@@ -85,17 +127,13 @@ class Sampler:
         self._apply_masks_and_bias(logits, rows)
         self._apply_penalties(logits, rows)
         token_ids = self._sample(logits, rows)
-        logprob_out: list[TokenLogprobs | None] = [None] * len(rows)
+        out = DeviceSamples(token_ids, want_logprobs)
         if raw_logprobs is not None:
-            logprob_rows = [i for i, k in enumerate(want_logprobs) if k is not None]
-            idx = _host_tensor(logprob_rows, torch.int64, logits.device)
-            k_max = max(want_logprobs[i] for i in logprob_rows)
-            lp, rank, top_ids, top_lp = top_logprobs(raw_logprobs[idx], token_ids[idx], k_max)
-            lp, rank, top_ids, top_lp = (t.tolist() for t in (lp, rank, top_ids, top_lp))
-            for j, i in enumerate(logprob_rows):
-                k = want_logprobs[i]
-                logprob_out[i] = TokenLogprobs(lp[j], rank[j], top_ids[j][:k], top_lp[j][:k])
-        return SamplerOutput(token_ids.tolist(), logprob_out)
+            out.logprob_rows = [i for i, k in enumerate(want_logprobs) if k is not None]
+            idx = _host_tensor(out.logprob_rows, torch.int64, logits.device)
+            k_max = max(want_logprobs[i] for i in out.logprob_rows)
+            out.logprob_tensors = top_logprobs(raw_logprobs[idx], token_ids[idx], k_max)
+        return out
 
     # ------------------------------------------------------------- processing
     def _apply_masks_and_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:

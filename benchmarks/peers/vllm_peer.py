@@ -1,0 +1,88 @@
+"""vLLM as a measured peer: the same workload through ``vllm.LLM`` in the same run.
+
+Same prompts (token ids, as ``TokensPrompt``), output lengths, ``ignore_eos``,
+temperature and seed, dummy weights of the same shape, no tokenizer and no
+detokenization: the call that worked for vLLM 0.26.0 on the GPU host
+(../shared/peers/vllm/README.md; docs/performance.md says how to carry it).
+The argument translation is plain Python so a CPU test checks it without vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+VLLM_MISSING = (
+    "--peer vllm needs the vllm package (0.26.0 was measured); it is not importable here. "
+    "On the GPU host unpack it as docs/performance.md ('vLLM in the same run') describes "
+    "and put it on PYTHONPATH, with VLLM_USE_FLASHINFER_SAMPLER=0"
+)
+
+
+def engine_kwargs(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments matching our engine's settings for ``args``."""
+    kwargs: dict[str, Any] = {
+        "model": str(model_dir),
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "seed": args.seed,
+        "enforce_eager": args.enforce_eager,
+    }
+    if args.dtype != "auto":
+        kwargs["dtype"] = args.dtype
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return kwargs
+
+
+def workload(
+    prompts: list[list[int]], out_lens: list[int], args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(TokensPrompt dicts, SamplingParams kwargs) for the same sequences as ours."""
+    tokens_prompts = [{"prompt_token_ids": list(p)} for p in prompts]
+    params = [
+        {
+            "temperature": args.temperature,
+            "ignore_eos": True,
+            "max_tokens": n,
+            "detokenize": False,
+        }
+        for n in out_lens
+    ]
+    return tokens_prompts, params
+
+
+def run_vllm(model_dir: Path, args, prompts, out_lens) -> dict[str, Any]:
+    try:
+        import vllm
+        from vllm import LLM, SamplingParams
+    except ImportError as e:
+        raise SystemExit(f"{VLLM_MISSING} ({e})") from e
+
+    llm = LLM(**engine_kwargs(model_dir, args))
+    llm.generate(
+        [{"prompt_token_ids": [1, 2, 3, 4]}],
+        SamplingParams(max_tokens=4, detokenize=False),
+        use_tqdm=False,
+    )  # warm-up
+    tokens_prompts, param_kwargs = workload(prompts, out_lens, args)
+    params = [SamplingParams(**kw) for kw in param_kwargs]
+    start = time.perf_counter()
+    outs = llm.generate(tokens_prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    if produced != sum(out_lens):
+        raise RuntimeError(f"vLLM produced {produced} tokens, expected {sum(out_lens)}")
+    return {
+        "version": vllm.__version__,
+        "output_tokens": produced,
+        "elapsed_s": elapsed,
+        "output_tok_per_s": produced / elapsed,
+        "total_tok_per_s": (produced + sum(map(len, prompts))) / elapsed,
+        "engine_kwargs": engine_kwargs(model_dir, args),
+    }
