@@ -203,8 +203,11 @@ class Assembler:
         for delta in response.deltas:
             number = index * self.n + delta.index
             logprobs = self._logprobs(self.choices[number], delta, record=False)
-            if not delta.text and logprobs is None:
-                continue  # e.g. half a UTF-8 character: nothing a client can show yet
+            if not delta.text and not delta.token_ids and logprobs is None:
+                continue  # nothing was generated in this message for this choice
+            # A step's tokens always make a chunk, even with no text yet (half a
+            # UTF-8 character held back, or no tokenizer at all): clients and load
+            # generators time tokens by chunks, as they do against vLLM.
             body = {"delta": {"content": delta.text}} if self.chat else {"text": delta.text}
             out.append(
                 self._chunk({"index": number, **body, "logprobs": logprobs, "finish_reason": None})
