@@ -89,16 +89,16 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         try:
             parsed = self.frontend.parse(request)
         except ValueError as e:
-            stats.requests_by_status["INVALID_ARGUMENT"] += 1
+            stats.requests_by_status[grpc.StatusCode.INVALID_ARGUMENT.name] += 1
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         limit = self.routing.config.max_in_flight
         if self.routing.inflight.in_flight >= limit:
-            stats.requests_by_status["RESOURCE_EXHAUSTED"] += 1
+            stats.requests_by_status[grpc.StatusCode.RESOURCE_EXHAUSTED.name] += 1
             raise RequestFailed(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"this router relays {limit} requests already (--max-in-flight); try again later",
             )
-        status, usage = "CANCELLED", None
+        status, usage = grpc.StatusCode.CANCELLED, None
         nodes = ("", "")  # (prefill, decode) of the last attempt, for the access log
         avoid: set[str] = set()
         failure: grpc.aio.AioRpcError | None = None  # the last attempt's
@@ -116,7 +116,7 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                         raise RequestFailed(
                             failure.code(), failure.details() or str(no_route)
                         ) from None
-                    status = "UNAVAILABLE"
+                    status = grpc.StatusCode.UNAVAILABLE
                     raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(no_route)) from None
                 tried = _Attempt(
                     self, routed, parsed, request, client_id, deadline, trace, progress
@@ -151,15 +151,19 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
             )
         finally:
             remaining = None if deadline is None else deadline - time.monotonic()
-            if status == "CANCELLED" and remaining is not None and remaining < DEADLINE_SLACK_S:
+            if (
+                status is grpc.StatusCode.CANCELLED
+                and remaining is not None
+                and remaining < DEADLINE_SLACK_S
+            ):
                 # The client's deadline ended it, not the client: count it as such.
-                status = "DEADLINE_EXCEEDED"
+                status = grpc.StatusCode.DEADLINE_EXCEEDED
             if progress.migrations:
-                stats.migrations["completed" if status == "OK" else "failed"] += 1
-            stats.finished(
+                stats.migrations["completed" if status is grpc.StatusCode.OK else "failed"] += 1
+            stats.finished(  # exported by the gRPC code's name
                 trace,
                 time.monotonic(),
-                status,
+                status.name,
                 usage.prompt_tokens if usage else 0,
                 usage.cached_tokens if usage else 0,
             )
@@ -167,7 +171,7 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                 log_access(
                     AccessEntry(
                         client_id,
-                        status,
+                        status.name,
                         usage.prompt_tokens if usage else len(original.prompt_token_ids),
                         usage.cached_tokens if usage else 0,
                         usage.completion_tokens if usage else trace.tokens,
@@ -251,7 +255,7 @@ class _Attempt:
         self.deadline = deadline  # time.monotonic() at which the client gives up; None: never
         self.trace = trace
         self.received = False
-        self.status = "CANCELLED"
+        self.status = grpc.StatusCode.CANCELLED
         self.usage = None
         self.error: grpc.aio.AioRpcError | None = None
         self.channel: grpc.aio.Channel | None = None
@@ -296,10 +300,10 @@ class _Attempt:
                     yield response
                     if seam_stop:
                         break  # a stop string across a migration's seam ended it
-            self.status = "OK"
+            self.status = grpc.StatusCode.OK
             self.routing.inflight.succeeded(route.decode.node_id)
         except grpc.aio.AioRpcError as e:
-            self.status = e.code().name
+            self.status = e.code()
             self.error = e
             if e.code() is grpc.StatusCode.UNAVAILABLE and self.decode_unreachable():
                 # Dead or partitioned, mid-stream or not: others avoid it until
