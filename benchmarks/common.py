@@ -5,27 +5,14 @@ from __future__ import annotations
 import json
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.report import git_revision
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-
-
-def git_revision() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            timeout=5,
-        )
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def environment() -> dict[str, Any]:

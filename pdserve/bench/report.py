@@ -56,7 +56,8 @@ def table(m: RateMetrics, slo_text: str = "") -> str:
     return "\n".join(lines)
 
 
-def _revision() -> str | None:
+def git_revision() -> str | None:
+    """The checkout's short commit, recorded with every benchmark result."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -109,7 +110,7 @@ def write_record(
         "environment": {
             "python": platform.python_version(),
             "host": platform.node(),
-            "pdserve_revision": _revision(),
+            "pdserve_revision": git_revision(),
         },
         "parameters": parameters,
         "rates": [{**asdict(m), **extra} for m, extra in rates],
