@@ -84,18 +84,24 @@ def listen(
         ) from None
 
 
-def cluster_plan(
-    port: int, admin_port: int, metrics_ports: dict[str, int], extra: Iterable[PlannedPort] = ()
-) -> list[PlannedPort]:
-    """What `pdserve up` listens on at fixed ports (the rest are picked free).
-    ``extra``: more listeners (e.g. an HTTP front with its flag)."""
+def router_listeners(port: int, admin_port: int, http_port: int | None) -> list[PlannedPort]:
+    """A router's listeners: gRPC public and admin, and the OpenAI HTTP API when on
+    (one list for the router's own check and `pdserve up`'s)."""
     plan = [
         PlannedPort(port, "--port", "router public API"),
         PlannedPort(admin_port, "--admin-port", "router admin API"),
     ]
-    plan += [
+    if http_port:
+        plan.append(PlannedPort(http_port, "--http-port", "router OpenAI HTTP API"))
+    return plan
+
+
+def cluster_plan(
+    port: int, admin_port: int, http_port: int | None, metrics_ports: dict[str, int]
+) -> list[PlannedPort]:
+    """What `pdserve up` listens on at fixed ports (the rest are picked free)."""
+    return router_listeners(port, admin_port, http_port) + [
         PlannedPort(p, "--metrics-port", f"{name} metrics")
         for name, p in metrics_ports.items()
         if p
     ]
-    return plan + list(extra)

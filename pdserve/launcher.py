@@ -20,7 +20,7 @@ from pathlib import Path
 
 from common.grpc_server import health_check
 from common.metrics.server import METRICS_PATH, plan_metrics_ports
-from common.ports import PlannedPort, check_free, cluster_plan
+from common.ports import check_free, cluster_plan
 from common.tls import NO_TLS, TLSConfig
 from pdserve.redis_server import RedisServer, free_port
 
@@ -183,12 +183,9 @@ class LocalCluster:
             spec.metrics_port, names, lambda: free_port(spec.host)
         )
         # Before Redis and model loading: a taken port fails in one line, at once.
-        http = [PlannedPort(spec.http_port, "--http-port", "router OpenAI HTTP API")]
         check_free(
             spec.host,
-            cluster_plan(
-                spec.port, spec.admin_port, self.metrics_ports, http if spec.http_port else ()
-            ),
+            cluster_plan(spec.port, spec.admin_port, spec.http_port, self.metrics_ports),
         )
         if self.redis_url is None:
             if spec.redis_tls_ca:

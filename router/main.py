@@ -22,7 +22,7 @@ from common.grpc_server import (
     set_serving,
 )
 from common.metrics.server import add_metrics_arguments, serve_metrics
-from common.ports import PlannedPort, check_free, listen
+from common.ports import PlannedPort, check_free, listen, router_listeners
 from common.redis_auth import add_redis_auth_arguments, check_redis, redis_options_from_args
 from common.tls import TLSConfig, add_tls_arguments
 from engine.config import EngineConfig
@@ -165,13 +165,7 @@ def router_ports(args: argparse.Namespace) -> list[PlannedPort]:
     """The router's listeners: gRPC public and admin, and the OpenAI HTTP API when on.
     Not --metrics-port: a metrics port that cannot be bound is logged and
     skipped (common/metrics/server.py); `pdserve up` checks it beforehand."""
-    ports = [
-        PlannedPort(args.port, "--port", "router public API"),
-        PlannedPort(args.admin_port, "--admin-port", "router admin API"),
-    ]
-    if args.http_port:
-        ports.append(PlannedPort(args.http_port, "--http-port", "router OpenAI HTTP API"))
-    return ports
+    return router_listeners(args.port, args.admin_port, args.http_port)
 
 
 def routing_config(args: argparse.Namespace) -> RoutingConfig:
