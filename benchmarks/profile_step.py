@@ -1,0 +1,228 @@
+"""Where a decode step's time goes: kernels on the device, Python on the host.
+
+    python benchmarks/profile_step.py kernels --shape qwen3-0.6b --batch 1
+    python benchmarks/profile_step.py host --shape qwen3-0.6b --num-seqs 256
+
+``kernels`` (CUDA only): one decode step of ``--batch`` sequences at ``--context`` tokens,
+exactly as model_step.py times it (graph replay when captured, logits,
+sampling), under torch.profiler: every device kernel with its count and time
+per step, the step's device busy time and its wall time. The gap between the
+two is launch and host overhead; the kernel table says which kernels a fusion
+or a cheaper launch would remove.
+
+``host``: the offline nano-vllm workload of offline_throughput.py under
+cProfile for ``--steps`` engine steps once the batch is full: the Python
+functions by own time per step, and the engine's wall time per step. With
+async scheduling the host work overlaps the device; the table still says what
+the host spends and where.
+
+Both print a table and write a JSON record (benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import command_line, environment, write_record
+from engine.models.shapes import SHAPES, write_shape_dir
+
+
+def kernels(args) -> dict[str, Any]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.model_step import make_runner
+    from engine.layers.sampler import SamplingRow
+    from engine.sampling_params import SamplingParams
+
+    ns = argparse.Namespace(
+        backend=args.backend, no_fused_ops=False, enforce_eager=args.enforce_eager
+    )
+    ctx, batch = args.context, args.batch
+    blocks_per_seq = -(-(ctx + 1) // 16)
+    with tempfile.TemporaryDirectory() as tmp:
+        runner = make_runner(args.shape, tmp, ns, ctx + 16, batch * blocks_per_seq + 1, batch)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+    inputs = runner.build_inputs([[1] * (ctx + 1)] * batch, [ctx] * batch, [1] * batch, tables)
+    greedy = [SamplingRow(SamplingParams(temperature=0), [1], 1, None, [])] * batch
+    on_cuda = runner.device.type == "cuda"
+
+    def step():
+        if runner.graphs is not None and runner.graphs.can_run(inputs):
+            hidden = runner.graphs.run(inputs)
+        else:
+            hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
+        runner.sampler(runner.model.compute_logits(hidden), greedy)
+
+    def sync():
+        if on_cuda:
+            torch.cuda.synchronize()
+
+    with torch.inference_mode():
+        for _ in range(5):
+            step()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            step()
+        sync()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / args.iters
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+        with profile(activities=acts) as prof:
+            for _ in range(args.iters):
+                step()
+            sync()
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for evt in prof.events():
+        if on_cuda and evt.device_type.name != "CUDA":
+            continue
+        if not on_cuda and evt.cpu_parent is not None:
+            continue  # CPU: top-level ops only
+        row = per_kernel[evt.name]
+        row[0] += 1
+        row[1] += (evt.device_time if on_cuda else evt.cpu_time) / 1e3  # ms
+    rows = sorted(
+        (
+            {
+                "kernel": name[:120],
+                "per_step": count / args.iters,
+                "ms_per_step": ms / args.iters,
+                "us_each": 1e3 * ms / count,
+            }
+            for name, (count, ms) in per_kernel.items()
+        ),
+        key=lambda r: -r["ms_per_step"],
+    )
+    busy = sum(r["ms_per_step"] for r in rows)
+    count = sum(r["per_step"] for r in rows)
+    print(
+        f"{args.shape} batch {batch} ctx {ctx} backend {runner.attention_backend.name.value} "
+        f"graphs={runner.graphs is not None}: wall {wall_ms:.3f} ms/step, device busy "
+        f"{busy:.3f} ms/step over {count:.0f} kernels ({1e3 * busy / max(count, 1):.2f} us each)"
+    )
+    print(f"{'ms/step':>8} {'n/step':>7} {'us each':>8}  kernel")
+    for r in rows[: args.top]:
+        print(f"{r['ms_per_step']:8.4f} {r['per_step']:7.1f} {r['us_each']:8.2f}  {r['kernel']}")
+    return {
+        "shape": args.shape,
+        "batch": batch,
+        "context": ctx,
+        "backend": runner.attention_backend.name.value,
+        "cuda_graphs": runner.graphs is not None,
+        "wall_ms_per_step": wall_ms,
+        "device_busy_ms_per_step": busy,
+        "kernels_per_step": count,
+        "kernels": rows,
+    }
+
+
+def host(args) -> dict[str, Any]:
+    from engine import LLM, SamplingParams
+
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(10000) for _ in range(rng.randint(args.min_len, args.max_len))]
+        for _ in range(args.num_seqs)
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_shape_dir(args.shape, Path(tmp) / args.shape)
+        llm = LLM(
+            str(model_dir),
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            attention_backend=args.backend,
+            max_model_len=4096,
+            max_num_seqs=args.num_seqs,
+            enforce_eager=args.enforce_eager,
+            async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+        )
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(
+            f"r{i}",
+            {"prompt_token_ids": p},
+            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.max_len),
+        )
+    # Run the prefills until every sequence decodes, then profile decode steps.
+    while engine.scheduler.waiting:
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(args.steps):
+        engine.step()
+    prof.disable()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    stats = pstats.Stats(prof)
+    rows = []
+    for (file, line, fn), (_cc, nc, tt, ct, _callers) in stats.stats.items():
+        rows.append(
+            {
+                "function": f"{Path(file).name}:{line}:{fn}",
+                "calls_per_step": nc / args.steps,
+                "own_ms_per_step": 1e3 * tt / args.steps,
+                "cum_ms_per_step": 1e3 * ct / args.steps,
+            }
+        )
+    rows.sort(key=lambda r: -r["own_ms_per_step"])
+    running = len(engine.scheduler.running)
+    print(
+        f"{args.shape} {running} running, async={engine.async_scheduling}: "
+        f"{wall_ms:.3f} ms/step wall under cProfile"
+    )
+    print(f"{'own ms':>8} {'cum ms':>8} {'calls':>8}  function (per step)")
+    for r in rows[: args.top]:
+        print(
+            f"{r['own_ms_per_step']:8.3f} {r['cum_ms_per_step']:8.3f} "
+            f"{r['calls_per_step']:8.1f}  {r['function']}"
+        )
+    return {
+        "shape": args.shape,
+        "running": running,
+        "async_scheduling": engine.async_scheduling,
+        "wall_ms_per_step_profiled": wall_ms,
+        "functions": rows[:80],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=["kernels", "host"])
+    p.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--out-dir", type=Path)
+    args = p.parse_args(argv)
+    result = kernels(args) if args.what == "kernels" else host(args)
+    record = {"environment": environment(), "results": result}
+    path, _ = write_record(
+        f"profile_{args.what}", record, command_line("profile_step.py", argv), args.out_dir
+    )
+    print(f"record: {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
