@@ -55,6 +55,7 @@ def kernels(args) -> dict[str, Any]:
         backend=args.backend,
         no_fused_ops=False,
         enforce_eager=args.enforce_eager,
+        gemv_backend=args.gemv_backend,
     )
     ctx, batch = args.context, args.batch
     blocks_per_seq = -(-(ctx + 1) // 16)
@@ -181,6 +182,8 @@ def host(args) -> dict[str, Any]:
             max_model_len=4096,
             max_num_seqs=args.num_seqs,
             enforce_eager=args.enforce_eager,
+            # Only when asked: this script also measures engines older than the option.
+            **({"gemv_backend": args.gemv_backend} if args.gemv_backend != "auto" else {}),
             async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         )
     engine = llm.llm_engine
@@ -272,6 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     p.add_argument("--backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--gemv-backend", default="auto", choices=["auto", "triton", "torch"])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--iters", type=int, default=20)

@@ -21,6 +21,7 @@ from engine.device import default_dtype, resolve_device, resolve_dtype
 from engine.kv_blocks import gather_blocks, scatter_blocks
 from engine.layers.attention import select_backend
 from engine.layers.sampler import Sampler, SamplingRow, top_logprobs
+from engine.layers.skinny_gemm_plan import plan_model
 from engine.model_io import ModelInputs, PromptTokenLogprob, StepOutput
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.loader import init_dummy_weights, load_weights
@@ -62,6 +63,9 @@ class ModelRunner:
         else:
             load_weights(self.model, config.model)
         self.model.eval()
+        # Decode-sized matmuls: the skinny kernel where it beats cuBLAS (before
+        # the graphs are captured, so they capture the chosen kernels).
+        self.gemv_plans = plan_model(self.model, config.gemv_backend, self.device, self.dtype)
         self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
         self._generators: dict[int, torch.Generator] = {}
         self._rows: dict[int, SamplingRow] = {}

@@ -1,5 +1,5 @@
-"""Plain descriptions the layers are built from: the attention backends' names
-and the rotary embedding's configuration.
+"""Plain descriptions the layers are built from: the attention backends' names,
+the skinny-GEMM choice and the rotary embedding's configuration.
 
 Torch-free on purpose: the engine's config parses these, and the router
 validates requests with that config without importing torch.
@@ -18,6 +18,15 @@ class AttentionBackendName(enum.Enum):
     TORCH = "torch"
     TRITON = "triton"
     FLASH_ATTN = "flash_attn"
+
+
+class GemvBackend(enum.Enum):
+    """``gemv_backend`` in EngineConfig: what multiplies a decode step's few tokens
+    (1..16) by a projection's weight, on CUDA in bf16/fp16 (elsewhere: torch)."""
+
+    AUTO = "auto"  # the skinny Triton kernel where it beats cuBLAS (tuned table, or measured)
+    TRITON = "triton"  # the skinny kernel for every projection (tests, benchmarks)
+    TORCH = "torch"  # F.linear (cuBLAS) always
 
 
 class RopeType(enum.StrEnum):
