@@ -46,7 +46,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.eps = cfg.rms_norm_eps
-        # Fused: q/k norm and RoPE in one in-place Triton kernel per tensor.
+        # Fused: q/k norm, RoPE and the KV-cache store in one in-place Triton kernel.
         self.fused = fused
         # Shared, not owned: registering them as submodules would duplicate them.
         self._rotary = (rotary,)
@@ -66,6 +66,7 @@ class Attention(nn.Module):
         if self.fused:
             from engine.layers.fused_kernels import rope_qk_
 
+            # q and k in one launch, and the new K/V written into the cache by it.
             rope_qk_(
                 q,
                 k,
@@ -75,13 +76,15 @@ class Attention(nn.Module):
                 self.q_norm.weight if self.qk_norm else None,
                 self.k_norm.weight if self.qk_norm else None,
                 self.eps,
+                kv_store=(v, self.k_cache, self.v_cache, meta.slot_mapping),
             )
+            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, kv_stored=True)
         else:
             if self.qk_norm:
                 q = self.q_norm(q)
                 k = self.k_norm(k)
             q, k = rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)
+            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
