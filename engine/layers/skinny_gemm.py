@@ -22,36 +22,31 @@ fp32, more than ``MAX_M`` tokens, a shape where cuBLAS wins, no plan) is
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.layers.specs import GemvConfig
+
+__all__ = [
+    "FMA_MAX_M",
+    "MAX_M",
+    "M_BUCKETS",
+    "GemvConfig",
+    "GemvPlan",
+    "SkinnyLinear",
+    "bucket",
+    "default_config",
+    "linear",
+]
 
 MAX_M = 16  # the most tokens the kernel serves; beyond, cuBLAS's tiles win
 # Token counts are planned in power-of-two buckets (the CUDA graphs' batch sizes).
 M_BUCKETS = (1, 2, 4, 8, 16)
 _BUCKET = [0] + [next(b for b in M_BUCKETS if b >= m) for m in range(1, MAX_M + 1)]
 FMA_MAX_M = 4  # up to this many tokens multiply by FMAs; above, by tl.dot
-
-
-@dataclass(frozen=True, slots=True)
-class GemvConfig:
-    """One launch configuration of the kernel."""
-
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    use_dot: bool = False  # a 16-row tensor-core tile (8..16 tokens)
-
-    def to_dict(self) -> dict[str, int | bool]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> GemvConfig:
-        return cls(**d)
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.layers.skinny_gemm import GemvConfig
+from engine.layers.specs import GemvConfig
 
 
 @triton.jit

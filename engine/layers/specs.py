@@ -8,7 +8,7 @@ validates requests with that config without importing torch.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 
 class AttentionBackendName(enum.Enum):
@@ -27,6 +27,25 @@ class GemvBackend(enum.Enum):
     AUTO = "auto"  # the skinny Triton kernel where it beats cuBLAS (tuned table, or measured)
     TRITON = "triton"  # the skinny kernel for every projection (tests, benchmarks)
     TORCH = "torch"  # F.linear (cuBLAS) always
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    """One launch configuration of the skinny GEMM kernel (engine/layers/skinny_gemm.py)."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    use_dot: bool = False  # a 16-row tensor-core tile (8..16 tokens)
+
+    def to_dict(self) -> dict[str, int | bool]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GemvConfig:
+        return cls(**d)
 
 
 class RopeType(enum.StrEnum):

@@ -255,8 +255,7 @@ def _decode_split_kernel(
     num_heads = tl.num_programs(1) * GROUP
     seq_len = tl.load(seq_lens_ptr + seq)
     chunk, used = _split_bounds(seq_len, NUM_SPLITS, BLOCK_N)
-    # A compile-time test around the runtime one: Triton drops the branch entirely
-    # for one split (and `and` of a constexpr with a tensor is not Triton's).
+    # A compile-time test around the runtime one (no `and` of constexpr and tensor).
     if NUM_SPLITS > 1:  # noqa: SIM102
         if split >= used:
             # No keys here (a context shorter than the graph's split count was
@@ -362,10 +361,8 @@ def _decode_reduce_kernel(
     )
 
 
-# The fewest keys a split gets when splits are planned for ``max_seq_len``. One
-# tile of the default BLOCK_N: at batch 1 a 1024-token context then spreads over
-# 16 splits of one tile each (was 256: 4 splits of 4 tiles one after another,
-# which left most SMs idle; docs/performance.md, "Batch-1 decode").
+# The fewest keys a split gets, one default tile: at batch 1 a 1024-token context
+# spreads over 16 one-tile splits (256 gave 4 splits of 4 tiles on 32 SMs).
 MIN_SPLIT_KEYS = 64
 
 
