@@ -54,7 +54,7 @@ def tile_candidates(m: int):
 
     out = []
     if m <= 2 * FMA_MAX_M:  # FMA tiles (8 rows too, against the tensor-core tile)
-        for bn, bk in itertools.product((8, 16, 32, 64), (128, 256, 512)):
+        for bn, bk in itertools.product((4, 8, 16, 32, 64), (128, 256, 512, 1024)):
             if m * bn * bk <= 32 * 1024:  # the [m, bn, bk] product fits the registers
                 out.append(GemvConfig(bn, bk))
     if m > FMA_MAX_M:

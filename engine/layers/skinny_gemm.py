@@ -67,12 +67,14 @@ def bucket(m: int) -> int:
 
 
 def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
-    """A config without tuning: enough row blocks to cover every SM, and a split of
-    K only where even the narrowest row blocks leave half the SMs idle."""
+    """A config without tuning. Bandwidth needs many loads in flight, and a
+    program has one or two at a time, so the FMA tiles are narrow and long
+    (few rows, wide K) to give every SM two or more programs; K is split only
+    where even the narrowest row blocks would leave half the SMs idle."""
     use_dot = m > FMA_MAX_M
-    block_k = 128 if use_dot else (512 if m == 1 else 256 if m == 2 else 128)
-    widths = (64, 32, 16) if use_dot else (64, 32, 16, 8)
-    block_n = next((w for w in widths if -(-n // w) >= num_sms), widths[-1])
+    block_k = 128 if use_dot else (1024 if m == 1 else 512 if m == 2 else 256)
+    widths = (64, 32, 16) if use_dot else (32, 16, 8, 4)
+    block_n = next((w for w in widths if -(-n // w) >= 2 * num_sms), widths[-1])
     tiles = -(-n // block_n)
     split_k = 1
     while tiles * split_k < num_sms // 2 and k >= block_k * split_k * 4:

@@ -10,6 +10,24 @@ from engine.layers.specs import GemvConfig
 
 
 @triton.jit
+def _load_tile(w_ptrs, x_ptrs, k, k_end, offs_k, n_mask, m_mask, EVEN_K: tl.constexpr):
+    """One BLOCK_K-wide tile of the weight rows and of the token rows."""
+    if EVEN_K:
+        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+    else:
+        k_mask = (k + offs_k) < k_end
+        w = tl.load(
+            w_ptrs,
+            mask=n_mask[:, None] & k_mask[None, :],
+            other=0.0,
+            eviction_policy="evict_first",
+        )
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    return w, x
+
+
+@triton.jit
 def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
@@ -44,25 +62,25 @@ def _skinny_gemm_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-        else:
-            k_mask = (k + offs_k) < k_end
-            w = tl.load(
-                w_ptrs,
-                mask=n_mask[:, None] & k_mask[None, :],
-                other=0.0,
-                eviction_policy="evict_first",
-            )
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if USE_DOT:
+    if USE_DOT:
+        # Triton's pipeliner keeps num_stages tiles of a dot's operands in flight.
+        for k in range(k_start, k_end, BLOCK_K):
+            w, x = _load_tile(w_ptrs, x_ptrs, k, k_end, offs_k, n_mask, m_mask, EVEN_K)
             acc += tl.dot(x, tl.trans(w))
-        else:
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+    else:
+        # It does not pipeline loads that feed no dot: prefetch by hand, so the
+        # next tile's load is in flight while this one's FMAs run. (An empty
+        # split's first load is all masked: it adds zeros.)
+        w, x = _load_tile(w_ptrs, x_ptrs, k_start, k_end, offs_k, n_mask, m_mask, EVEN_K)
+        for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            w_next, x_next = _load_tile(w_ptrs, x_ptrs, k, k_end, offs_k, n_mask, m_mask, EVEN_K)
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+            w, x = w_next, x_next
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
