@@ -78,6 +78,8 @@ def tune_one(n: int, k: int, m: int, device, dtype, deadline: float) -> dict[str
     tiles = tile_candidates(m)
     cublas, times = time_cublas_and_configs(n, k, m, dtype, device, tiles)
     timed = [(t, c) for t, c in zip(times, tiles, strict=True) if t is not None]
+    if not timed:  # every config failed to run here: the engine will keep cuBLAS
+        return {"config": None, "triton_us": None, "cublas_us": cublas, "configs_tried": 0}
     best_t, best = min(timed, key=lambda tc: tc[0])
     tried = len(tiles)
     if time.monotonic() < deadline:
@@ -136,6 +138,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             r = tune_one(n, k, m, device, dtype, deadline)
             r.update(layers=names, n=n, k=k, m=m)
             rows.append(r)
+            if r["config"] is None:
+                print(f"{names[0]:40} {f'{n}x{k}':>12} {m:3d}: no config ran", flush=True)
+                continue
             print(
                 f"{names[0]:40} {f'{n}x{k}':>12} {m:3d} {r['cublas_us']:10.2f} "
                 f"{r['triton_us']:8.2f} {r['cublas_us'] / r['triton_us']:6.2f}x "
