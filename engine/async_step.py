@@ -8,11 +8,13 @@ overlap the GPU's work instead of running while it waits:
     -> wait for step N's samples, apply stop conditions, build outputs
     -> advance N+1 (count its tokens computed, give its samplers a placeholder)
 
-Between ``Scheduler.advance`` and this step's ``wait`` a sequence that sampled
+Between ``Scheduler.advance`` and this step's ``read`` a sequence that sampled
 ends with ``PLACEHOLDER``: its length is right (the scheduler plans the next
-decode from it) but its value is only on the device. Only one step's
-placeholders exist at a time, and they are filled before anything reads
-them (stop checks, outputs, block hashes).
+decode from it) but its value is only on the device, at the sample index the
+sequence keeps in ``pending_sample`` (``patch_indices`` finds them there for
+the next step's inputs). Only one step's placeholders exist at a time, and
+they are filled before anything reads them (stop checks, outputs, block
+hashes).
 
 A sequence that finishes on step N's token may already be in step N+1: that
 step's token for it is dropped (``advance`` skips finished sequences, so it

@@ -199,7 +199,9 @@ class LLMEngine:
         self.scheduler.commit(seq)
         seq.num_cached_tokens = cached_tokens  # what the prefill node served from its cache
         seq.token_ids.append(first_token)
-        req.first_token_time = time.monotonic()
+        # It joins the running batch now (it never passes through the waiting
+        # queue, where step() stamps first_scheduled_time).
+        req.first_token_time = req.first_scheduled_time = time.monotonic()
         self.output_processor.accept_token(req, seq, first_token, first_logprobs)
         self._touched.add(request_id)
 

@@ -246,7 +246,7 @@ class ModelRunner:
         """Enqueue one step on the device; ``prev``'s unread samples feed its inputs.
 
         ``non_blocking``: copy the samples back without waiting (async scheduling);
-        the caller reads them with ``wait``.
+        the caller reads them with ``InFlightStep.read``.
         """
         seqs = batch.seqs
         num_new = batch.num_new_tokens
