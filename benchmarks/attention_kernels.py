@@ -2,6 +2,7 @@
 against the physical limits measured in the same run.
 
     python benchmarks/attention_kernels.py            # decode and prefill sweeps
+    python benchmarks/attention_kernels.py --splits   # batch 1..16: split counts before/after
 
 Decode: one query token per sequence, 32 query / 8 KV heads x 128 (Llama-3.1-8B's
 attention), over batch, context and page size; the figure of merit is KV bytes
@@ -109,6 +110,59 @@ def bench_decode(torch, copy_bw, batches, contexts, pages) -> list[dict[str, Any
     return rows
 
 
+def bench_splits(torch, batches, contexts, max_lens, layers=28) -> list[dict[str, Any]]:
+    """Batch 1..16 decode with the split count a CUDA graph fixes for max_model_len:
+    the rule before (splits of at least 256 keys) against MIN_SPLIT_KEYS, Qwen3-0.6B's
+    heads (16 query, 8 KV). Timed as a decode step runs it: ``layers`` calls back to
+    back in one CUDA graph, each on its own KV cache (no L2 reuse)."""
+    import triton
+
+    from engine.layers.attention import triton_kernels as tk
+    from engine.layers.skinny_gemm_plan import time_graph_us
+
+    heads, kv_heads = 16, 8
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for max_len in max_lens:
+        for ctx in (c for c in contexts if c < max_len):
+            for batch in batches:
+                caches = [make_cache(torch, batch, ctx, 16, kv_heads) for _ in range(layers)]
+                q = torch.randn(batch, heads, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+                lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+                out = torch.empty_like(q)
+                want = triton.cdiv(2 * sms, batch * kv_heads)
+                old = int(max(1, min(want, triton.cdiv(max_len, 256), 64)))
+                new = tk.decode_num_splits(batch, kv_heads, max_len, sms)
+                times = {}
+                for name, splits in (("before", old), ("after", new)):
+                    calls = [
+                        lambda k=k, v=v, t=t, s=splits: tk.decode_attention(
+                            q, k, v, out, t, lens, HEAD_DIM**-0.5, s
+                        )
+                        for k, v, t in caches
+                    ]
+                    times[name] = time_graph_us(calls)
+                row = {
+                    "max_model_len": max_len,
+                    "context": ctx,
+                    "batch": batch,
+                    "splits_before": old,
+                    "splits_after": new,
+                    "us_before": times["before"],
+                    "us_after": times["after"],
+                }
+                rows.append(row)
+                print(
+                    f"decode splits, max_model_len {max_len:5d} ctx {ctx:5d} batch {batch:2d}: "
+                    f"{old:2d} splits {times['before']:6.2f} us -> {new:2d} splits "
+                    f"{times['after']:6.2f} us per layer ({times['before'] / times['after']:.2f}x)",
+                    flush=True,
+                )
+                del caches
+                torch.cuda.empty_cache()
+    return rows
+
+
 def bench_prefill(torch, peak_flops, pages, seqs=8, seq_len=2048) -> list[dict[str, Any]]:
     from engine.layers.attention import triton_kernels as tk
 
@@ -172,9 +226,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--contexts", default="1024,4096")
     p.add_argument("--pages", default="16,64,256")
     p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument(
+        "--splits",
+        action="store_true",
+        help="only the batch-1..16 split comparison (Qwen3-0.6B heads, graph split counts)",
+    )
+    p.add_argument("--max-model-lens", default="1040,40960", help="--splits: graph plans")
     p.add_argument("--out-dir", type=Path)
     args = p.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    if args.splits:
+        rows = bench_splits(torch, [1, 2, 4, 8, 16], [128, 1024, 4096], ints(args.max_model_lens))
+        return save_run("attention_kernels", args, {"splits": rows}, argv)
     copy_bw = measure_copy_bandwidth()
     peak = measure_matmul_flops()
     print(

@@ -44,6 +44,7 @@ def make_runner(shape: str, tmp: str, args, max_model_len: int, num_blocks: int,
         attention_backend=args.backend,
         fused_ops=not args.no_fused_ops,
         enforce_eager=args.enforce_eager,
+        gemv_backend=getattr(args, "gemv_backend", "auto"),
         max_model_len=max_model_len,
         num_kvcache_blocks=num_blocks,
         max_num_seqs=max_num_seqs,
@@ -68,13 +69,18 @@ def weight_bytes_read(runner) -> int:
 
 
 def decode(args, copy_bw) -> list[dict[str, Any]]:
+    import gc
+
     import torch
 
     rows = []
     for shape in args.shapes.split(","):
-        with tempfile.TemporaryDirectory() as tmp:
-            rows.extend(decode_shape(args, shape, tmp, copy_bw))
-        torch.cuda.empty_cache()
+        for gemv in args.gemv_backends.split(","):
+            shape_args = argparse.Namespace(**{**vars(args), "gemv_backend": gemv})
+            with tempfile.TemporaryDirectory() as tmp:
+                rows.extend(decode_shape(shape_args, shape, tmp, copy_bw))
+            gc.collect()
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -116,6 +122,7 @@ def decode_shape(args, shape: str, tmp: str, copy_bw: float) -> list[dict[str, A
             "backend": runner.attention_backend.name.value,
             "cuda_graphs": runner.graphs is not None,
             "fused_ops": runner.config.fused_ops,
+            "gemv_backend": runner.config.gemv_backend.value,
             "batch": batch,
             "context": ctx,
             "step_ms": ms,
@@ -126,7 +133,8 @@ def decode_shape(args, shape: str, tmp: str, copy_bw: float) -> list[dict[str, A
         }
         rows.append(row)
         print(
-            f"decode {shape} {row['backend']} fused_ops={row['fused_ops']} batch {batch:3d} ctx {ctx}: "
+            f"decode {shape} {row['backend']} fused_ops={row['fused_ops']} "
+            f"gemv={row['gemv_backend']} batch {batch:3d} ctx {ctx}: "
             f"{ms:.3f} ms/step, floor {floor_ms:.3f} ms -> {100 * row['fraction_of_floor']:.0f}% of the HBM floor",
             flush=True,
         )
@@ -201,6 +209,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--backend", default="auto")
     p.add_argument("--no-fused-ops", action="store_true", help="plain torch RMSNorm/SiLU/RoPE")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--gemv-backends",
+        default="auto",
+        help="decode: one run per gemv_backend in this list (auto, triton, torch)",
+    )
     p.add_argument("--shapes", default="qwen3-0.6b,llama-3.1-8b")
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--context", type=int, default=1024)

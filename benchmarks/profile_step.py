@@ -10,11 +10,16 @@ per step, the step's device busy time and its wall time. The gap between the
 two is launch and host overhead; the kernel table says which kernels a fusion
 or a cheaper launch would remove.
 
-``host``: the offline nano-vllm workload of offline_throughput.py under
-cProfile for ``--steps`` engine steps once the batch is full: the Python
-functions by own time per step, and the engine's wall time per step. With
-async scheduling the host work overlaps the device; the table still says what
-the host spends and where.
+``host``: the offline nano-vllm workload of offline_throughput.py, once the
+batch is full: ``--steps`` engine steps timed, split into the model's calls
+(forward or graph replay, logits, sampling), the wait for the device, and the
+rest, which is the engine's host work per step; then ``--steps`` more under
+cProfile: the Python functions by own time per step. With async scheduling the
+host work overlaps the device; the table still says what the host spends and
+where. On a CPU, ``--shape tiny`` makes the model's share small, so the run
+measures the host work itself:
+
+    python benchmarks/profile_step.py host --shape tiny --num-seqs 256 --min-len 16 --max-len 128
 
 Both print a table and write a JSON record (benchmarks/results/).
 """
@@ -47,7 +52,10 @@ def kernels(args) -> dict[str, Any]:
     from engine.sampling_params import SamplingParams
 
     ns = argparse.Namespace(
-        backend=args.backend, no_fused_ops=False, enforce_eager=args.enforce_eager
+        backend=args.backend,
+        no_fused_ops=False,
+        enforce_eager=args.enforce_eager,
+        gemv_backend=args.gemv_backend,
     )
     ctx, batch = args.context, args.batch
     blocks_per_seq = -(-(ctx + 1) // 16)
@@ -127,12 +135,41 @@ def kernels(args) -> dict[str, Any]:
     }
 
 
+class _Stopwatch:
+    """Accumulates the time spent inside wrapped callables."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, fn):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return timed
+
+
+def _time_steps(engine, steps: int, model_clock: _Stopwatch, wait_clock: _Stopwatch):
+    """(wall, model, wait) seconds per step over ``steps`` engine steps."""
+    model_clock.seconds = wait_clock.seconds = 0.0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = (time.perf_counter() - t0) / steps
+    return wall, model_clock.seconds / steps, wait_clock.seconds / steps
+
+
 def host(args) -> dict[str, Any]:
     from engine import LLM, SamplingParams
+    from engine.async_step import InFlightStep
+    from engine.sampling_params import RequestOutputKind
 
     rng = random.Random(0)
     prompts = [
-        [rng.randrange(10000) for _ in range(rng.randint(args.min_len, args.max_len))]
+        [rng.randrange(1000) for _ in range(rng.randint(args.min_len, args.max_len))]
         for _ in range(args.num_seqs)
     ]
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,27 +182,53 @@ def host(args) -> dict[str, Any]:
             max_model_len=4096,
             max_num_seqs=args.num_seqs,
             enforce_eager=args.enforce_eager,
+            # Only when asked: this script also measures engines older than the option.
+            **({"gemv_backend": args.gemv_backend} if args.gemv_backend != "auto" else {}),
             async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         )
     engine = llm.llm_engine
+    runner = engine.model_runner
+    # Every sequence keeps decoding through the timed and the profiled steps.
+    max_tokens = max(args.max_len, 2 * args.steps + 16)
+    kind = RequestOutputKind[args.output_kind.upper()]
     for i, p in enumerate(prompts):
         engine.add_request(
             f"r{i}",
             {"prompt_token_ids": p},
-            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.max_len),
+            SamplingParams(
+                temperature=0.6, ignore_eos=True, max_tokens=max_tokens, output_kind=kind
+            ),
         )
-    # Run the prefills until every sequence decodes, then profile decode steps.
-    while engine.scheduler.waiting:
-        engine.step()
-    for _ in range(5):
-        engine.step()
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.enable()
-    for _ in range(args.steps):
-        engine.step()
-    prof.disable()
-    wall_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    # The device's share of a step: the forward (or graph replay), logits and
+    # sampling calls (on a CPU their compute, on CUDA their launches), and the
+    # wait for a step's samples. Everything else is the engine's host work.
+    model_clock, wait_clock = _Stopwatch(), _Stopwatch()
+    runner.model.forward = model_clock.wrap(runner.model.forward)
+    runner.model.compute_logits = model_clock.wrap(runner.model.compute_logits)
+    runner.sampler.sample = model_clock.wrap(runner.sampler.sample)
+    if runner.graphs is not None:
+        runner.graphs.run = model_clock.wrap(runner.graphs.run)
+    # The engine reads a step with InFlightStep.read (older engines: wait).
+    wait_name = "read" if hasattr(InFlightStep, "read") else "wait"
+    original_wait = getattr(InFlightStep, wait_name)
+    if runner.device.type == "cuda":
+        setattr(InFlightStep, wait_name, wait_clock.wrap(original_wait))
+    try:
+        # Run the prefills until every sequence decodes, then time decode steps.
+        while engine.scheduler.waiting:
+            engine.step()
+        for _ in range(5):
+            engine.step()
+        wall, model, wait = _time_steps(engine, args.steps, model_clock, wait_clock)
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(args.steps):
+            engine.step()
+        prof.disable()
+        wall_profiled = (time.perf_counter() - t0) / args.steps
+    finally:
+        setattr(InFlightStep, wait_name, original_wait)
     stats = pstats.Stats(prof)
     rows = []
     for (file, line, fn), (_cc, nc, tt, ct, _callers) in stats.stats.items():
@@ -179,10 +242,13 @@ def host(args) -> dict[str, Any]:
         )
     rows.sort(key=lambda r: -r["own_ms_per_step"])
     running = len(engine.scheduler.running)
+    host_ms = 1e3 * (wall - model - wait)
     print(
-        f"{args.shape} {running} running, async={engine.async_scheduling}: "
-        f"{wall_ms:.3f} ms/step wall under cProfile"
+        f"{args.shape} {running} running, async={engine.async_scheduling}, output_kind="
+        f"{kind.name}: {1e3 * wall:.3f} ms/step wall, of which model calls {1e3 * model:.3f}, "
+        f"waiting for the device {1e3 * wait:.3f}, host work {host_ms:.3f} ms/step"
     )
+    print(f"under cProfile: {1e3 * wall_profiled:.3f} ms/step wall")
     print(f"{'own ms':>8} {'cum ms':>8} {'calls':>8}  function (per step)")
     for r in rows[: args.top]:
         print(
@@ -193,7 +259,12 @@ def host(args) -> dict[str, Any]:
         "shape": args.shape,
         "running": running,
         "async_scheduling": engine.async_scheduling,
-        "wall_ms_per_step_profiled": wall_ms,
+        "output_kind": kind.name,
+        "wall_ms_per_step": 1e3 * wall,
+        "model_ms_per_step": 1e3 * model,
+        "wait_ms_per_step": 1e3 * wait,
+        "host_ms_per_step": host_ms,
+        "wall_ms_per_step_profiled": 1e3 * wall_profiled,
         "functions": rows[:80],
     }
 
@@ -204,6 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     p.add_argument("--backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--gemv-backend", default="auto", choices=["auto", "triton", "torch"])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--iters", type=int, default=20)
@@ -212,6 +284,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
+    p.add_argument(
+        "--output-kind",
+        choices=["cumulative", "delta", "final_only"],
+        default="final_only",
+        help="host: what each step reports per request (LLM.generate: final_only; "
+        "the nodes: delta)",
+    )
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--out-dir", type=Path)
     args = p.parse_args(argv)

@@ -28,6 +28,7 @@ ENGINE_FLAGS: dict[str, type] = {
     "dtype": str,
     "device": str,
     "attention_backend": str,
+    "gemv_backend": str,
     "served_model_name": str,
     "seed": int,
     "load_format": str,

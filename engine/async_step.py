@@ -8,11 +8,13 @@ overlap the GPU's work instead of running while it waits:
     -> wait for step N's samples, apply stop conditions, build outputs
     -> advance N+1 (count its tokens computed, give its samplers a placeholder)
 
-Between ``Scheduler.advance`` and this step's ``wait`` a sequence that sampled
+Between ``Scheduler.advance`` and this step's ``read`` a sequence that sampled
 ends with ``PLACEHOLDER``: its length is right (the scheduler plans the next
-decode from it) but its value is only on the device. Only one step's
-placeholders exist at a time, and they are filled before anything reads
-them (stop checks, outputs, block hashes).
+decode from it) but its value is only on the device, at the sample index the
+sequence keeps in ``pending_sample`` (``patch_indices`` finds them there for
+the next step's inputs). Only one step's placeholders exist at a time, and
+they are filled before anything reads them (stop checks, outputs, block
+hashes).
 
 A sequence that finishes on step N's token may already be in step N+1: that
 step's token for it is dropped (``advance`` skips finished sequences, so it
@@ -28,12 +30,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.layers.sampler import DeviceSamples
-from engine.model_io import ModelInputs, PromptTokenLogprob, StepOutput
+from engine.layers.sampler import DeviceSamples, SamplerOutput
+from engine.model_io import PromptTokenLogprob, StepOutput
 from engine.scheduler import ScheduledBatch
-from engine.sequence import PLACEHOLDER
+from engine.sequence import PLACEHOLDER, Sequence
+from engine.step_inputs import HostInputs
 
-__all__ = ["PLACEHOLDER", "InFlightStep", "patch_inputs"]
+__all__ = ["PLACEHOLDER", "InFlightStep", "patch_indices"]
 
 
 @dataclass(slots=True)
@@ -41,12 +44,13 @@ class InFlightStep:
     batch: ScheduledBatch
     sampling: list[int]  # batch rows that sample, in sample order
     samples: DeviceSamples | None
-    prompt_logprobs: list[list[PromptTokenLogprob] | None]
+    # Per batch row, or None when no row of the step has prompt logprobs.
+    prompt_logprobs: list[list[PromptTokenLogprob] | None] | None
     # The sampled ids on the device: the next step's inputs read them from here.
     sampled_device: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
-    # seq_id -> (sample index, position in token_ids) of its placeholder.
-    placeholders: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # (sequence, sample index, position in token_ids) of each placeholder.
+    placeholders: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
     @classmethod
     def start(
@@ -54,7 +58,7 @@ class InFlightStep:
         batch: ScheduledBatch,
         sampling: list[int],
         samples: DeviceSamples | None,
-        prompt_logprobs: list[list[PromptTokenLogprob] | None],
+        prompt_logprobs: list[list[PromptTokenLogprob] | None] | None,
         non_blocking: bool,
     ) -> InFlightStep:
         step = cls(batch, sampling, samples, prompt_logprobs)
@@ -66,45 +70,59 @@ class InFlightStep:
                 step.event.record()
         return step
 
-    def wait(self) -> StepOutput:
-        """The step's results as host data (blocks until the device produced them)."""
+    def add_placeholders(self, appended: list[tuple[int, Sequence]]) -> None:
+        """Record where ``Scheduler.advance`` put this step's placeholders; each
+        sequence remembers its sample index until the step is read."""
+        sampling = self.sampling
+        every_row = len(sampling) == len(self.batch.seqs)
+        j = 0
+        for row, seq in appended:
+            if every_row:
+                j = row  # sample index == batch row
+            else:
+                while sampling[j] != row:  # both in batch order
+                    j += 1
+            seq.pending_sample = j
+            self.placeholders.append((seq, j, len(seq.token_ids) - 1))
+
+    def read(self) -> SamplerOutput | None:
+        """The samples as host data, by sample index (blocks until the device
+        produced them). Clears the sequences' pending marks."""
         if self.event is not None:
             self.event.synchronize()
+        for seq, _, _ in self.placeholders:
+            seq.pending_sample = -1
+        self.sampled_device = None  # the next step has read it (stream order)
+        return self.samples.to_host() if self.samples is not None else None
+
+    def wait(self) -> StepOutput:
+        """The step's results as host data aligned with the batch's rows."""
         num = len(self.batch.seqs)
         sampled: list[int | None] = [None] * num
         logprobs: list = [None] * num
-        if self.samples is not None:
-            host = self.samples.to_host()
+        host = self.read()
+        if host is not None:
             for j, i in enumerate(self.sampling):
                 sampled[i] = host.token_ids[j]
                 logprobs[i] = host.logprobs[j]
-        self.sampled_device = None  # the next step has read it (stream order)
-        return StepOutput(sampled, logprobs, self.prompt_logprobs)
+        prompt_logprobs = self.prompt_logprobs or [None] * num
+        return StepOutput(sampled, logprobs, prompt_logprobs)
 
 
-def patch_inputs(
-    inputs: ModelInputs, batch: ScheduledBatch, starts: list[int], prev: InFlightStep
-) -> None:
-    """Write ``prev``'s device-side samples into this step's input ids where the
-    host only has placeholders (a device gather: no host round trip)."""
-    if not prev.placeholders or prev.sampled_device is None:
-        return
-    qsl = inputs.meta.query_start_loc_cpu
-    dest: list[int] = []
-    src: list[int] = []
-    for i, (seq, start, n) in enumerate(zip(batch.seqs, starts, batch.num_new_tokens, strict=True)):
-        hit = prev.placeholders.get(seq.seq_id)
-        if hit is not None and start <= hit[1] < start + n:
-            dest.append(qsl[i] + hit[1] - start)
-            src.append(hit[0])
-    if not dest:
-        return
-    dev = inputs.input_ids.device
-    dest_t = _index(dest, dev)
-    src_t = _index(src, dev)
-    inputs.input_ids[dest_t] = prev.sampled_device[src_t]
+def patch_indices(
+    host: HostInputs, seqs: list[Sequence], prev: InFlightStep | None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Where this step's input ids need ``prev``'s device-side samples: (token
+    index in the step, sample index in ``prev``), or None when nowhere.
 
-
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(np.asarray(values, dtype=np.int64))
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+    A sequence with an unread sample decodes (its placeholder is its last
+    token, the one this step computes), so the sample goes to its chunk's last
+    token; the device gathers it without a host round trip.
+    """
+    if prev is None or not prev.placeholders or prev.sampled_device is None:
+        return None
+    src = np.fromiter((s.pending_sample for s in seqs), np.int64, len(seqs))
+    rows = np.flatnonzero(src >= 0)
+    if rows.size == 0:
+        return None
+    return host.query_start_loc[rows + 1] - 1, src[rows]

@@ -101,3 +101,30 @@ def hash_prompt_blocks(
 ) -> list[bytes]:
     """Convenience: all full-block hashes of a prompt (what the router looks up)."""
     return BlockHasher(model_id, block_size, cache_salt).hash_blocks(token_ids)
+
+
+MAX_CACHED_HASHERS = 256
+
+
+class HasherCache:
+    """The block hasher of each tenant salt, the most recently used ones only
+    (salts are per tenant, so unbounded); the router and the engine both keep one."""
+
+    def __init__(self, model_id: str, block_size: int, capacity: int = MAX_CACHED_HASHERS):
+        self.model_id = model_id
+        self.block_size = block_size
+        self.capacity = capacity
+        self._hashers: dict[str | None, BlockHasher] = {}
+
+    def get(self, cache_salt: str | None) -> BlockHasher:
+        salt = cache_salt or None
+        hasher = self._hashers.pop(salt, None)
+        if hasher is None:
+            hasher = BlockHasher(self.model_id, self.block_size, salt)
+        self._hashers[salt] = hasher
+        if len(self._hashers) > self.capacity:
+            del self._hashers[next(iter(self._hashers))]
+        return hasher
+
+    def __len__(self) -> int:
+        return len(self._hashers)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from engine.layers.specs import AttentionBackendName
+from engine.layers.specs import AttentionBackendName, GemvBackend
 from engine.models.config import ModelArchConfig
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,11 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     device: DeviceKind = DeviceKind.AUTO
     attention_backend: AttentionBackendName = AttentionBackendName.AUTO
+    # pdserve-specific: decode-sized matmuls (1..16 tokens) by our skinny Triton
+    # kernel where it beats cuBLAS ("auto": a tuned table for this GPU, else a
+    # measurement at load), always ("triton"), or never ("torch"). CUDA bf16/fp16
+    # only; engine/layers/skinny_gemm.py.
+    gemv_backend: GemvBackend = GemvBackend.AUTO
     # Overlap the host's scheduling and output processing with the device's step
     # (vLLM's name). None: on for CUDA, off elsewhere; True also works on a CPU
     # (the same code path, without the overlap), which is how CI covers it.
@@ -128,6 +133,7 @@ class EngineConfig:
         self.attention_backend = _parse_enum(
             "attention_backend", self.attention_backend, AttentionBackendName
         )
+        self.gemv_backend = _parse_enum("gemv_backend", self.gemv_backend, GemvBackend)
         if self.dtype not in _DTYPE_ALIASES:
             allowed = ", ".join(repr(k) for k in _DTYPE_ALIASES)
             raise ValueError(f"dtype must be one of {allowed}; got {self.dtype!r}")

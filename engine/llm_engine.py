@@ -27,20 +27,20 @@ import time
 from dataclasses import dataclass
 
 from engine.async_step import InFlightStep
-from engine.block_hash import BlockHasher
+from engine.block_hash import MAX_CACHED_HASHERS, HasherCache
 from engine.block_manager import BlockManager, CacheEvents
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, TokenizerInfo
+from engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, stop_holdback
 from engine.input_processor import InputProcessor, PromptType
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus, TokenLogprobs
 from engine.tokenizer import load_tokenizer
 
-MAX_CACHED_HASHERS = 256
+__all__ = ["MAX_CACHED_HASHERS", "EngineStats", "LLMEngine", "Reservation"]
 
 
 @dataclass(slots=True)
@@ -108,7 +108,15 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self._touched: set[str] = set()
         self._seq_ids = itertools.count()
-        self._hashers: dict[str | None, BlockHasher] = {}
+        # Block hashers per tenant salt (None: no prefix caching, nothing to hash).
+        self._hashers = (
+            HasherCache(config.served_model_name, config.kvcache_block_size)
+            if config.enable_prefix_caching
+            else None
+        )
+        # Requests with repetition/frequency/presence penalties (a step that
+        # samples for one waits for the step before it).
+        self._penalised: set[str] = set()
         # Async scheduling: the launched step whose samples the host has not read.
         self._in_flight: InFlightStep | None = None
         self.async_scheduling = (
@@ -136,6 +144,8 @@ class LLMEngine:
         for seq in req.seqs:
             seq.hold_kv = hold_kv
         self.requests[request_id] = req
+        if req.params.needs_penalties:
+            self._penalised.add(request_id)
         for seq in req.seqs:
             self.scheduler.add(seq)
 
@@ -162,6 +172,8 @@ class LLMEngine:
         if not self.scheduler.reserve(seq):
             return None
         self.requests[request_id] = req
+        if req.params.needs_penalties:
+            self._penalised.add(request_id)
         bs = self.config.kvcache_block_size
         return Reservation(
             request_id=request_id,
@@ -187,7 +199,9 @@ class LLMEngine:
         self.scheduler.commit(seq)
         seq.num_cached_tokens = cached_tokens  # what the prefill node served from its cache
         seq.token_ids.append(first_token)
-        req.first_token_time = time.monotonic()
+        # It joins the running batch now (it never passes through the waiting
+        # queue, where step() stamps first_scheduled_time).
+        req.first_token_time = req.first_scheduled_time = time.monotonic()
         self.output_processor.accept_token(req, seq, first_token, first_logprobs)
         self._touched.add(request_id)
 
@@ -220,7 +234,7 @@ class LLMEngine:
         if request_id in self.requests or request_id in self.scheduler.held:
             raise ValueError(f"request_id {request_id!r} is already in use")
         processed = self.input_processor.process(prompt, params)
-        hasher = self._hasher(processed.cache_salt)
+        hasher = self._hashers.get(processed.cache_salt) if self._hashers is not None else None
         seqs = []
         for index in range(params.n):
             seq = Sequence(
@@ -245,6 +259,7 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             seqs=seqs,
             cache_salt=processed.cache_salt,
+            stop_holdback=stop_holdback(params),
             # The first prompt token has no context, so no logprob.
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
@@ -258,6 +273,7 @@ class LLMEngine:
             self.release_held(request_id)
             self._touched.discard(request_id)
             req = self.requests.pop(request_id, None)
+            self._penalised.discard(request_id)
             if req is None:
                 continue
             for seq in req.seqs:
@@ -321,14 +337,16 @@ class LLMEngine:
             self._in_flight = prev
             return outputs
         batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else ScheduledBatch()
-        now = time.monotonic()
-        for seq in batch.seqs:
-            req = self.requests[seq.request_id]
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
+        if batch.admitted:
+            now = time.monotonic()
+            for seq in batch.admitted:
+                req = self.requests[seq.request_id]
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
         # Penalties read the output ids on the host: such a step waits for the last.
         if prev is not None and (
-            not batch.seqs or any(s.params.needs_penalties for s in batch.seqs)
+            not batch.seqs
+            or (self._penalised and any(s.params.needs_penalties for s in batch.seqs))
         ):
             outputs.extend(self._finish_step(prev))
             if not batch.seqs:
@@ -343,9 +361,7 @@ class LLMEngine:
         # The device runs `step` while the host reads and processes `prev`.
         if prev is not None:
             outputs.extend(self._finish_step(prev))
-        sample_index = {row: j for j, row in enumerate(step.sampling)}
-        for row, seq in self.scheduler.advance(batch):
-            step.placeholders[seq.seq_id] = (sample_index[row], seq.num_tokens - 1)
+        step.add_placeholders(self.scheduler.advance(batch))
         if self.async_scheduling:
             self._in_flight = step
         else:
@@ -354,39 +370,53 @@ class LLMEngine:
 
     def _finish_step(self, step: InFlightStep) -> list[RequestOutput]:
         """Read a launched step's samples, fill its placeholders, process outputs."""
-        result = step.wait()
-        for seq in step.batch.seqs:
-            hit = step.placeholders.get(seq.seq_id)
-            if hit is not None and not seq.is_finished:
-                seq.token_ids[hit[1]] = result.sampled[step.sampling[hit[0]]]
-                self.num_generated_tokens += 1  # a dropped extra-step token is not counted
+        host = step.read()
+        requests = self.requests
+        op = self.output_processor
+        news: dict[str, Request] = {}  # requests with something to report, in batch order
+        if step.prompt_logprobs is not None:
+            for seq, entries in zip(step.batch.seqs, step.prompt_logprobs, strict=True):
+                req = requests.get(seq.request_id)
+                if entries and req is not None:
+                    op.add_prompt_logprobs(req, entries)
+        if host is not None:
+            now = time.monotonic()
+            token_ids, logprobs = host.token_ids, host.logprobs
+            finished = SequenceStatus.FINISHED
+            final_only = RequestOutputKind.FINAL_ONLY
+            generated = 0
+            for seq, j, pos in step.placeholders:
+                if seq.status is finished:
+                    continue  # a dropped extra-step token: never appended or counted
+                token = token_ids[j]
+                seq.token_ids[pos] = token
+                generated += 1
+                req = requests.get(seq.request_id)
+                if req is None:
+                    continue
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                op.accept_token(req, seq, token, logprobs[j], now)
+                # A FINAL_ONLY request (LLM.generate) has nothing to say until it ends.
+                if req.params.output_kind is not final_only or (
+                    seq.status is finished and req.finished
+                ):
+                    news[seq.request_id] = req
+            self.num_generated_tokens += generated
         outputs: list[RequestOutput] = []
-        for request_id in self.output_processor.process(self.requests, step.batch, result):
+        for request_id in news:
             outputs.extend(self._output_for(request_id))
         return outputs
 
     def _output_for(self, request_id: str) -> list[RequestOutput]:
         req = self.requests[request_id]
         out = self.output_processor.make_output(req)
-        if req.finished:
+        if out.finished if out is not None else req.finished:
             del self.requests[request_id]
+            self._penalised.discard(request_id)
         return [out] if out is not None else []
 
     # --------------------------------------------------------------- misc
-    def _hasher(self, cache_salt: str | None) -> BlockHasher | None:
-        if not self.config.enable_prefix_caching:
-            return None
-        hasher = self._hashers.pop(cache_salt, None)
-        if hasher is None:
-            hasher = BlockHasher(
-                self.config.served_model_name, self.config.kvcache_block_size, cache_salt
-            )
-        # Keep the most recently used ones only: salts are per tenant, unbounded.
-        self._hashers[cache_salt] = hasher
-        if len(self._hashers) > MAX_CACHED_HASHERS:
-            del self._hashers[next(iter(self._hashers))]
-        return hasher
-
     def reset_prefix_cache(self) -> int:
         """Evict the cached blocks no request holds; returns how many."""
         return self.block_manager.reset_prefix_cache()

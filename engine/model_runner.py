@@ -9,26 +9,26 @@ output processing stay free of torch.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 
-import numpy as np
 import torch
 
-from engine.async_step import InFlightStep, patch_inputs
+from engine.async_step import InFlightStep, patch_indices
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, LoadFormat
 from engine.cuda_graphs import DecodeGraphs
 from engine.device import default_dtype, resolve_device, resolve_dtype
 from engine.kv_blocks import gather_blocks, scatter_blocks
-from engine.layers.attention import AttentionMetadata, select_backend
+from engine.layers.attention import select_backend
 from engine.layers.sampler import Sampler, SamplingRow, top_logprobs
+from engine.layers.skinny_gemm_plan import plan_model
 from engine.model_io import ModelInputs, PromptTokenLogprob, StepOutput
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.loader import init_dummy_weights, load_weights
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence, TokenLogprobs
+from engine.step_inputs import HostStaging, host_inputs, to_model_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,13 @@ class ModelRunner:
         else:
             load_weights(self.model, config.model)
         self.model.eval()
+        # Decode-sized matmuls: the skinny kernel where it beats cuBLAS (before
+        # the graphs are captured, so they capture the chosen kernels).
+        self.gemv_plans = plan_model(self.model, config.gemv_backend, self.device, self.dtype)
         self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
         self._generators: dict[int, torch.Generator] = {}
+        self._rows: dict[int, SamplingRow] = {}
+        self.staging = HostStaging(self.device)
         self.num_kvcache_blocks = self._decide_num_blocks()
         self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
         self.graphs: DecodeGraphs | None = None
@@ -226,49 +231,8 @@ class ModelRunner:
         block_tables: list[list[int]],
     ) -> ModelInputs:
         """Sequence i contributes tokens ``token_ids[i][starts[i]:starts[i] + num_new[i]]``."""
-        bs = self.block_size
-        num_seqs = len(num_new)
-        start_np = np.asarray(starts, dtype=np.int64)
-        count = np.asarray(num_new, dtype=np.int64)
-        ends = start_np + count
-        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(count, out=qsl[1:])
-        total = int(qsl[-1])
-        tables = np.zeros((num_seqs, max(len(t) for t in block_tables)), dtype=np.int32)
-        for i, table in enumerate(block_tables):
-            tables[i, : len(table)] = table
-        if total == num_seqs:  # one token each: a decode step
-            input_ids = np.fromiter(
-                (ids[s] for ids, s in zip(token_ids, starts, strict=True)), np.int64, num_seqs
-            )
-            positions = start_np
-            seq_index = np.arange(num_seqs)
-        else:
-            input_ids = np.fromiter(
-                itertools.chain.from_iterable(
-                    ids[s:e] for ids, s, e in zip(token_ids, starts, ends.tolist(), strict=True)
-                ),
-                np.int64,
-                total,
-            )
-            seq_index = np.repeat(np.arange(num_seqs), count)
-            positions = np.arange(total, dtype=np.int64) + np.repeat(start_np - qsl[:-1], count)
-        slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
-        dev = self.device
-        qsl_list, seq_lens = qsl.tolist(), ends.tolist()
-        meta = AttentionMetadata(
-            num_seqs=num_seqs,
-            num_tokens=total,
-            query_start_loc=_to_device(qsl.astype(np.int32), dev),
-            seq_lens=_to_device(ends.astype(np.int32), dev),
-            slot_mapping=_to_device(slots, dev),
-            block_tables=_to_device(tables, dev),
-            max_query_len=int(count.max()),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=qsl_list,
-            seq_lens_cpu=seq_lens,
-        )
-        return ModelInputs(_to_device(input_ids, dev), _to_device(positions, dev), meta)
+        host = host_inputs(token_ids, starts, num_new, block_tables, self.block_size)
+        return to_model_inputs(host, self.staging)[0]
 
     # -------------------------------------------------------------- execute
     def execute(self, batch: ScheduledBatch) -> StepOutput:
@@ -282,35 +246,61 @@ class ModelRunner:
         """Enqueue one step on the device; ``prev``'s unread samples feed its inputs.
 
         ``non_blocking``: copy the samples back without waiting (async scheduling);
-        the caller reads them with ``wait``.
+        the caller reads them with ``InFlightStep.read``.
         """
         seqs = batch.seqs
+        num_new = batch.num_new_tokens
         starts = [s.num_computed_tokens for s in seqs]
-        inputs = self.build_inputs(
-            [s.token_ids for s in seqs], starts, batch.num_new_tokens, [s.block_table for s in seqs]
+        host = host_inputs(
+            [s.token_ids for s in seqs],
+            starts,
+            num_new,
+            [s.block_table for s in seqs],
+            self.block_size,
         )
-        if prev is not None:
-            patch_inputs(inputs, batch, starts, prev)
+        # Only sequences whose last uncomputed token is in this step sample.
+        sampling = [
+            i
+            for i, (s, n) in enumerate(zip(seqs, num_new, strict=True))
+            if s.num_computed_tokens + n == len(s.token_ids)
+        ]
+        extra = []
+        # The previous step's samples that this step's inputs still lack.
+        patch = patch_indices(host, seqs, prev)
+        if patch is not None:
+            extra.extend(patch)
+        # A decode step where every row samples reads every hidden row: no gather.
+        gather = bool(sampling) and len(sampling) != host.num_tokens
+        if gather:
+            extra.append(host.query_start_loc[1:][sampling] - 1)
+        inputs, extra_dev = to_model_inputs(host, self.staging, extra)
+        if patch is not None:
+            dest, src = extra_dev[0], extra_dev[1]
+            inputs.input_ids[dest] = prev.sampled_device[src]
         if self.graphs is not None and self.graphs.can_run(inputs):
             hidden = self.graphs.run(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        qsl = inputs.meta.query_start_loc_cpu
-        prompt_logprobs: list[list[PromptTokenLogprob] | None] = [None] * len(seqs)
-
-        # Only sequences whose last uncomputed token is in this step sample.
-        sampling = [
-            i
-            for i, (s, n) in enumerate(zip(seqs, batch.num_new_tokens, strict=True))
-            if s.num_computed_tokens + n == s.num_tokens
-        ]
         samples = None
         if sampling:
-            last = _to_device(np.array([qsl[i + 1] - 1 for i in sampling]), self.device)
-            logits = self.model.compute_logits(hidden[last])
-            samples = self.sampler.sample(logits, [self._sampling_row(seqs[i]) for i in sampling])
-        for i, (seq, n) in enumerate(zip(seqs, batch.num_new_tokens, strict=True)):
-            if seq.params.prompt_logprobs is not None and seq.index == 0:
+            logits = self.model.compute_logits(hidden[extra_dev[-1]] if gather else hidden)
+            cached = self._rows.get
+            rows = []
+            for i in sampling:
+                row = cached(seqs[i].seq_id)
+                rows.append(row if row is not None else self._sampling_row(seqs[i]))
+            samples = self.sampler.sample(logits, rows)
+        prompt_logprobs = None
+        qsl = inputs.meta.query_start_loc_cpu
+        for i, (seq, n) in enumerate(zip(seqs, num_new, strict=True)):
+            # Only a chunk that still holds prompt positions has prompt logprobs.
+            if (
+                seq.num_computed_tokens < seq.num_prompt_tokens - 1
+                and seq.params.prompt_logprobs is not None
+                and seq.index == 0
+            ):
+                if prompt_logprobs is None:
+                    prompt_logprobs = [None] * len(seqs)
                 prompt_logprobs[i] = self._prompt_logprobs(seq, n, hidden[qsl[i] : qsl[i + 1]])
         return InFlightStep.start(batch, sampling, samples, prompt_logprobs, non_blocking)
 
@@ -342,19 +332,26 @@ class ModelRunner:
         return entries
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        # One row per sequence for its whole life: its facts do not change, and
+        # it holds the sequence's own token list (penalties read it as it grows).
+        row = self._rows.get(seq.seq_id)
+        if row is not None:
+            return row
         p = seq.params
         stop_ids: list[int] = []
         if p.min_tokens > 0:
             if not p.ignore_eos:
                 stop_ids.extend(self.eos_token_ids)
             stop_ids.extend(p.stop_token_ids or ())
-        return SamplingRow(
+        row = SamplingRow(
             params=p,
             token_ids=seq.token_ids,
             num_prompt_tokens=seq.num_prompt_tokens,
             generator=self._generator_for(seq),
             min_tokens_stop_ids=stop_ids,
         )
+        self._rows[seq.seq_id] = row
+        return row
 
     def _generator_for(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None:
@@ -375,8 +372,10 @@ class ModelRunner:
         return gen
 
     def release(self, seq: Sequence) -> None:
-        """Forget per-sequence state (its random generator) once it finished."""
+        """Forget per-sequence state (its random generator, its sampling row) once it
+        finished."""
         self._generators.pop(seq.seq_id, None)
+        self._rows.pop(seq.seq_id, None)
 
 
 def _triton_available() -> bool:
@@ -385,14 +384,6 @@ def _triton_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host array -> device tensor without stalling the host: pinned, non-blocking copy."""
-    t = torch.from_numpy(np.ascontiguousarray(values))
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
 
 
 def _available_host_memory() -> int:

@@ -16,13 +16,20 @@ from __future__ import annotations
 
 import time
 
-from engine.detokenizer import TokenizerInfo, find_stop_string, stop_holdback
-from engine.model_io import PromptTokenLogprob, StepOutput
+from engine.detokenizer import TokenizerInfo, find_stop_string
+from engine.model_io import PromptTokenLogprob
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import RequestOutputKind
-from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import FinishReason, Logprob, Request, Sequence, TokenLogprobs
+from engine.scheduler import Scheduler
+from engine.sequence import (
+    FinishReason,
+    Logprob,
+    Request,
+    Sequence,
+    SequenceStatus,
+    TokenLogprobs,
+)
 
 
 class OutputProcessor:
@@ -41,27 +48,6 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     # ---------------------------------------------------------------- step
-    def process(
-        self, requests: dict[str, Request], batch: ScheduledBatch, result: StepOutput
-    ) -> set[str]:
-        """Apply one step's results; returns the ids of requests with news."""
-        now = time.monotonic()
-        touched: set[str] = set()
-        for i, seq in enumerate(batch.seqs):
-            req = requests.get(seq.request_id)
-            if req is None:
-                continue
-            if result.prompt_logprobs[i]:
-                self._add_prompt_logprobs(req, result.prompt_logprobs[i])
-            token = result.sampled[i]
-            if token is None or seq.is_finished:
-                continue
-            if req.first_token_time is None:
-                req.first_token_time = now
-            self.accept_token(req, seq, token, result.logprobs[i], now)
-            touched.add(seq.request_id)
-        return touched
-
     def accept_token(
         self,
         req: Request,
@@ -75,12 +61,13 @@ class OutputProcessor:
             self._add_logprobs(seq, token, logprobs)
         self._check_stop(seq, token)
         # req.finished looks at every sibling: only ask when this one just ended.
-        if seq.is_finished and req.finished_time is None and req.finished:
+        if seq.status is SequenceStatus.FINISHED and req.finished_time is None and req.finished:
             req.finished_time = now if now is not None else time.monotonic()
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
-        num_out = seq.num_output_tokens
+        num_tokens = len(seq.token_ids)
+        num_out = num_tokens - seq.num_prompt_tokens
         reason: FinishReason | None = None
         stop_reason: int | str | None = None
         if num_out >= p.min_tokens:
@@ -101,7 +88,7 @@ class OutputProcessor:
                     reason = FinishReason.STOP
         if reason is None:
             limit = p.max_tokens if p.max_tokens is not None else self.max_model_len
-            if num_out >= limit or seq.num_tokens >= self.max_model_len:
+            if num_out >= limit or num_tokens >= self.max_model_len:
                 reason = FinishReason.LENGTH
         if reason is not None:
             self.scheduler.finish(seq, reason, stop_reason)
@@ -126,7 +113,7 @@ class OutputProcessor:
         seq.logprobs.append(self._logprob_dict(token, lp, seq.params.detokenize))
         seq.cumulative_logprob += lp.logprob
 
-    def _add_prompt_logprobs(self, req: Request, entries: list[PromptTokenLogprob]) -> None:
+    def add_prompt_logprobs(self, req: Request, entries: list[PromptTokenLogprob]) -> None:
         for entry in entries:
             # A recompute after preemption yields positions already recorded.
             if entry.position == len(req.prompt_logprobs):
@@ -136,56 +123,70 @@ class OutputProcessor:
 
     # ------------------------------------------------------------- outputs
     def make_output(self, req: Request) -> RequestOutput | None:
+        """The request's output per its ``output_kind`` (None: nothing to say yet).
+
+        Built for every streaming request every step, so it stays lean: only the
+        tail of a DELTA output is sliced, and no Sequence property is used.
+        """
         kind = req.params.output_kind
         finished = req.finished
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind is RequestOutputKind.DELTA
-        holdback = stop_holdback(req.params)
+        holdback = req.stop_holdback
         completions = []
         for seq in req.seqs:
             if delta and seq.finish_reported:
                 continue  # a finished completion of an n > 1 request: nothing new
-            text = seq.output_text
-            text_end = len(text) if seq.is_finished else max(0, len(text) - holdback)
-            text_end = max(text_end, seq.num_text_reported)
-            ids = seq.output_token_ids
+            seq_finished = seq.status is SequenceStatus.FINISHED
+            detok = seq.detokenizer
+            text = detok.output_text if detok is not None else ""
+            text_end = len(text) if seq_finished or not holdback else len(text) - holdback
+            reported_text = seq.num_text_reported
+            if text_end < reported_text:
+                text_end = reported_text
+            token_ids = seq.token_ids
+            num_prompt = seq.num_prompt_tokens
+            lps = seq.logprobs
             if delta:
-                out_text = text[seq.num_text_reported : text_end]
-                out_ids = ids[seq.num_tokens_reported :]
-                out_lps = (
-                    seq.logprobs[seq.num_tokens_reported :] if seq.logprobs is not None else None
-                )
+                # Only what is new: slices of the tail, never of the whole output.
+                reported = seq.num_tokens_reported
+                out_text = text[reported_text:text_end] if text else ""
+                out_ids = token_ids[num_prompt + reported :]
+                out_lps = lps[reported:] if lps is not None else None
             else:
-                out_text, out_ids, out_lps = text[:text_end], list(ids), seq.logprobs
+                out_text = text[:text_end]
+                out_ids = token_ids[num_prompt:]
+                out_lps = list(lps) if lps is not None else None
             seq.num_text_reported = text_end
-            seq.num_tokens_reported = len(ids)
-            seq.finish_reported = seq.is_finished
+            seq.num_tokens_reported = len(token_ids) - num_prompt
+            seq.finish_reported = seq_finished
+            reason = seq.finish_reason
             completions.append(
                 CompletionOutput(
-                    index=seq.index,
-                    text=out_text,
-                    token_ids=out_ids,
-                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                    logprobs=list(out_lps) if out_lps is not None else None,
-                    finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-                    stop_reason=seq.stop_reason,
+                    seq.index,
+                    out_text,
+                    out_ids,
+                    seq.cumulative_logprob if lps is not None else None,
+                    out_lps,
+                    reason.value if reason is not None else None,
+                    seq.stop_reason,
                 )
             )
         prompt_logprobs = req.prompt_logprobs
-        if delta:
+        if delta and prompt_logprobs is not None:
             # Streaming sends the prompt's logprobs once, with the first output.
             prompt_logprobs = None if req.prompt_logprobs_reported else prompt_logprobs
             req.prompt_logprobs_reported = True
         return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            prompt_logprobs=prompt_logprobs,
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=req.num_cached_tokens,
-            metrics=RequestMetrics(
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            prompt_logprobs,
+            completions,
+            finished,
+            max(0, req.seqs[0].num_cached_tokens),
+            RequestMetrics(
                 req.arrival_time, req.first_token_time, req.finished_time, req.first_scheduled_time
             ),
         )

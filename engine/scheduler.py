@@ -35,6 +35,8 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Sequences this step took from the waiting queue (also in ``seqs``).
+    admitted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -157,23 +159,41 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
-
+        # Once per step over every running sequence: attributes read directly,
+        # not through Sequence's properties (this loop is per-step host work).
         decoding, prefilling = [], []
         for s in self.running:
             (decoding if len(s.token_ids) - s.num_computed_tokens == 1 else prefilling).append(s)
+        if prefilling:
+            decoding.extend(prefilling)
         running = SequenceStatus.RUNNING
-        for seq in decoding + prefilling:
+        max_model_len = self.max_model_len
+        bs = self.block_manager.block_size
+        seqs, num_new_tokens = batch.seqs, batch.num_new_tokens
+        for seq in decoding:
             if budget == 0:
                 break
             if seq.status is not running:
                 continue  # preempted earlier in this step
-            if self._done_by_length(seq):
-                continue  # its last token is still on the device (async scheduling)
-            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(seq, num_new, scheduled_ids, batch):
+            num_tokens = len(seq.token_ids)
+            # Done by length once its unread token is read (async scheduling):
+            # running it once more would only compute a token to drop (and, on
+            # a prefill node, claim a block the transfer does not want). Never
+            # true without async scheduling: such a sequence has finished.
+            limit = seq.params.max_tokens
+            if (
+                limit is not None and num_tokens - seq.num_prompt_tokens >= limit
+            ) or num_tokens >= max_model_len:
                 continue
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            computed = seq.num_computed_tokens
+            num_new = min(num_tokens - computed, budget)
+            # Most steps need no new block: skip the allocator then.
+            if (computed + num_new + bs - 1) // bs > len(
+                seq.block_table
+            ) and not self._allocate_or_preempt(seq, num_new, scheduled_ids, batch):
+                continue
+            seqs.append(seq)
+            num_new_tokens.append(num_new)
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
 
@@ -181,16 +201,6 @@ class Scheduler:
             budget = self._admit_waiting(batch, budget)
         self.stats.num_steps += 1
         return batch
-
-    def _done_by_length(self, seq: Sequence) -> bool:
-        """The sequence will finish by length once its unread token is read: running
-        it once more would only compute a token to drop (and, on a prefill node,
-        claim a block the transfer does not want). Never true without async
-        scheduling, where such a sequence has finished already."""
-        limit = seq.params.max_tokens
-        return (limit is not None and seq.num_output_tokens >= limit) or (
-            seq.num_tokens >= self.max_model_len
-        )
 
     def _allocate_or_preempt(
         self, seq: Sequence, num_new: int, scheduled_ids: set[int], batch: ScheduledBatch
@@ -253,6 +263,7 @@ class Scheduler:
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
+            batch.admitted.append(seq)
             budget -= num_new
         return budget
 
@@ -267,13 +278,20 @@ class Scheduler:
         the token this step computes for them is dropped.
         """
         appended: list[tuple[int, Sequence]] = []
+        bm = self.block_manager
+        bs = bm.block_size
+        caching = bm.enable_prefix_caching
+        finished = SequenceStatus.FINISHED
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-            if seq.is_finished:
+            if seq.status is finished:
                 continue
-            seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(PLACEHOLDER)
+            computed = seq.num_computed_tokens + num_new
+            seq.num_computed_tokens = computed
+            if caching and computed // bs > seq.num_cached_blocks:
+                bm.cache_full_blocks(seq)
+            token_ids = seq.token_ids
+            if computed == len(token_ids):
+                token_ids.append(PLACEHOLDER)
                 appended.append((i, seq))
         return appended
 

@@ -97,6 +97,9 @@ class Sequence:
     # Prefill node: keep the blocks when the sequence finishes, until the node has
     # gathered them for the transfer (LLMEngine.release_held).
     hold_kv: bool = False
+    # Async scheduling: the sample index, in the step in flight, of the token
+    # its PLACEHOLDER stands for (-1: none; engine/async_step.py).
+    pending_sample: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -157,10 +160,17 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     aborted: bool = False
+    # Characters a stream holds back so it never emits part of a stop string.
+    stop_holdback: int = 0
 
     @property
     def finished(self) -> bool:
-        return self.aborted or all(s.status is SequenceStatus.FINISHED for s in self.seqs)
+        if self.aborted:
+            return True
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, asked every step
+            return seqs[0].status is SequenceStatus.FINISHED
+        return all(s.status is SequenceStatus.FINISHED for s in seqs)
 
     @property
     def num_cached_tokens(self) -> int:

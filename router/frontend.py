@@ -9,14 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.wire import sampling_params_from_proto
-from engine.block_hash import BlockHasher
+from engine.block_hash import HasherCache
 from engine.config import EngineConfig
 from engine.input_processor import InputProcessor
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from proto import pdserve_pb2
-
-MAX_CACHED_HASHERS = 256
 
 
 @dataclass(slots=True)
@@ -38,7 +36,7 @@ class Frontend:
         self.inputs = InputProcessor(config, self.tokenizer, frozenset(eos))
         self.model_id = config.served_model_name
         self.block_size = config.kvcache_block_size
-        self._hashers: dict[str, BlockHasher] = {}
+        self._hashers = HasherCache(self.model_id, self.block_size)
 
     def parse(self, request: pdserve_pb2.GenerateRequest) -> ParsedRequest:
         """Raises ValueError naming the problem (-> INVALID_ARGUMENT)."""
@@ -61,7 +59,7 @@ class Frontend:
             processed.token_ids,
             params,
             request.cache_salt,
-            self._hasher(request.cache_salt).hash_blocks(processed.token_ids),
+            self._hashers.get(request.cache_salt).hash_blocks(processed.token_ids),
         )
 
     def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
@@ -94,18 +92,9 @@ class Frontend:
             "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
         }
 
-    def _hasher(self, salt: str) -> BlockHasher:
-        hasher = self._hashers.pop(salt, None) or BlockHasher(
-            self.model_id, self.block_size, salt or None
-        )
-        self._hashers[salt] = hasher
-        if len(self._hashers) > MAX_CACHED_HASHERS:
-            del self._hashers[next(iter(self._hashers))]
-        return hasher
-
     def continuation(self, parsed: ParsedRequest, generated: list[int]) -> ParsedRequest:
         """A migrated request: the prompt followed by the tokens generated so far
         (hashed anew, so that routing finds the nodes caching any of it)."""
         prompt = [*parsed.prompt_token_ids, *generated]
-        hashes = self._hasher(parsed.cache_salt).hash_blocks(prompt)
+        hashes = self._hashers.get(parsed.cache_salt).hash_blocks(prompt)
         return ParsedRequest(prompt, parsed.params, parsed.cache_salt, hashes)

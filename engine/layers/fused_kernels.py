@@ -8,7 +8,9 @@ activations and products are rounded to the activation dtype as torch does).
   then RMSNorm; one row per program.
 - ``silu_and_mul``: SwiGLU's ``silu(gate) * up`` over the fused gate/up output.
 - ``rope_qk_``: in place on the q and k views of the fused qkv output: optional
-  per-head RMSNorm (Qwen3's q/k norm), then rotary embedding (neox layout).
+  per-head RMSNorm (Qwen3's q/k norm), then rotary embedding (neox layout),
+  q and k in one launch; optionally the KV-cache store too (k after RoPE, v),
+  which saves the attention backend's store launch.
 """
 
 from __future__ import annotations
@@ -119,22 +121,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_kernel(
-    x_ptr,
-    pos_ptr,
-    cos_ptr,
-    sin_ptr,
-    norm_w_ptr,
-    stride_tok,
-    stride_head,
-    eps,
-    HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr,
-    HAS_NORM: tl.constexpr,
+def _norm_rope_head(
+    base, pos_ptr, cos_ptr, sin_ptr, norm_w_ptr, tok, eps, HEAD_DIM, HALF, HAS_NORM
 ):
-    tok = tl.program_id(0)
-    head = tl.program_id(1)
-    base = x_ptr + tok * stride_tok + head * stride_head
+    """One head of one token, in place: optional RMSNorm, then rotary embedding.
+    Returns the rotated halves (as stored)."""
     offs = tl.arange(0, HALF)
     x1 = tl.load(base + offs)
     x2 = tl.load(base + HALF + offs)
@@ -153,8 +144,67 @@ def _rope_kernel(
     sin = tl.load(sin_ptr + pos * HEAD_DIM + offs).to(dtype).to(tl.float32)
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
-    tl.store(base + offs, (a * cos - b * sin).to(dtype))
-    tl.store(base + HALF + offs, (b * cos + a * sin).to(dtype))
+    y1 = (a * cos - b * sin).to(dtype)
+    y2 = (b * cos + a * sin).to(dtype)
+    tl.store(base + offs, y1)
+    tl.store(base + HALF + offs, y2)
+    return y1, y2
+
+
+@triton.jit
+def _rope_qk_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_cache_slot,
+    stride_cache_head,
+    eps,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    STORE_KV: tl.constexpr,
+):
+    # One program per (token, head) over q's heads and then k's: one launch for both.
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    if head < NUM_Q_HEADS:
+        base = q_ptr + tok * stride_q_tok + head * stride_q_head
+        _norm_rope_head(
+            base, pos_ptr, cos_ptr, sin_ptr, q_norm_ptr, tok, eps, HEAD_DIM, HALF, HAS_NORM
+        )
+    else:
+        kv_head = head - NUM_Q_HEADS
+        base = k_ptr + tok * stride_k_tok + kv_head * stride_k_head
+        y1, y2 = _norm_rope_head(
+            base, pos_ptr, cos_ptr, sin_ptr, k_norm_ptr, tok, eps, HEAD_DIM, HALF, HAS_NORM
+        )
+        if STORE_KV:
+            # The KV store folded in: this head's rotated k and its v go to the
+            # token's cache slot (slot -1: a padding row of a CUDA graph batch).
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            if slot >= 0:
+                offs = tl.arange(0, HALF)
+                dst = slot * stride_cache_slot + kv_head * stride_cache_head
+                tl.store(k_cache_ptr + dst + offs, y1)
+                tl.store(k_cache_ptr + dst + HALF + offs, y2)
+                v_src = v_ptr + tok * stride_v_tok + kv_head * stride_v_head
+                v = tl.load(v_src + tl.arange(0, HEAD_DIM))
+                tl.store(v_cache_ptr + dst + tl.arange(0, HEAD_DIM), v)
 
 
 def rope_qk_(
@@ -166,23 +216,52 @@ def rope_qk_(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """In place: q [T, Hq, D], k [T, Hkv, D] (views with unit stride in D)."""
-    num_tokens, head_dim = q.shape[0], q.shape[-1]
+    """In place: q [T, Hq, D], k [T, Hkv, D] (views with unit stride in D), in one
+    launch. ``kv_store = (v, k_cache, v_cache, slot_mapping)`` also writes the
+    rotated k and v into the paged cache (the attention backend's store, folded
+    in; the cache is [num_blocks, block_size, Hkv, D])."""
+    num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return
-    for x, w in ((q, q_norm_weight), (k, k_norm_weight)):
-        _rope_kernel[(num_tokens, x.shape[1])](
-            x,
-            positions,
-            cos_cache,
-            sin_cache,
-            w if w is not None else cos_cache,
-            x.stride(0),
-            x.stride(1),
-            eps,
-            HEAD_DIM=head_dim,
-            HALF=head_dim // 2,
-            HAS_NORM=w is not None,
-            num_warps=1 if head_dim <= 64 else 2,
-        )
+    num_kv_heads = k.shape[1]
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q and k are normalised together: give both norm weights or neither")
+    if kv_store is not None:
+        v, k_cache, v_cache, slots = kv_store
+        store = (v, k_cache, v_cache, slots, v.stride(0), v.stride(1))
+        cache_strides = (k_cache.stride(1), k_cache.stride(2))
+        if v_cache.stride()[1:] != k_cache.stride()[1:]:
+            raise ValueError("k_cache and v_cache must have the same layout")
+    else:
+        store = (k, cos_cache, cos_cache, positions, 0, 0)
+        cache_strides = (0, 0)
+    v, k_cache, v_cache, slots, stride_v_tok, stride_v_head = store
+    _rope_qk_kernel[(num_tokens, num_q_heads + num_kv_heads)](
+        q,
+        k,
+        v,
+        positions,
+        cos_cache,
+        sin_cache,
+        q_norm_weight if q_norm_weight is not None else cos_cache,
+        k_norm_weight if k_norm_weight is not None else cos_cache,
+        k_cache,
+        v_cache,
+        slots,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        stride_v_tok,
+        stride_v_head,
+        *cache_strides,
+        eps,
+        NUM_Q_HEADS=num_q_heads,
+        HEAD_DIM=head_dim,
+        HALF=head_dim // 2,
+        HAS_NORM=q_norm_weight is not None,
+        STORE_KV=kv_store is not None,
+        num_warps=1 if head_dim <= 64 else 2,
+    )

@@ -23,12 +23,14 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class SamplingRow:
-    """One sequence's sampling inputs for this step.
+    """One sequence's sampling inputs.
 
     ``token_ids`` is the sequence's own list (prompt then output), not a copy:
-    only penalties read it, so building a row costs nothing per token.
+    only penalties read it, so a row is built once per sequence and serves
+    every step. Rows compare by identity, which is how the sampler sees that
+    a batch is the same as the last one.
     """
 
     params: SamplingParams
@@ -37,10 +39,35 @@ class SamplingRow:
     generator: torch.Generator | None
     # EOS and stop ids to mask while fewer than min_tokens have been generated.
     min_tokens_stop_ids: list[int]
+    # The masks' ids on the device, sent once (allowed ids, logit-bias ids and
+    # values, min_tokens stop ids).
+    device_masks: tuple[torch.Tensor | None, ...] | None = None
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class BatchPlan:
+    """What a batch of rows asks of the sampler: host facts and the small device
+    tensors built from them. Kept while the next batch has the very same rows
+    (steady decoding), so a step usually builds none of it."""
+
+    rows: list[SamplingRow]
+    want_logprobs: list[int | None]
+    logprob_rows: list[int]
+    logprob_index: torch.Tensor | None
+    mask_rows: list[int]  # allowed ids, logit bias or min_tokens
+    penalty_rows: list[int]
+    all_greedy: bool
+    any_greedy: bool
+    seeded_rows: list[int]  # own generators (and not greedy)
+    temperatures: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    greedy_mask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -111,6 +138,7 @@ class Sampler:
         # engine seed and workload, as vLLM's global seed is.
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._plan: BatchPlan | None = None
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         return self.sample(logits, rows).to_host()
@@ -119,43 +147,109 @@ class Sampler:
         """Sample on the device without waiting for it: the results stay tensors
         (async scheduling feeds ``token_ids`` to the next step before the host
         has seen them)."""
+        plan = self._plan_for(rows, logits)
         logits = logits.float()
-        want_logprobs = [r.params.logprobs for r in rows]
-        raw_logprobs = (
-            torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
-        )
-        self._apply_masks_and_bias(logits, rows)
-        self._apply_penalties(logits, rows)
-        token_ids = self._sample(logits, rows)
-        out = DeviceSamples(token_ids, want_logprobs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if plan.logprob_rows else None
+        if plan.mask_rows:
+            self._apply_masks_and_bias(logits, rows, plan.mask_rows)
+        if plan.penalty_rows:
+            self._apply_penalties(logits, rows, plan.penalty_rows)
+        token_ids = self._sample(logits, rows, plan)
+        out = DeviceSamples(token_ids, plan.want_logprobs)
         if raw_logprobs is not None:
-            out.logprob_rows = [i for i, k in enumerate(want_logprobs) if k is not None]
-            idx = _host_tensor(out.logprob_rows, torch.int64, logits.device)
-            k_max = max(want_logprobs[i] for i in out.logprob_rows)
+            out.logprob_rows = plan.logprob_rows
+            idx = plan.logprob_index
+            k_max = max(plan.want_logprobs[i] for i in plan.logprob_rows)
             out.logprob_tensors = top_logprobs(raw_logprobs[idx], token_ids[idx], k_max)
         return out
 
+    def _plan_for(self, rows: list[SamplingRow], logits: torch.Tensor) -> BatchPlan:
+        plan = self._plan
+        if plan is not None and plan.rows == rows:  # element identity: same rows
+            return plan
+        dev = logits.device
+        want_logprobs: list[int | None] = []
+        logprob_rows, mask_rows, penalty_rows, seeded_rows = [], [], [], []
+        greedy_rows: list[bool] = []
+        for i, r in enumerate(rows):
+            p = r.params
+            want_logprobs.append(p.logprobs)
+            if p.logprobs is not None:
+                logprob_rows.append(i)
+            if p.allowed_token_ids is not None or p.logit_bias or r.min_tokens_stop_ids:
+                mask_rows.append(i)
+            if p.needs_penalties:
+                penalty_rows.append(i)
+            greedy = p.greedy
+            greedy_rows.append(greedy)
+            if r.generator is not None and not greedy:
+                seeded_rows.append(i)
+        all_greedy = all(greedy_rows)
+        plan = BatchPlan(
+            rows=list(rows),
+            want_logprobs=want_logprobs,
+            logprob_rows=logprob_rows,
+            logprob_index=_host_tensor(logprob_rows, torch.int64, dev) if logprob_rows else None,
+            mask_rows=mask_rows,
+            penalty_rows=penalty_rows,
+            all_greedy=all_greedy,
+            any_greedy=any(greedy_rows),
+            seeded_rows=seeded_rows,
+        )
+        if not all_greedy:
+            params = [r.params for r in rows]
+            plan.temperatures = _host_tensor(
+                [1.0 if p.greedy else p.temperature for p in params], torch.float32, dev
+            )
+            if any(p.min_p > 0.0 for p in params):
+                plan.min_p = _host_tensor([p.min_p for p in params], torch.float32, dev)
+            if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+                vocab = logits.shape[-1]
+                plan.top_k = _host_tensor(
+                    [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
+                    torch.int64,
+                    dev,
+                )
+                plan.top_p = _host_tensor([p.top_p for p in params], torch.float32, dev)
+            if plan.any_greedy:
+                plan.greedy_mask = _host_tensor(greedy_rows, torch.bool, dev)
+        self._plan = plan
+        return plan
+
     # ------------------------------------------------------------- processing
-    def _apply_masks_and_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-        for i, row in enumerate(rows):
+    def _apply_masks_and_bias(
+        self, logits: torch.Tensor, rows: list[SamplingRow], which: list[int]
+    ) -> None:
+        for i in which:
+            row = rows[i]
             p = row.params
-            if p.allowed_token_ids is not None:
-                allowed = torch.tensor(p.allowed_token_ids, device=logits.device)
+            if row.device_masks is None:
+                dev = logits.device
+                allowed = p.allowed_token_ids
+                bias = p.logit_bias
+                stop = row.min_tokens_stop_ids
+                row.device_masks = (
+                    _host_tensor(allowed, torch.int64, dev) if allowed is not None else None,
+                    _host_tensor(list(bias), torch.int64, dev) if bias else None,
+                    _host_tensor(list(bias.values()), torch.float32, dev) if bias else None,
+                    _host_tensor(stop, torch.int64, dev) if stop else None,
+                )
+            allowed, bias_ids, bias_values, stop_ids = row.device_masks
+            if allowed is not None:
                 kept = logits[i, allowed].clone()
                 logits[i].fill_(float("-inf"))
                 logits[i, allowed] = kept
-            if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), device=logits.device)
-                bias = torch.tensor(list(p.logit_bias.values()), device=logits.device)
-                logits[i].index_add_(0, ids, bias)
-            if row.min_tokens_stop_ids and row.num_output_tokens < p.min_tokens:
-                logits[i, row.min_tokens_stop_ids] = float("-inf")
+            if bias_ids is not None:
+                logits[i].index_add_(0, bias_ids, bias_values)
+            if stop_ids is not None and row.num_output_tokens < p.min_tokens:
+                logits[i, stop_ids] = float("-inf")
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-        for i, row in enumerate(rows):
+    def _apply_penalties(
+        self, logits: torch.Tensor, rows: list[SamplingRow], which: list[int]
+    ) -> None:
+        for i in which:
+            row = rows[i]
             p = row.params
-            if not p.needs_penalties:
-                continue
             ids = torch.tensor(row.token_ids, dtype=torch.long, device=logits.device)
             counts = torch.bincount(ids[row.num_prompt_tokens :], minlength=self.vocab_size)
             counts = counts[: self.vocab_size]
@@ -173,54 +267,44 @@ class Sampler:
             if p.presence_penalty != 0.0:
                 logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow], plan: BatchPlan
+    ) -> torch.Tensor:
         # Row facts are host data: deciding on them never waits for the GPU.
-        greedy_rows = [r.params.greedy for r in rows]
         argmax = logits.argmax(dim=-1)
-        if all(greedy_rows):
+        if plan.all_greedy:
             return argmax
-        dev = logits.device
-        temps = _host_tensor(
-            [1.0 if r.params.greedy else r.params.temperature for r in rows], torch.float32, dev
-        )
-        logits = logits / temps.unsqueeze(1)
-        if any(r.params.min_p > 0.0 for r in rows):
-            min_p = _host_tensor([r.params.min_p for r in rows], torch.float32, dev)
+        logits = logits / plan.temperatures.unsqueeze(1)
+        if plan.min_p is not None:
             probs = torch.softmax(logits, dim=-1)
-            threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+            threshold = probs.amax(dim=-1, keepdim=True) * plan.min_p.unsqueeze(1)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows):
-            logits = self._top_k_top_p(logits, rows)
+        if plan.top_k is not None:
+            logits = _top_k_top_p(logits, plan.top_k, plan.top_p)
         probs = torch.softmax(logits, dim=-1)
         q = torch.empty_like(probs)
         q.exponential_(generator=self.generator)
-        for i, row in enumerate(rows):
-            if row.generator is not None and not row.params.greedy:
-                q[i].exponential_(generator=row.generator)
+        for i in plan.seeded_rows:
+            q[i].exponential_(generator=rows[i].generator)
         # exponential_ can return exactly 0, which would make probs / q inf (or NaN
         # for a masked token): keep q strictly positive.
         q.clamp_(min=torch.finfo(q.dtype).tiny)
         sampled = (probs / q).argmax(dim=-1)
-        if not any(greedy_rows):
+        if not plan.any_greedy:
             return sampled
-        return torch.where(_host_tensor(greedy_rows, torch.bool, dev), argmax, sampled)
+        return torch.where(plan.greedy_mask, argmax, sampled)
 
-    def _top_k_top_p(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        vocab = logits.shape[-1]
-        k = _host_tensor(
-            [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows],
-            torch.int64,
-            logits.device,
-        )
-        p = _host_tensor([r.params.top_p for r in rows], logits.dtype, logits.device)
-        sorted_logits, order = logits.sort(dim=-1, descending=False)
-        # top_k: drop everything below the k-th largest value.
-        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-        # top_p: drop the smallest tokens whose total mass stays within 1 - top_p,
-        # always keeping the largest.
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= (1 - p).unsqueeze(1)
-        drop[:, -1] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    # top_k: drop everything below the k-th largest value.
+    kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    # top_p: drop the smallest tokens whose total mass stays within 1 - top_p,
+    # always keeping the largest.
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1 - p.to(logits.dtype)).unsqueeze(1)
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

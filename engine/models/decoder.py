@@ -5,7 +5,9 @@ has biases on q/k/v, Qwen3 normalises q and k per head before RoPE, Llama may
 have neither. Projections are fused (q/k/v into ``qkv_proj``, gate/up into
 ``gate_up_proj``) so each layer runs two fewer matmuls; the loader splits the
 checkpoint's separate tensors into them. With ``fused_ops`` (CUDA), RMSNorm,
-SiLU-and-mul and q/k-norm + RoPE run as single Triton kernels.
+SiLU-and-mul and q/k-norm + RoPE run as single Triton kernels. The
+projections are ``SkinnyLinear``: at a decode step's few tokens they may run
+the skinny GEMM kernel instead of cuBLAS (engine/layers/skinny_gemm.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.attention import AttentionBackend, AttentionMetadata
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.skinny_gemm import SkinnyLinear
 from engine.models.config import ModelArchConfig
 
 
@@ -34,16 +37,16 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = SkinnyLinear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = SkinnyLinear(self.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.eps = cfg.rms_norm_eps
-        # Fused: q/k norm and RoPE in one in-place Triton kernel per tensor.
+        # Fused: q/k norm, RoPE and the KV-cache store in one in-place Triton kernel.
         self.fused = fused
         # Shared, not owned: registering them as submodules would duplicate them.
         self._rotary = (rotary,)
@@ -63,6 +66,7 @@ class Attention(nn.Module):
         if self.fused:
             from engine.layers.fused_kernels import rope_qk_
 
+            # q and k in one launch, and the new K/V written into the cache by it.
             rope_qk_(
                 q,
                 k,
@@ -72,21 +76,25 @@ class Attention(nn.Module):
                 self.q_norm.weight if self.qk_norm else None,
                 self.k_norm.weight if self.qk_norm else None,
                 self.eps,
+                kv_store=(v, self.k_cache, self.v_cache, meta.slot_mapping),
             )
+            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, kv_stored=True)
         else:
             if self.qk_norm:
                 q = self.q_norm(q)
                 k = self.k_norm(k)
             q, k = rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)
+            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelArchConfig, fused: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = SkinnyLinear(
+            cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias
+        )
+        self.down_proj = SkinnyLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = SiluAndMul(fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

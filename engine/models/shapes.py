@@ -11,6 +11,23 @@ from pathlib import Path
 from typing import Any
 
 SHAPES: dict[str, dict[str, Any]] = {
+    # Not a real model: a step costs almost nothing on a CPU, so what a run of it
+    # measures is the engine's own host work (benchmarks/profile_step.py host).
+    "tiny": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 1024,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    },
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

@@ -90,6 +90,8 @@ def test_handoff_gives_the_single_node_output(prefill_llm, decode_llm, demo_toke
         assert out.outputs[0].token_ids == single.outputs[0].token_ids
         assert out.outputs[0].text == single.outputs[0].text
         assert out.outputs[0].finish_reason == single.outputs[0].finish_reason
+        m = out.metrics  # the committed request was scheduled, then gave its first token
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     assert_idle(prefill_llm)
     assert_idle(decode_llm)
 

@@ -80,3 +80,60 @@ def test_rope_qk_in_place_matches_torch(dtype, head_dim, heads, kv_heads, qk_nor
         1e-6,
     )
     assert close(q, ref_q, dtype) and close(k, ref_k, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_qk_with_kv_store_writes_the_cache_like_the_backend(dtype, qk_norm):
+    """The KV store folded into the RoPE launch: the cache afterwards holds exactly
+    what RoPE then the backends' store write (padding rows, slot -1, write nothing)."""
+    from engine.layers.attention.torch_backend import write_kv
+
+    torch.manual_seed(2)
+    heads, kv_heads, head_dim, tokens, block_size, num_blocks = 4, 2, 64, 9, 4, 6
+    rope = RotaryEmbedding(head_dim, 128, RopeConfig(theta=10000.0)).to(DEVICE)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=DEVICE, dtype=dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = q.view(tokens, heads, head_dim)
+    k = k.view(tokens, kv_heads, head_dim)
+    v = v.view(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 128, (tokens,), device=DEVICE)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
+    slots[3] = -1  # a padding row
+    weights = [1 + 0.1 * torch.randn(head_dim, device=DEVICE, dtype=dtype) for _ in range(2)]
+    norms = weights if qk_norm else [None, None]
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    ref_q, ref_k = q.clone(), k.clone()
+    fk.rope_qk_(ref_q, ref_k, positions, rope.cos_cache, rope.sin_cache, *norms, 1e-6)
+    ref_kc, ref_vc = (
+        torch.zeros(shape, device=DEVICE, dtype=dtype),
+        torch.zeros(shape, device=DEVICE, dtype=dtype),
+    )
+    keep = slots >= 0
+    write_kv(ref_k[keep], v[keep], ref_kc, ref_vc, slots[keep])
+    k_cache, v_cache = (
+        torch.zeros(shape, device=DEVICE, dtype=dtype),
+        torch.zeros(shape, device=DEVICE, dtype=dtype),
+    )
+    store = (v, k_cache, v_cache, slots)
+    fk.rope_qk_(q, k, positions, rope.cos_cache, rope.sin_cache, *norms, 1e-6, kv_store=store)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+    assert torch.equal(k_cache, ref_kc) and torch.equal(v_cache, ref_vc)
+
+
+@pytest.mark.parametrize("kind, backend", [("llama", "torch"), ("qwen3", "triton")])
+def test_fused_decoder_matches_the_unfused_one(tiny_model, kind, backend):
+    """The model with every fused kernel (norms, SiLU, RoPE + KV store in one launch)
+    against the plain torch ops: prefill, then decode steps that read the KV the
+    fused launch stored."""
+    from tests.engine.test_models import PROMPT, make_runner, our_logits
+
+    model_dir, _ = tiny_model(kind)
+    runner = make_runner(model_dir, attention_backend=backend)
+    chunks = [len(PROMPT) - 3, 1, 1, 1]
+    plain = our_logits(runner, PROMPT, chunks)
+    for module in runner.model.modules():
+        if hasattr(module, "fused"):
+            module.fused = True
+    fused = our_logits(runner, PROMPT, chunks)
+    assert torch.allclose(fused, plain, atol=1e-4, rtol=1e-4), (fused - plain).abs().max()

@@ -98,6 +98,10 @@ DECODE_CASES = [
     ([200, 5], 8, 1, 128, 8, 4),
     ([64, 65, 300], 16, 2, 128, 256, 2),
     ([31], 4, 4, 64, 32, 8),
+    # Splits planned for a longer context than the batch has (a CUDA graph sized
+    # for max_model_len): the later splits are empty and the merge skips them.
+    ([1, 5, 70, 300], 4, 2, 64, 16, 16),
+    ([0, 40, 129], 8, 2, 64, 16, 5),  # with a padding row (seq_len 0)
 ]
 
 
@@ -122,7 +126,8 @@ def test_split_k_decode_matches_torch(seq_lens, heads, kv_heads, head_dim, block
     assert torch.allclose(out.float(), ref, atol=ATOL, rtol=ATOL), (out.float() - ref).abs().max()
 
 
-def test_decode_padding_rows_read_nothing():
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_padding_rows_read_nothing(num_splits):
     """CUDA-graph padding rows have seq_len 0: their output is zero, no NaN."""
     k_cache = torch.full((4, 16, 2, 64), float("nan"), device=DEVICE, dtype=DTYPE)
     v_cache = torch.full_like(k_cache, float("nan"))
@@ -130,7 +135,14 @@ def test_decode_padding_rows_read_nothing():
     out = torch.empty_like(q)
     bt = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
     tk.decode_attention(
-        q, k_cache, v_cache, out, bt, torch.zeros(2, dtype=torch.int32, device=DEVICE), 0.125, 2
+        q,
+        k_cache,
+        v_cache,
+        out,
+        bt,
+        torch.zeros(2, dtype=torch.int32, device=DEVICE),
+        0.125,
+        num_splits,
     )
     assert torch.equal(out, torch.zeros_like(out))
 
@@ -155,4 +167,12 @@ def test_store_kv_writes_slots_and_skips_padding():
 def test_split_heuristic(batch, kv_heads, max_len, expected_min):
     splits = tk.decode_num_splits(batch, kv_heads, max_len, num_sms=132)
     assert expected_min <= splits <= 64
-    assert splits <= -(-max_len // 256)
+    assert splits <= -(-max_len // tk.MIN_SPLIT_KEYS)
+
+
+def test_batch_one_spreads_a_short_context_over_the_gpu():
+    # Qwen3-0.6B at batch 1, 1024 tokens of context: 16 splits of one 64-key tile
+    # (8 KV heads -> 128 programs on 132 SMs), not 4 splits of 4 tiles each.
+    assert tk.decode_num_splits(1, 8, 1024, num_sms=132) == 16
+    # A graph planned for 40960 tokens asks for 33; a 1024-token context uses 16.
+    assert tk.decode_num_splits(1, 8, 40960, num_sms=132) == 33

@@ -11,7 +11,9 @@ Contract:
   on top of ``seq_len - query_len`` tokens already in the cache. Attention is
   causal, aligned to the bottom right (new token i sees the cached prefix and
   new tokens 0..i).
-- ``forward`` first writes the new tokens' K and V into their slots, then attends.
+- ``forward`` first writes the new tokens' K and V into their slots, then attends;
+  with ``kv_stored=True`` the caller has written them already (the fused RoPE
+  kernel stores k after rotating it, saving a launch).
 """
 
 from __future__ import annotations
@@ -78,5 +80,6 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

@@ -93,8 +93,11 @@ class FlashAttention(AttentionBackend):
             )
         return None
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, kv_stored: bool = False
+    ) -> torch.Tensor:
+        if not kv_stored:
+            self._store(k, v, k_cache, v_cache, meta.slot_mapping)
         if self.version == 4:
             out, _ = self._fa4(
                 q,

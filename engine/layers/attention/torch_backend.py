@@ -40,8 +40,11 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 class TorchAttention(AttentionBackend):
     name = AttentionBackendName.TORCH
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, kv_stored: bool = False
+    ) -> torch.Tensor:
+        if not kv_stored:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode_only:
             return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)

@@ -52,9 +52,12 @@ class TritonAttention(AttentionBackend):
             meta.num_seqs, self.num_kv_heads, meta.max_seq_len, self._num_sms
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, kv_stored: bool = False
+    ) -> torch.Tensor:
         kern = self._kernels
-        kern.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            kern.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.is_decode_only:
             kern.decode_attention(

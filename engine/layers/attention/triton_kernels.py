@@ -10,7 +10,10 @@ kernel runs first), so one code path serves fresh prompts, chunks and prompts
 with a prefix-cache hit. Decode splits each sequence's context into
 ``num_splits`` chunks so small batches still fill the GPU; one program handles
 all query heads of a KV head (the GQA group), so each K/V tile is read once per
-group, and a second kernel merges the chunks' partial softmaxes.
+group, and a second kernel merges the chunks' partial softmaxes. Chunks are
+whole tiles cut from each sequence's own length, so a context shorter than
+the split count was planned for leaves the last splits empty: they return at
+once and the merge skips them. With one split there is no merge launch.
 """
 
 from __future__ import annotations
@@ -210,6 +213,16 @@ def prefill_attention(
 
 
 @triton.jit
+def _split_bounds(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(keys per split, splits with keys) of one sequence: its context cut into
+    NUM_SPLITS chunks of whole BLOCK_N tiles; a short context fills only the first
+    few (the split kernel and the reduce must agree on this)."""
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    used = tl.cdiv(seq_len, tl.maximum(chunk, 1))
+    return chunk, used
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -218,9 +231,12 @@ def _decode_split_kernel(
     seq_lens_ptr,
     part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32 (log-sum-exp, base 2)
+    out_ptr,  # the output itself when NUM_SPLITS == 1 (no reduce)
     scale,
     stride_q_tok,
     stride_q_head,
+    stride_o_tok,
+    stride_o_head,
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
@@ -238,7 +254,14 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
     seq_len = tl.load(seq_lens_ptr + seq)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk, used = _split_bounds(seq_len, NUM_SPLITS, BLOCK_N)
+    # A compile-time test around the runtime one (no `and` of constexpr and tensor).
+    if NUM_SPLITS > 1:  # noqa: SIM102
+        if split >= used:
+            # No keys here (a context shorter than the graph's split count was
+            # sized for): nothing to compute or store; the reduce reads only
+            # the used splits.
+            return
     start = split * chunk
     end = tl.minimum(seq_len, start + chunk)
 
@@ -274,22 +297,34 @@ def _decode_split_kernel(
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    # An empty split (short sequence) reports lse = -inf and contributes nothing.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-    base = (seq * num_heads + heads) * NUM_SPLITS + split
-    tl.store(
-        part_out_ptr + base[:, None] * HEAD_DIM + offs_d[None, :],
-        out,
-        mask=g_mask[:, None] & d_mask[None, :],
-    )
-    tl.store(part_lse_ptr + base, lse, mask=g_mask)
+    if NUM_SPLITS == 1:
+        # One split: this is the result (what the reduce would compute, bit for
+        # bit), stored directly, so no reduce launch.
+        tl.store(
+            out_ptr + seq * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+    else:
+        # A split with nothing visible (l = 0) reports lse = -inf: weight 0.
+        lse = tl.where(
+            l_i == 0.0, float("-inf"), m_i + tl.math.log2(tl.where(l_i == 0.0, 1.0, l_i))
+        )
+        base = (seq * num_heads + heads) * NUM_SPLITS + split
+        tl.store(
+            part_out_ptr + base[:, None] * HEAD_DIM + offs_d[None, :],
+            out,
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+        tl.store(part_lse_ptr + base, lse, mask=g_mask)
 
 
 @triton.jit
 def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
+    seq_lens_ptr,
     out_ptr,
     stride_o_tok,
     stride_o_head,
@@ -297,13 +332,15 @@ def _decode_reduce_kernel(
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    _, used = _split_bounds(tl.load(seq_lens_ptr + seq), NUM_SPLITS, BLOCK_N)
+    s_mask = offs_s < used  # the splits that ran (the others stored nothing)
     d_mask = offs_d < HEAD_DIM
     base = (seq * num_heads + head) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
@@ -324,11 +361,18 @@ def _decode_reduce_kernel(
     )
 
 
+# The fewest keys a split gets, one default tile: at batch 1 a 1024-token context
+# spreads over 16 one-tile splits (256 gave 4 splits of 4 tiles on 32 SMs).
+MIN_SPLIT_KEYS = 64
+
+
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Enough splits that the grid covers the GPU about twice, never below 256 keys a split."""
+    """Enough splits that the grid covers the GPU about twice, never below
+    MIN_SPLIT_KEYS keys a split (a CUDA graph plans for max_model_len; a shorter
+    context leaves the later splits empty, and they return at once)."""
     programs = max(1, num_seqs * num_kv_heads)
     want = triton.cdiv(2 * num_sms, programs)
-    return int(max(1, min(want, triton.cdiv(max_seq_len, 256), 64)))
+    return int(max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_KEYS), 64)))
 
 
 def decode_attention(
@@ -349,7 +393,9 @@ def decode_attention(
     group = num_heads // num_kv_heads
     cfg = dict(DECODE_CONFIG)
     cfg.update(config or {})
-    if workspace is None:
+    if num_splits == 1:
+        part_out = part_lse = out  # unused: the split kernel writes the output itself
+    elif workspace is None:
         part_out = torch.empty(
             num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
         )
@@ -366,9 +412,12 @@ def decode_attention(
         seq_lens,
         part_out,
         part_lse,
+        out,
         scale,
         q.stride(0),
         q.stride(1),
+        out.stride(0),
+        out.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -383,9 +432,12 @@ def decode_attention(
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
+    if num_splits == 1:
+        return
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out,
         part_lse,
+        seq_lens,
         out,
         out.stride(0),
         out.stride(1),
@@ -393,5 +445,6 @@ def decode_attention(
         BLOCK_S=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_N=cfg["BLOCK_N"],
         num_warps=4,
     )

@@ -162,3 +162,33 @@ def test_mixed_batch_each_row_uses_its_own_params(sampler):
         row(SamplingParams(temperature=1.0, top_k=1)),
     ]
     assert sample(sampler, rows) == [2, 0, 7, 2]
+
+
+def test_a_repeated_batch_reuses_its_plan_and_masks_still_follow_the_step(sampler):
+    # The same rows step after step (steady decoding) reuse one plan; what changes
+    # per step (min_tokens counts the row's own growing output) is still applied.
+    p = SamplingParams(temperature=0, min_tokens=2)
+    r = row(p, output=[0], stop_ids=[2])
+    rows = [r, row(SamplingParams(temperature=0, logit_bias={5: 10.0}))]
+    assert sample(sampler, rows) == [3, 5]
+    plan = sampler._plan
+    r.token_ids.append(0)  # the row's sequence grew: min_tokens is reached
+    assert sample(sampler, rows) == [2, 5]
+    assert sampler._plan is plan
+    # Other rows (a new object, even with equal contents) get a plan of their own.
+    assert sample(sampler, [row(p, output=[0], stop_ids=[2])]) == [3]
+    assert sampler._plan is not plan
+
+
+def test_a_mixed_batch_samples_each_row_by_its_own_parameters(sampler):
+    rows = [
+        row(SamplingParams(temperature=0)),
+        row(SamplingParams(temperature=1.0, top_k=1)),
+        row(SamplingParams(temperature=1.0, allowed_token_ids=[6])),
+        row(SamplingParams(temperature=0, logprobs=2)),
+    ]
+    lg = logits(*BASE).repeat(len(rows), 1)
+    out = sampler(lg.clone(), rows)
+    assert out.token_ids == [2, 2, 6, 2]
+    assert out.logprobs[:3] == [None, None, None]
+    assert out.logprobs[3].top_ids == [2, 3]
