@@ -256,6 +256,7 @@ class ModelRunner:
         slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
         dev = self.device
         qsl_list, seq_lens = qsl.tolist(), ends.tolist()
+        not_one = np.flatnonzero(count != 1)
         meta = AttentionMetadata(
             num_seqs=num_seqs,
             num_tokens=total,
@@ -267,6 +268,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=qsl_list,
             seq_lens_cpu=seq_lens,
+            num_decode_seqs=int(not_one[0]) if not_one.size else num_seqs,
         )
         return ModelInputs(_to_device(input_ids, dev), _to_device(positions, dev), meta)
 
