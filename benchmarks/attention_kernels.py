@@ -3,6 +3,7 @@ against the physical limits measured in the same run.
 
     python benchmarks/attention_kernels.py            # decode and prefill sweeps
     python benchmarks/attention_kernels.py --splits   # batch 1..16: split counts before/after
+    python benchmarks/attention_kernels.py --mixed --skip-decode --skip-prefill  # mixed steps
 
 Decode: one query token per sequence, 32 query / 8 KV heads x 128 (Llama-3.1-8B's
 attention), over batch, context and page size; the figure of merit is KV bytes
@@ -218,6 +219,56 @@ def bench_prefill(torch, peak_flops, pages, seqs=8, seq_len=2048) -> list[dict[s
     return rows
 
 
+def bench_mixed(torch, decodes, ctx, q_len, prefix, page=16) -> list[dict[str, Any]]:
+    """A serving step: ``decodes`` running sequences at ``ctx`` tokens plus one prompt of
+    ``q_len`` new tokens over a cached ``prefix``. One prefill-kernel launch over every
+    row (what a mixed step did before) against the decode kernel on the decode rows and
+    the prefill kernel on the prompt (the triton backend's split)."""
+    from engine.layers.attention import triton_kernels as tk
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for d in decodes:
+        k, v, tables = make_cache(torch, d + 1, max(ctx, prefix + q_len), page)
+        q_lens = [1] * d + [q_len]
+        seq_lens = [ctx] * d + [prefix + q_len]
+        q = torch.randn(sum(q_lens), HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty_like(q)
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device="cuda")
+        qsl = qsl.to(torch.int32)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+        scale = HEAD_DIM**-0.5
+        splits = tk.decode_num_splits(d, KV_HEADS, max(seq_lens), sms)
+
+        def one_launch():
+            tk.prefill_attention(q, k, v, out, tables, qsl, lens, q_len, scale)
+
+        def split():
+            tk.decode_attention(q[:d], k, v, out[:d], tables[:d], lens[:d], scale, splits)
+            tk.prefill_attention(
+                q[d:], k, v, out[d:], tables[d:], qsl[d:] - d, lens[d:], q_len, scale
+            )
+
+        t_one, t_split = cuda_time_ms(one_launch), cuda_time_ms(split)
+        row = {
+            "decodes": d,
+            "context": ctx,
+            "prompt_tokens": q_len,
+            "prefix": prefix,
+            "one_launch_ms": t_one,
+            "split_ms": t_split,
+            "speedup": t_one / t_split,
+        }
+        rows.append(row)
+        print(
+            f"mixed {d:3d} decodes at {ctx} + {q_len} new over {prefix}: one prefill launch "
+            f"{t_one:.3f} ms, decode + prefill kernels {t_split:.3f} ms ({row['speedup']:.2f}x)",
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
@@ -232,6 +283,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="only the batch-1..16 split comparison (Qwen3-0.6B heads, graph split counts)",
     )
     p.add_argument("--max-model-lens", default="1040,40960", help="--splits: graph plans")
+    p.add_argument("--skip-decode", action="store_true")
+    p.add_argument(
+        "--mixed",
+        action="store_true",
+        help="a mixed serving step (decodes + one 128-token prompt over a 2048-token prefix)",
+    )
+    p.add_argument("--mixed-decodes", default="8,32,128")
     p.add_argument("--out-dir", type=Path)
     args = p.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
@@ -248,11 +306,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "matmul_flops_per_s": peak,
         "fa4_available": fa4() is not None,
     }
-    results["decode"] = bench_decode(
-        torch, copy_bw, ints(args.batches), ints(args.contexts), ints(args.pages)
-    )
+    if not args.skip_decode:
+        results["decode"] = bench_decode(
+            torch, copy_bw, ints(args.batches), ints(args.contexts), ints(args.pages)
+        )
     if not args.skip_prefill:
         results["prefill"] = bench_prefill(torch, peak, ints(args.pages))
+    if args.mixed:
+        results["mixed"] = bench_mixed(torch, ints(args.mixed_decodes), 2176, 128, 2048)
     return save_run("attention_kernels", args, results, argv)
 
 

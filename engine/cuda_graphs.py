@@ -87,7 +87,7 @@ class DecodeGraphs:
                 [],
                 [],
             )
-            num_splits = backend.num_splits(probe, self.device)
+            num_splits = backend.num_splits(probe, self.device, batch)
         return AttentionMetadata(
             num_seqs=batch,
             num_tokens=batch,

@@ -157,6 +157,7 @@ def to_model_inputs(
     ]
     ids, positions, slots, qsl, seq_lens, tables, *rest = staging.to_device(arrays)
     count = np.diff(host.query_start_loc)
+    not_one = np.flatnonzero(count != 1)
     meta = AttentionMetadata(
         num_seqs=host.num_seqs,
         num_tokens=host.num_tokens,
@@ -168,5 +169,7 @@ def to_model_inputs(
         max_seq_len=int(host.seq_lens.max()),
         query_start_loc_cpu=host.query_start_loc.tolist(),
         seq_lens_cpu=host.seq_lens.tolist(),
+        # Leading one-token rows (the scheduler puts running decodes first).
+        num_decode_seqs=int(not_one[0]) if not_one.size else host.num_seqs,
     )
     return ModelInputs(ids, positions, meta), rest

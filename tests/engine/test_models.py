@@ -150,3 +150,18 @@ def test_unwritten_cache_slots_are_never_read(tiny_model):
     assert torch.isfinite(logits).all()
     for i, p in enumerate(prompts):
         assert torch.allclose(logits[i], hf_logits(hf, p)[-1], atol=2e-5, rtol=1e-4)
+
+
+def test_build_inputs_counts_leading_decode_rows(tiny_model):
+    """Backends run their decode kernel on the leading one-token rows of a mixed step."""
+    model_dir, _ = tiny_model("llama")
+    runner = make_runner(model_dir)
+    ids = [PROMPT[:20]] * 4
+    tables = [[4 * i + j for j in range(4)] for i in range(4)]
+
+    def leading(starts, num_new):
+        return runner.build_inputs(ids, starts, num_new, tables).meta.num_decode_seqs
+
+    assert leading([10, 12, 0, 19], [1, 1, 5, 1]) == 2
+    assert leading([0, 12, 13, 19], [3, 1, 1, 1]) == 0
+    assert leading([10, 12, 13, 19], [1, 1, 1, 1]) == 4

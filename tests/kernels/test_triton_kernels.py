@@ -176,3 +176,60 @@ def test_batch_one_spreads_a_short_context_over_the_gpu():
     assert tk.decode_num_splits(1, 8, 1024, num_sms=132) == 16
     # A graph planned for 40960 tokens asks for 33; a 1024-token context uses 16.
     assert tk.decode_num_splits(1, 8, 40960, num_sms=132) == 33
+
+
+MIXED_CASES = [
+    # (q_lens with the decode rows first, prefix_lens, num_decode_seqs)
+    ([1, 1, 1, 9, 30], [40, 7, 90, 33, 0], 3),
+    ([1, 1, 12], [16, 64, 48], 2),
+    ([5, 1, 20], [3, 30, 0], 0),  # a one-token chunk after a prefill: not a leading decode
+]
+
+
+@pytest.mark.parametrize("q_lens, prefix_lens, num_decodes", MIXED_CASES)
+def test_mixed_step_matches_torch_backend(q_lens, prefix_lens, num_decodes):
+    """A step of decodes then prefills: the triton backend runs the decode kernel on
+    the leading one-token rows and the prefill kernel on the rest; the output must
+    be the torch reference's for every row."""
+    from engine.layers.attention import AttentionMetadata
+    from engine.layers.attention.triton_backend import TritonAttention
+
+    rng = random.Random(2)
+    torch.manual_seed(2)
+    heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
+    seq_lens = [q + p for q, p in zip(q_lens, prefix_lens, strict=True)]
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 4
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=DEVICE, dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    bt = random_layout(rng, q_lens, prefix_lens, block_size, num_blocks)
+    total = sum(q_lens)
+    q = torch.randn(total, heads, head_dim, device=DEVICE, dtype=DTYPE)
+    k = torch.randn(total, kv_heads, head_dim, device=DEVICE, dtype=DTYPE)
+    v = torch.randn_like(k)
+    slots = []
+    for i, (ql, p) in enumerate(zip(q_lens, prefix_lens, strict=True)):
+        for pos in range(p, p + ql):
+            slots.append(int(bt[i, pos // block_size]) * block_size + pos % block_size)
+    qsl = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    meta = AttentionMetadata(
+        num_seqs=len(q_lens),
+        num_tokens=total,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        block_tables=bt,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        num_decode_seqs=num_decodes,
+    )
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    triton_attn = TritonAttention(heads, kv_heads, head_dim, head_dim**-0.5, block_size)
+    out = triton_attn.forward(q, k, v, k_cache, v_cache, meta)
+    ref_attn = TorchAttention(heads, kv_heads, head_dim, head_dim**-0.5, block_size)
+    ref = ref_attn.forward(q, k, v, ref_k, ref_v, meta)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    assert torch.allclose(out.float(), ref.float(), atol=ATOL, rtol=ATOL), (
+        (out.float() - ref.float()).abs().max()
+    )

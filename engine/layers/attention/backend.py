@@ -45,6 +45,12 @@ class AttentionMetadata:
     # Split-K factor for decode kernels, fixed when a CUDA graph is captured
     # (None: the backend picks one per step).
     decode_num_splits: int | None = None
+    # Leading sequences with one query token each: the scheduler puts running
+    # decodes first, so a mixed step is decodes then prefills. Backends with a
+    # decode kernel run it on these rows and the prefill kernel on the rest
+    # (a prefill kernel gives each decode row a whole query tile and reads its
+    # KV once per query head instead of once per KV head).
+    num_decode_seqs: int = 0
 
     @property
     def is_decode_only(self) -> bool:

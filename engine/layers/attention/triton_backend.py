@@ -39,7 +39,7 @@ class TritonAttention(AttentionBackend):
             return "the triton package is not installed"
         return None
 
-    def num_splits(self, meta: AttentionMetadata, device: torch.device) -> int:
+    def num_splits(self, meta: AttentionMetadata, device: torch.device, num_seqs: int) -> int:
         if meta.decode_num_splits is not None:
             return meta.decode_num_splits  # fixed when a CUDA graph was captured
         if self._num_sms is None:
@@ -49,7 +49,7 @@ class TritonAttention(AttentionBackend):
                 else 4
             )
         return self._kernels.decode_num_splits(
-            meta.num_seqs, self.num_kv_heads, meta.max_seq_len, self._num_sms
+            num_seqs, self.num_kv_heads, meta.max_seq_len, self._num_sms
         )
 
     def forward(
@@ -59,26 +59,29 @@ class TritonAttention(AttentionBackend):
         if not kv_stored:
             kern.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        if meta.is_decode_only:
+        # Decode rows (one query token each) lead the batch: the split-K decode
+        # kernel serves them, the prefill kernel only the rows after them.
+        d = meta.num_seqs if meta.is_decode_only else meta.num_decode_seqs
+        if d:
             kern.decode_attention(
-                q,
+                q[:d],
                 k_cache,
                 v_cache,
-                out,
-                meta.block_tables,
-                meta.seq_lens,
+                out[:d],
+                meta.block_tables[:d],
+                meta.seq_lens[:d],
                 self.scale,
-                self.num_splits(meta, q.device),
+                self.num_splits(meta, q.device, d),
             )
-        else:
+        if d < meta.num_seqs:
             kern.prefill_attention(
-                q,
+                q[d:],
                 k_cache,
                 v_cache,
-                out,
-                meta.block_tables,
-                meta.query_start_loc,
-                meta.seq_lens,
+                out[d:],
+                meta.block_tables[d:],
+                meta.query_start_loc[d:] - d if d else meta.query_start_loc,
+                meta.seq_lens[d:],
                 meta.max_query_len,
                 self.scale,
             )
