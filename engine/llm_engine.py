@@ -32,6 +32,7 @@ from engine.block_manager import BlockManager, CacheEvents
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, TokenizerInfo
 from engine.input_processor import InputProcessor, PromptType
+from engine.kv_writes import KVWriteObserver
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -288,6 +289,11 @@ class LLMEngine:
     def queue_room(self) -> tuple[int, int]:
         """(requests waiting, free sequence slots): what a node's queue bound needs."""
         return len(self.scheduler.waiting), self.scheduler.num_free_slots
+
+    def observe_kv_writes(self, observer: KVWriteObserver | None) -> None:
+        """Prefill node: be told, layer by layer, when each step's KV is written
+        (engine/kv_writes.py); None stops it."""
+        self.model_runner.kv_observer = observer
 
     def num_held(self) -> int:
         """Prefill node: finished requests whose blocks wait for their transfer."""

@@ -20,7 +20,8 @@ from engine.async_step import InFlightStep, patch_inputs
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, LoadFormat
 from engine.cuda_graphs import DecodeGraphs
 from engine.device import default_dtype, resolve_device, resolve_dtype
-from engine.kv_blocks import gather_blocks, scatter_blocks
+from engine.kv_blocks import Range, gather_blocks, scatter_blocks
+from engine.kv_writes import KVWriteObserver
 from engine.layers.attention import AttentionMetadata, select_backend
 from engine.layers.sampler import Sampler, SamplingRow, top_logprobs
 from engine.model_io import ModelInputs, PromptTokenLogprob, StepOutput
@@ -68,6 +69,8 @@ class ModelRunner:
         self.num_kvcache_blocks = self._decide_num_blocks()
         self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
         self.graphs: DecodeGraphs | None = None
+        # Told when each layer of a step wrote its KV (a prefill node streaming it).
+        self.kv_observer: KVWriteObserver | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             if self.attention_backend.supports_cuda_graphs:
                 self.graphs = DecodeGraphs(
@@ -127,13 +130,17 @@ class ModelRunner:
         )
         return num_blocks
 
-    def gather_kv(self, block_ids: list[int]) -> torch.Tensor:
-        """These blocks of every layer, K and V, in one contiguous tensor."""
-        return gather_blocks(self.kv_cache, block_ids)
+    def gather_kv(
+        self, block_ids, layers: Range | None = None, heads: Range | None = None
+    ) -> torch.Tensor:
+        """These blocks' K and V (of every layer and head, or of these ranges), contiguous."""
+        return gather_blocks(self.kv_cache, block_ids, layers, heads)
 
-    def scatter_kv(self, block_ids: list[int], data: torch.Tensor) -> None:
+    def scatter_kv(
+        self, block_ids, data: torch.Tensor, layers: Range | None = None, heads: Range | None = None
+    ) -> None:
         """Write ``gather_kv``'s layout (or its raw bytes) into these blocks."""
-        scatter_blocks(self.kv_cache, block_ids, data)
+        scatter_blocks(self.kv_cache, block_ids, data, layers, heads)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         cfg = self.config.model_config
@@ -291,10 +298,13 @@ class ModelRunner:
         )
         if prev is not None:
             patch_inputs(inputs, batch, starts, prev)
-        if self.graphs is not None and self.graphs.can_run(inputs):
+        # A step whose KV someone streams layer by layer runs eagerly (prefill
+        # steps always do; a graph would hide the layers).
+        after_layer = self.kv_observer.begin_step(batch) if self.kv_observer else None
+        if after_layer is None and self.graphs is not None and self.graphs.can_run(inputs):
             hidden = self.graphs.run(inputs)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, after_layer)
         qsl = inputs.meta.query_start_loc_cpu
         prompt_logprobs: list[list[PromptTokenLogprob] | None] = [None] * len(seqs)
 
