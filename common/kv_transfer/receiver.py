@@ -64,6 +64,7 @@ class _Peer:
     channel: PairChannel | None = None
     cond: threading.Condition = field(default_factory=threading.Condition)
     thread: threading.Thread | None = None
+    buffer: torch.Tensor | None = None  # receive buffer (KVReceiver._buffer)
 
     def wants_data(self) -> bool:
         now = time.monotonic()
@@ -214,8 +215,7 @@ class KVReceiver:
             )
         # All receives are posted before any chunk can leave the sender: the
         # sender emits the group's chunks only after its layers ran.
-        buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-        views = list(buf.split(sizes))
+        views = list(self._buffer(peer, sum(sizes)).split(sizes))
         works = [channel.post_recv(v) for v in views]
         for (i, desc), view, work in zip(plan, views, works, strict=True):
             channel.wait(work, time.monotonic() + self.timeout_s)
@@ -223,6 +223,16 @@ class KVReceiver:
                 self.sink.on_chunk(peer.node_id, contexts[i], desc, view, self.stream)
             except Exception:  # the channel is fine; this one chunk was not wanted
                 logger.exception("handling a KV chunk from %s failed", peer.node_id)
+
+    def _buffer(self, peer: _Peer, num_bytes: int) -> torch.Tensor:
+        """The peer's receive buffer, reused from group to group: fresh host memory
+        would be paged in while the wire writes it. A sink reads each chunk during
+        ``on_chunk`` (on a GPU: on the receiver's stream, which the next group's
+        receives wait for), never later."""
+        if peer.buffer is None or peer.buffer.numel() < num_bytes:
+            peer.buffer = None  # let the old one go first
+            peer.buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+        return peer.buffer[:num_bytes]
 
     def close(self) -> None:
         self._closed = True

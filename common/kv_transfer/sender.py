@@ -21,6 +21,7 @@ transfer to that node builds a new channel under the epoch its Prefill names.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import queue
@@ -199,7 +200,9 @@ class _Link:
         self.current = group  # from here on a failure fails it
         channel = self._channel_for(group.dest)
         now = time.monotonic()
-        for work in channel.send_headers([s.header for s in group.segments]):
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            works = channel.send_headers([s.header for s in group.segments])
+        for work in works:
             if self.cuda:
                 self.outstanding.append(_Pending(work, None, now))
             else:
@@ -272,7 +275,8 @@ class _Link:
                 if now - since > self.timeout_s:
                     raise TransferError(f"a KV send to {self.node_id} did not complete in time")
                 return
-            p.work.wait()  # raises if the send failed
+            with torch.cuda.stream(self.stream):
+                p.work.wait()  # raises if the send failed
             self.outstanding.popleft()
             if p.chunk is not None and p.start is not None and p.end is not None:
                 wire_s = p.start.elapsed_time(p.end) / 1e3
