@@ -82,20 +82,25 @@ def _raw(rank, a, port, cache, sizes, bs, cuda) -> dict[int, dict[str, float]]:
     else:
         pg = dist.ProcessGroupGloo(prefixed, rank, 2, datetime.timedelta(seconds=120))
     out = {}
+    num_layers = cache.shape[1]
     for tokens in sizes:
         nbytes = cache[:, :, : -(-tokens // bs)].numel() * cache.element_size()
         buf = torch.empty(nbytes, dtype=torch.uint8, device=cache.device)
-        times = []
-        for i in range(a["warmup"] + a["iters"]):
-            pg.barrier().wait()
-            _sync(cuda)
-            t0 = time.perf_counter()
-            work = pg.send([buf], 1, 0) if rank == 0 else pg.recv([buf], 0, 0)
-            work.wait()
-            _sync(cuda)
-            if i >= a["warmup"]:
-                times.append(time.perf_counter() - t0)
-        out[tokens] = {"bytes": nbytes, "seconds": sorted(times)[len(times) // 2]}
+        out[tokens] = {"bytes": nbytes}
+        # One message, and the same bytes as one message per layer (all posted at once).
+        for key, parts in (("seconds", [buf]), ("per_layer_seconds", buf.chunk(num_layers))):
+            times = []
+            for i in range(a["warmup"] + a["iters"]):
+                pg.barrier().wait()
+                _sync(cuda)
+                t0 = time.perf_counter()
+                works = [pg.send([p], 1, 0) if rank == 0 else pg.recv([p], 0, 0) for p in parts]
+                for work in works:
+                    work.wait()
+                _sync(cuda)
+                if i >= a["warmup"]:
+                    times.append(time.perf_counter() - t0)
+            out[tokens][key] = sorted(times)[len(times) // 2]
     return out
 
 

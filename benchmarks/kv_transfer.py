@@ -15,7 +15,8 @@ chunk into its cache as the decode node's landing does. Per prompt length and
 after the last layer -- the whole-request transfer):
 
 - raw: one send/recv of a buffer of the request's size between the same
-  processes, in the same run (the baseline);
+  processes, in the same run (the baseline), and the same bytes as one
+  message per layer, all posted at once (what chunking costs the wire itself);
 - wire: the chunks' time on the wire (the sender's own measure: CUDA events on
   a GPU, send to completion on a CPU), summed; its ratio to raw;
 - exposed: from the last layer's end (host-observed) to the last chunk
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "layers_per_chunk": lpc,
                 "bytes": raw["bytes"],
                 "raw_ms": raw["seconds"] * 1e3,
+                "raw_per_layer_ms": raw["per_layer_seconds"] * 1e3,
                 "wire_ms": wire * 1e3,
                 "wire_vs_raw": raw["seconds"] / wire,
                 "end_to_end_ms": med(landed[r["rid"]] - r["start"] for r in bare) * 1e3,
@@ -128,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows.append(row)
             print(
                 f"{tokens:5d} tokens ({raw['bytes'] / 2**20:6.1f} MiB), "
-                f"{'whole' if lpc == 0 else f'{lpc} layer(s)'}/chunk: raw {row['raw_ms']:.3f} ms, "
+                f"{'whole' if lpc == 0 else f'{lpc} layer(s)'}/chunk: raw {row['raw_ms']:.3f} ms "
+                f"({row['raw_per_layer_ms']:.3f} as a message per layer), "
                 f"wire {row['wire_ms']:.3f} ms ({100 * row['wire_vs_raw']:.0f}% of raw), "
                 f"gather+wire+scatter {row['end_to_end_ms']:.3f} ms; exposed after the last "
                 f"layer {row['exposed_ms']:.3f} ms (sender {row['exposed_sender_ms']:.3f}); "
