@@ -22,7 +22,8 @@ after the last layer -- the whole-request transfer):
 - exposed: from the last layer's end (host-observed) to the last chunk
   scattered on the decode side: what of the transfer a request still waits
   for after its prefill, with the prefill side's own figure beside it;
-- forward: the synthetic forward's duration (what streaming costs the compute).
+- forward: the synthetic forward's duration (what streaming costs the compute),
+  and without compute the engine thread's time gathering and queueing chunks.
 
 Medians over ``--iters`` after ``--warmup``.
 """
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "wire_ms": wire * 1e3,
                 "wire_vs_raw": raw["seconds"] / wire,
                 "end_to_end_ms": med(landed[r["rid"]] - r["start"] for r in bare) * 1e3,
+                # Without compute: the engine thread's own share (gathers, queueing).
+                "engine_gather_ms": med(r["forward_s"] for r in bare) * 1e3,
                 "exposed_ms": med(landed[r["rid"]] - r["last_layer_at"] for r in busy) * 1e3,
                 "exposed_sender_ms": med(r["exposed_s"] for r in busy) * 1e3,
                 "forward_ms": med(r["forward_s"] for r in busy) * 1e3,

@@ -127,7 +127,7 @@ class _Chunk:
 
 @dataclass(slots=True)
 class _Pending:
-    """A posted GPU send the thread has not seen complete yet."""
+    """A posted send the thread has not seen complete yet."""
 
     work: dist.Work
     chunk: _Chunk | None  # None: a header
@@ -156,6 +156,7 @@ class _Link:
         self.retired: set[int] = set()
         self.current: _Group | None = None  # the group whose chunks are still coming
         self.outstanding: deque[_Pending] = deque()
+        self.last_done = 0.0  # gloo: when the last posted send was seen complete
         self.cuda = owner.device.type == "cuda"
         self.stream = torch.cuda.Stream(owner.device) if self.cuda else None
         self.thread = threading.Thread(target=self._run, name=f"kv-send-{node_id}", daemon=True)
@@ -166,7 +167,12 @@ class _Link:
             torch.cuda.set_device(self.owner.device)  # a new thread starts on device 0
         while True:
             try:
-                item = self.queue.get(timeout=POLL_S if self.outstanding else None)
+                if self.cuda:
+                    item = self.queue.get(timeout=POLL_S if self.outstanding else None)
+                else:
+                    # gloo: post what is queued, wait once nothing more is (one
+                    # wake-up per burst of chunks, not per chunk).
+                    item = self.queue.get_nowait() if self.outstanding else self.queue.get()
             except queue.Empty:
                 item = _IDLE
             if item is None:
@@ -176,7 +182,10 @@ class _Link:
                     self._start(item)
                 elif isinstance(item, _Chunk):
                     self._send(item)
-                self._reap()
+                elif not self.cuda:
+                    self._wait_oldest()
+                if self.cuda:
+                    self._reap()
             except Exception as e:
                 self._fail(e)
         if self.outstanding or self.current is not None:
@@ -202,11 +211,7 @@ class _Link:
         now = time.monotonic()
         with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
             works = channel.send_headers([s.header for s in group.segments])
-        for work in works:
-            if self.cuda:
-                self.outstanding.append(_Pending(work, None, now))
-            else:
-                channel.wait(work, now + self.timeout_s)
+        self.outstanding.extend(_Pending(work, None, now) for work in works)
         if group.segments[0].header.is_end:
             self.current = None
 
@@ -234,10 +239,10 @@ class _Link:
                 end.record()
             self.outstanding.append(_Pending(work, chunk, time.monotonic(), start, end))
         else:
-            start_s = time.monotonic()
-            channel.wait(channel.send(chunk.data), start_s + self.timeout_s)
-            end_s = time.monotonic()
-            self._sent(chunk, end_s - start_s, max(0.0, end_s - chunk.ready_at))
+            self.outstanding.append(_Pending(channel.send(chunk.data), chunk, time.monotonic()))
+            if chunk.last:  # its request is waiting for this one: settle it now
+                while self.outstanding:
+                    self._wait_oldest()
         group.chunks_sent += 1
         if group.chunks_sent == group.num_chunks:
             self.current = None
@@ -256,6 +261,28 @@ class _Link:
         ticket.wire_s += wire_s
         if chunk.last:
             ticket.succeed(exposed_s)
+
+    def _wait_oldest(self) -> None:
+        """gloo: wait for the oldest posted send (sends complete in order)."""
+        p = self.outstanding[0]  # left in place until done: a failure fails its group
+        if self.channel is None:
+            raise TransferError("KV stream out of step: sends posted without a channel")
+        self.channel.wait(p.work, p.posted_at + self.timeout_s)
+        self.outstanding.popleft()
+        now = time.monotonic()
+        if p.chunk is not None:
+            start = max(p.posted_at, self.last_done)
+            self._sent(p.chunk, now - start, max(0.0, now - p.chunk.ready_at))
+        self.last_done = now
+
+    def _drain(self) -> None:
+        """Until every posted send completed (before the channel is replaced)."""
+        while self.outstanding:
+            if self.cuda:
+                self._reap()
+                time.sleep(POLL_S)
+            else:
+                self._wait_oldest()
 
     def _reap(self) -> None:
         """GPU: settle the sends that completed, in order; a stuck one fails the link."""
@@ -288,6 +315,7 @@ class _Link:
         if self.channel is not None and not self.channel.closed and self.epoch == dest.epoch:
             return self.channel
         if self.channel is not None:
+            self._drain()
             self.channel.close()
             self.channel = None
         if self.epoch != dest.epoch:
