@@ -1,17 +1,21 @@
-"""Time to first token through a real cluster: where it goes, and what the router adds.
+"""Time to first token through a real cluster: where it goes, what disaggregation and the router add.
 
     python benchmarks/disagg_ttft.py --shape llama-3.1-8b --prompt-tokens 2048   # 2 GPUs
-    python benchmarks/disagg_ttft.py --model models/smollm2-135m-instruct --prompt-tokens 128
+    python benchmarks/disagg_ttft.py --model models/smollm2-135m-instruct --prompt-tokens 512
 
 Starts Redis, one prefill node, one decode node and the router (`pdserve up`'s
-launcher; one GPU per node when there are GPUs). Each round sends the same kind
-of request twice, interleaved: through the router, and straight to the decode
-node's Decode RPC naming the same prefill node (what the router would send).
-Prompts are random token ids, new each time (no prefix-cache hits). Reports the
-median TTFT of both paths (their difference is the router's and its extra hop's
-cost), and the breakdown the nodes report: prefill queue, prefill compute, KV
-gather + send, and the decode node's time from the prefill reply to its first
-message.
+launcher; one GPU per node when there are GPUs), once per ``--kv-stream-layers``
+value (the prefill node's layers per KV chunk; 0: each step's KV in one chunk
+after its last layer). Each round sends the same kind of request three times,
+interleaved: through the router; straight to the decode node's Decode RPC
+naming the prefill node (what the router would send); and straight to the
+decode node naming none, so that it prefills the prompt itself (a local
+prefill, the baseline of the disaggregation tax). Prompts are random token ids,
+new each time (no prefix-cache hits). Reports median TTFTs (router minus direct
+is the router's and its extra hop's cost; direct over local the
+disaggregation's), and the breakdown the nodes report: prefill queue, prefill
+compute, the KV transfer left after the prompt's last layer, and the decode
+node's time from the prefill reply to its first message.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, stream_layers: int) -> dict[str, Any]:
     import grpc
 
     from engine.models.config import ModelArchConfig
@@ -62,6 +66,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         admin_port=free_port(),
         engine_args=engine_args,
         router_args=router_args,
+        component_env={"prefill-0": {"PDSERVE_KV_STREAM_LAYERS": str(stream_layers)}},
         log_dir=str(Path(tmp) / "logs"),
         start_timeout_s=900,
     )
@@ -74,6 +79,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             grpc.insecure_channel(by_name["decode-0"].address)
         )
         sampling = pdserve_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        prefill_ref = internal_pb2.NodeRef(
+            node_id="prefill-0", address=by_name["prefill-0"].address
+        )
 
         def prompt() -> list[int]:
             return [rng.randrange(100, min(vocab, 30000)) for _ in range(args.prompt_tokens)]
@@ -88,31 +96,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     final = response.final
             return ttft, final
 
+        def direct(remote: bool) -> tuple[float, pdserve_pb2.Final]:
+            req = internal_pb2.DecodeRequest(
+                request_id=uuid.uuid4().hex, prompt_token_ids=prompt(), sampling=sampling
+            )
+            if remote:
+                req.prefill.CopyFrom(prefill_ref)
+            return first_token_ms(decode.Decode(req, timeout=600))
+
         for i in range(args.warmup + args.requests):
             via_router = first_token_ms(
                 router.Generate(
                     pdserve_pb2.GenerateRequest(
                         token_ids=pdserve_pb2.TokenIds(ids=prompt()), sampling=sampling
                     ),
-                    timeout=300,
+                    timeout=600,
                 )
             )
-            direct_req = internal_pb2.DecodeRequest(
-                request_id=uuid.uuid4().hex,
-                prompt_token_ids=prompt(),
-                sampling=sampling,
-                prefill=internal_pb2.NodeRef(
-                    node_id="prefill-0", address=by_name["prefill-0"].address
-                ),
-            )
-            direct = first_token_ms(decode.Decode(direct_req, timeout=300))
+            remote, local = direct(True), direct(False)
             if i < args.warmup:
                 continue
-            t = via_router[1].usage.timing
+            assert remote[1].usage.prefill_node == "prefill-0" and not local[1].usage.prefill_node
+            t = remote[1].usage.timing
             rows.append(
                 {
                     "router_ttft_ms": via_router[0],
-                    "direct_ttft_ms": direct[0],
+                    "direct_ttft_ms": remote[0],
+                    "local_ttft_ms": local[0],
                     "prefill_queue_ms": t.prefill_queue_ms,
                     "prefill_compute_ms": t.prefill_compute_ms,
                     "kv_transfer_ms": t.kv_transfer_ms,
@@ -125,10 +135,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summary["router_overhead_ms"] = (
         summary["median_router_ttft_ms"] - summary["median_direct_ttft_ms"]
     )
-    summary["transfer_share_of_ttft"] = (
-        summary["median_kv_transfer_ms"] / summary["median_router_ttft_ms"]
+    summary["disaggregated_vs_local"] = (
+        summary["median_direct_ttft_ms"] / summary["median_local_ttft_ms"]
     )
-    return {"rows": rows, "summary": summary, "model": args.shape or args.model}
+    summary["transfer_share_of_ttft"] = (
+        summary["median_kv_transfer_ms"] / summary["median_direct_ttft_ms"]
+    )
+    return {"kv_stream_layers": stream_layers, "rows": rows, "summary": summary}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -137,23 +150,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     src.add_argument("--shape", help="named shape, dummy weights (token-id prompts)")
     src.add_argument("--model", help="HF model directory")
     p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--kv-stream-layers", default="1", help="values to compare, e.g. 1,0")
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--out-dir", type=Path)
     args = p.parse_args(argv)
-    result = run(args)
-    s = result["summary"]
-    print(
-        f"TTFT p50 via router {s['median_router_ttft_ms']:.2f} ms, direct to the decode node "
-        f"{s['median_direct_ttft_ms']:.2f} ms -> router + hop {s['router_overhead_ms']:.2f} ms\n"
-        f"breakdown p50: prefill queue {s['median_prefill_queue_ms']:.2f} ms, compute "
-        f"{s['median_prefill_compute_ms']:.2f} ms, KV gather+send {s['median_kv_transfer_ms']:.2f} ms "
-        f"({100 * s['transfer_share_of_ttft']:.1f}% of TTFT), decode first output "
-        f"{s['median_decode_first_output_ms']:.2f} ms",
-        flush=True,
-    )
-    return save_run("disagg_ttft", args, result, argv)
+    results = []
+    for layers in [int(x) for x in args.kv_stream_layers.split(",")]:
+        result = run(args, layers)
+        results.append(result)
+        s = result["summary"]
+        print(
+            f"--kv-stream-layers {layers}: TTFT p50 via router {s['median_router_ttft_ms']:.2f} ms, "
+            f"direct to the decode node {s['median_direct_ttft_ms']:.2f} ms, local prefill "
+            f"{s['median_local_ttft_ms']:.2f} ms -> disaggregated/local "
+            f"{s['disaggregated_vs_local']:.3f}x, router + hop {s['router_overhead_ms']:.2f} ms\n"
+            f"  breakdown p50: prefill queue {s['median_prefill_queue_ms']:.2f} ms, compute "
+            f"{s['median_prefill_compute_ms']:.2f} ms, KV left after the last layer "
+            f"{s['median_kv_transfer_ms']:.2f} ms ({100 * s['transfer_share_of_ttft']:.1f}% of "
+            f"TTFT), decode first output {s['median_decode_first_output_ms']:.2f} ms",
+            flush=True,
+        )
+    model = args.shape or args.model
+    return save_run("disagg_ttft", args, {"model": model, "runs": results}, argv)
 
 
 if __name__ == "__main__":

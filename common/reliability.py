@@ -83,9 +83,8 @@ def check_queue(num_waiting: int, free_slots: int, max_queued: int, node_id: str
 class FaultPoint(enum.Enum):
     """Places where tests/faults can hold a request (test-only; zero otherwise)."""
 
-    # Prefill node: prompt computed and its blocks held, before the KV goes out.
-    PREFILL_BEFORE_SEND = "prefill_before_send"
-    # Prefill node's sender: header sent, payload not yet (a transfer in the middle).
+    # Prefill node's sender: a request's last group of KV segments held after its
+    # first chunk (headers and one chunk out, the rest not: a stream in the middle).
     TRANSFER_MID = "transfer_mid"
     # Decode node: KV landed, before the request joins the running batch.
     DECODE_BEFORE_COMMIT = "decode_before_commit"

@@ -32,6 +32,7 @@ from engine.block_manager import BlockManager, CacheEvents
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, stop_holdback
 from engine.input_processor import InputProcessor, PromptType
+from engine.kv_writes import KVWriteObserver
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -304,6 +305,10 @@ class LLMEngine:
     def queue_room(self) -> tuple[int, int]:
         """(requests waiting, free sequence slots): what a node's queue bound needs."""
         return len(self.scheduler.waiting), self.scheduler.num_free_slots
+
+    def observe_kv_writes(self, observer: KVWriteObserver | None) -> None:
+        """Prefill node: be told when each layer's KV is written (None: stop)."""
+        self.model_runner.kv_observer = observer
 
     def num_held(self) -> int:
         """Prefill node: finished requests whose blocks wait for their transfer."""

@@ -18,7 +18,8 @@ from engine.async_step import InFlightStep, patch_indices
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, LoadFormat
 from engine.cuda_graphs import DecodeGraphs
 from engine.device import default_dtype, resolve_device, resolve_dtype
-from engine.kv_blocks import gather_blocks, scatter_blocks
+from engine.kv_blocks import Range, gather_blocks, scatter_blocks
+from engine.kv_writes import KVWriteObserver
 from engine.layers.attention import select_backend
 from engine.layers.sampler import Sampler, SamplingRow, top_logprobs
 from engine.layers.skinny_gemm_plan import plan_model
@@ -73,6 +74,8 @@ class ModelRunner:
         self.num_kvcache_blocks = self._decide_num_blocks()
         self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
         self.graphs: DecodeGraphs | None = None
+        # Told when each layer of a step wrote its KV (a prefill node streaming it).
+        self.kv_observer: KVWriteObserver | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             if self.attention_backend.supports_cuda_graphs:
                 self.graphs = DecodeGraphs(
@@ -132,13 +135,17 @@ class ModelRunner:
         )
         return num_blocks
 
-    def gather_kv(self, block_ids: list[int]) -> torch.Tensor:
-        """These blocks of every layer, K and V, in one contiguous tensor."""
-        return gather_blocks(self.kv_cache, block_ids)
+    def gather_kv(
+        self, block_ids, layers: Range | None = None, heads: Range | None = None
+    ) -> torch.Tensor:
+        """These blocks' K and V (of every layer and head, or of these ranges), contiguous."""
+        return gather_blocks(self.kv_cache, block_ids, layers, heads)
 
-    def scatter_kv(self, block_ids: list[int], data: torch.Tensor) -> None:
+    def scatter_kv(
+        self, block_ids, data: torch.Tensor, layers: Range | None = None, heads: Range | None = None
+    ) -> None:
         """Write ``gather_kv``'s layout (or its raw bytes) into these blocks."""
-        scatter_blocks(self.kv_cache, block_ids, data)
+        scatter_blocks(self.kv_cache, block_ids, data, layers, heads)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         cfg = self.config.model_config
@@ -277,10 +284,13 @@ class ModelRunner:
         if patch is not None:
             dest, src = extra_dev[0], extra_dev[1]
             inputs.input_ids[dest] = prev.sampled_device[src]
-        if self.graphs is not None and self.graphs.can_run(inputs):
+        # A step whose KV someone streams layer by layer runs eagerly (prefill
+        # steps always do; a graph would hide the layers).
+        after_layer = self.kv_observer.begin_step(batch) if self.kv_observer else None
+        if after_layer is None and self.graphs is not None and self.graphs.can_run(inputs):
             hidden = self.graphs.run(inputs)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, after_layer)
         samples = None
         if sampling:
             logits = self.model.compute_logits(hidden[extra_dev[-1]] if gather else hidden)

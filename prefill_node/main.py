@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from common.cluster import NodeRole
 from common.kv_transfer import KVSender
@@ -16,8 +17,27 @@ from proto import internal_pb2, internal_pb2_grpc
 SERVICE = internal_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name
 
 
+# Layers per KV chunk: measured in docs/performance.md ("Layer-wise KV streaming").
+DEFAULT_KV_STREAM_LAYERS = 1
+
+
+def _layers(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_node_arguments(p, default_port=50061)
+    p.add_argument(
+        "--kv-stream-layers",
+        type=_layers,
+        default=os.environ.get("PDSERVE_KV_STREAM_LAYERS") or DEFAULT_KV_STREAM_LAYERS,
+        help="stream a prompt's KV to the decode node in chunks of this many layers, each "
+        "sent as soon as its layers ran; 0: one chunk per prefill step, after its last "
+        f"layer (default {DEFAULT_KV_STREAM_LAYERS}) [PDSERVE_KV_STREAM_LAYERS]",
+    )
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -38,6 +58,7 @@ async def serve(args: argparse.Namespace) -> int:
         verify_transfers=args.verify_kv,
         max_queued=args.max_queued_requests,
         faults=faults,
+        layers_per_chunk=args.kv_stream_layers,
     )
 
     async def close() -> None:

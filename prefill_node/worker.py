@@ -1,4 +1,4 @@
-"""The prefill node's engine: prompts in, first token out, KV pushed to a decode node.
+"""The prefill node's engine: prompts in, first token out, KV streamed to a decode node.
 
 Life cycle of a request on a prefill node:
 
@@ -6,17 +6,22 @@ Life cycle of a request on a prefill node:
    endpoint, the channel epoch, the reservation and the first block it needs.
 2. The request joins the engine (batched and chunked with other prefills, its
    prefix served from this node's cache) as a one-token generation whose blocks
-   are held when it finishes (``hold_kv``).
-3. When the first token is sampled, the engine thread gathers the blocks the
-   decode node needs into one contiguous buffer (on the engine's stream, so the
-   next step may reuse the blocks as soon as they are released) and releases
-   them at once.
-4. The sender thread pushes header + payload over the pair channel (its own
-   stream); the reply carries the first token, the prefix-cache hit and the
-   time spent queueing, computing and transferring.
-5. Cancellation (the decode node gave up) aborts the request and frees its
-   blocks, held or not; a failed transfer fails the RPC (the decode node frees
-   its reservation).
+   are held when it finishes (``hold_kv``), and its transfer is opened on the
+   streamer (prefill_node/kv_stream.py), which the engine tells about every
+   step's layers.
+3. While the prompt computes, every step streams its blocks: headers when the
+   step is launched, then a chunk per ``--kv-stream-layers`` layers right
+   after those layers ran, sent by the sender's thread (its own stream) while
+   the next layers compute. After the prompt's last layer only its last chunk
+   is left to send.
+4. When the first token is sampled and the last chunk is out, the node
+   releases the held blocks and replies with the first token, its cache hit,
+   the time spent queueing and computing, and the part of the transfer left
+   after the last layer.
+5. Whatever happens, the stream of the reservation ends with an end header
+   (protocol.py). Cancellation (the decode node gave up) aborts the request and
+   frees its blocks, held or not; a failed transfer fails the RPC at once, even
+   mid-compute (the decode node frees its reservation).
 """
 
 from __future__ import annotations
@@ -26,10 +31,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from common.kv_transfer import Destination, KVSender, TransferHeader
-from common.kv_transfer.checksum import checksum
+from common.kv_transfer import Destination, KVSender, TransferReport, TransferTicket
 from common.metrics.histogram import KV_BANDWIDTH_BUCKETS, KV_TRANSFER_BUCKETS, Histogram
 from common.reliability import (
     AbortCounters,
@@ -45,6 +47,7 @@ from engine.engine_thread import EngineThread, RequestStream
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sequence import FinishReason
+from prefill_node.kv_stream import KVStreamer
 from proto import internal_pb2
 
 logger = logging.getLogger(__name__)
@@ -71,10 +74,10 @@ class PrefillStats:
     transfers: int = 0
     transfers_failed: int = 0
     bytes_sent: int = 0
-    transfer_us: int = 0  # time spent sending, summed
+    transfer_us: int = 0  # time chunks spent on the wire, summed
     rejected: int = 0  # refused: queue full (RESOURCE_EXHAUSTED)
     aborts: AbortCounters = field(default_factory=AbortCounters)
-    # Per transfer: seconds from queueing the payload to the peer having it, bytes/s.
+    # Per transfer: seconds its chunks spent on the wire (summed), bytes/s over that.
     transfer_s: Histogram = field(default_factory=lambda: Histogram(KV_TRANSFER_BUCKETS))
     bandwidth: Histogram = field(default_factory=lambda: Histogram(KV_BANDWIDTH_BUCKETS))
 
@@ -110,6 +113,7 @@ class PrefillWorker:
         verify_transfers: bool = False,
         max_queued: int = 0,
         faults: FaultDelays | None = None,
+        layers_per_chunk: int = 1,
     ) -> None:
         self.node_id = node_id
         self.engine = engine
@@ -118,6 +122,10 @@ class PrefillWorker:
         self.max_queued = max_queued
         self.faults = faults or FaultDelays()
         self.stats = PrefillStats()
+        runner = engine.engine.model_runner
+        self.block_size = runner.block_size
+        self.streamer = KVStreamer(runner.kv_cache, runner.block_size, sender, layers_per_chunk)
+        engine.engine.observe_kv_writes(self.streamer)
         if step_delay := self.faults.get(FaultPoint.PREFILL_STEP):
             engine.after_step.append(lambda outputs: time.sleep(step_delay))
 
@@ -126,6 +134,8 @@ class PrefillWorker:
     ) -> internal_pb2.PrefillResponse:
         rid = req.request_id
         ids = list(req.prompt_token_ids)
+        dest = req.destination
+        target = Destination(dest.node_id, dest.store_host, dest.store_port, dest.channel_epoch)
         params = prefill_params(sampling_params_from_proto(req.sampling))
         params.resume_offset = req.resume_offset  # a migrated stream's seeded draws
         prompt = {"prompt_token_ids": ids}
@@ -134,31 +144,36 @@ class PrefillWorker:
         stream = RequestStream()
         start = time.monotonic()
         sending = False
+        ticket: TransferTicket | None = None
         try:
-            await asyncio.wrap_future(
-                self.engine.add(rid, stream.sink, lambda e: self._admit(e, rid, prompt, params))
+            self._check_destination(len(ids), dest)
+            ticket = await asyncio.wrap_future(
+                self.engine.add(
+                    rid,
+                    stream.sink,
+                    lambda e: self._admit(e, rid, prompt, params, target, dest, deadline),
+                )
             )
-            out = await stream.final()
+            transfer = asyncio.wrap_future(ticket.done)
+            # Retrieved even when nobody awaits it any more (no warning at exit).
+            transfer.add_done_callback(lambda f: f.cancelled() or f.exception())
+            out = await self._computed(stream, transfer)
             if out.outputs[0].finish_reason == FinishReason.ABORT.value:
                 raise RuntimeError("the prefill was aborted")
             first = out.outputs[0].token_ids[0]
-            dest = req.destination
-            if delay := self.faults.get(FaultPoint.PREFILL_BEFORE_SEND):
-                await asyncio.sleep(delay)
-            header_info = await asyncio.wrap_future(
-                self.engine.call(lambda e: self._gather_and_send(e, rid, first, dest, deadline))
-            )
             sending = True
-            future, num_bytes, digest = header_info
-            gathered = time.monotonic()
             try:
-                await asyncio.wrap_future(future)
+                report: TransferReport = await transfer
             except Exception:
                 self.stats.transfers_failed += 1
                 raise
-            done = time.monotonic()
         except NoCapacity:
             raise  # refused before anything was queued
+        except ValueError:
+            if ticket is None:
+                raise  # refused (bad destination or prompt) before anything was queued
+            self.engine.call(lambda e: self._abort(e, rid, sending))
+            raise
         except BaseException:
             # Cancelled, failed or refused: free whatever the request holds.
             if deadline_passed(deadline):
@@ -167,7 +182,11 @@ class PrefillWorker:
             raise
         finally:
             self.stats.requests += 1
-        self.stats.transferred(num_bytes, done - gathered)
+            # Exactly one end header per Prefill, queued on the engine thread
+            # behind whatever the request queued (an admission still pending
+            # included), so that it follows all of the request's segments.
+            self.engine.call(lambda e: self._finish(e, rid, target, dest.reservation_id))
+        self.stats.transferred(report.num_bytes, report.wire_s)
         m = out.metrics
         scheduled = m.first_scheduled_time or m.arrival_time
         resp = internal_pb2.PrefillResponse(
@@ -175,23 +194,65 @@ class PrefillWorker:
             cached_tokens=out.num_cached_tokens,
             queue_ms=(scheduled - m.arrival_time) * 1e3,
             compute_ms=((m.first_token_time or scheduled) - scheduled) * 1e3,
-            transfer_ms=(done - gathered) * 1e3,
-            transfer_bytes=num_bytes,
-            kv_checksum=digest,
+            transfer_ms=report.exposed_s * 1e3,
+            transfer_bytes=report.num_bytes,
+            kv_checksum=report.digest,
         )
-        logger.debug("prefill %s took %.1f ms", rid, (done - start) * 1e3)
+        logger.debug("prefill %s took %.1f ms", rid, (time.monotonic() - start) * 1e3)
         if out.outputs[0].logprobs:
             resp.first_logprobs.CopyFrom(token_logprobs_to_proto(first, out.outputs[0].logprobs[0]))
         return resp
 
-    def _admit(self, engine: LLMEngine, rid: str, prompt, params: SamplingParams) -> None:
-        """On the engine thread: queue the prompt if the queue has room."""
+    async def _computed(self, stream: RequestStream, transfer: asyncio.Future):
+        """The request's final output; a transfer that fails first fails it at once."""
+        final = asyncio.ensure_future(stream.final())
+        try:
+            await asyncio.wait({final, transfer}, return_when=asyncio.FIRST_COMPLETED)
+            if transfer.done() and not transfer.cancelled() and transfer.exception():
+                raise transfer.exception()
+            return await final
+        finally:
+            final.cancel()
+
+    def _check_destination(self, num_tokens: int, dest: internal_pb2.KVDestination) -> None:
+        num_blocks = -(-num_tokens // self.block_size)
+        if dest.num_blocks != num_blocks:
+            raise ValueError(
+                f"the decode node reserved {dest.num_blocks} blocks, the prompt has "
+                f"{num_blocks} of {self.block_size} tokens: are both nodes on the same "
+                "model and block size?"
+            )
+        if dest.first_block >= num_blocks:
+            raise ValueError(
+                f"first_block {dest.first_block} leaves nothing of {num_blocks} blocks to send"
+            )
+
+    def _admit(
+        self,
+        engine: LLMEngine,
+        rid: str,
+        prompt,
+        params: SamplingParams,
+        target: Destination,
+        dest: internal_pb2.KVDestination,
+        deadline: float | None,
+    ) -> TransferTicket:
+        """On the engine thread: queue the prompt if the queue has room, open its stream."""
         try:
             check_queue(*engine.queue_room(), self.max_queued, self.node_id)
         except NoCapacity:
             self.stats.rejected += 1
             raise
         engine.add_request(rid, prompt, params, hold_kv=True)
+        return self.streamer.open(
+            rid,
+            target,
+            dest.reservation_id,
+            dest.first_block,
+            dest.num_blocks,
+            deadline if deadline is not None else time.monotonic() + self.sender.timeout_s,
+            self.verify_transfers,
+        )
 
     def _abort(self, engine: LLMEngine, rid: str, sending: bool) -> None:
         """On the engine thread, where the request's stage is known exactly."""
@@ -205,38 +266,10 @@ class PrefillWorker:
         self.stats.aborts.aborted(stage)
         engine.abort_request(rid)
 
-    def _gather_and_send(
-        self,
-        engine: LLMEngine,
-        rid: str,
-        first_token: int,
-        dest: internal_pb2.KVDestination,
-        deadline: float | None,
-    ):
-        """On the engine thread: gather the decode node's blocks, release ours, queue the send."""
-        seq = engine.take_held(rid)
-        if seq is None:
-            raise RuntimeError(f"request {rid} holds no KV (aborted?)")
-        try:
-            if len(seq.block_table) != dest.num_blocks:
-                raise ValueError(
-                    f"the decode node reserved {dest.num_blocks} blocks, the prompt has "
-                    f"{len(seq.block_table)}: are both nodes on the same model and block size?"
-                )
-            blocks = seq.block_table[dest.first_block :]
-            runner = engine.model_runner
-            payload = runner.gather_kv(blocks) if blocks else torch.empty(0, dtype=runner.dtype)
-            ready = None
-            if payload.is_cuda:
-                ready = torch.cuda.Event()
-                ready.record()
-            digest = checksum(payload) if self.verify_transfers else bytes(16)
-        finally:
-            # The gather is queued on the engine's stream before any later step,
-            # so the blocks can go back to the pool now.
-            engine.release_held(rid)
-        num_bytes = payload.numel() * payload.element_size()
-        header = TransferHeader(dest.reservation_id, len(blocks), num_bytes, first_token, digest)
-        target = Destination(dest.node_id, dest.store_host, dest.store_port, dest.channel_epoch)
-        future = self.sender.submit(target, header, payload, ready, deadline)
-        return future, num_bytes, digest
+    def _finish(
+        self, engine: LLMEngine, rid: str, target: Destination, reservation_id: int
+    ) -> None:
+        """On the engine thread: the held blocks (if any are left) go back to the
+        pool and the reservation's stream ends."""
+        engine.release_held(rid)
+        self.streamer.finish(rid, target, reservation_id)

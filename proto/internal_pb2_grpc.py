@@ -129,8 +129,9 @@ class PrefillNodeServicer:
     """
 
     def Prefill(self, request, context):
-        """Computes the prompt's uncached part, samples the first token, sends the
-        KV blocks to the destination over the pair channel, then replies.
+        """Computes the prompt's uncached part, streaming its KV blocks to the
+        destination over the pair channel layer by layer as they are computed,
+        samples the first token, and replies once the last chunk is out.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,4 +1,10 @@
-"""A pairwise process group (rank 0 sends, rank 1 receives), gloo on CPU, NCCL on CUDA."""
+"""A pairwise process group (rank 0 sends, rank 1 receives), gloo on CPU, NCCL on CUDA.
+
+It moves messages and nothing else: segment headers (16 int64 words) and
+chunks (any tensor, sent as its bytes). Which message comes when is the
+protocol's business (protocol.py); every wait here has a deadline, and any
+failure closes the channel for good (the epoch moves on and a new one is built).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from common.kv_transfer.protocol import HEADER_WORDS, TransferHeader
+from common.kv_transfer.protocol import HEADER_WORDS, SegmentHeader
 
 SENDER, RECEIVER = 0, 1
+# NCCL work completes asynchronously on a stream: the host polls it this often.
+POLL_S = 0.00005
 
 
 class TransferError(RuntimeError):
@@ -47,54 +55,63 @@ class PairChannel:
         self.closed = False
 
     # ----------------------------------------------------------------- sending
-    def send(
-        self, header: TransferHeader, payload: torch.Tensor, deadline: float, pause_s: float = 0.0
-    ) -> None:
-        """Header, then payload (any dtype; sent as bytes). Blocks until both are out.
+    def send_headers(self, headers: list[SegmentHeader]) -> list[dist.Work]:
+        """Post one message per header (a group's headers, in order)."""
+        words = torch.stack([h.to_tensor() for h in headers]).to(self.device)
+        return [self.pg.send([row], self.peer, 0) for row in words]
 
-        ``deadline`` (the request's) is checked before the header only: once the
-        header is out the payload follows whatever the request's fate, because
-        the receiver reads exactly what the header announces and a stream left
-        half-way would break the next transfer. The channel's timeout still
-        bounds it. ``pause_s`` holds the transfer between the two (fault tests).
-        """
-        if time.monotonic() > deadline:
-            raise DeadlinePassed("KV transfer deadline passed before sending")
-        limit = time.monotonic() + self.timeout_s
-        self._wait(self.pg.send([header.to_tensor().to(self.device)], self.peer, 0), limit)
-        if pause_s:
-            time.sleep(pause_s)
-        if header.num_bytes:
-            limit = time.monotonic() + self.timeout_s
-            self._wait(self.pg.send([_bytes_view(payload)], self.peer, 0), limit)
+    def send(self, data: torch.Tensor) -> dist.Work:
+        """Post one message: ``data``'s bytes (the caller keeps ``data`` alive until done)."""
+        return self.pg.send([_bytes_view(data)], self.peer, 0)
 
     # --------------------------------------------------------------- receiving
-    def recv_header(self, deadline: float) -> TransferHeader:
-        self._wait(self.pg.recv([self._header], self.peer, 0), deadline)
+    def recv_group(self, deadline: float) -> list[SegmentHeader]:
+        """A group's headers: the first says how many follow."""
+        self.wait(self.pg.recv([self._header], self.peer, 0), deadline)
+        first = self._parse(self._header.cpu())
+        if first.group_index != 0:
+            self.close()
+            raise TransferError(f"KV stream out of step: a group starts with {first}")
+        headers = [first]
+        if first.group_size > 1:
+            rest = torch.empty(
+                first.group_size - 1, HEADER_WORDS, dtype=torch.int64, device=self.device
+            )
+            works = [self.pg.recv([row], self.peer, 0) for row in rest]
+            for work in works:
+                self.wait(work, deadline)
+            headers.extend(self._parse(row) for row in rest.cpu())
+        for i, h in enumerate(headers):
+            if h.group_index != i or h.group_size != first.group_size:
+                self.close()
+                raise TransferError(f"KV stream out of step: header {i} of a group is {h}")
+        return headers
+
+    def post_recv(self, buf: torch.Tensor) -> dist.Work:
+        return self.pg.recv([buf], self.peer, 0)
+
+    def _parse(self, t: torch.Tensor) -> SegmentHeader:
         try:
-            return TransferHeader.from_tensor(self._header.cpu())
+            return SegmentHeader.from_tensor(t)
         except ValueError as e:
+            self.close()
             raise TransferError(str(e)) from e
 
-    def recv_payload(self, num_bytes: int, deadline: float) -> torch.Tensor:
-        buf = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
-        if num_bytes:
-            self._wait(self.pg.recv([buf], self.peer, 0), deadline)
-        return buf
-
     # ---------------------------------------------------------------- plumbing
-    def _wait(self, work: dist.Work, deadline: float) -> None:
+    def wait(self, work: dist.Work, deadline: float) -> None:
+        """Until ``work`` completed; TransferError (and the channel closed) on a
+        failure or when ``deadline`` passes."""
         try:
             if self.device.type == "cuda":
-                # NCCL work completes asynchronously on a stream: poll it against
-                # the deadline instead of blocking in wait().
                 while not work.is_completed():
                     if time.monotonic() > deadline:
                         raise TransferError("KV transfer deadline passed")
-                    time.sleep(0.0002)
-                work.wait()
+                    time.sleep(POLL_S)
+                work.wait()  # orders the current stream after the transfer
             else:
-                work.wait()  # gloo raises after the group's timeout
+                # gloo cannot be polled; a timed-out wait leaves the pair closed.
+                left = max(0.001, deadline - time.monotonic())
+                work.wait(datetime.timedelta(seconds=left))
         except TransferError:
             self.close()
             raise

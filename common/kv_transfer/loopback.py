@@ -1,25 +1,122 @@
-"""In-process KV transfer between two engines: unit tests only.
+"""In-process KV streaming between two engines: unit tests only.
 
 Integration tests and production use real gloo / NCCL channels between
-processes (sender.py, receiver.py); this moves the same bytes with no
-channel, so engine-level tests of the prefill/decode hand-off stay fast.
+processes (sender.py, receiver.py). Here ``LoopbackSender`` stands in for the
+KVSender that a prefill node's streamer (prefill_node/kv_stream.py) queues on:
+it hands every group and chunk at once, in wire order, to a sink, and
+``LoopbackLanding`` is a sink that scatters them into another engine's
+reserved blocks (checking coverage as a decode node does), so engine-level
+tests of the layer-wise hand-off stay fast and single-process.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from common.kv_transfer.checksum import checksum
+from common.kv_transfer.coverage import Coverage
+from common.kv_transfer.protocol import ChunkDesc, SegmentHeader
+from common.kv_transfer.receiver import KVSink
+from common.kv_transfer.sender import Destination, OutgoingSegment
+from engine.kv_blocks import block_index, kv_unit_bytes
+
+PEER = "loopback"
 
 
-def loopback_transfer(
-    prefill_runner, src_blocks: list[int], decode_runner, dst_blocks: list[int]
-) -> bytes:
-    """Copy blocks from one engine's cache to another's; returns the payload's checksum."""
-    if len(src_blocks) != len(dst_blocks):
-        raise ValueError("source and destination block counts differ")
-    if not src_blocks:
-        return checksum(torch.empty(0))
-    payload = prefill_runner.gather_kv(src_blocks)
-    decode_runner.scatter_kv(dst_blocks, payload.view(-1).view(torch.uint8))
-    return checksum(payload)
+@dataclass(slots=True)
+class _Group:
+    segments: list[OutgoingSegment]
+    contexts: list[object]
+
+
+class LoopbackSender:
+    timeout_s = 30.0
+
+    def __init__(self, sink: KVSink) -> None:
+        self.sink = sink
+
+    def open_group(self, dest: Destination, segments: list[OutgoingSegment]) -> _Group:
+        for i, s in enumerate(segments):
+            s.header = s.header.with_group(len(segments), i)
+        return _Group(segments, self.sink.on_group(PEER, [s.header for s in segments]))
+
+    def send_chunk(
+        self,
+        group: _Group,
+        segment: OutgoingSegment,
+        desc: ChunkDesc,
+        data: torch.Tensor,
+        ready,
+        ready_at: float,
+        last: bool,
+    ) -> None:
+        ticket = segment.ticket
+        context = group.contexts[group.segments.index(segment)]
+        self.sink.on_chunk(PEER, context, desc, data.view(-1).view(torch.uint8), None)
+        if ticket is not None:
+            ticket.num_bytes += data.numel() * data.element_size()
+            if ticket.verify:
+                ticket.digests.append(checksum(data))
+            if last:
+                ticket.succeed(0.0)
+
+    def end(self, dest: Destination, reservation_id: int) -> None:
+        self.sink.on_group(PEER, [SegmentHeader.end(reservation_id)])
+
+
+@dataclass(slots=True)
+class _Reservation:
+    block_ids: list[int]
+    coverage: Coverage
+    ended: bool = False
+
+
+@dataclass(slots=True)
+class LoopbackLanding:
+    """Scatters streamed chunks into ``runner``'s reserved blocks (reservation id -> blocks)."""
+
+    runner: object
+    reservations: dict[int, _Reservation] = field(default_factory=dict)
+    chunks: list[tuple[int, ChunkDesc]] = field(default_factory=list)  # what landed, in order
+    digests: dict[int, list[bytes]] = field(default_factory=dict)
+
+    def expect(self, reservation_id: int, block_ids: list[int], first_block: int) -> None:
+        kv = self.runner.kv_cache
+        coverage = Coverage(
+            first_block, len(block_ids), kv.shape[1], (0, kv.shape[4]), kv_unit_bytes(kv)
+        )
+        self.reservations[reservation_id] = _Reservation(block_ids, coverage)
+        self.digests[reservation_id] = []
+
+    def landed(self, reservation_id: int) -> bool:
+        return self.reservations[reservation_id].coverage.units_left == 0
+
+    def ended(self, reservation_id: int) -> bool:
+        return self.reservations[reservation_id].ended
+
+    def on_group(self, peer: str, headers: list[SegmentHeader]) -> list[object]:
+        contexts: list[object] = []
+        for h in headers:
+            res = self.reservations[h.reservation_id]
+            if h.is_end:
+                res.ended = True
+                contexts.append(None)
+                continue
+            if (error := res.coverage.accept(h)) is not None:
+                raise ValueError(error)
+            blocks = res.block_ids[h.block_start : h.block_end]
+            contexts.append((h.reservation_id, block_index(blocks, self.runner.device)))
+        return contexts
+
+    def on_chunk(self, peer: str, context, desc: ChunkDesc, data: torch.Tensor, stream) -> None:
+        reservation_id, index = context
+        self.runner.scatter_kv(index, data, desc.layers, desc.heads)
+        landed = self.runner.gather_kv(index, desc.layers, desc.heads)
+        self.digests[reservation_id].append(checksum(landed))
+        self.reservations[reservation_id].coverage.land(desc)
+        self.chunks.append((reservation_id, desc))
+
+    def on_peer_failed(self, peer: str, error: Exception) -> None:
+        raise error

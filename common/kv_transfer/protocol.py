@@ -1,54 +1,196 @@
-"""The transfer header: 16 int64 words sent before every payload. No pickle on the wire."""
+"""The KV stream's wire format: segment headers and the chunks they announce. No pickle.
+
+A *segment* is the KV that one prefill step made for one request, bound for one
+reservation: blocks ``[block_start, block_end)`` of the prompt's block table,
+over layers ``[layer_start, layer_end)`` and KV heads ``[head_start, head_end)``.
+It travels as *chunks* of ``layers_per_chunk`` layers each, in layer order; a
+chunk is one message of ``[2, layers, blocks, block_size, heads, head_dim]``
+(``gather_blocks``'s layout) sent as bytes. Its size is ``units x unit_bytes``,
+a unit being one block of one layer of one head, K and V.
+
+A *group* is the segments of one step bound for one pair channel. Ordering rule
+(NCCL and gloo match a pair's sends and receives in posting order, and sizes
+must agree): the sender emits a group's k headers (16 int64 words each, the
+first saying k), then its chunks in ``wire_order``: chunk 0 of every segment in
+header order, then chunk 1 of every segment, and so on. The receiver derives
+the same order and every size from the headers alone, so it posts all of the
+group's receives as soon as the k-th header arrived -- before the first chunk
+can be sent, since the sender emits the headers when the step is launched and
+chunk c only after its layers ran. Groups never interleave: a group's headers
+go out only after every chunk of the group before it.
+
+An *end* header (flag END, no blocks, no chunks, a group of its own) closes a
+reservation's stream: the prefill node sends one for every Prefill it handled,
+after all of that request's chunks, whatever became of the request. Until it
+arrives the decode node keeps a receive posted for that peer, so a segment the
+prefill node sent before it learnt of a cancellation is read and dropped instead
+of blocking the channel.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-MAGIC = 0x7064_7376_6B76_0001  # "pdsvkv", format 1
+MAGIC = 0x7064_7376_6B76_0002  # "pdsvkv", format 2 (format 1: one header + one payload)
 HEADER_WORDS = 16
+FLAG_END = 1
+
+# Sanity bounds on what a header may announce (a corrupt stream must not make
+# the receiver allocate terabytes; real values are far below these).
+MAX_BLOCKS = 1 << 24
+MAX_LAYERS = 1 << 12
+MAX_HEADS = 1 << 12
+MAX_UNIT_BYTES = 1 << 30
+MAX_GROUP = 1 << 12
 
 
 class TransferState(enum.Enum):
     """Where one request's KV transfer stands (tracked by both nodes)."""
 
     RESERVED = enum.auto()  # decode node: blocks reserved, prefill requested
-    SENDING = enum.auto()  # prefill node: header and payload on the wire
-    LANDED = enum.auto()  # decode node: payload scattered into the reserved blocks
+    STREAMING = enum.auto()  # decode node: segments announced, chunks landing
+    SENDING = enum.auto()  # prefill node: segments queued or on the wire
+    SENT = enum.auto()  # prefill node: every chunk of the request is out
+    LANDED = enum.auto()  # decode node: every block of every layer scattered
     COMMITTED = enum.auto()  # decode node: the sequence joined the running batch
-    FAILED = enum.auto()  # channel error or deadline: blocks freed on both sides
+    FAILED = enum.auto()  # channel error, bad header or deadline: blocks freed on both sides
     ABORTED = enum.auto()  # cancelled: blocks freed on both sides
     EXPIRED = enum.auto()  # decode node: the reservation's lease ran out
 
 
 @dataclass(slots=True, frozen=True)
-class TransferHeader:
-    reservation_id: int  # chosen by the decode node, names the reserved blocks
-    num_blocks: int  # blocks in the payload
-    num_bytes: int  # payload size
-    first_token: int  # the token the prefill node sampled
-    checksum: bytes = bytes(16)  # BLAKE2b-128 of the payload, or zeros when not verified
+class ChunkDesc:
+    """One message of a segment: layers x blocks x heads (ranges are [start, end))."""
 
-    def to_tensor(self) -> torch.Tensor:
-        words = [
+    layer_start: int
+    layer_end: int
+    block_start: int
+    block_end: int
+    head_start: int
+    head_end: int
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        return self.layer_start, self.layer_end
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        return self.head_start, self.head_end
+
+    @property
+    def units(self) -> int:
+        return (
+            (self.layer_end - self.layer_start)
+            * (self.block_end - self.block_start)
+            * (self.head_end - self.head_start)
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class SegmentHeader:
+    reservation_id: int  # chosen by the decode node: names the reserved blocks
+    block_start: int  # prompt blocks [block_start, block_end)
+    block_end: int
+    layer_start: int = 0
+    layer_end: int = 1
+    layers_per_chunk: int = 1
+    head_start: int = 0
+    head_end: int = 1
+    unit_bytes: int = 0  # bytes of one block x layer x head, K and V (a layout check)
+    group_size: int = 1  # headers in this group
+    group_index: int = 0  # this header's place in it
+    flags: int = 0  # FLAG_END: the reservation's stream ends here (no blocks)
+
+    @classmethod
+    def end(cls, reservation_id: int) -> SegmentHeader:
+        return cls(reservation_id, 0, 0, 0, 0, 1, 0, 0, 0, flags=FLAG_END)
+
+    @property
+    def is_end(self) -> bool:
+        return bool(self.flags & FLAG_END)
+
+    def chunks(self) -> list[ChunkDesc]:
+        if self.is_end:
+            return []
+        step = self.layers_per_chunk
+        return [
+            ChunkDesc(
+                lo,
+                min(lo + step, self.layer_end),
+                self.block_start,
+                self.block_end,
+                self.head_start,
+                self.head_end,
+            )
+            for lo in range(self.layer_start, self.layer_end, step)
+        ]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(c.units for c in self.chunks()) * self.unit_bytes
+
+    def with_group(self, size: int, index: int) -> SegmentHeader:
+        return dataclasses.replace(self, group_size=size, group_index=index)
+
+    def words(self) -> list[int]:
+        return [
             MAGIC,
             self.reservation_id,
-            self.num_blocks,
-            self.num_bytes,
-            self.first_token,
-            int.from_bytes(self.checksum[:8], "little", signed=True),
-            int.from_bytes(self.checksum[8:], "little", signed=True),
+            self.block_start,
+            self.block_end,
+            self.layer_start,
+            self.layer_end,
+            self.layers_per_chunk,
+            self.head_start,
+            self.head_end,
+            self.unit_bytes,
+            self.group_size,
+            self.group_index,
+            self.flags,
         ]
+
+    def to_tensor(self) -> torch.Tensor:
+        words = self.words()
         return torch.tensor(words + [0] * (HEADER_WORDS - len(words)), dtype=torch.int64)
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> TransferHeader:
-        words = t.tolist()
+    def from_tensor(cls, t: torch.Tensor) -> SegmentHeader:
+        return cls.from_words(t.tolist())
+
+    @classmethod
+    def from_words(cls, words: list[int]) -> SegmentHeader:
+        """Parse and bound-check; ValueError for anything that is not a sane header."""
         if len(words) != HEADER_WORDS or words[0] != MAGIC:
-            raise ValueError(f"not a KV transfer header (magic {words[0]:#x})")
-        checksum = words[5].to_bytes(8, "little", signed=True) + words[6].to_bytes(
-            8, "little", signed=True
+            raise ValueError(f"not a KV segment header (magic {words[0]:#x})")
+        header = cls(*words[1:13])
+        header._check()
+        return header
+
+    def _check(self) -> None:
+        end = self.is_end
+        ok = (
+            0 <= self.group_index < self.group_size <= MAX_GROUP
+            and self.reservation_id >= 0
+            and (end or 0 <= self.block_start < self.block_end <= MAX_BLOCKS)
+            and (end or 0 <= self.layer_start < self.layer_end <= MAX_LAYERS)
+            and (end or 0 <= self.head_start < self.head_end <= MAX_HEADS)
+            and (end or 0 < self.unit_bytes <= MAX_UNIT_BYTES)
+            and self.layers_per_chunk >= 1
+            and self.flags & ~FLAG_END == 0
         )
-        return cls(words[1], words[2], words[3], words[4], checksum)
+        if not ok:
+            raise ValueError(f"KV segment header out of bounds: {self}")
+
+
+def wire_order(headers: Sequence[SegmentHeader]) -> list[tuple[int, ChunkDesc]]:
+    """A group's chunks in the order they travel: (segment index, chunk)."""
+    per_segment = [h.chunks() for h in headers]
+    order: list[tuple[int, ChunkDesc]] = []
+    for c in range(max((len(chunks) for chunks in per_segment), default=0)):
+        order.extend((i, chunks[c]) for i, chunks in enumerate(per_segment) if c < len(chunks))
+    return order

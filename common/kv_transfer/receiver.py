@@ -1,47 +1,77 @@
 """Decode-node side: hosts the TCPStore; one receiving thread per prefill node.
 
-A peer's thread posts a receive only while at least one transfer from that
-peer is expected (``expect``), reads the header, then exactly the payload the
-header announces, and hands both to ``on_transfer``, which decides whether the
-named reservation still wants it. A failure or a passed deadline closes the
+A peer's thread keeps a header receive posted while any reservation of that
+peer is awaited: from ``expect`` until the reservation's end header arrives
+(after ``unexpect`` too, for at most the transfer timeout, so that segments the
+prefill node sent before it learnt of a cancellation are read and dropped
+rather than left blocking its channel). For each group it reads the k headers,
+hands them to the sink (``on_group``), posts every chunk's receive at once into
+one buffer -- sizes and order follow from the headers (protocol.wire_order) --
+and hands each chunk to the sink (``on_chunk``) as soon as it landed, while the
+later ones are still on the wire. A failure or a passed deadline closes the
 channel, bumps the peer's epoch (the next transfer rebuilds the group) and
-reports the peer to ``on_peer_failed`` so that waiting reservations fail fast.
+reports the peer (``on_peer_failed``) so that waiting reservations fail fast.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from common.kv_transfer.channel import RECEIVER, PairChannel
-from common.kv_transfer.protocol import TransferHeader
+from common.kv_transfer.channel import RECEIVER, PairChannel, TransferError
+from common.kv_transfer.protocol import ChunkDesc, SegmentHeader, wire_order
 
 logger = logging.getLogger(__name__)
 
-OnTransfer = Callable[[str, TransferHeader, torch.Tensor, "torch.cuda.Stream | None"], None]
-OnPeerFailed = Callable[[str, Exception], None]
+
+class KVSink(Protocol):
+    """Where received KV goes (the decode node's landing; tests' collectors)."""
+
+    def on_group(self, peer: str, headers: list[SegmentHeader]) -> list[object]:
+        """One context per header, handed back with each of its chunks."""
+        ...
+
+    def on_chunk(
+        self,
+        peer: str,
+        segment: object,
+        desc: ChunkDesc,
+        data: torch.Tensor,
+        stream: torch.cuda.Stream | None,
+    ) -> None: ...
+
+    def on_peer_failed(self, peer: str, error: Exception) -> None: ...
 
 
 @dataclass(slots=True)
 class _Peer:
     node_id: str
     epoch: int
-    # Reservations whose transfer has not started yet; a receive is posted
-    # while any is awaited. A set, not a count: a request cancelled after its
-    # header arrived must not also cancel someone else's expectation.
-    awaiting: set[int] = field(default_factory=set)
+    # Reservation id -> None while its request waits for it, or the time until
+    # which it lingers after the request gave up (its end header not yet seen).
+    # A dict, not a count: each reservation ends on its own header.
+    awaiting: dict[int, float | None] = field(default_factory=dict)
     receiving: bool = False  # a receive is posted on the channel
     channel: PairChannel | None = None
     cond: threading.Condition = field(default_factory=threading.Condition)
     thread: threading.Thread | None = None
+    buffer: torch.Tensor | None = None  # receive buffer (KVReceiver._buffer)
+
+    def wants_data(self) -> bool:
+        now = time.monotonic()
+        for rid, until in list(self.awaiting.items()):
+            if until is not None and until < now:
+                del self.awaiting[rid]  # its end never came (the Prefill never ran)
+        return bool(self.awaiting)
 
 
 class KVReceiver:
@@ -51,22 +81,23 @@ class KVReceiver:
         host: str,
         port: int,
         device: torch.device,
-        on_transfer: OnTransfer,
-        on_peer_failed: OnPeerFailed,
+        sink: KVSink,
         timeout_s: float = 30.0,
         first_epoch: int | None = None,
+        max_group_bytes: int = 1 << 40,
     ) -> None:
         self.node_id = node_id
         # Epochs start at a random point: a restarted decode node must not name
         # an epoch (a rendezvous key) a sender still holds from the previous
-        # process. Benchmarks pin it.
+        # process. Benchmarks and tests pin it.
         self._first_epoch = first_epoch
         self.host = host
         self.port = port
         self.device = device
         self.timeout_s = timeout_s
-        self.on_transfer = on_transfer
-        self.on_peer_failed = on_peer_failed
+        self.sink = sink
+        # A group can never be larger than what the node could land (its cache).
+        self.max_group_bytes = max_group_bytes
         self.store = dist.TCPStore(
             host,
             port,
@@ -94,17 +125,18 @@ class KVReceiver:
                 )
                 peer.thread.start()
         with peer.cond:
-            peer.awaiting.add(reservation_id)
+            peer.awaiting[reservation_id] = None
             peer.cond.notify()
             return peer.epoch
 
     def unexpect(self, peer_id: str, reservation_id: int) -> None:
-        """The transfer for ``reservation_id`` is no longer wanted (a no-op once
-        its header arrived: then it is received and dropped)."""
+        """The request no longer wants this transfer: keep reading (and dropping)
+        what the peer sends for it until its end header, for at most the timeout."""
         peer = self._peers.get(peer_id)
         if peer is not None:
             with peer.cond:
-                peer.awaiting.discard(reservation_id)
+                if reservation_id in peer.awaiting:
+                    peer.awaiting[reservation_id] = time.monotonic() + self.timeout_s
 
     def reset(self, peer_id: str) -> None:
         """The peer failed or restarted (its Prefill call broke): when no receive
@@ -118,13 +150,16 @@ class KVReceiver:
                 peer.channel.close()
                 peer.channel = None
                 peer.epoch += 1
+                for rid, until in list(peer.awaiting.items()):
+                    if until is not None:  # lingering on the old channel: moot now
+                        del peer.awaiting[rid]
 
     def _run(self, peer: _Peer) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # a new thread starts on device 0
         while not self._closed:
             with peer.cond:
-                while not peer.awaiting and not self._closed:
+                while not peer.wants_data() and not self._closed:
                     peer.cond.wait(timeout=0.5)
                 if self._closed:
                     return
@@ -139,19 +174,8 @@ class KVReceiver:
                         self.device,
                         self.timeout_s,
                     )
-                channel = peer.channel
-                deadline = time.monotonic() + self.timeout_s
-                if self.stream is not None:
-                    with torch.cuda.stream(self.stream):
-                        header = self._recv_header(peer, channel, deadline)
-                        payload = channel.recv_payload(
-                            header.num_bytes, time.monotonic() + self.timeout_s
-                        )
-                else:
-                    header = self._recv_header(peer, channel, deadline)
-                    payload = channel.recv_payload(
-                        header.num_bytes, time.monotonic() + self.timeout_s
-                    )
+                with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
+                    self._receive_group(peer, peer.channel)
             except Exception as e:
                 with peer.cond:
                     peer.receiving = False
@@ -164,21 +188,51 @@ class KVReceiver:
                     logger.warning(
                         "KV channel from %s failed (epoch %d): %s", peer.node_id, epoch, e
                     )
-                    self.on_peer_failed(peer.node_id, e)
+                    self.sink.on_peer_failed(peer.node_id, e)
                 continue
             with peer.cond:
                 peer.receiving = False
-            try:
-                self.on_transfer(peer.node_id, header, payload, self.stream)
-            except Exception:  # the channel is fine; this one transfer was not wanted
-                logger.exception("handling a KV transfer from %s failed", peer.node_id)
 
-    @staticmethod
-    def _recv_header(peer: _Peer, channel: PairChannel, deadline: float) -> TransferHeader:
-        header = channel.recv_header(deadline)
+    def _receive_group(self, peer: _Peer, channel: PairChannel) -> None:
+        headers = channel.recv_group(time.monotonic() + self.timeout_s)
         with peer.cond:
-            peer.awaiting.discard(header.reservation_id)
-        return header
+            for h in headers:
+                if h.is_end:
+                    peer.awaiting.pop(h.reservation_id, None)
+        try:
+            contexts = self.sink.on_group(peer.node_id, headers)
+        except Exception:  # the channel is fine; the data of this group is unwanted
+            logger.exception("handling KV segment headers from %s failed", peer.node_id)
+            contexts = [None] * len(headers)
+        plan = wire_order(headers)
+        sizes = [desc.units * headers[i].unit_bytes for i, desc in plan]
+        if not plan:
+            return
+        if sum(sizes) > self.max_group_bytes:
+            raise TransferError(
+                f"a KV group of {sum(sizes)} bytes was announced, more than this node's "
+                f"whole KV cache ({self.max_group_bytes})"
+            )
+        # All receives are posted before any chunk can leave the sender: the
+        # sender emits the group's chunks only after its layers ran.
+        views = list(self._buffer(peer, sum(sizes)).split(sizes))
+        works = [channel.post_recv(v) for v in views]
+        for (i, desc), view, work in zip(plan, views, works, strict=True):
+            channel.wait(work, time.monotonic() + self.timeout_s)
+            try:
+                self.sink.on_chunk(peer.node_id, contexts[i], desc, view, self.stream)
+            except Exception:  # the channel is fine; this one chunk was not wanted
+                logger.exception("handling a KV chunk from %s failed", peer.node_id)
+
+    def _buffer(self, peer: _Peer, num_bytes: int) -> torch.Tensor:
+        """The peer's receive buffer, reused from group to group: fresh host memory
+        would be paged in while the wire writes it. A sink reads each chunk during
+        ``on_chunk`` (on a GPU: on the receiver's stream, which the next group's
+        receives wait for), never later."""
+        if peer.buffer is None or peer.buffer.numel() < num_bytes:
+            peer.buffer = None  # let the old one go first
+            peer.buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+        return peer.buffer[:num_bytes]
 
     def close(self) -> None:
         self._closed = True

@@ -1,20 +1,42 @@
-"""Prefill-node side: one sending thread (and CUDA stream) per decode node."""
+"""Prefill-node side: one sending thread (and CUDA stream) per decode node.
+
+Each link sends what is queued on it, in queue order, which is the wire order
+(protocol.py): a step's group of headers when the step is launched, each chunk
+as soon as its layers ran (on a GPU: after the event recorded behind them),
+and a request's end header after its last chunk. Groups are all or nothing: a
+group whose requests are all gone (cancelled, failed, past their deadline)
+before its first header leaves is skipped whole; once its headers are out every
+one of its chunks follows, whatever becomes of the requests, because the
+receiver has posted a receive for each.
+
+On a GPU the thread only queues work (a wait on the chunk's event, the send)
+and polls for completions to settle tickets: no host synchronisation per chunk.
+On a CPU gloo's send blocks the thread, not the engine, which is computing the
+next layers meanwhile.
+
+A failure closes the channel; every request with a chunk on it or queued
+behind it for the same channel incarnation fails (TransferError), and the next
+transfer to that node builds a new channel under the epoch its Prefill names.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from collections import deque
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from common.kv_transfer.channel import SENDER, DeadlinePassed, PairChannel, TransferError
-from common.kv_transfer.protocol import TransferHeader
+from common.kv_transfer.channel import POLL_S, SENDER, DeadlinePassed, PairChannel, TransferError
+from common.kv_transfer.checksum import chain, checksum
+from common.kv_transfer.protocol import ChunkDesc, SegmentHeader, TransferState, wire_order
 from common.reliability import FaultDelays, FaultPoint
 
 logger = logging.getLogger(__name__)
@@ -28,14 +50,94 @@ class Destination:
     epoch: int  # the channel incarnation it expects
 
 
+@dataclass(slots=True, frozen=True)
+class TransferReport:
+    num_bytes: int
+    wire_s: float  # time its chunks spent on the wire, summed
+    exposed_s: float  # from its last chunk's layers being done to that chunk being out
+    digest: bytes  # chained chunk checksums (--verify-kv), else empty
+
+
+class TransferTicket:
+    """One request's KV transfer on the prefill node, shared by the engine thread
+    (which queues its segments), its link's thread (which sends them and keeps
+    the counts) and the request's handler (which awaits ``done``)."""
+
+    def __init__(self, request_id: str, dest: Destination, deadline: float, verify: bool) -> None:
+        self.request_id = request_id
+        self.dest = dest
+        self.deadline = deadline
+        self.verify = verify
+        self.done: Future[TransferReport] = Future()
+        self.state = TransferState.SENDING
+        self.num_bytes = 0
+        self.wire_s = 0.0
+        self.digests: list[bytes] = []
+
+    @property
+    def alive(self) -> bool:
+        return not self.done.done()
+
+    def cancel(self) -> None:
+        if self.done.cancel():
+            self.state = TransferState.ABORTED
+
+    def fail(self, error: Exception) -> None:
+        try:
+            self.done.set_exception(error)
+            self.state = TransferState.FAILED
+        except InvalidStateError:
+            pass  # settled already
+
+    def succeed(self, exposed_s: float) -> None:
+        digest = chain(self.digests) if self.verify else b""
+        try:
+            self.done.set_result(TransferReport(self.num_bytes, self.wire_s, exposed_s, digest))
+            self.state = TransferState.SENT
+        except InvalidStateError:
+            pass
+
+
 @dataclass(slots=True)
-class _Item:
+class OutgoingSegment:
+    header: SegmentHeader
+    ticket: TransferTicket | None  # None for an end header
+    final: bool = False  # the request's last segment (its prompt's last step)
+
+
+@dataclass(slots=True)
+class _Group:
     dest: Destination
-    header: TransferHeader
-    payload: torch.Tensor
-    ready: torch.cuda.Event | None
-    deadline: float
-    future: Future
+    segments: list[OutgoingSegment]
+    num_chunks: int = 0
+    dropped: bool = False  # skipped before its headers left, or its channel broke
+    chunks_sent: int = 0
+
+
+@dataclass(slots=True)
+class _Chunk:
+    group: _Group
+    segment: OutgoingSegment
+    desc: ChunkDesc
+    data: torch.Tensor
+    ready: torch.cuda.Event | None  # GPU: recorded behind the gather (timing-enabled)
+    ready_at: float  # CPU: host time the chunk's layers were done
+    last: bool  # its request's last chunk
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A posted send the thread has not seen complete yet."""
+
+    work: dist.Work
+    chunk: _Chunk | None  # None: a header
+    posted_at: float
+    start: torch.cuda.Event | None = None
+    end: torch.cuda.Event | None = None
+    ready_seen: float | None = None  # when the host first saw its layers done
+
+
+_IDLE = object()
 
 
 class _Link:
@@ -44,76 +146,224 @@ class _Link:
     def __init__(self, owner: KVSender, node_id: str) -> None:
         self.owner = owner
         self.node_id = node_id
-        self.queue: queue.Queue[_Item | None] = queue.Queue()
+        self.timeout_s = owner.timeout_s
+        self.queue: queue.Queue = queue.Queue()
         self.store: dist.TCPStore | None = None
         self.channel: PairChannel | None = None
         self.epoch = -1
-        self.stream = torch.cuda.Stream(owner.device) if owner.device.type == "cuda" else None
+        # Epochs this link has left (failed, or replaced by a newer one): the
+        # decode node has dropped their channels, nothing more goes out on them.
+        self.retired: set[int] = set()
+        self.current: _Group | None = None  # the group whose chunks are still coming
+        self.outstanding: deque[_Pending] = deque()
+        self.last_done = 0.0  # gloo: when the last posted send was seen complete
+        self.cuda = owner.device.type == "cuda"
+        self.stream = torch.cuda.Stream(owner.device) if self.cuda else None
         self.thread = threading.Thread(target=self._run, name=f"kv-send-{node_id}", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        if self.owner.device.type == "cuda":
+        if self.cuda:
             torch.cuda.set_device(self.owner.device)  # a new thread starts on device 0
-        while (item := self.queue.get()) is not None:
-            # Cancelled while queued (the request is gone): skip it, nothing is
-            # on the wire yet. Once running, the future cannot be cancelled any
-            # more, so a transfer that started always completes or fails whole
-            # and the channel stays in step with the receiver.
-            if not item.future.set_running_or_notify_cancel():
-                continue
+        while True:
             try:
-                start = time.perf_counter()
-                self._send(item)
-                item.future.set_result(time.perf_counter() - start)
-            except DeadlinePassed as e:  # nothing was sent: the channel is fine
-                item.future.set_exception(e)
+                if self.cuda:
+                    item = self.queue.get(timeout=POLL_S if self.outstanding else None)
+                else:
+                    # gloo: post what is queued, wait once nothing more is (one
+                    # wake-up per burst of chunks, not per chunk).
+                    item = self.queue.get_nowait() if self.outstanding else self.queue.get()
+            except queue.Empty:
+                item = _IDLE
+            if item is None:
+                break
+            try:
+                if isinstance(item, _Group):
+                    self._start(item)
+                elif isinstance(item, _Chunk):
+                    self._send(item)
+                elif not self.cuda:
+                    self._wait_oldest()
+                if self.cuda:
+                    self._reap()
             except Exception as e:
-                if self.channel is not None:
-                    self.channel.close()
-                self.channel = None
-                # The decode node may have restarted: rendezvous through a fresh
-                # store connection next time, not the one to the old process.
-                self.store = None
-                logger.warning("KV transfer to %s failed: %s", self.node_id, e)
-                item.future.set_exception(
-                    e if isinstance(e, TransferError) else TransferError(str(e))
-                )
+                self._fail(e)
+        if self.outstanding or self.current is not None:
+            self._fail(TransferError("the KV sender closed"))
 
-    def _send(self, item: _Item) -> None:
-        dest = item.dest
-        if time.monotonic() > item.deadline:
-            raise DeadlinePassed("KV transfer deadline passed before sending")
-        if self.channel is None or self.channel.closed or self.epoch != dest.epoch:
-            if self.channel is not None:
-                self.channel.close()
-            if self.store is None or self.epoch != dest.epoch:
-                self.store = dist.TCPStore(
-                    dest.store_host,
-                    dest.store_port,
-                    is_master=False,
-                    timeout=_timedelta(self.owner.timeout_s),
-                )
-            self.channel = None
-            self.channel = PairChannel(
-                self.store,
-                f"pair/{self.owner.node_id}/{dest.epoch}",
-                SENDER,
-                self.owner.device,
-                self.owner.timeout_s,
-            )
-            self.epoch = dest.epoch
-        pause = self.owner.faults.get(FaultPoint.TRANSFER_MID)
-        if self.stream is not None:
-            # Send on our own stream once the gather that made the payload is done;
-            # the engine's stream goes on with the next step meanwhile.
+    # ------------------------------------------------------------ messages
+    def _start(self, group: _Group) -> None:
+        if not group.segments[0].header.is_end:
+            now = time.monotonic()
+            tickets = [s.ticket for s in group.segments if s.ticket is not None]
+            for t in tickets:
+                if t.alive and now > t.deadline:
+                    t.fail(DeadlinePassed("KV transfer deadline passed before sending"))
+            if not any(t.alive for t in tickets):
+                group.dropped = True  # nothing of it went out: the channel is in step
+                return
+        if group.dest.epoch in self.retired:
+            group.dropped = True  # an end header for it is moot: the channel is gone
+            self._fail_group(group, TransferError(f"the KV channel to {self.node_id} is gone"))
+            return
+        self.current = group  # from here on a failure fails it
+        channel = self._channel_for(group.dest)
+        now = time.monotonic()
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            works = channel.send_headers([s.header for s in group.segments])
+        self.outstanding.extend(_Pending(work, None, now) for work in works)
+        if group.segments[0].header.is_end:
+            self.current = None
+
+    def _send(self, chunk: _Chunk) -> None:
+        group = chunk.group
+        if group.dropped:
+            return  # never announced, or its channel broke (its tickets failed)
+        channel = self.channel
+        if channel is None or channel.closed or group is not self.current:
+            raise TransferError("KV stream out of step: a chunk without its group")
+        ticket = chunk.segment.ticket
+        if ticket is not None and ticket.verify:
+            if chunk.ready is not None:
+                chunk.ready.synchronize()  # --verify-kv only: it reads the chunk on the host
+            ticket.digests.append(checksum(chunk.data))
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(self.stream):
-                if item.ready is not None:
-                    self.stream.wait_event(item.ready)
-                item.payload.record_stream(self.stream)
-                self.channel.send(item.header, item.payload, item.deadline, pause)
+                self.stream.wait_event(chunk.ready)
+                start.record()
+                chunk.data.record_stream(self.stream)
+                work = channel.send(chunk.data)
+                work.wait()  # the stream (not the host) waits for the send
+                end.record()
+            self.outstanding.append(_Pending(work, chunk, time.monotonic(), start, end))
         else:
-            self.channel.send(item.header, item.payload, item.deadline, pause)
+            self.outstanding.append(_Pending(channel.send(chunk.data), chunk, time.monotonic()))
+            if chunk.last:  # its request is waiting for this one: settle it now
+                while self.outstanding:
+                    self._wait_oldest()
+        group.chunks_sent += 1
+        if group.chunks_sent == group.num_chunks:
+            self.current = None
+        elif (
+            group.chunks_sent == 1
+            and any(s.final for s in group.segments)
+            and (pause := self.owner.faults.get(FaultPoint.TRANSFER_MID))
+        ):
+            time.sleep(pause)  # fault tests: a request's last group held half-way
+
+    def _sent(self, chunk: _Chunk, wire_s: float, exposed_s: float) -> None:
+        ticket = chunk.segment.ticket
+        if ticket is None:
+            return
+        ticket.num_bytes += chunk.data.numel() * chunk.data.element_size()
+        ticket.wire_s += wire_s
+        if chunk.last:
+            ticket.succeed(exposed_s)
+
+    def _wait_oldest(self) -> None:
+        """gloo: wait for the oldest posted send (sends complete in order)."""
+        p = self.outstanding[0]  # left in place until done: a failure fails its group
+        if self.channel is None:
+            raise TransferError("KV stream out of step: sends posted without a channel")
+        self.channel.wait(p.work, p.posted_at + self.timeout_s)
+        self.outstanding.popleft()
+        now = time.monotonic()
+        if p.chunk is not None:
+            start = max(p.posted_at, self.last_done)
+            self._sent(p.chunk, now - start, max(0.0, now - p.chunk.ready_at))
+        self.last_done = now
+
+    def _drain(self) -> None:
+        """Until every posted send completed (before the channel is replaced)."""
+        while self.outstanding:
+            if self.cuda:
+                self._reap()
+                time.sleep(POLL_S)
+            else:
+                self._wait_oldest()
+
+    def _reap(self) -> None:
+        """GPU: settle the sends that completed, in order; a stuck one fails the link."""
+        now = time.monotonic()
+        while self.outstanding:
+            p = self.outstanding[0]
+            if not p.work.is_completed() or (p.end is not None and not p.end.query()):
+                since = p.posted_at
+                if p.chunk is not None and p.chunk.ready is not None:
+                    # Its clock starts once its layers are done (the engine may
+                    # have queued the whole forward long before it runs).
+                    if p.ready_seen is None:
+                        if not p.chunk.ready.query():
+                            return
+                        p.ready_seen = now
+                    since = p.ready_seen
+                if now - since > self.timeout_s:
+                    raise TransferError(f"a KV send to {self.node_id} did not complete in time")
+                return
+            with torch.cuda.stream(self.stream):
+                p.work.wait()  # raises if the send failed
+            self.outstanding.popleft()
+            if p.chunk is not None and p.start is not None and p.end is not None:
+                wire_s = p.start.elapsed_time(p.end) / 1e3
+                exposed_s = p.chunk.ready.elapsed_time(p.end) / 1e3 if p.chunk.last else 0.0
+                self._sent(p.chunk, wire_s, max(0.0, exposed_s))
+
+    # ------------------------------------------------------------ channels
+    def _channel_for(self, dest: Destination) -> PairChannel:
+        if self.channel is not None and not self.channel.closed and self.epoch == dest.epoch:
+            return self.channel
+        if self.channel is not None:
+            self._drain()
+            self.channel.close()
+            self.channel = None
+        if self.epoch != dest.epoch:
+            if self.epoch >= 0:
+                self.retired.add(self.epoch)
+            self.store = None
+            self.epoch = dest.epoch  # from here on a failure retires this epoch
+        if self.store is None:
+            self.store = dist.TCPStore(
+                dest.store_host,
+                dest.store_port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+            )
+        self.channel = PairChannel(
+            self.store,
+            f"pair/{self.owner.node_id}/{dest.epoch}",
+            SENDER,
+            self.owner.device,
+            self.timeout_s,
+        )
+        return self.channel
+
+    def _fail(self, error: Exception) -> None:
+        err = error if isinstance(error, TransferError) else TransferError(str(error))
+        if self.epoch >= 0:
+            self.retired.add(self.epoch)  # the receiver drops its side too
+        if self.channel is not None:
+            self.channel.close()
+        logger.warning("KV transfer to %s failed: %s", self.node_id, err)
+        self.channel = None
+        # The decode node may have restarted: rendezvous through a fresh store
+        # connection next time, not the one to the old process.
+        self.store = None
+        for p in self.outstanding:
+            if p.chunk is not None:
+                self._fail_group(p.chunk.group, err)
+        self.outstanding.clear()
+        if self.current is not None:
+            self._fail_group(self.current, err)
+            self.current = None
+
+    @staticmethod
+    def _fail_group(group: _Group, error: Exception) -> None:
+        group.dropped = True
+        for s in group.segments:
+            if s.ticket is not None:
+                s.ticket.fail(error)
 
 
 class KVSender:
@@ -131,23 +381,40 @@ class KVSender:
         self._links: dict[str, _Link] = {}
         self._lock = threading.Lock()
 
-    def submit(
-        self,
-        dest: Destination,
-        header: TransferHeader,
-        payload: torch.Tensor,
-        ready: torch.cuda.Event | None = None,
-        deadline: float | None = None,
-    ) -> Future:
-        """Queue a transfer; the future gives the seconds it took, or a TransferError."""
-        future: Future = Future()
-        deadline = deadline if deadline is not None else time.monotonic() + self.timeout_s
+    def _link(self, node_id: str) -> _Link:
         with self._lock:
-            link = self._links.get(dest.node_id)
+            link = self._links.get(node_id)
             if link is None:
-                link = self._links[dest.node_id] = _Link(self, dest.node_id)
-        link.queue.put(_Item(dest, header, payload, ready, deadline, future))
-        return future
+                link = self._links[node_id] = _Link(self, node_id)
+            return link
+
+    def open_group(self, dest: Destination, segments: list[OutgoingSegment]) -> _Group:
+        """Queue a group's headers (numbered here); its chunks follow with ``send_chunk``."""
+        n = len(segments)
+        for i, s in enumerate(segments):
+            s.header = s.header.with_group(n, i)
+        group = _Group(dest, segments, len(wire_order([s.header for s in segments])))
+        self._link(dest.node_id).queue.put(group)
+        return group
+
+    def send_chunk(
+        self,
+        group: _Group,
+        segment: OutgoingSegment,
+        desc: ChunkDesc,
+        data: torch.Tensor,
+        ready: torch.cuda.Event | None,
+        ready_at: float,
+        last: bool,
+    ) -> None:
+        """Queue one chunk, in wire order (``protocol.wire_order``) within its group."""
+        chunk = _Chunk(group, segment, desc, data, ready, ready_at, last)
+        self._link(group.dest.node_id).queue.put(chunk)
+
+    def end(self, dest: Destination, reservation_id: int) -> None:
+        """Queue the end header of a reservation's stream (after all of its chunks)."""
+        header = SegmentHeader.end(reservation_id)
+        self._link(dest.node_id).queue.put(_Group(dest, [OutgoingSegment(header, None)]))
 
     def close(self) -> None:
         with self._lock:
@@ -158,7 +425,3 @@ class KVSender:
             link.thread.join(timeout=5)
             if link.channel is not None:
                 link.channel.close()
-
-
-def _timedelta(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)

@@ -55,7 +55,8 @@ COUNTERS: dict[str, tuple[str, str] | None] = {
     ),
     "kv_late_transfers": (
         "pdserve_kv_late_transfers_total",
-        "KV transfers that arrived for a reservation already gone and were dropped (decode).",
+        "KV segments (per prefill step) that arrived, wholly or partly, for a reservation "
+        "already gone and were dropped (decode).",
     ),
     "kv_checksum_mismatches": (
         "pdserve_kv_checksum_mismatches_total",
@@ -84,11 +85,11 @@ COUNTERS: dict[str, tuple[str, str] | None] = {
 HISTOGRAMS: dict[str, tuple[str, str]] = {
     "kv_transfer_seconds": (
         "pdserve_kv_transfer_duration_seconds",
-        "Per KV transfer sent: seconds from queueing the payload to the send completing.",
+        "Per KV transfer sent: seconds its chunks spent on the wire, summed.",
     ),
     "kv_transfer_bandwidth": (
         "pdserve_kv_transfer_bandwidth_bytes_per_second",
-        "Per non-empty KV transfer sent: payload bytes over its duration.",
+        "Per KV transfer sent: bytes over the seconds its chunks spent on the wire.",
     ),
 }
 

@@ -12,6 +12,8 @@ the skinny GEMM kernel instead of cuBLAS (engine/layers/skinny_gemm.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -160,13 +162,21 @@ class DecoderForCausalLM(nn.Module):
         return [layer.self_attn for layer in self.layers]
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, [num_tokens, hidden_size]."""
+        """Hidden states after the final norm, [num_tokens, hidden_size].
+
+        ``after_layer(i)`` (engine/kv_writes.py) runs once layer i is issued."""
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual, meta)
+            if after_layer is not None:
+                after_layer(i)
         x, _ = self.norm(x, residual)
         return x
 

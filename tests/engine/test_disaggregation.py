@@ -1,14 +1,24 @@
-"""The prefill/decode hand-off at the engine level, with an in-process (loopback) transfer.
+"""The prefill/decode hand-off at the engine level, streamed layer by layer in process.
 
-The same hand-off between processes over real gloo channels is in tests/integration.
+The prefill engine runs the prefill node's real streamer (prefill_node/kv_stream.py,
+hooked in through engine/kv_writes.py); a loopback sender hands its groups and
+chunks, in wire order, to a landing that scatters them into the decode engine's
+reserved blocks. The same hand-off between processes over real gloo channels is
+in tests/integration.
 """
 
 from __future__ import annotations
 
+import itertools
+import time
+
 import pytest
 
-from common.kv_transfer.loopback import loopback_transfer
+from common.kv_transfer.checksum import chain
+from common.kv_transfer.loopback import LoopbackLanding, LoopbackSender
+from common.kv_transfer.sender import Destination
 from engine import LLM, RequestOutputKind, SamplingParams
+from prefill_node.kv_stream import KVStreamer
 from tests.engine.conftest import assert_idle
 
 PROMPTS = [
@@ -16,11 +26,26 @@ PROMPTS = [
     "def quicksort(xs):\n    ",
     "Three facts about the Moon:",
 ]
+DEST = Destination("decode-loopback", "127.0.0.1", 0, 0)
+_reservation_ids = itertools.count(1)
 
 
 @pytest.fixture(scope="module")
 def prefill_llm(demo_model_dir):
     return LLM(str(demo_model_dir), max_model_len=1024, device="cpu", kvcache_block_size=16)
+
+
+@pytest.fixture(scope="module")
+def chunked_prefill_llm(demo_model_dir):
+    """Prompts over 32 tokens take several steps: chunked prefill."""
+    return LLM(
+        str(demo_model_dir),
+        max_model_len=1024,
+        device="cpu",
+        kvcache_block_size=16,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +73,38 @@ def run_until_finished(engine, request_id):
     return final
 
 
-def disaggregated(prefill, decode, request_id, prompt_ids, params):
+def disaggregated(
+    prefill, decode, request_id, prompt_ids, params, layers_per_chunk=1, landing=None
+):
+    """Prefill on one engine, streaming its KV into the other's reservation; decode there."""
     p, d = prefill.llm_engine, decode.llm_engine
-    res = d.reserve_request(request_id, prompt_ids, params)
-    assert res is not None
-    p.add_request(request_id, prompt_ids, prefill_params(params), hold_kv=True)
-    first = run_until_finished(p, request_id)
-    seq = p.take_held(request_id)
-    assert seq is not None and len(seq.block_table) == len(res.block_ids)
-    loopback_transfer(
-        p.model_runner, seq.block_table[res.first_block :], d.model_runner, res.blocks_to_fill
+    landing = landing if landing is not None else LoopbackLanding(d.model_runner)
+    streamer = KVStreamer(
+        p.model_runner.kv_cache,
+        p.config.kvcache_block_size,
+        LoopbackSender(landing),
+        layers_per_chunk,
     )
-    p.release_held(request_id)
+    p.observe_kv_writes(streamer)
+    try:
+        res = d.reserve_request(request_id, prompt_ids, params)
+        assert res is not None
+        rid = next(_reservation_ids)
+        landing.expect(rid, res.block_ids, res.first_block)
+        p.add_request(request_id, prompt_ids, prefill_params(params), hold_kv=True)
+        ticket = streamer.open(
+            request_id, DEST, rid, res.first_block, len(res.block_ids), time.monotonic() + 60, True
+        )
+        first = run_until_finished(p, request_id)
+        report = ticket.done.result(timeout=0)  # the last chunk went with the last layer
+        assert landing.landed(rid)
+        assert report.digest == chain(landing.digests[rid])  # bit-identical, chunk by chunk
+        assert report.num_bytes == len(res.blocks_to_fill) * p.model_runner.kv_block_bytes
+        streamer.finish(request_id, DEST, rid)
+        assert landing.ended(rid)
+        p.release_held(request_id)
+    finally:
+        p.observe_kv_writes(None)
     c = first.outputs[0]
     lp = None
     if params.logprobs is not None:
@@ -71,45 +116,106 @@ def disaggregated(prefill, decode, request_id, prompt_ids, params):
     return res, run_until_finished(d, request_id)
 
 
+def segments_of(landing: LoopbackLanding) -> list[tuple[int, int]]:
+    """The (block_start, block_end) of each segment that landed, in order."""
+    out: list[tuple[int, int]] = []
+    for _, desc in landing.chunks:
+        span = (desc.block_start, desc.block_end)
+        if not out or out[-1] != span:
+            out.append(span)
+    return out
+
+
 @pytest.mark.parametrize(
-    "params",
+    ("params", "layers_per_chunk"),
     [
-        SamplingParams(temperature=0, max_tokens=20),
-        SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=20),
-        SamplingParams(temperature=0, max_tokens=1),
+        (SamplingParams(temperature=0, max_tokens=20), 1),
+        (SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=20), 7),
+        (SamplingParams(temperature=0, max_tokens=1), 0),
     ],
-    ids=["greedy", "seeded", "one-token"],
+    ids=["greedy-1-layer", "seeded-7-layers", "one-token-whole-step"],
 )
-def test_handoff_gives_the_single_node_output(prefill_llm, decode_llm, demo_tokenizer, params):
+def test_handoff_gives_the_single_node_output(
+    prefill_llm, decode_llm, demo_tokenizer, params, layers_per_chunk
+):
     for i, text in enumerate(PROMPTS):
         ids = demo_tokenizer.encode(text)
         (single,) = decode_llm.generate([ids], params)
+        landing = LoopbackLanding(decode_llm.llm_engine.model_runner)
         _, out = disaggregated(
-            prefill_llm, decode_llm, f"h-{params.seed}-{params.max_tokens}-{i}", ids, params
+            prefill_llm,
+            decode_llm,
+            f"h-{layers_per_chunk}-{i}",
+            ids,
+            params,
+            layers_per_chunk,
+            landing,
         )
         assert out.outputs[0].token_ids == single.outputs[0].token_ids
         assert out.outputs[0].text == single.outputs[0].text
         assert out.outputs[0].finish_reason == single.outputs[0].finish_reason
         m = out.metrics  # the committed request was scheduled, then gave its first token
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        num_layers = prefill_llm.llm_engine.model_runner.kv_cache.shape[1]
+        per_chunk = layers_per_chunk or num_layers
+        assert len(landing.chunks) == -(-num_layers // per_chunk)  # one step: one segment
+        assert [d.layer_start for _, d in landing.chunks] == list(range(0, num_layers, per_chunk))
     assert_idle(prefill_llm)
     assert_idle(decode_llm)
 
 
-def test_decode_prefix_cache_shrinks_the_transfer(prefill_llm, decode_llm, demo_tokenizer):
+def test_chunked_prefill_streams_each_chunk_as_it_finishes(
+    chunked_prefill_llm, decode_llm, demo_tokenizer
+):
+    ids = demo_tokenizer.encode(
+        "A long prompt that the prefill engine computes 32 tokens at a time, so its KV "
+        "streams step by step: " + "one more sentence about the weather in the mountains. " * 8
+    )
+    assert len(ids) > 100 and len(ids) % 16 != 0
+    params = SamplingParams(temperature=0, max_tokens=12)
+    landing = LoopbackLanding(decode_llm.llm_engine.model_runner)
+    _, out = disaggregated(chunked_prefill_llm, decode_llm, "chunked", ids, params, 2, landing)
+    (single,) = decode_llm.generate([ids], params)
+    assert out.outputs[0].token_ids == single.outputs[0].token_ids
+    # Each 32-token step completes two blocks, sent with that step; the last
+    # step sends what is left, its partial last block included.
+    num_blocks = -(-len(ids) // 16)
+    expected = [(b, b + 2) for b in range(0, (len(ids) - 1) // 32 * 2, 2)]
+    expected.append((expected[-1][1], num_blocks))
+    assert segments_of(landing) == expected
+    assert_idle(chunked_prefill_llm)
+    assert_idle(decode_llm)
+
+
+def test_prefix_hits_on_either_node_shrink_or_reuse_the_stream(
+    prefill_llm, decode_llm, demo_tokenizer
+):
     ids = demo_tokenizer.encode(
         "A long shared system prompt about libraries and their opening hours. " * 3
     )
     params = SamplingParams(temperature=0, max_tokens=8)
     res1, _ = disaggregated(prefill_llm, decode_llm, "pc-1", ids + [42], params)
-    res2, out2 = disaggregated(prefill_llm, decode_llm, "pc-2", ids + [43], params)
+    # The decode node holds the shared prefix now: only blocks from the first
+    # uncached one are streamed.
+    landing = LoopbackLanding(decode_llm.llm_engine.model_runner)
+    res2, out2 = disaggregated(prefill_llm, decode_llm, "pc-2", ids + [43], params, 1, landing)
     assert res1.first_block == 0
-    assert res2.first_block == len(ids) // 16  # the decode node already held the shared prefix
-    assert len(res2.blocks_to_fill) < len(res1.blocks_to_fill)
+    assert res2.first_block == len(ids) // 16
+    assert segments_of(landing) == [(res2.first_block, len(res2.block_ids))]
     (single,) = decode_llm.generate([ids + [43]], params)
     assert out2.outputs[0].token_ids == single.outputs[0].token_ids
     assert out2.num_cached_tokens > 0  # the prefill node's own cache served the prefix too
+    # Only the prefill node caches it: its cached blocks stream with the step
+    # that computes the rest.
+    decode_llm.llm_engine.reset_prefix_cache()
+    landing = LoopbackLanding(decode_llm.llm_engine.model_runner)
+    res3, out3 = disaggregated(prefill_llm, decode_llm, "pc-3", ids + [44], params, 1, landing)
+    assert res3.first_block == 0 and out3.num_cached_tokens >= 16
+    assert segments_of(landing) == [(0, len(res3.block_ids))]
+    (single,) = decode_llm.generate([ids + [44]], params)
+    assert out3.outputs[0].token_ids == single.outputs[0].token_ids
     assert_idle(decode_llm)
+    assert_idle(prefill_llm)
 
 
 def test_aborts_free_reserved_and_held_blocks(prefill_llm, decode_llm, demo_tokenizer):

@@ -1,12 +1,14 @@
-"""Leases on decode-node reservations, with a 1 s lease (real processes).
+"""Leases on decode-node reservations, with a short lease (real processes).
 
-The prefill node holds every transfer mid-way (header sent, payload 1.5 s
-later), so each reservation outlives its lease: the decode node reclaims it,
-the router retries (here: on the decode node itself, the only prefill node
-being at fault), and the late payload arrives while the retried request
-decodes in the very blocks the reservation had. The payload must be dropped
-(the reservation id is the blocks' generation: never reused), so the output
-is exactly the offline engine's on the same prompt.
+The prefill node holds every request's last group of KV segments half-way
+(headers and the first chunk out, the other chunks PAUSE_S later), so each
+reservation outlives its lease in the middle of its stream: part of its KV has
+landed, the decode node reclaims it, the router retries (here: on the decode
+node itself, the only prefill node being at fault), and the rest of the stream
+arrives while the retried request decodes in the very blocks the reservation
+had. Those late chunks must be dropped (the reservation id is the blocks'
+generation: never reused), so the output is exactly the offline engine's on
+the same prompt.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ MAX_TOKENS = 100
 # The prompt (~60 tokens: 4 blocks) plus its output take 10 of the 12 blocks:
 # the retried request must reuse blocks of the reclaimed reservation.
 NUM_BLOCKS = 12
+LEASE_S = 1.5
+PAUSE_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +54,17 @@ def cluster(demo_model_dir, tmp_path_factory):
         engine_args=["--num-kvcache-blocks", str(NUM_BLOCKS), "--max-model-len", "192"],
         router_args=["--local-prefill-max-tokens", "0", "--max-model-len", "192"],
         component_env={
-            "prefill-0": {"PDSERVE_FAULT_DELAYS": "transfer_mid=1.5"},
-            "decode-0": {"PDSERVE_KV_LEASE_S": "1"},
+            "prefill-0": {"PDSERVE_FAULT_DELAYS": f"transfer_mid={PAUSE_S}"},
+            "decode-0": {"PDSERVE_KV_LEASE_S": str(LEASE_S)},
         },
     )
     with LocalCluster(s) as c:
         yield c
 
 
-def test_an_expired_reservation_is_reclaimed_and_its_late_transfer_dropped(cluster, prompt_ids):
+def test_a_lease_expiring_mid_stream_reclaims_and_drops_the_late_chunks(cluster, prompt_ids):
     ids, expected = prompt_ids
-    names = ("leases_expired", "kv_late_transfers", "kv_transfers")
+    names = ("leases_expired", "kv_late_transfers", "kv_transfers", "kv_transfer_bytes")
     before = counters(cluster, *names)["decode-0"]
     stream = Stream(
         cluster.router_address, request(token_ids=ids, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -86,4 +90,6 @@ def test_an_expired_reservation_is_reclaimed_and_its_late_transfer_dropped(clust
     after = counters(cluster, *names)["decode-0"]
     assert after["leases_expired"] - before["leases_expired"] == 1
     assert after["kv_late_transfers"] - before["kv_late_transfers"] == 1
-    assert after["kv_transfers"] == before["kv_transfers"]  # nothing landed
+    # Mid-stream: its first chunk had landed, the rest never did.
+    assert after["kv_transfers"] == before["kv_transfers"]
+    assert after["kv_transfer_bytes"] > before["kv_transfer_bytes"]

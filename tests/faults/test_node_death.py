@@ -1,12 +1,13 @@
 """Node death and stalls (real processes, a real Redis, KV over gloo):
 SIGKILL a decode node under 32 streams, SIGKILL a prefill node in the middle
-of a transfer, SIGSTOP either kind, restart the dead ones.
+of its KV stream, SIGSTOP either kind, restart the dead ones.
 
 Every request here is prefilled remotely (the router's local-prefill
 thresholds are off), so every one crosses the prefill -> decode hand-off.
 The router runs with --no-migration: a stream whose decode node dies fails
-(test_self_healing.py covers migration). prefill-0 holds each transfer mid-way for TRANSFER_PAUSE_S seconds: a window
-in which to kill it with a transfer on the wire.
+(test_self_healing.py covers migration). prefill-0 holds each request's last group of KV segments half-way (one
+chunk out) for TRANSFER_PAUSE_S seconds: a window in which to kill it with a
+stream on the wire.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import grpc
 import pytest
 
+from common.cluster import NodeRole
 from pdserve.launcher import LocalCluster
 from tests.conftest import REMOTE_PREFILL_ONLY
 from tests.faults.harness import (
@@ -130,13 +132,18 @@ def kill_decode_under_load(cluster):
     assert o.final.usage.prefill_node == "prefill-1"
 
 
-def test_sigkill_prefill_mid_transfer_retries_on_the_other_prefill_node(cluster):
+def landed_bytes(cluster) -> int:
+    return sum(n.kv_transfer_bytes for n in nodes(cluster).values() if n.role is NodeRole.DECODE)
+
+
+def test_sigkill_prefill_mid_stream_retries_on_the_other_prefill_node(cluster):
     prompt = "Tell me about the history of the printing press."
     expected = run(cluster.router_address, request(prompt, max_tokens=12)).token_ids
     set_drained(cluster, "prefill-1", True)  # the request must start on prefill-0
+    landed_before = landed_bytes(cluster)
     stream = Stream(cluster.router_address, request(prompt, max_tokens=12))
-    # Its header is on the wire once the prompt is computed; the payload waits.
-    time.sleep(1.0)
+    # Killed mid-stream: its first chunk landed, the rest of its group waits.
+    wait_for(lambda: landed_bytes(cluster) > landed_before, 30, "a first chunk landed", 0.02)
     set_drained(cluster, "prefill-1", False)
     victim = component(cluster, "prefill-0")
     victim.process.send_signal(signal.SIGKILL)

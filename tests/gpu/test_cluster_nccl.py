@@ -1,6 +1,11 @@
-"""The disaggregated service on two GPUs: KV over NCCL between real processes.
+"""The disaggregated service on two GPUs: KV streamed over NCCL between real processes.
 
 Run on a host with two GPUs: ``python -m pytest tests/gpu -m multi_gpu``.
+
+The prefill node streams one layer per chunk (the default) and prefills in
+256-token chunks, so a long prompt streams step by step; both nodes checksum
+every chunk (``--verify-kv``). The prefill node runs async scheduling (on by
+default on CUDA) and eager prefill steps; the decode node keeps its CUDA graphs.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ def gpu_cluster(tmp_path_factory):
             "0.4",
         ],
         node_args=["--verify-kv", "--heartbeat-interval", "0.2"],
+        component_env={
+            "prefill-0": {"PDSERVE_MAX_NUM_BATCHED_TOKENS": "256", "PDSERVE_KV_STREAM_LAYERS": "1"}
+        },
         # Every prompt crosses NCCL (short prompts would be prefilled on the
         # decode node otherwise: docs/routing.md, conditional disaggregation).
         router_args=REMOTE_PREFILL_ONLY,
@@ -81,3 +89,33 @@ def test_nodes_run_on_separate_gpus_and_outputs_match_offline(gpu_cluster):
     decode, prefill = by_role[NodeRole.DECODE], by_role[NodeRole.PREFILL]
     assert decode.kv_transfers == prefill.kv_transfers >= len(PROMPTS)
     assert decode.kv_checksum_mismatches == 0 and decode.kv_transfer_failures == 0
+
+
+LONG_PROMPTS = [
+    "Summarize these notes. " + "The committee met on Tuesday to review the budget. " * 60,
+    "Continue the list: " + ", ".join(f"item {i}" for i in range(300)),
+]
+
+
+def test_long_prompts_stream_chunk_by_chunk_over_nccl_and_match_offline(gpu_cluster):
+    # Over 256 tokens: several prefill steps, each streaming its blocks layer by layer.
+    greedy = dict(temperature=0.0, max_tokens=16)
+    seeded = dict(temperature=0.8, top_p=0.95, seed=7, max_tokens=16)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(
+            pool.map(
+                lambda args: collect(gpu_cluster.router_address, args[0], **args[1]),
+                [(p, params) for p in LONG_PROMPTS for params in (greedy, seeded)],
+            )
+        )
+    offline = LLM(str(DEMO_MODEL_DIR), max_model_len=1024, dtype="float32", num_kvcache_blocks=1024)
+    expected = [
+        offline.generate([p], SamplingParams(**params))[0].outputs[0].token_ids
+        for p in LONG_PROMPTS
+        for params in (greedy, seeded)
+    ]
+    del offline
+    torch.cuda.empty_cache()
+    assert [g[0] for g in got] == expected
+    assert all(g[2].usage.prefill_node == "prefill-0" for g in got)
+    assert all(g[2].usage.timing.prefill_compute_ms > 0 for g in got)

@@ -1,49 +1,110 @@
-"""KV transfer over real gloo channels between real processes."""
+"""The KV stream over real gloo channels between real processes.
+
+A sender process plays a prefill node's streamer from a script (groups of
+segments, chunks in wire order, end headers); the receiver here collects what
+lands. What travels is what the nodes send: segment headers and chunk bytes.
+"""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import threading
 import time
 
 import pytest
 import torch
 
-from common.kv_transfer import Destination, KVReceiver, KVSender, TransferError, TransferHeader
+from common.kv_transfer import (
+    DeadlinePassed,
+    Destination,
+    KVReceiver,
+    KVSender,
+    OutgoingSegment,
+    SegmentHeader,
+    TransferError,
+    TransferTicket,
+    wire_order,
+)
 from pdserve.redis_server import free_port
 
+pytestmark = pytest.mark.timeout(300)
 
-def payload(i: int, n: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(i)
-    return torch.randn(n, generator=g).to(torch.bfloat16)
+UNIT = 64  # bytes per block x layer x head in these scripts
 
 
-def sender_main(port: int, epochs, count: int, sizes: list[int], results) -> None:
+def chunk_bytes(rid: int, desc) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rid * 1_000_003 + desc.layer_start * 1009 + desc.block_start)
+    return torch.randint(0, 256, (desc.units * UNIT,), generator=g, dtype=torch.uint8)
+
+
+def segment(rid, b0, b1, layers=(0, 4), per_chunk=2, heads=(0, 2)) -> SegmentHeader:
+    return SegmentHeader(rid, b0, b1, *layers, per_chunk, *heads, UNIT)
+
+
+def sender_main(port, epochs, script, results, exit_after_chunks=None) -> None:
+    """Run ``script``: ("group", [(header, cancelled), ...]) or ("end", rid)."""
     sender = KVSender("prefill-a", torch.device("cpu"), timeout_s=10)
-    # Say we are up (torch imported) before the receiver starts its short
-    # rendezvous clock: a spawned interpreter can take seconds on a loaded host.
-    results.put("ready")
-    epoch = epochs.get(timeout=60)
-    dest = Destination("decode-a", "127.0.0.1", port, epoch)
-    futures = []
-    for i in range(count):
-        data = payload(i, sizes[i])
-        header = TransferHeader(
-            reservation_id=100 + i, num_blocks=i + 1, num_bytes=data.numel() * 2, first_token=7 * i
-        )
-        futures.append(sender.submit(dest, header, data))
-    results.put([f.result(timeout=30) > 0 for f in futures])
+    results.put("ready")  # torch is imported: the receiver's rendezvous clock may start
+    dest = Destination("decode-a", "127.0.0.1", port, epochs.get(timeout=60))
+    tickets: dict[int, TransferTicket] = {}
+    # Each reservation's last chunk in the script settles its ticket.
+    last_of: dict[int, tuple[int, int]] = {}
+    for g, (kind, arg) in enumerate(script):
+        if kind == "group":
+            headers = [h for h, _ in arg]
+            for n, (i, _) in enumerate(wire_order(headers)):
+                last_of[headers[i].reservation_id] = (g, n)
+    sent = 0
+    for g, (kind, arg) in enumerate(script):
+        if kind == "end":
+            sender.end(dest, arg)
+            continue
+        segments = []
+        for header, cancelled in arg:
+            ticket = tickets.setdefault(
+                header.reservation_id,
+                TransferTicket(str(header.reservation_id), dest, time.monotonic() + 30, False),
+            )
+            if cancelled:
+                ticket.cancel()
+            segments.append(OutgoingSegment(header, ticket, final=True))
+        group = sender.open_group(dest, segments)
+        headers = [s.header for s in segments]
+        order = wire_order(headers)
+        for n, (i, desc) in enumerate(order):
+            last = last_of[headers[i].reservation_id] == (g, n)
+            data = chunk_bytes(headers[i].reservation_id, desc)
+            sender.send_chunk(group, segments[i], desc, data, None, time.monotonic(), last)
+            sent += 1
+            if exit_after_chunks is not None and sent == exit_after_chunks:
+                time.sleep(1.0)  # let it leave, then die mid-group
+                os._exit(0)
+    out = {}
+    for rid, t in tickets.items():
+        try:
+            report = t.done.result(timeout=30)
+            out[rid] = ("ok", report.num_bytes, report.wire_s > 0)
+        except Exception as e:
+            out[rid] = (type(e).__name__, 0, False)
+    results.put(out)
+    time.sleep(0.5)  # the end headers leave after the last chunk
     sender.close()
 
 
 class Collector:
     def __init__(self):
-        self.got: dict[int, tuple[TransferHeader, torch.Tensor]] = {}
+        self.chunks: list[tuple[int, object, torch.Tensor]] = []
+        self.headers: list[SegmentHeader] = []
         self.failed: list[str] = []
         self.event = threading.Event()
 
-    def on_transfer(self, peer, header, data, stream):
-        self.got[header.reservation_id] = (header, data)
+    def on_group(self, peer, headers):
+        self.headers.extend(headers)
+        return [h.reservation_id for h in headers]
+
+    def on_chunk(self, peer, rid, desc, data, stream):
+        self.chunks.append((rid, desc, data.clone()))
         self.event.set()
 
     def on_peer_failed(self, peer, error):
@@ -56,47 +117,93 @@ def receiver():
     col = Collector()
     port = free_port()
     rx = KVReceiver(
-        "decode-a",
-        "127.0.0.1",
-        port,
-        torch.device("cpu"),
-        col.on_transfer,
-        col.on_peer_failed,
-        timeout_s=3,
-        first_epoch=0,  # the sender processes below start at epoch 0
+        "decode-a", "127.0.0.1", port, torch.device("cpu"), col, timeout_s=3, first_epoch=0
     )
     yield rx, col, port
     rx.close()
 
 
-def start_sender(port: int, sizes: list[int]):
-    """A sender in its own process, up and waiting for its epoch."""
+def start_sender(port: int, script, exit_after_chunks=None):
     ctx = mp.get_context("spawn")
     epochs, results = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=sender_main, args=(port, epochs, len(sizes), sizes, results))
+    proc = ctx.Process(target=sender_main, args=(port, epochs, script, results, exit_after_chunks))
     proc.start()
     assert results.get(timeout=120) == "ready"
     return proc, epochs, results
 
 
-def test_transfers_arrive_bit_identical_in_order(receiver):
+def wait_until(predicate, timeout_s=15.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_groups_land_bit_identical_in_wire_order_and_ends_close_the_streams(receiver):
     rx, col, port = receiver
-    sizes = [5, 4096, 1 << 20, 3]
-    proc, epochs, results = start_sender(port, sizes)
-    for i in range(len(sizes)):  # one expectation per reservation; the epoch is shared
-        epoch = rx.expect("prefill-a", 100 + i)
+    step1 = [(segment(100, 0, 2), False), (segment(101, 3, 4, per_chunk=3), False)]
+    # A later step of 100, split by heads (how a tensor-parallel sender would send).
+    step2 = [(segment(100, 2, 5, heads=(0, 1)), False), (segment(100, 2, 5, heads=(1, 2)), False)]
+    script = [("group", step1), ("group", step2), ("end", 101), ("end", 100)]
+    proc, epochs, results = start_sender(port, script)
+    epoch = rx.expect("prefill-a", 100)
+    rx.expect("prefill-a", 101)
     epochs.put(epoch)
-    assert results.get(timeout=60) == [True] * len(sizes)
+    report = results.get(timeout=60)
     proc.join(30)
-    deadline = time.monotonic() + 10
-    while len(col.got) < len(sizes) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert sorted(col.got) == [100, 101, 102, 103]
-    for i, n in enumerate(sizes):
-        header, data = col.got[100 + i]
-        assert header.num_blocks == i + 1 and header.first_token == 7 * i
-        assert torch.equal(data.view(torch.bfloat16), payload(i, n))  # bit-identical
+    expected = []
+    for _, group in script[:2]:
+        headers = [h for h, _ in group]
+        expected += [(headers[i].reservation_id, desc) for i, desc in wire_order(headers)]
+    wait_until(lambda: len(col.chunks) == len(expected))
+    assert [(rid, desc) for rid, desc, _ in col.chunks] == expected  # the order of the rule
+    for rid, desc, data in col.chunks:
+        assert torch.equal(data, chunk_bytes(rid, desc))  # bit-identical
+    units = {100: 4 * 2 * 2 + 4 * 3 * 2, 101: 4 * 1 * 2}
+    assert report == {rid: ("ok", n * UNIT, True) for rid, n in units.items()}
+    # Both streams ended: no receive is posted for them any more.
+    wait_until(lambda: not rx._peers["prefill-a"].awaiting)
+    assert [h.reservation_id for h in col.headers if h.is_end] == [101, 100]
     assert col.failed == []
+
+
+def test_a_group_whose_requests_are_all_gone_is_skipped_whole(receiver):
+    rx, col, port = receiver
+    script = [
+        ("group", [(segment(7, 0, 3), True)]),  # cancelled before its headers left
+        ("end", 7),
+        ("group", [(segment(8, 0, 1), False)]),
+        ("end", 8),
+    ]
+    proc, epochs, results = start_sender(port, script)
+    epoch = rx.expect("prefill-a", 7)
+    rx.expect("prefill-a", 8)
+    epochs.put(epoch)
+    report = results.get(timeout=60)
+    proc.join(30)
+    wait_until(lambda: not rx._peers["prefill-a"].awaiting)
+    assert report[7][0] == "CancelledError" and report[8] == ("ok", 4 * 2 * UNIT, True)
+    assert {rid for rid, _, _ in col.chunks} == {8}  # nothing of 7 was on the wire
+    assert [h.reservation_id for h in col.headers] == [7, 8, 8]  # 7's end still came
+    assert col.failed == []
+
+
+def test_a_sender_dying_mid_group_fails_the_channel_then_the_next_epoch_works(receiver):
+    rx, col, port = receiver
+    script = [("group", [(segment(1, 0, 2, per_chunk=1), False)])]  # 4 chunks
+    proc, epochs, _ = start_sender(port, script, exit_after_chunks=2)
+    epochs.put(rx.expect("prefill-a", 1))
+    wait_until(lambda: col.failed == ["prefill-a"], 30)
+    proc.join(30)
+    assert len(col.chunks) == 2  # what landed before the death was delivered
+    assert not rx._peers["prefill-a"].awaiting  # the failure cleared the peer's expectations
+    proc, epochs, results = start_sender(port, [("group", [(segment(2, 0, 1), False)])])
+    epoch = rx.expect("prefill-a", 2)
+    assert epoch == 1
+    epochs.put(epoch)
+    assert results.get(timeout=60) == {2: ("ok", 4 * 2 * UNIT, True)}
+    proc.join(30)
+    wait_until(lambda: any(rid == 2 for rid, _, _ in col.chunks))
 
 
 def test_absent_peer_times_out_then_the_next_epoch_works(receiver):
@@ -105,39 +212,31 @@ def test_absent_peer_times_out_then_the_next_epoch_works(receiver):
     # Nobody connects: the rendezvous times out, the peer is reported, the epoch moves on.
     assert col.event.wait(15)
     assert col.failed == ["prefill-a"]
-    col.event.clear()
-    proc, epochs, results = start_sender(port, [64])
+    proc, epochs, results = start_sender(port, [("group", [(segment(100, 0, 1), False)])])
     epoch = rx.expect("prefill-a", 100)
     assert epoch == 1
     epochs.put(epoch)
-    assert results.get(timeout=60) == [True]
+    assert results.get(timeout=60)[100][0] == "ok"
     proc.join(30)
-    assert col.event.wait(10) and 100 in col.got
+    wait_until(lambda: len(col.chunks) == 2)
 
 
-def test_sender_reports_a_peer_that_never_listens():
-    port = free_port()
+def test_sender_reports_a_peer_that_never_listens_and_a_passed_deadline():
     import torch.distributed as dist
 
-    store = dist.TCPStore(
-        "127.0.0.1", port, is_master=True, wait_for_workers=False
-    )  # nobody receives
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     sender = KVSender("prefill-b", torch.device("cpu"), timeout_s=1)
-    fut = sender.submit(
-        Destination("decode-x", "127.0.0.1", port, 0),
-        TransferHeader(1, 1, 8, 0),
-        torch.zeros(4, dtype=torch.bfloat16),
-    )
-    with pytest.raises(TransferError):
-        fut.result(timeout=30)
+    dest = Destination("decode-x", "127.0.0.1", port, 0)
+    late = TransferTicket("late", dest, time.monotonic() - 1, False)
+    sender.open_group(dest, [OutgoingSegment(segment(1, 0, 1), late, True)])
+    live = TransferTicket("live", dest, time.monotonic() + 30, False)
+    group = sender.open_group(dest, [OutgoingSegment(segment(2, 0, 1), live, True)])
+    desc = segment(2, 0, 1).chunks()[0]
+    sender.send_chunk(group, group.segments[0], desc, chunk_bytes(2, desc), None, 0.0, False)
+    with pytest.raises(DeadlinePassed):
+        late.done.result(timeout=30)
+    with pytest.raises(TransferError):  # nobody joins the rendezvous
+        live.done.result(timeout=30)
     sender.close()
     del store
-
-
-def test_header_round_trip_and_rejection():
-    h = TransferHeader(2**40 + 3, 12, 99 << 20, 49151, bytes(range(16)))
-    assert TransferHeader.from_tensor(h.to_tensor()) == h
-    bad = h.to_tensor()
-    bad[0] = 1
-    with pytest.raises(ValueError, match="not a KV transfer header"):
-        TransferHeader.from_tensor(bad)

@@ -1,0 +1,262 @@
+"""The two processes of benchmarks/kv_transfer.py: rank 0 prefills and streams, rank 1 lands.
+
+Rank 0 drives the prefill node's KVStreamer with a real ScheduledBatch of one
+prompt (random blocks) and a synthetic forward; rank 1 runs a KVReceiver whose
+sink scatters every chunk into its own cache, as the decode node's landing does,
+and acknowledges each request once its last chunk is in (so that iterations do
+not overlap). Both first time a raw send/recv of the same bytes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import random
+import time
+import traceback
+from typing import Any
+
+
+def run_rank(rank: int, a: dict[str, Any], ports: tuple[int, int], queues) -> None:
+    results, acks = queues
+    try:
+        out = _run(rank, a, ports, acks)
+    except BaseException as e:  # report, so the parent does not wait forever
+        out = {"rank": rank, "error": f"{e!r}\n{traceback.format_exc()}"}
+    results.put(out)
+
+
+def _run(rank: int, a: dict[str, Any], ports: tuple[int, int], acks) -> dict[str, Any]:
+    import torch
+
+    from benchmarks.kv_transfer import geometry
+
+    cuda = a["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        # One core per process (a node each) on a small host: two OpenMP pools
+        # spinning on the same cores slow every copy by orders of magnitude.
+        torch.set_num_threads(a["threads"])
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    g = geometry(a["shape"])
+    bs = a["block_size"]
+    sizes = [int(t) for t in a["tokens"].split(",")]
+    max_blocks = max(-(-t // bs) for t in sizes)
+    gen = torch.Generator(device=device).manual_seed(rank)
+    cache = torch.randn(
+        (2, g["layers"], 2 * max_blocks, bs, g["kv_heads"], g["head_dim"]),
+        generator=gen,
+        dtype=torch.bfloat16,
+        device=device,
+    )
+    out: dict[str, Any] = {"rank": rank, "raw": _raw(rank, a, ports[1], cache, sizes, bs, cuda)}
+    if rank == 0:
+        out["runs"] = _prefill(a, ports[0], cache, sizes, g, device, acks)
+    else:
+        out["landed"] = _decode(a, ports[0], cache, sizes, device, acks)
+    return out
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _raw(rank, a, port, cache, sizes, bs, cuda) -> dict[int, dict[str, float]]:
+    """One send/recv of a buffer of the request's size, after a barrier each time."""
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=rank == 1,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    prefixed = dist.PrefixStore("raw", store)
+    if cuda:
+        pg = dist.ProcessGroupNCCL(prefixed, rank, 2)
+    else:
+        pg = dist.ProcessGroupGloo(prefixed, rank, 2, datetime.timedelta(seconds=120))
+    out = {}
+    num_layers = cache.shape[1]
+    for tokens in sizes:
+        nbytes = cache[:, :, : -(-tokens // bs)].numel() * cache.element_size()
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=cache.device)
+        out[tokens] = {"bytes": nbytes}
+        # One message, and the same bytes as one message per layer (all posted at once).
+        for key, parts in (("seconds", [buf]), ("per_layer_seconds", buf.chunk(num_layers))):
+            times = []
+            for i in range(a["warmup"] + a["iters"]):
+                pg.barrier().wait()
+                _sync(cuda)
+                t0 = time.perf_counter()
+                works = [pg.send([p], 1, 0) if rank == 0 else pg.recv([p], 0, 0) for p in parts]
+                for work in works:
+                    work.wait()
+                _sync(cuda)
+                if i >= a["warmup"]:
+                    times.append(time.perf_counter() - t0)
+            out[tokens][key] = sorted(times)[len(times) // 2]
+    return out
+
+
+def _layer_fn(a, g, tokens: int, device):
+    """One layer's stand-in: its own matmuls and causal attention, or a busy loop."""
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks.kv_transfer import Compute
+
+    if Compute(a["compute"]) is Compute.FIXED:
+        m = torch.randn(256, 256, device=device)
+        seconds = a["layer_ms"] / 1e3
+
+        def busy() -> None:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                torch.mm(m, m)
+                _sync(device.type == "cuda")
+
+        return busy
+    h, d, nh, kvh = g["hidden"], g["head_dim"], g["heads"], g["kv_heads"]
+    w = {
+        "qkv": torch.randn(h, (nh + 2 * kvh) * d, device=device, dtype=torch.bfloat16) * 0.02,
+        "o": torch.randn(nh * d, h, device=device, dtype=torch.bfloat16) * 0.02,
+        "gu": torch.randn(h, 2 * g["inter"], device=device, dtype=torch.bfloat16) * 0.02,
+        "down": torch.randn(g["inter"], h, device=device, dtype=torch.bfloat16) * 0.02,
+    }
+    x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16)
+
+    def layer() -> None:
+        qkv = x @ w["qkv"]
+        q, k, v = qkv.split([nh * d, kvh * d, kvh * d], dim=-1)
+        q, k, v = (t.view(1, tokens, -1, d).transpose(1, 2) for t in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        hid = x + att.transpose(1, 2).reshape(tokens, nh * d) @ w["o"]
+        gate, up = (hid @ w["gu"]).chunk(2, dim=-1)
+        _ = hid + (F.silu(gate) * up) @ w["down"]
+
+    return layer
+
+
+def _prefill(a, port, cache, sizes, g, device, acks) -> dict:
+    import torch
+
+    from common.kv_transfer import Destination, KVSender
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import ScheduledBatch
+    from engine.sequence import Sequence
+    from prefill_node.kv_stream import KVStreamer
+
+    cuda = device.type == "cuda"
+    rng = random.Random(0)
+    sender = KVSender("prefill-bench", device, timeout_s=120)
+    dest = Destination("decode-bench", "127.0.0.1", port, 0)
+    bs = a["block_size"]
+    runs: dict[tuple[int, int, bool], list[dict[str, float]]] = {}
+    rid = 0
+    for tokens in sizes:
+        layer = _layer_fn(a, g, tokens, device)
+        num_blocks = -(-tokens // bs)
+        for lpc in [int(x) for x in a["layers_per_chunk"].split(",")]:
+            streamer = KVStreamer(cache, bs, sender, lpc)
+            # Without compute (every chunk queued back to back: the wire's own
+            # speed), then under the synthetic forward (what is left after it).
+            for computing in (False, True):
+                key = (tokens, lpc, computing)
+                runs[key] = []
+                for i in range(a["warmup"] + a["iters"]):
+                    rid += 1
+                    seq = Sequence(rid, f"r{rid}", 0, [0] * tokens, tokens, SamplingParams(), None)
+                    seq.block_table = rng.sample(range(cache.shape[2]), num_blocks)
+                    ticket = streamer.open(
+                        f"r{rid}", dest, rid, 0, num_blocks, time.monotonic() + 300, False
+                    )
+                    _sync(cuda)
+                    start = time.monotonic()
+                    layer_done = streamer.begin_step(ScheduledBatch([seq], [tokens]))
+                    for n in range(g["layers"]):
+                        if computing:
+                            layer()
+                            if n == g["layers"] - 1:
+                                if cuda:
+                                    done = torch.cuda.Event()
+                                    done.record()
+                                    done.synchronize()  # the host sees the last layer end
+                                last_layer_at = time.monotonic()
+                        layer_done(n)
+                    if not computing:
+                        last_layer_at = time.monotonic()
+                    report = ticket.done.result(timeout=300)
+                    streamer.finish(f"r{rid}", dest, rid)
+                    if (ack := acks.get(timeout=300)) != rid:
+                        raise RuntimeError(f"request {rid}: the decode side answered {ack!r}")
+                    if i >= a["warmup"]:
+                        runs[key].append(
+                            {
+                                "rid": rid,
+                                "start": start,
+                                "last_layer_at": last_layer_at,
+                                "forward_s": last_layer_at - start,
+                                "wire_s": report.wire_s,
+                                "exposed_s": report.exposed_s,
+                            }
+                        )
+    sender.close()
+    return runs
+
+
+def _decode(a, port, cache, sizes, device, acks) -> dict[int, float]:
+    import torch
+
+    from common.kv_transfer import KVReceiver
+    from engine.kv_blocks import block_index, scatter_blocks
+
+    rng = random.Random(1)
+    landed: dict[int, float] = {}
+
+    class Sink:
+        def on_group(self, peer, headers):
+            contexts = []
+            for h in headers:
+                if h.is_end:
+                    contexts.append(None)
+                    continue
+                blocks = rng.sample(range(cache.shape[2]), h.block_end - h.block_start)
+                units = sum(c.units for c in h.chunks())
+                contexts.append([h.reservation_id, block_index(blocks, device), units])
+            return contexts
+
+        def on_chunk(self, peer, ctx, desc, data, stream):
+            scatter_blocks(cache, ctx[1], data, desc.layers, desc.heads)
+            ctx[2] -= desc.units
+            if ctx[2] == 0:
+                if stream is not None:
+                    stream.synchronize()  # the last scatter is done
+                landed[ctx[0]] = time.monotonic()
+                acks.put(ctx[0])
+
+        def on_peer_failed(self, peer, error):
+            acks.put(f"failed: {error}")
+
+    kv_bytes = cache.numel() * cache.element_size()
+    receiver = KVReceiver(
+        "decode-bench", "127.0.0.1", port, device, Sink(), 120, 0, max_group_bytes=kv_bytes
+    )
+    runs = len(sizes) * len(a["layers_per_chunk"].split(",")) * 2
+    total = runs * (a["warmup"] + a["iters"])
+    for rid in range(1, total + 1):
+        receiver.expect("prefill-bench", rid)  # each stream ends with its end header
+    deadline = time.monotonic() + 3600
+    while len(landed) < total and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if len(landed) < total:
+        raise RuntimeError(f"only {len(landed)} of {total} requests landed")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    receiver.close()
+    return landed

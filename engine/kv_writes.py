@@ -1,0 +1,30 @@
+"""The engine-level hook a prefill node streams its KV from, layer by layer.
+
+It names no transfer and imports nothing of the service: an observer is told,
+on the engine thread, which sequences a step is about to compute, and then when
+each layer's KV of that step is written.
+
+``KVWriteObserver.begin_step(batch)`` runs when a step is about to be launched
+(its blocks are allocated, each sequence's ``num_computed_tokens`` is still the
+step's start, ``batch.num_new_tokens`` its count). It returns None when nothing
+in the step interests it -- the step then runs as usual, CUDA graphs included --
+or a ``LayerDone`` callback: the model then runs eagerly and calls
+``layer_done(i)`` right after layer i was issued. On a CPU layer i has been
+computed by then; on a GPU its kernels are queued on the current stream, so
+whatever the callback queues on that stream (a gather, an event) is ordered
+after layer i's KV writes and before layer i + 1's work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from engine.scheduler import ScheduledBatch
+
+LayerDone = Callable[[int], None]
+
+
+class KVWriteObserver(Protocol):
+    def begin_step(self, batch: ScheduledBatch) -> LayerDone | None: ...
