@@ -220,6 +220,12 @@ class LLMEngine:
         if request_id in self.requests or request_id in self.scheduler.held:
             raise ValueError(f"request_id {request_id!r} is already in use")
         processed = self.input_processor.process(prompt, params)
+        if params.resume_offset > len(processed.token_ids):
+            raise ValueError(
+                f"resume_offset {params.resume_offset} exceeds the prompt's "
+                f"{len(processed.token_ids)} tokens (it counts the prompt's last tokens "
+                "that a migrated request generated before)"
+            )
         hasher = self._hasher(processed.cache_salt)
         seqs = []
         for index in range(params.n):
