@@ -182,12 +182,12 @@ class Supervisor:
         n = len(watch.crashes)
         if n > cfg.max_crashes:
             watch.state = Health.GIVEN_UP
+            self._check_someone_left(watch.role)
             self.say(
                 f"pdserve: giving up on {watch.name}: it exited {n} times within "
-                f"{cfg.window_s:g} s (last code {code}); see {self.log_of(watch.name)}. "
-                "The rest keep serving."
+                f"{cfg.window_s:g} s (last code {code}); see {self.log_of(watch.name)}."
+                + ("" if self.stop else " The rest keep serving.")
             )
-            self._check_someone_left(watch.role)
             return
         delay = min(cfg.max_backoff_s, cfg.backoff_s * 2 ** (n - 1))
         watch.state = Health.WAITING
