@@ -26,6 +26,7 @@ from common.node_flags import default_host, engine_kwargs
 from common.ports import PlannedPort, check_free, listen
 from common.progress_log import log_progress
 from common.redis_auth import check_redis, redis_options_from_args
+from common.reliability import crash_at_start
 from common.tls import TLSConfig
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
@@ -71,6 +72,7 @@ def start_node_engine(
     TLSConfig.from_args(args)
     redis_options_from_args(args)
     check_free(args.host, ports)
+    crash_at_start(args.node_id or "")
     config = EngineConfig.from_kwargs(args.model, **(engine_kwargs(args) | overrides))
     engine = LLMEngine(config)
     engine.enable_cache_events()

@@ -18,6 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 FAULT_DELAYS_ENV = "PDSERVE_FAULT_DELAYS"
+# Node ids that crash at start-up, every time (tests/faults: supervision of a
+# component that never comes up, through `pdserve up` itself).
+CRASH_AT_START_ENV = "PDSERVE_FAULT_CRASH_AT_START"
 # Trailing metadata of a failed Decode call that names the node at fault (a
 # prefill node), so that the router retries elsewhere and avoids it.
 FAILED_NODE_KEY = "pdserve-failed-node"
@@ -131,3 +134,11 @@ class FaultDelays:
         """Blocking wait (sender thread)."""
         if seconds := self.get(point):
             time.sleep(seconds)
+
+
+def crash_at_start(node_id: str, environ: Mapping[str, str] = os.environ) -> None:
+    """Crash (RuntimeError: exit code 1) when ``node_id`` is listed in
+    PDSERVE_FAULT_CRASH_AT_START="id,id,..." (test-only, like the delays)."""
+    listed = {s.strip() for s in environ.get(CRASH_AT_START_ENV, "").split(",")}
+    if node_id in listed:
+        raise RuntimeError(f"{node_id}: crashing at start-up, as {CRASH_AT_START_ENV} asks")

@@ -54,6 +54,12 @@ class InputProcessor:
                 "n must be at most max_num_seqs"
             )
         self._check_params(params)
+        if params.resume_offset > len(token_ids):
+            raise ValueError(
+                f"resume_offset {params.resume_offset} exceeds the prompt's "
+                f"{len(token_ids)} tokens (it counts the prompt's last tokens "
+                "that a migrated request generated before)"
+            )
         return ProcessedPrompt(text, token_ids, salt)
 
     def _parse(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:

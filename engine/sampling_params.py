@@ -67,10 +67,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Not vLLM's: draws of the seeded generator that tokens sampled elsewhere
-    # already made (a migrated request continues a stream whose first
-    # resume_offset tokens are now part of its prompt), skipped so that the
-    # continuation samples exactly what the first node would have.
+    # Not vLLM's: a migrated request continues a stream whose first
+    # resume_offset tokens, sampled elsewhere, now end its prompt. The seeded
+    # generator skips their draws, and frequency / presence penalties count
+    # them as output, so the continuation samples what the first node would have.
     resume_offset: int = 0
     # Normalised forms, filled in by __post_init__.
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)

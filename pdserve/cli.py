@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -92,6 +91,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def positive_float(value: str) -> float:
+    x = float(value)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    return x
+
+
 def cmd_component(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -101,6 +114,8 @@ def cmd_component(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from common.tls import TLSConfig
     from pdserve.launcher import ClusterSpec, LocalCluster
+    from pdserve.supervisor import SupervisorConfig
+    from pdserve.up import run_up
 
     if not args.model:
         raise ValueError("--model (or PDSERVE_MODEL) is required")
@@ -126,6 +141,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         log_dir=args.log_dir,
         metrics_port=args.metrics_port,
+        supervised=not args.no_restart,
         tls=tls,
         redis_password=args.redis_password,
         redis_username=args.redis_username,
@@ -134,22 +150,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         # every local user can read in the process list).
         env={"PDSERVE_ADMIN_TOKEN": args.admin_token} if args.admin_token else {},
     )
-    cluster = LocalCluster(spec)
-    stopping = False
+    config = SupervisorConfig(
+        max_crashes=args.max_restarts, window_s=args.restart_window, restart=not args.no_restart
+    )
+    return run_up(LocalCluster(spec), config, lambda cluster: print_ready(cluster, args, tls))
 
-    def stop(signum, frame):
-        nonlocal stopping
-        if stopping:  # a second signal: stop at once
-            cluster.kill_all()
-        stopping = True
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        cluster.start(progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-    except RuntimeError as e:
-        print(f"pdserve: error: {e}", file=sys.stderr)
-        return 1
+def print_ready(cluster, args: argparse.Namespace, tls) -> None:
+    """The addresses and commands to try, once a router and a decode node serve."""
     for i, (address, admin) in enumerate(
         zip(cluster.router_addresses, cluster.admin_addresses, strict=True)
     ):
@@ -171,29 +179,6 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"     {pdctl} --address {cluster.admin_address}{admin_token}{tls_flags} nodes",
         flush=True,
     )
-    supervisor = None if args.no_restart else make_supervisor(cluster)
-    try:
-        while not stopping:
-            if supervisor is not None:
-                supervisor.poll()
-            for c in cluster.components:
-                if supervisor is None and c.process.poll() is not None and not stopping:
-                    print(
-                        f"pdserve: {c.name} exited with code {c.process.returncode}",
-                        file=sys.stderr,
-                    )
-                    stopping = True
-            time.sleep(0.5)
-    finally:
-        print("stopping...", file=sys.stderr, flush=True)
-        cluster.stop()
-    return 0
-
-
-def make_supervisor(cluster):
-    from pdserve.supervisor import Supervisor
-
-    return Supervisor(cluster, say=lambda msg: print(msg, file=sys.stderr, flush=True))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -262,6 +247,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop everything when a component exits (default: restart it, with backoff)",
     )
     up.add_argument(
+        "--max-restarts",
+        type=positive_int,
+        default=5,
+        help="give up on a component that exits more often than this within --restart-window "
+        "(default 5)",
+    )
+    up.add_argument(
+        "--restart-window",
+        type=positive_float,
+        default=120.0,
+        help="seconds over which --max-restarts counts exits (default 120)",
+    )
+    up.add_argument(
         "--no-migration",
         action="store_true",
         help="a stream fails with its decode node (default: it continues on another)",
@@ -270,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port",
         type=metrics_port,
         default=metrics_port(os.environ.get("PDSERVE_METRICS_PORT", str(DEFAULT_METRICS_PORT))),
-        help="first /metrics port: the router's; the other processes take the next ones "
+        help="first /metrics port: the router's; the other processes take the next ones, "
+        "the supervisor (restarts) the last "
         f"(default {DEFAULT_METRICS_PORT}; 0 disables) [PDSERVE_METRICS_PORT]",
     )
     # Security (docs/security.md): the same files for every process it starts.

@@ -39,6 +39,11 @@ class Component:
         host = self.address.rsplit(":", 1)[0]
         return f"http://{host}:{self.metrics_port}{METRICS_PATH}" if self.metrics_port else None
 
+    def serving_line(self) -> str:
+        """What `pdserve up` prints once it serves (the pid: to signal it, find its log)."""
+        metrics = f"; metrics on {self.metrics_url}" if self.metrics_port else ""
+        return f"{self.name} serving on {self.address} (pid {self.process.pid}{metrics})"
+
 
 @dataclass
 class ClusterSpec:
@@ -57,6 +62,8 @@ class ClusterSpec:
     start_timeout_s: float = 600.0
     stop_grace_s: float = 15.0
     log_dir: str | None = None  # None: children share our stderr
+    # `pdserve up` runs a supervisor: plan a /metrics port for it too (after the others').
+    supervised: bool = False
     # Extra environment per component name (e.g. "prefill-0"); tests/faults uses it.
     component_env: dict[str, dict[str, str]] = field(default_factory=dict)
     # /metrics ports: None a free one each, 0 none, N: N for the first router,
@@ -175,10 +182,22 @@ class LocalCluster:
         return out
 
     def start(self, progress=print) -> LocalCluster:
+        """Start everything and wait until every component serves; a component
+        that exits meanwhile stops it all (RuntimeError). `pdserve up` instead
+        calls ``launch`` and lets its supervisor watch the start-up."""
+        self._wait_serving(self.launch(progress), progress)
+        return self
+
+    def launch(self, progress=print) -> list[Component]:
+        """Start Redis (unless given a URL), then every node and router
+        process, without waiting for them to serve."""
         spec = self.spec
+        if spec.num_routers < 1:
+            raise ValueError(f"num_routers must be >= 1, got {spec.num_routers}")
         names = ["router"] + [f"router-{i}" for i in range(1, spec.num_routers)]
         names += [f"decode-{i}" for i in range(spec.num_decode)]
         names += [f"prefill-{i}" for i in range(spec.num_prefill)]
+        names += ["supervisor"] if spec.supervised else []
         self.metrics_ports = plan_metrics_ports(
             spec.metrics_port, names, lambda: free_port(spec.host)
         )
@@ -196,7 +215,7 @@ class LocalCluster:
                 password=spec.redis_password, username=spec.redis_username
             ).start()
             self.redis_url = self.redis.url
-            progress(f"redis-server on {self.redis_url}")
+            progress(f"redis-server on {self.redis_url} (pid {self.redis.process.pid})")
         gpus = self._gpu_count()
         device = ["--device", "cuda"] if gpus else ["--device", "cpu"]
         common = [
@@ -258,8 +277,6 @@ class LocalCluster:
                     gpu,
                 )
             )
-        if spec.num_routers < 1:
-            raise ValueError(f"num_routers must be >= 1, got {spec.num_routers}")
         self.router_ports = [(spec.port, spec.admin_port)] + [
             (free_port(spec.host), free_port(spec.host)) for _ in range(spec.num_routers - 1)
         ]
@@ -292,8 +309,7 @@ class LocalCluster:
                     None,
                 )
             )
-        self._wait_serving(started, progress)
-        return self
+        return started
 
     def _wait_serving(self, components: list[Component], progress) -> None:
         deadline = time.monotonic() + self.spec.start_timeout_s
@@ -305,8 +321,7 @@ class LocalCluster:
                     self.stop()
                     raise RuntimeError(f"{c.name} exited with code {code} while starting")
                 if health_check(c.address, timeout=0.5, tls=self.spec.tls):
-                    metrics = f" (metrics on {c.metrics_url})" if c.metrics_port else ""
-                    progress(f"{c.name} serving on {c.address}{metrics}")
+                    progress(c.serving_line())
                     waiting.remove(c)
             if waiting and time.monotonic() > deadline:
                 names = ", ".join(c.name for c in waiting)

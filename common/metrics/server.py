@@ -102,9 +102,11 @@ def _start(port: int, host: str, registry: CollectorRegistry):
     return httpd, thread
 
 
-def serve_metrics(port: int, host: str, collectors: Iterable[Collector]) -> MetricsServer | None:
+def serve_metrics(
+    port: int, host: str, collectors: Iterable[Collector], what: str = "metrics"
+) -> MetricsServer | None:
     """Serve ``collectors`` on ``host:port`` at ``/metrics`` (other paths: 404).
-    Returns None when ``port`` is 0 or cannot be bound."""
+    Returns None when ``port`` is 0 or cannot be bound. ``what``: the log's name for it."""
     if port == 0:
         logger.info("metrics endpoint disabled (--metrics-port 0)")
         return None
@@ -115,7 +117,7 @@ def serve_metrics(port: int, host: str, collectors: Iterable[Collector]) -> Metr
         logger.error("metrics endpoint not started: cannot listen on %s:%d (%s)", host, port, e)
         return None
     server = MetricsServer(registry, host, httpd.server_port, httpd, thread)
-    logger.info("metrics on %s", server.url)
+    logger.info("%s on %s", what, server.url)
     return server
 
 

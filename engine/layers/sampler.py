@@ -251,7 +251,11 @@ class Sampler:
             row = rows[i]
             p = row.params
             ids = torch.tensor(row.token_ids, dtype=torch.long, device=logits.device)
-            counts = torch.bincount(ids[row.num_prompt_tokens :], minlength=self.vocab_size)
+            # Frequency and presence count output tokens only (as vLLM's). A
+            # migrated request's last resume_offset prompt tokens are output it
+            # generated on another node: they count as output, as they did there.
+            first_output = row.num_prompt_tokens - p.resume_offset
+            counts = torch.bincount(ids[first_output:], minlength=self.vocab_size)
             counts = counts[: self.vocab_size]
             if p.repetition_penalty != 1.0:
                 seen = counts > 0

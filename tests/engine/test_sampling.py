@@ -187,3 +187,44 @@ def test_bad_prompts_raise_and_leave_the_engine_usable(demo_llm, prompt, message
     with pytest.raises(ValueError, match=message):
         demo_llm.generate(["fine prompt", prompt], SamplingParams(max_tokens=2))
     assert_idle(demo_llm)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        dict(temperature=0),
+        dict(temperature=0.8, seed=11),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_penalties_continue_exactly_across_a_migration(demo_llm, demo_tokenizer, sampling):
+    """A migrated request (router/migration.py) arrives as prompt + the tokens
+    generated so far, with resume_offset = their count: it continues with the
+    same tokens as the undisturbed request, presence and frequency penalties
+    included (they count those prompt tokens as output)."""
+    prompt = demo_tokenizer.encode("List the days of the week, then list them again:")
+    penalties = dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.1)
+    total, k = 32, 12
+    whole = gen(demo_llm, prompt, max_tokens=total, ignore_eos=True, **penalties, **sampling)
+    moved = {"prompt_token_ids": prompt + list(whole.token_ids[:k])}
+    rest = gen(
+        demo_llm,
+        moved,
+        max_tokens=total - k,
+        ignore_eos=True,
+        resume_offset=k,
+        **penalties,
+        **sampling,
+    )
+    assert list(rest.token_ids) == list(whole.token_ids[k:])
+    # Not vacuous: counted as prompt, the earlier tokens escape the penalties.
+    if sampling["temperature"] == 0:
+        naive = gen(demo_llm, moved, max_tokens=total - k, ignore_eos=True, **penalties, **sampling)
+        assert list(naive.token_ids) != list(whole.token_ids[k:])
+    assert_idle(demo_llm)
+
+
+def test_resume_offset_beyond_the_prompt_is_refused(demo_llm):
+    with pytest.raises(ValueError, match="resume_offset 9 exceeds the prompt's 3 tokens"):
+        demo_llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(resume_offset=9))
+    assert_idle(demo_llm)

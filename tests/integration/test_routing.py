@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +20,7 @@ from common.grpc_server import health_check
 from pdserve.redis_server import free_port
 from proto import admin_pb2, admin_pb2_grpc
 from proto.client import generate
+from tests.pdserve_up import UpProcess
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,72 +28,18 @@ TOKEN = "test-admin-token"
 MAX_LEN = 1024
 
 
-class Up:
-    """A `pdserve up` process and the addresses it printed."""
-
-    def __init__(self, proc: subprocess.Popen, routers: list[str], admins: list[str]) -> None:
-        self.proc = proc
-        self.routers = routers
-        self.admins = admins
-
-
 @pytest.fixture(scope="module")
 def up(demo_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("up-logs")
-    env = dict(os.environ, PDSERVE_HEARTBEAT_S="0.2")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "up",
-            "--model",
-            str(demo_model_dir),
-            "--prefill",
-            "1",
-            "--decode",
-            "2",
-            "--routers",
-            "2",
-            "--admin-token",
-            TOKEN,
-            "--port",
-            str(free_port()),
-            "--admin-port",
-            str(free_port()),
-            "--max-model-len",
-            str(MAX_LEN),
-            "--log-dir",
-            str(logs),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
+    cluster = UpProcess(
+        ["--model", str(demo_model_dir), "--prefill", "1", "--decode", "2", "--routers", "2"]
+        + ["--admin-token", TOKEN, "--port", str(free_port()), "--admin-port", str(free_port())]
+        + ["--max-model-len", str(MAX_LEN), "--log-dir", str(logs)],
+        env={"PDSERVE_HEARTBEAT_S": "0.2"},
     )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
-    routers, admins, seen = [], [], []
-    deadline = time.monotonic() + 400
-    while len(routers) < 2:
-        try:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            proc.kill()
-            pytest.fail("pdserve up did not come up:\n" + "".join(seen))
-        seen.append(line)
-        m = re.match(r"router listening on (\S+) \(admin API on (\S+)\)", line)
-        if m:
-            routers.append(m.group(1))
-            admins.append(m.group(2))
-    yield Up(proc, routers, admins)
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+    cluster.wait_ready(routers=2)
+    yield cluster
+    cluster.stop(timeout=60)
 
 
 def pdctl(admin: str, *args: str, token: str | None = TOKEN, timeout: float = 120):

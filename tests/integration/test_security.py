@@ -8,12 +8,9 @@ different configuration."""
 from __future__ import annotations
 
 import os
-import queue
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,6 +24,7 @@ from pdserve.redis_server import free_port
 from proto import admin_pb2, admin_pb2_grpc, internal_pb2, internal_pb2_grpc
 from proto.client import channel_credentials, generate, generate_text
 from tests.certs import make_certs
+from tests.pdserve_up import UpProcess
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -59,12 +57,11 @@ def client_tls(certs) -> TLSConfig:
     return TLSConfig.from_paths(cert=certs.cert, key=certs.key, ca=certs.ca)
 
 
-class Up:
-    def __init__(self, proc, router: str, admin: str, redis_url: str, tokens: Path, logs: Path):
-        self.proc = proc
-        self.router = router
-        self.admin = admin
-        self.redis_url = redis_url
+class Up(UpProcess):
+    """The secure `pdserve up`, with its tokens file and log directory."""
+
+    def __init__(self, args, env, unset, tokens: Path, logs: Path) -> None:
+        super().__init__(args, env, unset)
         self.tokens = tokens
         self.logs = logs
 
@@ -76,7 +73,6 @@ def up(demo_model_dir, certs, tmp_path_factory):
     tokens.write_text(BASE_TOKENS)
     logs = work / "logs"
     env = dict(
-        os.environ,
         # Secrets through the environment, as a deployment would pass them.
         PDSERVE_ADMIN_TOKEN=ADMIN_TOKEN,
         PDSERVE_REDIS_PASSWORD=REDIS_PASSWORD,
@@ -85,41 +81,21 @@ def up(demo_model_dir, certs, tmp_path_factory):
         PDSERVE_LOCAL_PREFILL_MAX_TOKENS="0",
         PDSERVE_LOCAL_PREFILL_MIN_HIT="1.0",
     )
-    env.pop("PDSERVE_REFLECTION", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(demo_model_dir)]
+    cluster = Up(
+        ["--model", str(demo_model_dir)]
         + ["--prefill", "1", "--decode", "1", "--max-model-len", str(MAX_LEN)]
         + ["--port", str(free_port()), "--admin-port", str(free_port())]
         + ["--tls-cert", str(certs.cert), "--tls-key", str(certs.key)]
         + ["--tls-ca", str(certs.ca), "--tls-client-ca", str(certs.ca)]
         + ["--api-tokens-file", str(tokens), "--log-dir", str(logs)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
+        env,
+        unset=["PDSERVE_REFLECTION"],
+        tokens=tokens,
+        logs=logs,
     )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
-    seen, redis_url, found = [], None, None
-    deadline = time.monotonic() + 400
-    while found is None:
-        try:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            proc.kill()
-            pytest.fail("pdserve up did not come up:\n" + "".join(seen))
-        seen.append(line)
-        if m := re.match(r"redis-server on (\S+)", line):
-            redis_url = m.group(1)
-        found = re.match(r"router listening on (\S+) \(admin API on (\S+)\)", line)
-    yield Up(proc, found.group(1), found.group(2), redis_url, tokens, logs)
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+    cluster.wait_ready()
+    yield cluster
+    cluster.stop(timeout=60)
 
 
 def call_generate(address: str, tls: TLSConfig | None, token: str | None, **kw):

@@ -19,6 +19,8 @@ from common.cluster import NodeInfo, NodeRole
 from common.metrics.node import NodeCollector
 from common.metrics.server import make_registry
 from decode_node.worker import DecodeStats
+from pdserve.supervisor import Health, Role, Watch
+from pdserve.supervisor_metrics import SupervisorCollector
 from prefill_node.worker import PrefillStats
 from router.metrics import RouterCollector
 from tests.unit.common.test_metrics import engine_stats, node_info, router_state
@@ -43,7 +45,15 @@ def expositions() -> dict[str, str]:
     decode_info = NodeInfo("d-1", NodeRole.DECODE, "127.0.0.1:2", "smol", 16)
     routing, stats = router_state()
     stats.routed("d-1", "p-1")
+    # What `pdserve up`'s supervisor knows: watches, read at scrape time.
+    supervisor = SimpleNamespace(
+        watches={
+            "decode-0": Watch("decode-0", Role.DECODE, Health.SERVING, restarts=2),
+            "prefill-0": Watch("prefill-0", Role.PREFILL, Health.GIVEN_UP, restarts=5),
+        }
+    )
     collectors = {
+        "supervisor": SupervisorCollector(supervisor),
         "router": RouterCollector(routing),
         "prefill": NodeCollector(
             node_info(), engine, heartbeat, prefill.counters, prefill.histograms
@@ -139,6 +149,7 @@ def test_promtool_accepts_rules_and_expositions(tmp_path):
 D0 = 'instance="d0:1",job="pdserve-decode",role="decode",node="decode-0"'
 D1 = 'instance="d1:1",job="pdserve-decode",role="decode",node="decode-1"'
 ROUTER = 'instance="r:1",job="pdserve-router"'
+SUP = 'instance="s:1",job="pdserve-supervisor"'
 ALERT_TESTS = f"""
 evaluation_interval: 15s
 tests:
@@ -239,6 +250,26 @@ tests:
         alertname: PdserveTargetDown
         exp_alerts:
           - exp_labels: {{severity: critical, instance: "d0:1", job: pdserve-decode}}
+  # pdserve up restarted decode-0 three times in three minutes, decode-1 never;
+  # it gave up on prefill-1.
+  - interval: 1m
+    input_series:
+      - {{series: 'pdserve_supervisor_restarts_total{{{SUP},component="decode-0"}}', values: '0 1 2 3x10'}}
+      - {{series: 'pdserve_supervisor_restarts_total{{{SUP},component="decode-1"}}', values: '0x12'}}
+      - {{series: 'pdserve_supervisor_given_up{{{SUP},component="prefill-1"}}', values: '0 0 1x10'}}
+      - {{series: 'pdserve_supervisor_given_up{{{SUP},component="decode-0"}}', values: '0x12'}}
+    alert_rule_test:
+      - {{eval_time: 1m, alertname: PdserveComponentCrashLooping, exp_alerts: []}}
+      - eval_time: 4m
+        alertname: PdserveComponentCrashLooping
+        exp_alerts:
+          - exp_labels: {{severity: warning, instance: "s:1", job: pdserve-supervisor,
+                         component: decode-0}}
+      - eval_time: 3m
+        alertname: PdserveComponentGivenUp
+        exp_alerts:
+          - exp_labels: {{severity: critical, instance: "s:1", job: pdserve-supervisor,
+                         component: prefill-1}}
   # Two preemptions a second for 10 minutes; one checksum mismatch.
   - interval: 1m
     input_series:
