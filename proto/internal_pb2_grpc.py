@@ -6,7 +6,7 @@ import warnings
 from proto import internal_pb2 as proto_dot_internal__pb2
 from proto import pdserve_pb2 as proto_dot_pdserve__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
