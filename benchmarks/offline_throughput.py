@@ -52,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--gemv-backend", default="auto", choices=["auto", "triton", "torch"])
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int)
@@ -110,6 +111,7 @@ def run_pdserve(model_dir: Path, args, prompts, out_lens) -> dict[str, Any]:
         device=args.device,
         dtype=args.dtype,
         attention_backend=args.attention_backend,
+        gemv_backend=args.gemv_backend,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -139,6 +141,7 @@ def run_pdserve(model_dir: Path, args, prompts, out_lens) -> dict[str, Any]:
         "output_tok_per_s": produced / elapsed,
         "total_tok_per_s": (produced + sum(map(len, prompts))) / elapsed,
         "attention_backend": runner.attention_backend.name.value,
+        "gemv_backend": args.gemv_backend,
         "dtype": str(runner.dtype).removeprefix("torch."),
         "device": str(runner.device),
         "num_kvcache_blocks": runner.num_kvcache_blocks,
