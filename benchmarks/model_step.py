@@ -53,6 +53,24 @@ def make_runner(shape: str, tmp: str, args, max_model_len: int, num_blocks: int,
     return ModelRunner(config, frozenset())
 
 
+def decode_step(runner, inputs, batch: int):
+    """One decode step as the engine runs it: the captured graph when one fits
+    (else eager), the logits and greedy sampling."""
+    from engine.layers.sampler import SamplingRow
+    from engine.sampling_params import SamplingParams
+
+    greedy = [SamplingRow(SamplingParams(temperature=0), [1], 1, None, [])] * batch
+
+    def step():
+        if runner.graphs is not None and runner.graphs.can_run(inputs):
+            hidden = runner.graphs.run(inputs)
+        else:
+            hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
+        runner.sampler(runner.model.compute_logits(hidden), greedy)
+
+    return step
+
+
 def weight_bytes_read(runner) -> int:
     """Parameter bytes one decode step reads (an untied input embedding is only gathered)."""
     model = runner.model
@@ -87,9 +105,6 @@ def decode(args, copy_bw) -> list[dict[str, Any]]:
 def decode_shape(args, shape: str, tmp: str, copy_bw: float) -> list[dict[str, Any]]:
     import torch
 
-    from engine.layers.sampler import SamplingRow
-    from engine.sampling_params import SamplingParams
-
     batches = [int(b) for b in args.batches.split(",")]
     ctx = args.context
     blocks_per_seq = -(-(ctx + 1) // 16)
@@ -102,15 +117,7 @@ def decode_shape(args, shape: str, tmp: str, copy_bw: float) -> list[dict[str, A
     for batch in batches:
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
         inputs = runner.build_inputs([[1] * (ctx + 1)] * batch, [ctx] * batch, [1] * batch, tables)
-        greedy = [SamplingRow(SamplingParams(temperature=0), [1], 1, None, [])] * batch
-
-        def step():
-            if runner.graphs is not None and runner.graphs.can_run(inputs):
-                hidden = runner.graphs.run(inputs)
-            else:
-                hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
-            runner.sampler(runner.model.compute_logits(hidden), greedy)
-
+        step = decode_step(runner, inputs, batch)
         with torch.inference_mode():
             ms = cuda_time_ms(step, warmup=3, iters=20)
         kv_bytes = (

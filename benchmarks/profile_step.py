@@ -47,9 +47,7 @@ def kernels(args) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.model_step import make_runner
-    from engine.layers.sampler import SamplingRow
-    from engine.sampling_params import SamplingParams
+    from benchmarks.model_step import decode_step, make_runner
 
     ns = argparse.Namespace(
         backend=args.backend,
@@ -63,15 +61,8 @@ def kernels(args) -> dict[str, Any]:
         runner = make_runner(args.shape, tmp, ns, ctx + 16, batch * blocks_per_seq + 1, batch)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
     inputs = runner.build_inputs([[1] * (ctx + 1)] * batch, [ctx] * batch, [1] * batch, tables)
-    greedy = [SamplingRow(SamplingParams(temperature=0), [1], 1, None, [])] * batch
     on_cuda = runner.device.type == "cuda"
-
-    def step():
-        if runner.graphs is not None and runner.graphs.can_run(inputs):
-            hidden = runner.graphs.run(inputs)
-        else:
-            hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
-        runner.sampler(runner.model.compute_logits(hidden), greedy)
+    step = decode_step(runner, inputs, batch)
 
     def sync():
         if on_cuda:

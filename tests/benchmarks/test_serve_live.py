@@ -127,8 +127,13 @@ def test_requests_after_a_drain_are_counted_as_failures(cluster, demo_model_dir)
         async def go():
             backend = GrpcBackend(cluster.router_address, SamplingOptions(timeout_s=120))
             try:
-                # 4 req/s: 16 requests over about 4 s, most of them after the drain.
-                return await run_rate(backend, dataset, 4.0, seed=1, on_done=on_done)
+                # One at a time, so that the requests after the third are sent
+                # after the drain however slow the host is (at 4 req/s and no
+                # bound, a loaded 2-core host had sent all 16 before the third
+                # answer came back, and none failed).
+                return await run_rate(
+                    backend, dataset, 4.0, max_concurrency=1, seed=1, on_done=on_done
+                )
             finally:
                 await backend.close()
 
