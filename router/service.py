@@ -19,15 +19,15 @@ from router.access_log import AccessEntry, log_access
 from router.frontend import Frontend
 from router.migration import Seam, StreamProgress, held_back, migratable
 from router.policy import NoRoute
+from router.relay import node_messages
 from router.routing import Routing
 from router.stats import RequestTrace
 
 logger = logging.getLogger(__name__)
 
-# A stream silent this long has its decode node probed (grpc.health.v1 Check);
-# a node that does not answer within PROBE_TIMEOUT_S is taken for stalled. One
-# probe per node serves every silent stream on it for PROBE_TTL_S.
-SILENCE_CHECK_S = 1.0
+# A stream silent for router.relay.SILENCE_CHECK_S has its decode node probed
+# (grpc.health.v1 Check); a node that does not answer within PROBE_TIMEOUT_S is
+# taken for stalled. One probe per node serves every silent stream on it for PROBE_TTL_S.
 PROBE_TIMEOUT_S = 2.0
 PROBE_TTL_S = 1.0
 # A client whose deadline passes cancels its stream; our copy of the deadline
@@ -281,7 +281,16 @@ class _Attempt:
         )
         trace = self.trace
         try:
-            async with contextlib.aclosing(self._watched(call, route.decode)) as messages:
+            node = route.decode
+            messages = node_messages(
+                call,
+                node.node_id,
+                lambda: self.servicer.node_responsive(node.address),
+                # A stop string across a migration's seam ends the stream at a message:
+                # keep the node's messages apart while the seam is open.
+                coalesce=lambda: self.progress.seam is None or not self.progress.seam.open,
+            )
+            async with contextlib.aclosing(messages):
                 async for response in messages:
                     self.received = True
                     now = time.monotonic()
@@ -312,33 +321,6 @@ class _Attempt:
         finally:
             call.cancel()  # a no-op once the stream ended; else the client left
             self.routing.inflight.finish(dispatch)
-
-    async def _watched(self, call, node):
-        """The call's messages; when none has come for a while, a decode node
-        that no longer answers fails the stream with UNAVAILABLE (a stalled
-        process keeps its connection open, so the transport never notices)."""
-        read = asyncio.ensure_future(call.read())
-        try:
-            while True:
-                done, _ = await asyncio.wait({read}, timeout=SILENCE_CHECK_S)
-                if not done:
-                    if not await self.servicer.node_responsive(node.address):
-                        call.cancel()
-                        raise grpc.aio.AioRpcError(
-                            grpc.StatusCode.UNAVAILABLE,
-                            grpc.aio.Metadata(),
-                            grpc.aio.Metadata(),
-                            details=f"decode node {node.node_id} stopped answering mid-request",
-                        )
-                    continue
-                response = read.result()
-                if response is grpc.aio.EOF:
-                    return
-                yield response
-                read = asyncio.ensure_future(call.read())
-        finally:
-            if not read.done():
-                read.cancel()
 
     def decode_unreachable(self) -> bool:
         # A decode node answers UNAVAILABLE itself only to name a failed prefill

@@ -1,0 +1,285 @@
+"""The router alone under load: its CPU per request and per streamed token, both encodings.
+
+    python benchmarks/router_relay.py                  # gRPC and HTTP, a few thousand streams
+    python benchmarks/router_relay.py --ttft-only      # TTFT added by the router at low load
+
+Real processes: Redis, the router (`pdserve router`, with its OpenAI HTTP port)
+and a fake decode node: a real gRPC server in its own process serving the
+internal DecodeNode API and registered in Redis like a node, which answers
+every request at once with ``--output-len`` messages of one token each (what
+a decode node sends, one message per engine step) and no model behind it. The
+model is out of the picture, so what is measured is the router's own work:
+
+- load: `pdserve bench serve` streams ``--num-prompts`` requests at
+  ``--max-concurrency``, once over gRPC and once over HTTP (/v1/completions,
+  stream); the router's CPU seconds (user + system, from /proc) during each
+  sweep, divided by the requests and by the tokens streamed. The inverse is the
+  token rate one router core sustains.
+- ttft: sequential one-token requests, alternately through the router and
+  straight to the fake node's Decode; the p50 difference is what the router
+  and its extra hop add to a request's time to first token.
+
+A JSON record goes to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import command_line, environment, write_record
+from pdserve.redis_server import RedisServer, free_port
+
+NODE_ID = "fake-decode-0"
+
+
+# --------------------------------------------------------------- the fake node
+async def fake_node(
+    redis_url: str, port: int, model_id: str, block_size: int, interval_s: float
+) -> None:
+    import grpc
+
+    from common.cluster import Cluster, NodeInfo, NodeRole
+    from proto import internal_pb2_grpc, pdserve_pb2
+
+    class Servicer(internal_pb2_grpc.DecodeNodeServicer):
+        async def Decode(self, request, context):
+            n = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
+            for i in range(n):
+                response = pdserve_pb2.GenerateResponse(request_id=request.request_id)
+                response.deltas.add(index=0, text=" tok", token_ids=[100 + i % 1000])
+                if i == n - 1:
+                    response.final.completions.add(
+                        index=0, finish_reason=pdserve_pb2.FINISH_REASON_LENGTH
+                    )
+                    response.final.usage.prompt_tokens = len(request.prompt_token_ids)
+                    response.final.usage.completion_tokens = n
+                yield response
+                if interval_s:
+                    await asyncio.sleep(interval_s)  # one engine step
+
+    server = grpc.aio.server()
+    internal_pb2_grpc.add_DecodeNodeServicer_to_server(Servicer(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    cluster = Cluster.from_url(redis_url)
+    info = NodeInfo(
+        NODE_ID,
+        NodeRole.DECODE,
+        f"127.0.0.1:{port}",
+        model_id,
+        block_size,
+        kv_blocks_total=1 << 20,
+        kv_blocks_free=1 << 20,
+        max_num_seqs=4096,
+    )
+    while True:
+        await cluster.heartbeat(info)
+        await asyncio.sleep(0.5)
+
+
+# ---------------------------------------------------------------- measurement
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def sweep(args, router_pid: int, node_pid: int, target: list[str], label: str, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--label", label, *target]
+    cmd += ["--dataset", "random", "--random-input-len", str(args.input_len)]
+    cmd += ["--random-output-len", str(args.output_len), "--ignore-eos"]
+    cmd += ["--vocab-size", "1000", "--num-prompts", str(args.num_prompts)]
+    cmd += ["--max-concurrency", str(args.max_concurrency), "--request-rate", "inf"]
+    cmd += ["--result-dir", str(out), "--no-plot", "--no-progress", "--num-warmups", "16"]
+    before = set(out.glob("*.json"))
+    cpu0, node0 = cpu_seconds(router_pid), cpu_seconds(node_pid)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    cpu = cpu_seconds(router_pid) - cpu0
+    node_cpu = cpu_seconds(node_pid) - node0
+    (path,) = set(out.glob("*.json")) - before
+    (rate,) = json.loads(path.read_text())["rates"]
+    if rate["failed"]:
+        raise RuntimeError(f"{label}: {rate['failed']} requests failed: {rate['errors']}")
+    tokens = rate["total_output_tokens"]
+    # Warm-up requests ran inside the CPU window too: count their tokens.
+    requests = rate["completed"] + 16
+    tokens += 16 * args.output_len
+    row = {
+        "encoding": label,
+        "requests": requests,
+        "tokens": tokens,
+        "router_cpu_s": cpu,
+        "router_cpu_us_per_token": cpu / tokens * 1e6,
+        "router_cpu_us_per_request": cpu / requests * 1e6,
+        "tokens_per_router_cpu_second": tokens / cpu,
+        "wall_output_tok_per_s": rate["output_throughput"],
+        # The fake node: a bare gRPC server streaming the same messages, for scale.
+        "fake_node_cpu_us_per_token": node_cpu / tokens * 1e6,
+    }
+    print(
+        f"{label:5s}: {requests} streams x {args.output_len} tokens; router CPU {cpu:.2f} s = "
+        f"{row['router_cpu_us_per_token']:.1f} us/token, {row['router_cpu_us_per_request']:.0f} "
+        f"us/request -> {row['tokens_per_router_cpu_second']:,.0f} tokens per router CPU-second "
+        f"(wall {rate['output_throughput']:,.0f} tok/s); the fake node (a bare gRPC stream) "
+        f"{row['fake_node_cpu_us_per_token']:.1f} us/token",
+        flush=True,
+    )
+    return row
+
+
+async def ttft(args, router_address: str, node_address: str) -> dict:
+    import grpc
+
+    from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
+
+    prompt = list(range(1, args.input_len + 1))
+    sampling = pdserve_pb2.SamplingParams(max_tokens=1, temperature=0.0)
+    async with (
+        grpc.aio.insecure_channel(router_address) as rc,
+        grpc.aio.insecure_channel(node_address) as nc,
+    ):
+        router = pdserve_pb2_grpc.RouterStub(rc)
+        node = internal_pb2_grpc.DecodeNodeStub(nc)
+
+        async def via_router() -> float:
+            start = time.perf_counter()
+            request = pdserve_pb2.GenerateRequest(sampling=sampling)
+            request.token_ids.ids.extend(prompt)
+            async for _ in router.Generate(request):
+                return time.perf_counter() - start
+            raise RuntimeError("no response")
+
+        async def direct(i: int) -> float:
+            start = time.perf_counter()
+            request = internal_pb2.DecodeRequest(
+                request_id=f"d{i}", prompt_token_ids=prompt, sampling=sampling
+            )
+            async for _ in node.Decode(request):
+                return time.perf_counter() - start
+            raise RuntimeError("no response")
+
+        for i in range(20):  # warm both paths (channels, caches)
+            await via_router()
+            await direct(i)
+        r, d = [], []
+        for i in range(args.ttft_requests):
+            r.append(await via_router())
+            d.append(await direct(i))
+    row = {
+        "requests": args.ttft_requests,
+        "prompt_tokens": args.input_len,
+        "router_ttft_p50_ms": statistics.median(r) * 1e3,
+        "direct_ttft_p50_ms": statistics.median(d) * 1e3,
+    }
+    row["router_added_p50_ms"] = row["router_ttft_p50_ms"] - row["direct_ttft_p50_ms"]
+    print(
+        f"TTFT p50 over {args.ttft_requests} one-token requests of {args.input_len} prompt tokens: "
+        f"through the router {row['router_ttft_p50_ms']:.3f} ms, straight to the node "
+        f"{row['direct_ttft_p50_ms']:.3f} ms: the router adds {row['router_added_p50_ms']:.3f} ms",
+        flush=True,
+    )
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--num-prompts", type=int, default=2000)
+    p.add_argument("--max-concurrency", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--ttft-requests", type=int, default=300)
+    p.add_argument("--ttft-only", action="store_true")
+    p.add_argument("--encodings", default="grpc,http")
+    p.add_argument("--out-dir", type=Path)
+    p.add_argument(
+        "--token-interval-ms",
+        type=float,
+        default=0.0,
+        help="the fake node's time between a stream's tokens (0: as fast as it can)",
+    )
+    p.add_argument("--fake-node", nargs=5, metavar=("REDIS", "PORT", "MODEL_ID", "BLOCK", "MS"))
+    args = p.parse_args(argv)
+    if args.fake_node:
+        url, port, model_id, block, ms = args.fake_node
+        asyncio.run(fake_node(url, int(port), model_id, int(block), float(ms) / 1e3))
+        return {}
+    from engine.models.shapes import write_shape_dir
+
+    results: dict = {"parameters": vars(args) | {"out_dir": None}}
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory() as tmp, RedisServer() as redis:
+        model_dir = write_shape_dir("smollm2-135m", Path(tmp) / "model")
+        node_port, port, admin, http = free_port(), free_port(), free_port(), free_port()
+        try:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--fake-node", redis.url, str(node_port)]
+                    + [model_dir.name, "16", str(args.token_interval_ms)]
+                )
+            )
+            router_cmd = [sys.executable, "-m", "pdserve.cli", "router", "--model", str(model_dir)]
+            router_cmd += ["--redis-url", redis.url, "--port", str(port), "--host", "127.0.0.1"]
+            router_cmd += ["--admin-port", str(admin), "--http-port", str(http)]
+            router_cmd += ["--skip-tokenizer-init", "--no-access-log", "--metrics-port", "0"]
+            router = subprocess.Popen(router_cmd)
+            procs.append(router)
+            address = f"127.0.0.1:{port}"
+            _wait_routable(address)
+            results["ttft"] = asyncio.run(ttft(args, address, f"127.0.0.1:{node_port}"))
+            if not args.ttft_only:
+                sweeps = []
+                out = Path(tmp) / "records"
+                out.mkdir()
+                for enc in args.encodings.split(","):
+                    target = (
+                        ["--backend", "grpc", "--address", address]
+                        if enc == "grpc"
+                        else ["--backend", "openai", "--base-url", f"http://127.0.0.1:{http}"]
+                    )
+                    sweeps.append(sweep(args, router.pid, procs[0].pid, target, enc, out))
+                results["load"] = sweeps
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    record = {"environment": environment(), "results": results}
+    path, _ = write_record(
+        "router_relay", record, command_line("router_relay.py", argv), args.out_dir
+    )
+    print(f"record: {path}")
+    return results
+
+
+def _wait_routable(address: str, timeout_s: float = 60) -> None:
+    """Until a one-token request goes through (the router has seen the node)."""
+    from proto.client import generate
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            for _ in generate(address, token_ids=[1, 2, 3], max_tokens=1, timeout=5):
+                pass
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Reading a decode node's stream for the router: a silence watch, and coalescing.
+
+Life of one Decode stream here: a reader task takes the node's messages off the
+call as they come and queues them; the relay takes everything queued at once
+and hands it on as ONE message (``merge``); a watch task wakes once a second
+and, when the stream has been silent that long, asks the node whether it is
+alive (``responsive``), failing the stream with UNAVAILABLE if it does not
+answer (a SIGSTOPped process keeps its connection open, so the transport never
+notices).
+
+Why coalesce: every gRPC message costs the router a read and a write, each
+about what a bare gRPC server spends on the message (benchmarks/router_relay.py
+measures both), and the Python work of the relay comes on top. While the
+router keeps up, each node message goes out alone, as before (one per engine
+step). When it falls behind, the messages that arrived meanwhile leave as one,
+so a busy router sends fewer, larger messages instead of queueing ever more
+work; vLLM's API server merges a request's outputs the same way when its
+client side is slower than the engine. Merged deltas keep their order: text
+concatenated, token ids and logprobs appended, the Final from the last.
+
+Why a watch task rather than a timeout on every read: a timed wait per message
+is a task, a timer and a future per token; the watch is one sleeping task per
+stream and a timestamp per message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from proto import pdserve_pb2
+
+# A stream silent this long has its decode node probed.
+SILENCE_CHECK_S = 1.0
+
+
+def merge(responses: list[pdserve_pb2.GenerateResponse]) -> pdserve_pb2.GenerateResponse:
+    """Several consecutive messages of one stream as one (the first, extended in place)."""
+    out = responses[0]
+    if len(responses) == 1:
+        return out
+    by_index = {d.index: d for d in out.deltas}
+    for response in responses[1:]:
+        for delta in response.deltas:
+            mine = by_index.get(delta.index)
+            if mine is None:
+                mine = by_index[delta.index] = out.deltas.add(index=delta.index)
+            mine.text += delta.text
+            mine.token_ids.extend(delta.token_ids)
+            mine.logprobs.extend(delta.logprobs)
+        if response.HasField("final"):
+            out.final.CopyFrom(response.final)
+    return out
+
+
+async def node_messages(
+    call,
+    node_id: str,
+    responsive: Callable[[], Awaitable[bool]],
+    coalesce: Callable[[], bool] = lambda: True,
+    silence_s: float = SILENCE_CHECK_S,
+) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+    """The call's messages, merged while they queue up (when ``coalesce()``).
+    Raises grpc.aio.AioRpcError: the call's own, or UNAVAILABLE when the stream
+    went silent and the node did not answer ``responsive()``."""
+    loop = asyncio.get_running_loop()
+    queued: deque = deque()
+    arrived = asyncio.Event()
+    last = loop.time()
+    ended = False
+    error: BaseException | None = None
+    stalled = False
+
+    async def read() -> None:
+        nonlocal last, ended, error
+        try:
+            while (message := await call.read()) is not grpc.aio.EOF:
+                queued.append(message)
+                last = loop.time()
+                arrived.set()
+        except BaseException as e:  # the call's failure (or our cancel): the relay raises it
+            error = e
+        finally:
+            ended = True
+            arrived.set()
+
+    async def watch() -> None:
+        nonlocal stalled
+        while not ended:
+            quiet = loop.time() - last
+            if quiet < silence_s:
+                await asyncio.sleep(silence_s - quiet)
+                continue
+            if not await responsive():
+                stalled = True
+                call.cancel()
+                reader.cancel()
+                return
+            await asyncio.sleep(silence_s)
+
+    reader = asyncio.ensure_future(read())
+    watcher = asyncio.ensure_future(watch())
+    try:
+        while True:
+            if not queued:
+                if ended:
+                    break
+                arrived.clear()
+                await arrived.wait()
+                continue
+            if len(queued) == 1 or not coalesce():
+                yield queued.popleft()
+            else:
+                batch = list(queued)
+                queued.clear()
+                yield merge(batch)
+        if stalled:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                details=f"decode node {node_id} stopped answering mid-request",
+            )
+        if error is not None:
+            raise error
+    finally:
+        for task in (reader, watcher):
+            task.cancel()
+        for task in (reader, watcher):
+            with contextlib.suppress(BaseException):
+                await task

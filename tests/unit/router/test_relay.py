@@ -1,0 +1,150 @@
+"""router/relay.py: messages that queued up while the router was busy leave as
+one (order kept, the Final from the last), alone otherwise, never while a
+migration seam asks for them apart; a silent stream whose node does not answer
+fails UNAVAILABLE; the call's own error passes through."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from proto import pdserve_pb2
+from router.relay import merge, node_messages
+
+
+def message(tokens: list[int], text: str, final: bool = False, index: int = 0):
+    m = pdserve_pb2.GenerateResponse(request_id="r")
+    d = m.deltas.add(index=index, text=text)
+    d.token_ids.extend(tokens)
+    for t in tokens:
+        d.logprobs.add(token_id=t, logprob=-float(t))
+    if final:
+        m.final.usage.completion_tokens = 99
+    return m
+
+
+def test_merge_keeps_order_per_index_and_takes_the_last_final():
+    out = merge(
+        [
+            message([1], "a"),
+            message([7], "x", index=1),
+            message([2, 3], "bc"),
+            message([4], "d", final=True),
+        ]
+    )
+    by = {d.index: d for d in out.deltas}
+    assert list(by[0].token_ids) == [1, 2, 3, 4] and by[0].text == "abcd"
+    assert [lp.token_id for lp in by[0].logprobs] == [1, 2, 3, 4]
+    assert list(by[1].token_ids) == [7] and by[1].text == "x"
+    assert out.HasField("final") and out.final.usage.completion_tokens == 99
+
+
+class FakeCall:
+    """The read side of a grpc.aio stream, fed by the test."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+
+    async def read(self):
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+async def alive() -> bool:
+    return True
+
+
+def test_alone_while_keeping_up_merged_when_behind_apart_when_asked():
+    async def go():
+        call = FakeCall()
+        coalesce = [True]
+        got = []
+        stream = node_messages(call, "d0", alive, coalesce=lambda: coalesce[0])
+        call.queue.put_nowait(message([1], "a"))
+        got.append(await stream.__anext__())  # one queued: it leaves alone
+        for t in (2, 3, 4):
+            call.queue.put_nowait(message([t], str(t)))
+        await asyncio.sleep(0.01)  # the reader queues all three meanwhile
+        got.append(await stream.__anext__())
+        coalesce[0] = False
+        for t in (5, 6):
+            call.queue.put_nowait(message([t], str(t)))
+        await asyncio.sleep(0.01)
+        got.append(await stream.__anext__())
+        got.append(await stream.__anext__())
+        call.queue.put_nowait(grpc.aio.EOF)
+        rest = [m async for m in stream]
+        return got, rest
+
+    got, rest = asyncio.run(go())
+    assert [list(m.deltas[0].token_ids) for m in got] == [[1], [2, 3, 4], [5], [6]]
+    assert rest == []
+
+
+def test_a_silent_stream_on_a_dead_node_fails_unavailable():
+    async def go():
+        call = FakeCall()
+
+        async def dead() -> bool:
+            return False
+
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in node_messages(call, "d7", dead, silence_s=0.05):
+                pass
+        return call, info.value
+
+    call, err = asyncio.run(go())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert "decode node d7 stopped answering" in err.details()
+    assert call.cancelled
+
+
+def test_a_silent_stream_on_a_live_node_keeps_waiting():
+    async def go():
+        call = FakeCall()
+        probes = []
+
+        async def live() -> bool:
+            probes.append(1)
+            return True
+
+        async def later():
+            await asyncio.sleep(0.2)
+            call.queue.put_nowait(message([9], "z", final=True))
+            call.queue.put_nowait(grpc.aio.EOF)
+
+        feeder = asyncio.ensure_future(later())
+        out = [m async for m in node_messages(call, "d1", live, silence_s=0.05)]
+        await feeder
+        return out, probes
+
+    out, probes = asyncio.run(go())
+    assert [list(m.deltas[0].token_ids) for m in out] == [[9]]
+    assert len(probes) >= 2  # probed while silent, and the stream went on
+
+
+def test_the_calls_own_error_passes_through():
+    async def go():
+        call = FakeCall()
+        boom = grpc.aio.AioRpcError(
+            grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), details="boom"
+        )
+        call.queue.put_nowait(message([1], "a"))
+        call.queue.put_nowait(boom)
+        seen = []
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for m in node_messages(call, "d2", alive):
+                seen.append(m)
+        return seen, info.value
+
+    seen, err = asyncio.run(go())
+    assert err.code() == grpc.StatusCode.INTERNAL
+    assert [list(m.deltas[0].token_ids) for m in seen] == [[1]]
