@@ -44,12 +44,14 @@ def run_up(
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     metrics = None
+    launched = False
     try:
         try:
             cluster.launch(progress=say)
         except RuntimeError as e:  # Redis did not start
             say(f"pdserve: error: {e}")
             return 1
+        launched = True
         supervisor = Supervisor(cluster, config, say=say)
         port = cluster.metrics_ports.get("supervisor", 0)
         if port:
@@ -61,7 +63,10 @@ def run_up(
             return outcome.code
         return 0
     finally:
-        say("stopping...")
+        # Before the launch (a port already taken) the error is the one line the
+        # user sees: nothing was started, so nothing is said to be stopping.
+        if launched:
+            say("stopping...")
         cluster.stop()
         if metrics is not None:
             metrics.close()
