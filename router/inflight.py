@@ -4,8 +4,14 @@ Heartbeats are up to one interval old, and a node may report wrongly (a bug,
 a restart, a lie). The router therefore counts what it sent each node itself:
 the policy adds what it sent since the node's last report to that report, and
 never believes a report below its own count (router/policy.py). Several
-routers need nothing more to balance: each keeps its own share even, so the
-sum is even too.
+routers share nothing else: each keeps its own share even, and sees the
+others' only through the nodes' reports. A burst sent through several routers
+at once can therefore lean: when one node's report already shows another
+router's latest requests and its peer's does not yet, every router favours
+the same node until the next heartbeat (24 requests through 2 routers onto 2
+decode nodes split 12/12 most often, up to 9/15 on a loaded 2-core host).
+Counting every router's in-flight requests in Redis would remove that; not
+done.
 
 Times are this process's monotonic clock; a report's time is placed on it from
 its age on the Redis server's clock (ClusterView.age_ms), so host clock skew

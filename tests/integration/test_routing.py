@@ -210,7 +210,11 @@ def test_two_routers_under_the_same_load_place_evenly(up):
     with ThreadPoolExecutor(24) as pool:
         placed = Counter(pool.map(one, range(24)))
     assert sum(placed.values()) == 24
-    assert abs(placed["decode-0"] - placed["decode-1"]) <= 4, placed
+    # Each router keeps its own share even; what one router sent shows in the
+    # other's view only with the nodes' next heartbeats, and for a moment both
+    # can lean toward the same node (router/inflight.py). Bursts like this one
+    # on the 2-core VM split 12/12 most often and up to 9/15 (46 measured).
+    assert abs(placed["decode-0"] - placed["decode-1"]) <= 6, placed
     # Each replica's own statistics account for its 12 requests.
     for admin, earlier in zip(up.admins, before, strict=True):
         s = pdctl_json(admin, "stats")
