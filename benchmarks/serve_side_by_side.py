@@ -80,7 +80,7 @@ def bench(args, label: str, target: list[str], workload: str, out: Path) -> None
 def run_pdserve(args, out: Path) -> None:
     from pdserve.launcher import ClusterSpec, LocalCluster
 
-    has_http = (
+    has_http = args.http and (
         "--http-port"
         in subprocess.run(
             [sys.executable, "-m", "pdserve.cli", "router", "--help"],
@@ -198,6 +198,12 @@ def main(argv: list[str] | None = None) -> None:
         "--time-budget", type=float, default=580, help="seconds for everything (device limit 600)"
     )
     p.add_argument("--pdserve-engine-args", default="", help="e.g. '--attention-backend fa4'")
+    p.add_argument(
+        "--http",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pdserve's HTTP sweep too (--no-http: gRPC only, where FastAPI is not installed)",
+    )
     p.add_argument("--vllm-args", default="--gpu-memory-utilization 0.9 --max-num-seqs 256")
     args = p.parse_args(argv)
     args.deadline = time.monotonic() + args.time_budget

@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 import socket
+import sys
 from typing import Any
 
 from common.metrics.server import add_metrics_arguments
@@ -69,6 +70,25 @@ def add_engine_flags(parser: Any) -> None:
         help="no tokenizer: token ids in, token ids out (dummy-weight models) "
         "[PDSERVE_SKIP_TOKENIZER_INIT=1]",
     )
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=_on_off(engine_env_name("async_scheduling")),
+        help="prepare step N+1 while the GPU runs step N (default: on with CUDA); "
+        "off gives a new request's first token about one decode step sooner and "
+        "costs throughput (docs/performance.md) [PDSERVE_ASYNC_SCHEDULING=1|0]",
+    )
+
+
+def _on_off(var: str) -> bool | None:
+    """A switch's variable: 1 or 0, unset or empty for the engine's default."""
+    value = os.environ.get(var, "")
+    if value not in ("", "0", "1"):
+        # Exit 2, as argparse does for a bad flag: pdserve up reads it as a
+        # configuration error and does not restart the component.
+        print(f"error: {var} must be 1 or 0, got {value!r}", file=sys.stderr)
+        raise SystemExit(2)
+    return None if value == "" else value == "1"
 
 
 def engine_kwargs(args: Any) -> dict[str, Any]:
@@ -76,6 +96,8 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
     for flag in ("enforce_eager", "skip_tokenizer_init"):
         if getattr(args, flag, None):
             out[flag] = True
+    if getattr(args, "async_scheduling", None) is not None:
+        out["async_scheduling"] = args.async_scheduling
     return out
 
 

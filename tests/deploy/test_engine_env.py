@@ -54,3 +54,19 @@ def test_router_shares_block_size_and_max_model_len():
     assert (ns.kvcache_block_size, ns.max_model_len) == (32, 4096)
     ns, _ = parse_component("router", [], {"PDSERVE_MAX_MODEL_LEN": ""})
     assert ns.max_model_len is None
+
+
+def test_async_scheduling_by_flag_or_variable():
+    ns, _ = parse_component("decode", ["--no-async-scheduling"], {})
+    assert engine_kwargs(ns) == {"async_scheduling": False}
+    ns, _ = parse_component("prefill", [], {"PDSERVE_ASYNC_SCHEDULING": "1"})
+    assert engine_kwargs(ns) == {"async_scheduling": True}
+    ns, _ = parse_component("decode", ["--no-async-scheduling"], {"PDSERVE_ASYNC_SCHEDULING": "1"})
+    assert engine_kwargs(ns) == {"async_scheduling": False}  # the flag wins
+
+
+def test_a_bad_switch_value_is_a_configuration_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_component("decode", [], {"PDSERVE_ASYNC_SCHEDULING": "yes"})
+    assert info.value.code == 2
+    assert "PDSERVE_ASYNC_SCHEDULING must be 1 or 0" in capsys.readouterr().err
