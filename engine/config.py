@@ -7,6 +7,7 @@ string values (``attention_backend="torch"``), as vLLM's does.
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import os
 from dataclasses import dataclass, field, fields
@@ -15,6 +16,7 @@ from typing import Any
 
 from engine.layers.specs import AttentionBackendName, GemvBackend
 from engine.models.config import ModelArchConfig
+from engine.parallel.layout import check_tensor_parallel_size
 
 logger = logging.getLogger(__name__)
 
@@ -140,11 +142,13 @@ class EngineConfig:
         self.dtype = _DTYPE_ALIASES[self.dtype]
         _require_int("seed", self.seed, 0, 2**63 - 1)
         _require_int("tensor_parallel_size", self.tensor_parallel_size)
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size must be 1 (tensor parallelism is not supported yet); "
-                f"got {self.tensor_parallel_size}"
-            )
+        mc = self.model_config
+        check_tensor_parallel_size(
+            self.tensor_parallel_size,
+            mc.num_attention_heads,
+            mc.num_key_value_heads,
+            mc.intermediate_size,
+        )
         if self.kvcache_block_size not in ALLOWED_BLOCK_SIZES:
             raise ValueError(
                 f"kvcache_block_size must be one of {ALLOWED_BLOCK_SIZES}; "
@@ -213,6 +217,20 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls) if f.init]
+
+    def to_json(self) -> str:
+        """The fields as JSON (Enums by value): how a tensor-parallel rank's
+        process receives its engine's configuration, without pickle."""
+        plain = {
+            name: (v.value if isinstance(v := getattr(self, name), enum.Enum) else v)
+            for name in self.field_names()
+        }
+        return json.dumps(plain)
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        kwargs = json.loads(text)
+        return cls.from_kwargs(kwargs.pop("model"), **kwargs)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from dataclasses import dataclass
 
 from engine.async_step import InFlightStep
@@ -36,6 +37,7 @@ from engine.kv_writes import KVWriteObserver
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.parallel.workers import TensorParallelError, TPWorkers
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus, TokenLogprobs
@@ -85,7 +87,21 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.model_runner = ModelRunner(config, self.eos_token_ids)
+        # Tensor parallelism: ranks 1..t-1 in their own processes, following this
+        # runner's steps (engine/parallel/workers.py).
+        self.tp_workers = (
+            TPWorkers(config, self.eos_token_ids) if config.tensor_parallel_size > 1 else None
+        )
+        try:
+            self.model_runner = ModelRunner(
+                config, self.eos_token_ids, self.tp_workers.group if self.tp_workers else None
+            )
+        except Exception as e:
+            self._raise_if_a_rank_died(e)
+            raise
+        if self.tp_workers is not None:
+            # The followers stop with this engine (gc, interpreter exit, or shutdown()).
+            self._stop_workers = weakref.finalize(self, self.tp_workers.close)
         self.block_manager = BlockManager(
             self.model_runner.num_kvcache_blocks,
             config.kvcache_block_size,
@@ -307,6 +323,10 @@ class LLMEngine:
         return len(self.scheduler.waiting), self.scheduler.num_free_slots
 
     def observe_kv_writes(self, observer: KVWriteObserver | None) -> None:
+        if observer is not None and self.tp_workers is not None:
+            raise ValueError(
+                "streaming KV layer by layer is not supported with tensor_parallel_size > 1 yet"
+            )
         """Prefill node: be told when each layer's KV is written (None: stop)."""
         self.model_runner.kv_observer = observer
 
@@ -361,7 +381,11 @@ class LLMEngine:
             if batch.preempted:
                 return outputs  # memory was reclaimed; the next step admits again
             raise RuntimeError("the scheduler could not schedule any pending sequence")
-        step = self.model_runner.launch(batch, prev, non_blocking=self.async_scheduling)
+        try:
+            step = self.model_runner.launch(batch, prev, non_blocking=self.async_scheduling)
+        except Exception as e:
+            self._raise_if_a_rank_died(e)
+            raise
         self.num_computed_tokens += batch.num_tokens
         # The device runs `step` while the host reads and processes `prev`.
         if prev is not None:
@@ -372,6 +396,26 @@ class LLMEngine:
         else:
             outputs.extend(self._finish_step(step))
         return outputs
+
+    def _raise_if_a_rank_died(self, error: Exception) -> None:
+        """A failed collective because a tensor-parallel rank died: say which."""
+        workers = self.tp_workers
+        if workers is None:
+            return
+        deadline = time.monotonic() + 2.0  # its exit code may lag its closed sockets
+        while not (dead := workers.dead()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if dead:
+            workers.close()
+            raise TensorParallelError(
+                f"a tensor-parallel rank died, the engine cannot go on: {dead}"
+            ) from error
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (a no-op without them); the engine is
+        unusable after."""
+        if self.tp_workers is not None:
+            self.tp_workers.close()
 
     def _finish_step(self, step: InFlightStep) -> list[RequestOutput]:
         """Read a launched step's samples, fill its placeholders, process outputs."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import torch
 
 from engine.async_step import InFlightStep, patch_indices
@@ -26,6 +27,9 @@ from engine.layers.skinny_gemm_plan import plan_model
 from engine.model_io import ModelInputs, PromptTokenLogprob, StepOutput
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.loader import init_dummy_weights, load_weights
+from engine.parallel.group import TPGroup
+from engine.parallel.handoff import Handoff, Logits, StepPlan
+from engine.parallel.layout import TPLayout
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence, TokenLogprobs
@@ -38,17 +42,27 @@ PROMPT_LOGPROBS_SLICE = 1024
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
+    """One rank's model. With tensor parallelism (``tp`` of several ranks) rank
+    0's runner is the engine's: it plans each step and sends the plan to the
+    others (engine/parallel/handoff.py), whose runners ``follow`` it."""
+
+    def __init__(
+        self, config: EngineConfig, eos_token_ids: frozenset[int], tp: TPGroup | None = None
+    ) -> None:
         self.config = config
         self.eos_token_ids = eos_token_ids
         cfg = config.model_config
         self.device = resolve_device(config.device)
+        self.tp = tp if tp is not None else TPGroup.single(self.device)
+        self.handoff = Handoff(self.tp) if self.tp.size > 1 else None
+        self.layout = TPLayout.for_model(cfg, self.tp.rank, self.tp.size)
         self.dtype = resolve_dtype(config.dtype, cfg.torch_dtype, self.device)
         self.block_size = config.kvcache_block_size
         backend_cls = select_backend(config.attention_backend, self.device, self.dtype)
+        # This rank's heads (all of them without tensor parallelism).
         self.attention_backend = backend_cls(
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
+            self.layout.num_local_heads,
+            self.layout.num_local_kv_heads,
             cfg.head_dim,
             cfg.head_dim**-0.5,
             self.block_size,
@@ -57,7 +71,7 @@ class ModelRunner:
         fused = config.fused_ops and self.device.type == "cuda" and _triton_available()
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = DecoderForCausalLM(
-                cfg, self.attention_backend, config.max_model_len, fused_ops=fused
+                cfg, self.attention_backend, config.max_model_len, fused_ops=fused, tp=self.tp
             )
         if config.load_format is LoadFormat.DUMMY:
             init_dummy_weights(self.model, config.seed)
@@ -71,7 +85,8 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}
         self._rows: dict[int, SamplingRow] = {}
         self.staging = HostStaging(self.device)
-        self.num_kvcache_blocks = self._decide_num_blocks()
+        # Every rank holds the same blocks (its heads of them): the smallest pool wins.
+        self.num_kvcache_blocks = self.tp.min_int(self._decide_num_blocks())
         self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
         self.graphs: DecodeGraphs | None = None
         # Told when each layer of a step wrote its KV (a prefill node streaming it).
@@ -96,7 +111,7 @@ class ModelRunner:
             2
             * cfg.num_hidden_layers
             * self.block_size
-            * cfg.num_key_value_heads
+            * self.layout.num_local_kv_heads
             * cfg.head_dim
             * elem
         )
@@ -159,7 +174,7 @@ class ModelRunner:
             cfg.num_hidden_layers,
             num_blocks,
             self.block_size,
-            cfg.num_key_value_heads,
+            self.layout.num_local_kv_heads,
             cfg.head_dim,
             dtype=self.dtype,
             device=self.device,
@@ -271,75 +286,125 @@ class ModelRunner:
             for i, (s, n) in enumerate(zip(seqs, num_new, strict=True))
             if s.num_computed_tokens + n == len(s.token_ids)
         ]
-        extra = []
+        plan = StepPlan(host)
+        if sampling:
+            # A decode step where every row samples reads every hidden row: no gather.
+            if len(sampling) == host.num_tokens:
+                plan.logits = Logits.ALL
+            else:
+                plan.logits = Logits.ROWS
+                plan.logit_rows = host.query_start_loc[1:][sampling] - 1
+        prompt_parts = self._prompt_logprob_parts(seqs, num_new, host.query_start_loc)
+        plan.prompt_slices = [(lo, hi) for _, _, lo, hi in prompt_parts]
         # The previous step's samples that this step's inputs still lack.
         patch = patch_indices(host, seqs, prev)
-        if patch is not None:
-            extra.extend(patch)
-        # A decode step where every row samples reads every hidden row: no gather.
-        gather = bool(sampling) and len(sampling) != host.num_tokens
-        if gather:
-            extra.append(host.query_start_loc[1:][sampling] - 1)
-        inputs, extra_dev = to_model_inputs(host, self.staging, extra)
-        if patch is not None:
-            dest, src = extra_dev[0], extra_dev[1]
-            inputs.input_ids[dest] = prev.sampled_device[src]
+        plan.patched = patch is not None
         # A step whose KV someone streams layer by layer runs eagerly (prefill
         # steps always do; a graph would hide the layers).
         after_layer = self.kv_observer.begin_step(batch) if self.kv_observer else None
-        if after_layer is None and self.graphs is not None and self.graphs.can_run(inputs):
-            hidden = self.graphs.run(inputs)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, after_layer)
+        hidden, logits_of = self._forward(plan, patch, prev, after_layer)
         samples = None
         if sampling:
-            logits = self.model.compute_logits(hidden[extra_dev[-1]] if gather else hidden)
             cached = self._rows.get
             rows = []
             for i in sampling:
                 row = cached(seqs[i].seq_id)
                 rows.append(row if row is not None else self._sampling_row(seqs[i]))
-            samples = self.sampler.sample(logits, rows)
+            samples = self.sampler.sample(logits_of(hidden), rows)
         prompt_logprobs = None
-        qsl = inputs.meta.query_start_loc_cpu
-        for i, (seq, n) in enumerate(zip(seqs, num_new, strict=True)):
-            # Only a chunk that still holds prompt positions has prompt logprobs.
-            if (
-                seq.num_computed_tokens < seq.num_prompt_tokens - 1
-                and seq.params.prompt_logprobs is not None
-                and seq.index == 0
-            ):
-                if prompt_logprobs is None:
-                    prompt_logprobs = [None] * len(seqs)
-                prompt_logprobs[i] = self._prompt_logprobs(seq, n, hidden[qsl[i] : qsl[i + 1]])
+        for row, start, lo, hi in prompt_parts:
+            if prompt_logprobs is None:
+                prompt_logprobs = [[] if p is not None else None for p in self._prompt_rows(seqs)]
+            logits = self.model.compute_logits(hidden[lo:hi])
+            prompt_logprobs[row].extend(self._prompt_logprobs(seqs[row], start, logits))
         return InFlightStep.start(batch, sampling, samples, prompt_logprobs, non_blocking)
 
-    def _prompt_logprobs(
-        self, seq: Sequence, num_new: int, hidden: torch.Tensor
-    ) -> list[PromptTokenLogprob]:
-        start = seq.num_computed_tokens
-        # Position p predicts prompt token p + 1.
-        end = min(start + num_new, seq.num_prompt_tokens - 1)
-        if end <= start:
-            return []
-        entries: list[PromptTokenLogprob] = []
-        # Full-vocabulary fp32 logits for a long chunk would be huge (8k x 152k x 4
-        # bytes = 4.6 GiB): go a slice at a time.
-        for lo in range(start, end, PROMPT_LOGPROBS_SLICE):
-            hi = min(lo + PROMPT_LOGPROBS_SLICE, end)
-            targets = seq.token_ids[lo + 1 : hi + 1]
-            logits = self.model.compute_logits(hidden[lo - start : hi - start]).float()
-            lps = torch.log_softmax(logits, dim=-1)
-            chosen = torch.tensor(targets, device=self.device)
-            k = seq.params.prompt_logprobs
-            lp, rank, top_ids, top_lp = (t.tolist() for t in top_logprobs(lps, chosen, k))
-            entries.extend(
-                PromptTokenLogprob(
-                    lo + 1 + j, tok, TokenLogprobs(lp[j], rank[j], top_ids[j], top_lp[j])
-                )
-                for j, tok in enumerate(targets)
+    def _forward(
+        self,
+        plan: StepPlan,
+        patch: tuple[np.ndarray, np.ndarray] | None = None,
+        prev: InFlightStep | None = None,
+        after_layer=None,
+    ):
+        """The step's hidden states on this rank, and a function giving the
+        sampled rows' logits. Rank 0 first sends the plan to the other ranks."""
+        extra = list(patch) if patch is not None else []
+        if plan.logit_rows is not None:
+            extra.append(plan.logit_rows)
+        inputs, extra_dev = to_model_inputs(plan.host, self.staging, extra)
+        if self.tp.is_driver:
+            plan.use_graph = (
+                after_layer is None and self.graphs is not None and self.graphs.can_run(inputs)
             )
-        return entries
+            if self.handoff is not None:
+                self.handoff.send(plan)
+        if patch is not None:
+            dest, src = extra_dev[0], extra_dev[1]
+            inputs.input_ids[dest] = prev.sampled_device[src]
+        if plan.patched:
+            # Those samples exist on rank 0's device only.
+            self.tp.broadcast(inputs.input_ids)
+        if plan.use_graph:
+            hidden = self.graphs.run(inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, after_layer)
+
+        def logits_of(h: torch.Tensor) -> torch.Tensor:
+            return self.model.compute_logits(h[extra_dev[-1]] if plan.logit_rows is not None else h)
+
+        return hidden, logits_of
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan) -> None:
+        """Ranks 1..t-1: rank 0's step, for its collectives (the logits this rank
+        computes are its share of the all-gather; rank 0 samples)."""
+        hidden, logits_of = self._forward(plan)
+        if plan.logits is not Logits.NONE:
+            logits_of(hidden)
+        for lo, hi in plan.prompt_slices:
+            self.model.compute_logits(hidden[lo:hi])
+
+    @staticmethod
+    def _prompt_rows(seqs: list[Sequence]) -> list[bool | None]:
+        return [True if _wants_prompt_logprobs(s) else None for s in seqs]
+
+    def _prompt_logprob_parts(
+        self, seqs: list[Sequence], num_new: list[int], qsl: np.ndarray
+    ) -> list[tuple[int, int, int, int]]:
+        """(batch row, first position, hidden lo, hidden hi) of each slice of
+        prompt positions whose logits this step computes, in order. Full-vocabulary
+        fp32 logits for a long chunk would be huge (8k x 152k x 4 bytes = 4.6 GiB):
+        a slice at a time."""
+        parts = []
+        for i, (seq, n) in enumerate(zip(seqs, num_new, strict=True)):
+            # Only a chunk that still holds prompt positions has prompt logprobs.
+            if not _wants_prompt_logprobs(seq):
+                continue
+            start = seq.num_computed_tokens
+            # Position p predicts prompt token p + 1.
+            end = min(start + n, seq.num_prompt_tokens - 1)
+            for lo in range(start, end, PROMPT_LOGPROBS_SLICE):
+                hi = min(lo + PROMPT_LOGPROBS_SLICE, end)
+                base = int(qsl[i]) - start
+                parts.append((i, lo, base + lo, base + hi))
+        return parts
+
+    def _prompt_logprobs(
+        self, seq: Sequence, lo: int, logits: torch.Tensor
+    ) -> list[PromptTokenLogprob]:
+        """Entries for prompt positions ``lo ..`` (one per row of ``logits``)."""
+        hi = lo + logits.shape[0]
+        targets = seq.token_ids[lo + 1 : hi + 1]
+        lps = torch.log_softmax(logits.float(), dim=-1)
+        chosen = torch.tensor(targets, device=self.device)
+        k = seq.params.prompt_logprobs
+        lp, rank, top_ids, top_lp = (t.tolist() for t in top_logprobs(lps, chosen, k))
+        return [
+            PromptTokenLogprob(
+                lo + 1 + j, tok, TokenLogprobs(lp[j], rank[j], top_ids[j], top_lp[j])
+            )
+            for j, tok in enumerate(targets)
+        ]
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         # One row per sequence for its whole life: its facts do not change, and
@@ -386,6 +451,14 @@ class ModelRunner:
         finished."""
         self._generators.pop(seq.seq_id, None)
         self._rows.pop(seq.seq_id, None)
+
+
+def _wants_prompt_logprobs(seq: Sequence) -> bool:
+    return (
+        seq.num_computed_tokens < seq.num_prompt_tokens - 1
+        and seq.params.prompt_logprobs is not None
+        and seq.index == 0
+    )
 
 
 def _triton_available() -> bool:

@@ -7,7 +7,11 @@ have neither. Projections are fused (q/k/v into ``qkv_proj``, gate/up into
 checkpoint's separate tensors into them. With ``fused_ops`` (CUDA), RMSNorm,
 SiLU-and-mul and q/k-norm + RoPE run as single Triton kernels. The
 projections are ``SkinnyLinear``: at a decode step's few tokens they may run
-the skinny GEMM kernel instead of cuBLAS (engine/layers/skinny_gemm.py).
+the skinny GEMM kernel instead of cuBLAS (engine/layers/skinny_gemm.py). With tensor
+parallelism (``tp`` of several ranks) each rank builds its shard of every
+layer (engine/parallel/layout.py) and the collectives join them: an
+all-reduce after o_proj and down_proj and after the embedding, an all-gather
+of the logits.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.activation import SiluAndMul
@@ -23,6 +28,8 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.skinny_gemm import SkinnyLinear
 from engine.models.config import ModelArchConfig
+from engine.parallel.group import TPGroup
+from engine.parallel.layout import TPLayout
 
 
 class Attention(nn.Module):
@@ -31,18 +38,23 @@ class Attention(nn.Module):
         cfg: ModelArchConfig,
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
+        tp: TPGroup,
+        layout: TPLayout,
         fused: bool = False,
     ) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads = layout.num_local_heads
+        self.num_kv_heads = layout.num_local_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = SkinnyLinear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
+        # Row-parallel: each rank's partial product, summed by an all-reduce.
         self.o_proj = SkinnyLinear(self.q_size, cfg.hidden_size, bias=False)
+        self.tp = tp
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -87,20 +99,44 @@ class Attention(nn.Module):
                 k = self.k_norm(k)
             q, k = rotary(positions, q, k)
             out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, fused: bool = False) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, tp: TPGroup, layout: TPLayout, fused: bool = False
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = SkinnyLinear(
-            cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias
-        )
-        self.down_proj = SkinnyLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter = layout.local_intermediate
+        self.gate_up_proj = SkinnyLinear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
+        # Row-parallel; its bias is loaded on rank 0 only (zero elsewhere), so the
+        # all-reduce adds it once.
+        self.down_proj = SkinnyLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = SiluAndMul(fused)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding rows of this rank's vocabulary shard; an all-reduce puts
+    each token's row (found on exactly one rank, zeros elsewhere) on every rank."""
+
+    def __init__(self, cfg: ModelArchConfig, tp: TPGroup, layout: TPLayout) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(layout.vocab_shard_size, cfg.hidden_size))
+        self.first = layout.vocab_range.start
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.first
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(x)
 
 
 class DecoderLayer(nn.Module):
@@ -109,11 +145,13 @@ class DecoderLayer(nn.Module):
         cfg: ModelArchConfig,
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
+        tp: TPGroup,
+        layout: TPLayout,
         fused: bool = False,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, backend, fused)
-        self.mlp = MLP(cfg, fused)
+        self.self_attn = Attention(cfg, rotary, backend, tp, layout, fused)
+        self.mlp = MLP(cfg, tp, layout, fused)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
 
@@ -143,16 +181,21 @@ class DecoderForCausalLM(nn.Module):
         backend: AttentionBackend,
         max_positions: int,
         fused_ops: bool = False,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp if tp is not None else TPGroup.single(torch.device("cpu"))
+        self.layout = TPLayout.for_model(cfg, self.tp.rank, self.tp.size)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg, self.tp, self.layout)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rotary, backend, fused_ops) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, self.rotary, backend, self.tp, self.layout, fused_ops)
+            for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Vocabulary-parallel: each rank's logits for its shard, all-gathered.
+        self.lm_head = nn.Linear(cfg.hidden_size, self.layout.vocab_shard_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._fp32_logits_gemm = True
@@ -184,9 +227,15 @@ class DecoderForCausalLM(nn.Module):
         """fp32 logits. Rounded to bf16 (8 mantissa bits on values of 10-30), the top
         two tokens tie exactly at a few percent of positions; the GEMM accumulates in
         fp32 anyway, so ask for fp32 output where torch can."""
+        logits = None
         if hidden.dtype != torch.float32 and hidden.is_cuda and self._fp32_logits_gemm:
             try:
-                return torch.mm(hidden, self.lm_head.weight.t(), out_dtype=torch.float32)
+                logits = torch.mm(hidden, self.lm_head.weight.t(), out_dtype=torch.float32)
             except (TypeError, RuntimeError):  # a torch without mixed-precision GEMM output
                 self._fp32_logits_gemm = False
-        return self.lm_head(hidden).float()
+        if logits is None:
+            logits = self.lm_head(hidden).float()
+        if self.tp.size == 1:
+            return logits
+        # Every rank's shard side by side, the last shard's padding cut off.
+        return self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]

@@ -1,0 +1,148 @@
+"""Rank 0's per-step hand-off to the other tensor-parallel ranks.
+
+Rank 0 runs the scheduler; every other rank runs the same forward on the same
+inputs and takes part in its collectives. Each step rank 0 broadcasts, over
+the gloo control group, what the followers cannot know: the step's host
+inputs (the arrays ``to_model_inputs`` sends to the device) and which logits
+to compute (the sampled rows, the prompt-logprob slices), all packed as int64
+words: a fixed header with the sizes, then one payload. No pickle, no Python
+objects: a follower rebuilds the same ``HostInputs`` from the words.
+
+What stays on rank 0: sampling (the followers compute their share of the
+logits for the all-gather and drop the result), penalties, seeds, stop
+checks, block bookkeeping. Async-scheduled input ids (the previous step's
+samples, on rank 0's device only) reach the followers by a device broadcast
+of the step's input ids, after the header says ``patched``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+import torch
+
+from engine.parallel.group import TPGroup
+from engine.step_inputs import HostInputs
+
+
+class Op(IntEnum):
+    STEP = 1
+    STOP = 2  # rank 0 is shutting down: followers leave their loop
+
+
+class Logits(IntEnum):
+    """Which hidden rows a step computes logits for (sampling)."""
+
+    NONE = 0  # no sequence samples (a prefill chunk that is not the last)
+    ALL = 1  # every row samples (a decode step)
+    ROWS = 2  # ``logit_rows``
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What every rank needs to run one step's forward and logits identically."""
+
+    host: HostInputs
+    patched: bool = False  # input ids take rank 0's device-side samples
+    use_graph: bool = False  # rank 0 replays a CUDA graph: so must the others
+    logits: Logits = Logits.NONE
+    logit_rows: np.ndarray | None = None  # int64 hidden rows, when ``logits`` is ROWS
+    # Hidden-row slices [lo, hi) whose logits prompt logprobs read, in order.
+    prompt_slices: list[tuple[int, int]] = field(default_factory=list)
+
+
+# op, num_tokens, num_seqs, table_width, patched, use_graph, logits,
+# num_logit_rows, num_prompt_slices, payload words
+HEADER_WORDS = 10
+
+
+def encode(plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
+    h = plan.host
+    rows = plan.logit_rows if plan.logit_rows is not None else np.empty(0, np.int64)
+    slices = np.asarray(plan.prompt_slices, dtype=np.int64).reshape(-1)
+    payload = np.concatenate(
+        [
+            h.input_ids,
+            h.positions,
+            h.slot_mapping,
+            h.query_start_loc,
+            h.seq_lens,
+            h.block_tables.reshape(-1).astype(np.int64),
+            rows.astype(np.int64, copy=False),
+            slices,
+        ]
+    )
+    header = np.array(
+        [
+            Op.STEP,
+            h.num_tokens,
+            h.num_seqs,
+            h.block_tables.shape[1],
+            plan.patched,
+            plan.use_graph,
+            plan.logits,
+            len(rows),
+            len(plan.prompt_slices),
+            len(payload),
+        ],
+        dtype=np.int64,
+    )
+    return header, payload
+
+
+def decode(header: np.ndarray, payload: np.ndarray) -> StepPlan:
+    _, num_tokens, num_seqs, width, patched, use_graph, logits, num_rows, num_slices, _ = (
+        int(x) for x in header
+    )
+    cuts = np.cumsum(
+        [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width, num_rows]
+    )
+    ids, pos, slots, qsl, lens, tables, rows, slices = np.split(payload, cuts)
+    host = HostInputs(
+        input_ids=ids,
+        positions=pos,
+        query_start_loc=qsl,
+        seq_lens=lens,
+        slot_mapping=slots,
+        block_tables=tables.astype(np.int32).reshape(num_seqs, width),
+    )
+    return StepPlan(
+        host,
+        patched=bool(patched),
+        use_graph=bool(use_graph),
+        logits=Logits(logits),
+        logit_rows=rows if logits == Logits.ROWS else None,
+        prompt_slices=[tuple(p) for p in slices.reshape(num_slices, 2).tolist()],
+    )
+
+
+class Handoff:
+    """Both ends: rank 0 ``send``s and ``stop``s, the others ``recv``."""
+
+    def __init__(self, group: TPGroup) -> None:
+        self.group = group
+        self._header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
+
+    def send(self, plan: StepPlan) -> None:
+        header, payload = encode(plan)
+        self.group.control_broadcast(torch.from_numpy(header))
+        self.group.control_broadcast(torch.from_numpy(payload))
+
+    def stop(self) -> None:
+        header = np.zeros(HEADER_WORDS, dtype=np.int64)
+        header[0] = Op.STOP
+        self.group.control_broadcast(torch.from_numpy(header))
+
+    def recv(self) -> StepPlan | None:
+        """The next step's plan, or None when rank 0 stopped."""
+        self.group.control_broadcast(self._header)
+        header = self._header.numpy().copy()
+        if header[0] == Op.STOP:
+            return None
+        if header[0] != Op.STEP:
+            raise RuntimeError(f"tensor-parallel hand-off out of step: header {header.tolist()}")
+        payload = torch.empty(int(header[-1]), dtype=torch.int64)
+        self.group.control_broadcast(payload)
+        return decode(header, payload.numpy())
