@@ -28,7 +28,7 @@ from engine.model_io import ModelInputs, PromptTokenLogprob, StepOutput
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.loader import init_dummy_weights, load_weights
 from engine.parallel.group import TPGroup
-from engine.parallel.handoff import Handoff, Logits, StepPlan
+from engine.parallel.handoff import Logits, StepPlan
 from engine.parallel.layout import TPLayout
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
@@ -54,7 +54,9 @@ class ModelRunner:
         cfg = config.model_config
         self.device = resolve_device(config.device)
         self.tp = tp if tp is not None else TPGroup.single(self.device)
-        self.handoff = Handoff(self.tp) if self.tp.size > 1 else None
+        self.handoff = self.tp.handoff
+        if self.tp.size > 1 and self.handoff is None:
+            raise ValueError("a tensor-parallel rank needs its group's hand-off channel")
         self.layout = TPLayout.for_model(cfg, self.tp.rank, self.tp.size)
         self.dtype = resolve_dtype(config.dtype, cfg.torch_dtype, self.device)
         self.block_size = config.kvcache_block_size

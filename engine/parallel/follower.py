@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -23,7 +24,9 @@ from engine.config import EngineConfig
 from engine.device import resolve_device
 from engine.model_runner import ModelRunner
 from engine.parallel.group import TPGroup
-from engine.parallel.workers import START_TIMEOUT_S, threads_per_rank
+from engine.parallel.handoff import Handoff
+from engine.parallel.shm_channel import ChannelClosed, parent_alive
+from engine.parallel.workers import START_TIMEOUT_S, handoff_capacity, threads_per_rank
 
 logger = logging.getLogger("engine.parallel.follower")
 
@@ -47,14 +50,21 @@ def main(argv: list[str]) -> int:
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
     store.set(f"up/{rank}", "1")
     group = TPGroup(rank, size, device, store)
+    group.handoff = Handoff(group, handoff_capacity(config), parent_alive(os.getppid()))
     runner = ModelRunner(config, eos_token_ids, group)
     try:
         while (plan := runner.handoff.recv()) is not None:
             runner.follow(plan)
-    except Exception as e:  # rank 0 gone or broken: nothing left to follow
+    except ChannelClosed as e:
+        # Rank 0 died without closing the channel: remove its file for it.
+        logger.warning("leaving: %s", e)
+        group.handoff.close(unlink=True)
+        return 1
+    except Exception as e:  # rank 0 broken: nothing left to follow
         logger.warning("leaving: %s", e)
         return 1
     finally:
+        group.handoff.close()
         group.shutdown()
     return 0
 

@@ -5,8 +5,10 @@ Two groups over the same ranks, built on a TCPStore that rank 0 hosts:
 - ``device``: the model's collectives (all-reduce after the row-parallel
   projections, all-gather of the vocabulary-parallel logits, the broadcast of
   async-scheduled input ids): NCCL on CUDA, gloo on a CPU;
-- ``control``: gloo on host tensors, always: rank 0's per-step hand-off
-  (engine/parallel/handoff.py) and start-up agreements (the KV block count).
+- ``control``: gloo on host tensors, always: start-up agreements (the KV
+  block count). The per-step hand-off goes through shared memory instead
+  (engine/parallel/handoff.py, ``handoff``), set on the group by whoever
+  started the rank.
 
 The groups are built as ProcessGroup objects, not through
 ``init_process_group``: the default group is process-wide state, and a node
@@ -41,8 +43,12 @@ class TPGroup:
         self.rank = rank
         self.size = size
         self.device = device
+        self.store = store
         self._device_pg = None
         self._control_pg = None
+        # How rank 0 hands each step to the others (engine/parallel/handoff.py);
+        # set by whoever started this rank, before its ModelRunner is built.
+        self.handoff = None
         if size == 1:
             return
         if store is None:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.device import resolve_device
 from engine.parallel.group import TPGroup
-from engine.parallel.handoff import Handoff
+from engine.parallel.handoff import Handoff, max_plan_words
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ class TPWorkers:
         try:
             self._wait_until_connected(size)
             self.group = TPGroup(0, size, device, self.store)
+            self.group.handoff = Handoff(self.group, handoff_capacity(config), self._raise_if_dead)
         except BaseException:
             self.close()
             raise
@@ -98,6 +99,10 @@ class TPWorkers:
                     f"tensor-parallel ranks did not connect within {START_TIMEOUT_S:.0f} s"
                 )
             time.sleep(0.05)
+
+    def _raise_if_dead(self) -> None:
+        if dead := self.dead():
+            raise TensorParallelError(f"a tensor-parallel rank died: {dead}")
 
     def dead(self) -> str:
         """'' while every follower lives; else which died and how."""
@@ -116,9 +121,10 @@ class TPWorkers:
         group = getattr(self, "group", None)
         # With a rank gone the others cannot finish a collective: no STOP, no wait.
         broken = bool(self.dead())
-        if group is not None and not broken:
+        handoff = group.handoff if group is not None else None
+        if handoff is not None and not broken:
             try:
-                Handoff(group).stop()
+                handoff.stop()
             except Exception as e:  # a follower gone: join and kill below
                 logger.debug("tensor-parallel stop message not delivered: %s", e)
                 broken = True
@@ -128,8 +134,16 @@ class TPWorkers:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if handoff is not None:
+            handoff.close()
         if group is not None:
             group.shutdown()
+
+
+def handoff_capacity(config: EngineConfig) -> int:
+    """Words the hand-off channel must hold: the largest step the scheduler can form."""
+    blocks_per_seq = -(-config.max_model_len // config.kvcache_block_size)
+    return max_plan_words(config.max_num_batched_tokens, config.max_num_seqs, blocks_per_seq)
 
 
 def threads_per_rank(size: int) -> int:
