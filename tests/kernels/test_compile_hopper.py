@@ -90,14 +90,15 @@ def compile_decode_attention(num_splits):
     sig |= {"scale": "fp32"}
     strides = ["stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head"]
     strides += ["stride_cache_block", "stride_cache_slot", "stride_cache_head", "stride_bt"]
-    sig |= dict.fromkeys(strides, "i32")
-    const = dict(NUM_SPLITS=num_splits, GROUP=2, BLOCK_G=16, BLOCK_SIZE=16, HEAD_DIM=128)
+    sig |= dict.fromkeys(strides, "i32") | {"num_splits": "i32"}
+    const = dict(ONE_SPLIT=num_splits == 1, GROUP=2, BLOCK_G=16, BLOCK_SIZE=16, HEAD_DIM=128)
     const |= dict(BLOCK_D=128, BLOCK_N=64)
     compile_for_hopper(tk._decode_split_kernel, sig, const, num_stages=4)
     if num_splits > 1:
         red = dict.fromkeys(["part_out_ptr", "part_lse_ptr"], "*fp32") | {"seq_lens_ptr": "*i32"}
         red |= {"out_ptr": "*bf16", "stride_o_tok": "i32", "stride_o_head": "i32"}
-        const = dict(NUM_SPLITS=num_splits, BLOCK_S=64, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64)
+        red |= {"num_splits": "i32"}
+        const = dict(BLOCK_S=64, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64)
         compile_for_hopper(tk._decode_reduce_kernel, red, const)
 
 

@@ -213,16 +213,21 @@ def prefill_attention(
 
 
 @triton.jit
-def _split_bounds(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_bounds(seq_len, num_splits, BLOCK_N: tl.constexpr):
     """(keys per split, splits with keys) of one sequence: its context cut into
-    NUM_SPLITS chunks of whole BLOCK_N tiles; a short context fills only the first
+    num_splits chunks of whole BLOCK_N tiles; a short context fills only the first
     few (the split kernel and the reduce must agree on this)."""
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     used = tl.cdiv(seq_len, tl.maximum(chunk, 1))
     return chunk, used
 
 
-@triton.jit
+# The split count is a runtime argument, not a constexpr: eager steps (a mixed
+# batch) pick it from the batch's size and longest context, and a constexpr made
+# every new count a Triton compile of a second or so inside a serving step (a
+# node's first minutes had TTFT spikes of a second from it). ONE_SPLIT keeps the
+# one-split path (direct store, no reduce) a separate compiled variant.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -231,7 +236,7 @@ def _decode_split_kernel(
     seq_lens_ptr,
     part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32 (log-sum-exp, base 2)
-    out_ptr,  # the output itself when NUM_SPLITS == 1 (no reduce)
+    out_ptr,  # the output itself when ONE_SPLIT (no reduce)
     scale,
     stride_q_tok,
     stride_q_head,
@@ -241,7 +246,8 @@ def _decode_split_kernel(
     stride_cache_slot,
     stride_cache_head,
     stride_bt,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
+    ONE_SPLIT: tl.constexpr,  # num_splits == 1
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,  # GROUP padded to a tensor-core-friendly size
     BLOCK_SIZE: tl.constexpr,
@@ -254,9 +260,9 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
     seq_len = tl.load(seq_lens_ptr + seq)
-    chunk, used = _split_bounds(seq_len, NUM_SPLITS, BLOCK_N)
+    chunk, used = _split_bounds(seq_len, num_splits, BLOCK_N)
     # A compile-time test around the runtime one (no `and` of constexpr and tensor).
-    if NUM_SPLITS > 1:  # noqa: SIM102
+    if not ONE_SPLIT:  # noqa: SIM102
         if split >= used:
             # No keys here (a context shorter than the graph's split count was
             # sized for): nothing to compute or store; the reduce reads only
@@ -298,7 +304,7 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if NUM_SPLITS == 1:
+    if ONE_SPLIT:
         # One split: this is the result (what the reduce would compute, bit for
         # bit), stored directly, so no reduce launch.
         tl.store(
@@ -311,7 +317,7 @@ def _decode_split_kernel(
         lse = tl.where(
             l_i == 0.0, float("-inf"), m_i + tl.math.log2(tl.where(l_i == 0.0, 1.0, l_i))
         )
-        base = (seq * num_heads + heads) * NUM_SPLITS + split
+        base = (seq * num_heads + heads) * num_splits + split
         tl.store(
             part_out_ptr + base[:, None] * HEAD_DIM + offs_d[None, :],
             out,
@@ -320,7 +326,7 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + base, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -328,8 +334,8 @@ def _decode_reduce_kernel(
     out_ptr,
     stride_o_tok,
     stride_o_head,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    num_splits,
+    BLOCK_S: tl.constexpr,  # num_splits rounded up to a power of two
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -339,10 +345,10 @@ def _decode_reduce_kernel(
     num_heads = tl.num_programs(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    _, used = _split_bounds(tl.load(seq_lens_ptr + seq), NUM_SPLITS, BLOCK_N)
+    _, used = _split_bounds(tl.load(seq_lens_ptr + seq), num_splits, BLOCK_N)
     s_mask = offs_s < used  # the splits that ran (the others stored nothing)
     d_mask = offs_d < HEAD_DIM
-    base = (seq * num_heads + head) * NUM_SPLITS
+    base = (seq * num_heads + head) * num_splits
     lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
@@ -422,7 +428,8 @@ def decode_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
-        NUM_SPLITS=num_splits,
+        num_splits,
+        ONE_SPLIT=num_splits == 1,
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size,
@@ -441,7 +448,7 @@ def decode_attention(
         out,
         out.stride(0),
         out.stride(1),
-        NUM_SPLITS=num_splits,
+        num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
