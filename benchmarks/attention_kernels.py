@@ -50,7 +50,7 @@ def fa4():
 
 
 def bench_decode(torch, copy_bw, batches, contexts, pages) -> list[dict[str, Any]]:
-    from engine.layers.attention import triton_kernels as tk
+    from engine.layers.attention import triton_decode as td
 
     fa = fa4()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -62,10 +62,10 @@ def bench_decode(torch, copy_bw, batches, contexts, pages) -> list[dict[str, Any
                 q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
                 lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
                 out = torch.empty_like(q)
-                splits = tk.decode_num_splits(batch, KV_HEADS, ctx, sms)
+                splits = td.decode_num_splits(batch, KV_HEADS, ctx, sms)
                 kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
                 t_triton = cuda_time_ms(
-                    lambda: tk.decode_attention(q, k, v, out, tables, lens, HEAD_DIM**-0.5, splits)
+                    lambda: td.decode_attention(q, k, v, out, tables, lens, HEAD_DIM**-0.5, splits)
                 )
                 row = {
                     "page": page,
@@ -118,7 +118,7 @@ def bench_splits(torch, batches, contexts, max_lens, layers=28) -> list[dict[str
     back in one CUDA graph, each on its own KV cache (no L2 reuse)."""
     import triton
 
-    from engine.layers.attention import triton_kernels as tk
+    from engine.layers.attention import triton_decode as td
     from engine.layers.skinny_gemm_plan import time_graph_us
 
     heads, kv_heads = 16, 8
@@ -133,11 +133,11 @@ def bench_splits(torch, batches, contexts, max_lens, layers=28) -> list[dict[str
                 out = torch.empty_like(q)
                 want = triton.cdiv(2 * sms, batch * kv_heads)
                 old = int(max(1, min(want, triton.cdiv(max_len, 256), 64)))
-                new = tk.decode_num_splits(batch, kv_heads, max_len, sms)
+                new = td.decode_num_splits(batch, kv_heads, max_len, sms)
                 times = {}
                 for name, splits in (("before", old), ("after", new)):
                     calls = [
-                        lambda k=k, v=v, t=t, s=splits: tk.decode_attention(
+                        lambda k=k, v=v, t=t, s=splits: td.decode_attention(
                             q, k, v, out, t, lens, HEAD_DIM**-0.5, s
                         )
                         for k, v, t in caches
@@ -224,6 +224,7 @@ def bench_mixed(torch, decodes, ctx, q_len, prefix, page=16) -> list[dict[str, A
     ``q_len`` new tokens over a cached ``prefix``. One prefill-kernel launch over every
     row (what a mixed step did before) against the decode kernel on the decode rows and
     the prefill kernel on the prompt (the triton backend's split)."""
+    from engine.layers.attention import triton_decode as td
     from engine.layers.attention import triton_kernels as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -238,13 +239,13 @@ def bench_mixed(torch, decodes, ctx, q_len, prefix, page=16) -> list[dict[str, A
         qsl = qsl.to(torch.int32)
         lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
         scale = HEAD_DIM**-0.5
-        splits = tk.decode_num_splits(d, KV_HEADS, max(seq_lens), sms)
+        splits = td.decode_num_splits(d, KV_HEADS, max(seq_lens), sms)
 
         def one_launch():
             tk.prefill_attention(q, k, v, out, tables, qsl, lens, q_len, scale)
 
         def split():
-            tk.decode_attention(q[:d], k, v, out[:d], tables[:d], lens[:d], scale, splits)
+            td.decode_attention(q[:d], k, v, out[:d], tables[:d], lens[:d], scale, splits)
             tk.prefill_attention(
                 q[d:], k, v, out[d:], tables[d:], qsl[d:] - d, lens[d:], q_len, scale
             )

@@ -10,10 +10,31 @@ not overlap). Both first time a raw send/recv of the same bytes.
 from __future__ import annotations
 
 import datetime
+import enum
 import random
 import time
 import traceback
 from typing import Any
+
+from engine.models.shapes import SHAPES
+
+
+class Compute(enum.Enum):
+    SHAPE = "shape"  # the layer's matmuls and attention for the prompt
+    FIXED = "fixed"  # a matmul loop busy for --layer-ms
+
+
+def geometry(shape: str) -> dict[str, int]:
+    cfg = SHAPES[shape]
+    heads = cfg["num_attention_heads"]
+    return {
+        "layers": cfg["num_hidden_layers"],
+        "kv_heads": cfg["num_key_value_heads"],
+        "heads": heads,
+        "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        "hidden": cfg["hidden_size"],
+        "inter": cfg["intermediate_size"],
+    }
 
 
 def run_rank(rank: int, a: dict[str, Any], ports: tuple[int, int], queues) -> None:
@@ -27,8 +48,6 @@ def run_rank(rank: int, a: dict[str, Any], ports: tuple[int, int], queues) -> No
 
 def _run(rank: int, a: dict[str, Any], ports: tuple[int, int], acks) -> dict[str, Any]:
     import torch
-
-    from benchmarks.kv_transfer import geometry
 
     cuda = a["device"] == "cuda"
     if cuda:
@@ -108,8 +127,6 @@ def _layer_fn(a, g, tokens: int, device):
     """One layer's stand-in: its own matmuls and causal attention, or a busy loop."""
     import torch
     import torch.nn.functional as F
-
-    from benchmarks.kv_transfer import Compute
 
     if Compute(a["compute"]) is Compute.FIXED:
         m = torch.randn(256, 256, device=device)

@@ -31,7 +31,6 @@ Medians over ``--iters`` after ``--warmup``.
 from __future__ import annotations
 
 import argparse
-import enum
 import os
 import statistics
 import sys
@@ -41,25 +40,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import save_run
+from benchmarks.kv_stream_worker import Compute
 from engine.models.shapes import SHAPES
-
-
-class Compute(enum.Enum):
-    SHAPE = "shape"  # the layer's matmuls and attention for the prompt
-    FIXED = "fixed"  # a matmul loop busy for --layer-ms
-
-
-def geometry(shape: str) -> dict[str, int]:
-    cfg = SHAPES[shape]
-    heads = cfg["num_attention_heads"]
-    return {
-        "layers": cfg["num_hidden_layers"],
-        "kv_heads": cfg["num_key_value_heads"],
-        "heads": heads,
-        "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        "hidden": cfg["hidden_size"],
-        "inter": cfg["intermediate_size"],
-    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -30,6 +30,7 @@ def main(argv=None):
     parser.add_argument("--out-dir", type=Path)
     args = parser.parse_args(argv)
 
+    from engine.layers.attention import triton_decode as td
     from engine.layers.attention import triton_kernels as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -43,11 +44,11 @@ def main(argv=None):
             q = torch.randn(batch, heads, 128, dtype=torch.bfloat16, device="cuda")
             lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
             out = torch.empty_like(q)
-            splits = tk.decode_num_splits(batch, kv_heads, ctx, sms)
+            splits = td.decode_num_splits(batch, kv_heads, ctx, sms)
             try:
                 times.append(
                     cuda_time_ms(
-                        lambda: tk.decode_attention(
+                        lambda: td.decode_attention(
                             q, k, v, out, tables, lens, 0.088, splits, config=cfg
                         )
                     )

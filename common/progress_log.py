@@ -14,8 +14,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+from engine.engine_stats import EngineStats
 from engine.engine_thread import EngineThread
-from engine.llm_engine import EngineStats
 
 logger = logging.getLogger(__name__)
 

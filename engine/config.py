@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.layers.specs import AttentionBackendName, GemvBackend
 from engine.models.config import ModelArchConfig
-from engine.parallel.layout import check_tensor_parallel_size
+from engine.tp_layout import check_tensor_parallel_size
 
 logger = logging.getLogger(__name__)
 

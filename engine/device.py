@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
 from engine.config import DeviceKind
+
+GiB = 1 << 30
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -39,3 +42,27 @@ def default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def available_host_memory() -> int:
+    """Free host memory, bounded by the container's cgroup limit where there is one."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX hosts
+        free = 8 * GiB
+    for path, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",  # cgroup v1
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        try:
+            with open(path) as f, open(usage) as g:
+                limit_text, used = f.read().strip(), int(g.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text.isdigit():
+            free = min(free, max(0, int(limit_text) - used))
+        break
+    return free

@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from engine.llm_engine import EngineStats, LLMEngine
+from engine.engine_stats import EngineStats
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)

@@ -32,18 +32,19 @@ from engine.block_hash import MAX_CACHED_HASHERS, HasherCache
 from engine.block_manager import BlockManager, CacheEvents
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, stop_holdback
+from engine.engine_stats import EngineStats, collect_stats
 from engine.input_processor import InputProcessor, PromptType
 from engine.kv_writes import KVWriteObserver
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.parallel.workers import TensorParallelError, TPWorkers
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus, TokenLogprobs
 from engine.tokenizer import load_tokenizer
+from engine.tp_workers import TPWorkers
 
-__all__ = ["MAX_CACHED_HASHERS", "EngineStats", "LLMEngine", "Reservation"]
+__all__ = ["MAX_CACHED_HASHERS", "LLMEngine", "Reservation"]
 
 
 @dataclass(slots=True)
@@ -60,24 +61,6 @@ class Reservation:
         return self.block_ids[self.first_block :]
 
 
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_reserved: int
-    num_queued_prefill_tokens: int
-    num_kv_blocks: int
-    num_free_kv_blocks: int
-    num_cached_free_kv_blocks: int
-    num_preemptions: int
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-    # For throughput lines (common/progress_log.py): tokens run through the
-    # model, and tokens sampled; their difference is prompt work.
-    num_computed_tokens: int = 0
-    num_generated_tokens: int = 0
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -88,7 +71,7 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         # Tensor parallelism: ranks 1..t-1 in their own processes, following this
-        # runner's steps (engine/parallel/workers.py).
+        # runner's steps (engine/tp_workers.py).
         self.tp_workers = (
             TPWorkers(config, self.eos_token_ids) if config.tensor_parallel_size > 1 else None
         )
@@ -323,11 +306,11 @@ class LLMEngine:
         return len(self.scheduler.waiting), self.scheduler.num_free_slots
 
     def observe_kv_writes(self, observer: KVWriteObserver | None) -> None:
+        """Prefill node: be told when each layer's KV is written (None: stop)."""
         if observer is not None and self.tp_workers is not None:
             raise ValueError(
                 "streaming KV layer by layer is not supported with tensor_parallel_size > 1 yet"
             )
-        """Prefill node: be told when each layer's KV is written (None: stop)."""
         self.model_runner.kv_observer = observer
 
     def num_held(self) -> int:
@@ -398,18 +381,8 @@ class LLMEngine:
         return outputs
 
     def _raise_if_a_rank_died(self, error: Exception) -> None:
-        """A failed collective because a tensor-parallel rank died: say which."""
-        workers = self.tp_workers
-        if workers is None:
-            return
-        deadline = time.monotonic() + 2.0  # its exit code may lag its closed sockets
-        while not (dead := workers.dead()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if dead:
-            workers.close()
-            raise TensorParallelError(
-                f"a tensor-parallel rank died, the engine cannot go on: {dead}"
-            ) from error
+        if self.tp_workers is not None:
+            self.tp_workers.raise_if_dead(error)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks (a no-op without them); the engine is
@@ -471,24 +444,6 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     def stats(self) -> EngineStats:
-        s = self.scheduler.stats
-        bm = self.block_manager
-        sched = self.scheduler
-        queued = sum(seq.num_uncomputed_tokens for seq in sched.waiting)
-        queued += sum(
-            seq.num_uncomputed_tokens for seq in sched.running if seq.num_uncomputed_tokens > 1
-        )
-        return EngineStats(
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            num_reserved=len(sched.reserved),
-            num_queued_prefill_tokens=queued,
-            num_kv_blocks=bm.num_blocks,
-            num_free_kv_blocks=bm.num_free_blocks,
-            num_cached_free_kv_blocks=bm.num_cached_free_blocks,
-            num_preemptions=s.num_preemptions,
-            prefix_cache_queried_tokens=s.prefix_cache_queried_tokens,
-            prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
-            num_computed_tokens=self.num_computed_tokens,
-            num_generated_tokens=self.num_generated_tokens,
+        return collect_stats(
+            self.scheduler, self.block_manager, self.num_computed_tokens, self.num_generated_tokens
         )

@@ -10,7 +10,6 @@ output processing stay free of torch.
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import torch
@@ -18,27 +17,35 @@ import torch
 from engine.async_step import InFlightStep, patch_indices
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, LoadFormat
 from engine.cuda_graphs import DecodeGraphs
-from engine.device import default_dtype, resolve_device, resolve_dtype
+from engine.device import (
+    GiB,
+    available_host_memory,
+    default_dtype,
+    resolve_device,
+    resolve_dtype,
+)
 from engine.kv_blocks import Range, gather_blocks, scatter_blocks
 from engine.kv_writes import KVWriteObserver
 from engine.layers.attention import select_backend
-from engine.layers.sampler import Sampler, SamplingRow, top_logprobs
+from engine.layers.sampler import Sampler, SamplingRow
 from engine.layers.skinny_gemm_plan import plan_model
-from engine.model_io import ModelInputs, PromptTokenLogprob, StepOutput
+from engine.model_io import ModelInputs, StepOutput
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.loader import init_dummy_weights, load_weights
 from engine.parallel.group import TPGroup
 from engine.parallel.handoff import Logits, StepPlan
-from engine.parallel.layout import TPLayout
+from engine.prompt_logprobs import (
+    prompt_logprob_entries,
+    prompt_logprob_parts,
+    wants_prompt_logprobs,
+)
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence, TokenLogprobs
+from engine.sequence import Sequence
 from engine.step_inputs import HostStaging, host_inputs, to_model_inputs
+from engine.tp_layout import TPLayout
 
 logger = logging.getLogger(__name__)
-
-GiB = 1 << 30
-PROMPT_LOGPROBS_SLICE = 1024
 
 
 class ModelRunner:
@@ -128,7 +135,7 @@ class ModelRunner:
             elif self.device.type == "cuda":
                 budget = self._profile_cuda_budget()
             else:
-                budget = min(DEFAULT_CPU_KV_CACHE_BYTES, _available_host_memory() // 2)
+                budget = min(DEFAULT_CPU_KV_CACHE_BYTES, available_host_memory() // 2)
             num_blocks = budget // self.kv_block_bytes
             if num_blocks < 1:
                 raise ValueError(
@@ -296,7 +303,7 @@ class ModelRunner:
             else:
                 plan.logits = Logits.ROWS
                 plan.logit_rows = host.query_start_loc[1:][sampling] - 1
-        prompt_parts = self._prompt_logprob_parts(seqs, num_new, host.query_start_loc)
+        prompt_parts = prompt_logprob_parts(seqs, num_new, host.query_start_loc)
         plan.prompt_slices = [(lo, hi) for _, _, lo, hi in prompt_parts]
         # The previous step's samples that this step's inputs still lack.
         patch = patch_indices(host, seqs, prev)
@@ -316,9 +323,9 @@ class ModelRunner:
         prompt_logprobs = None
         for row, start, lo, hi in prompt_parts:
             if prompt_logprobs is None:
-                prompt_logprobs = [[] if p is not None else None for p in self._prompt_rows(seqs)]
+                prompt_logprobs = [[] if wants_prompt_logprobs(s) else None for s in seqs]
             logits = self.model.compute_logits(hidden[lo:hi])
-            prompt_logprobs[row].extend(self._prompt_logprobs(seqs[row], start, logits))
+            prompt_logprobs[row].extend(prompt_logprob_entries(seqs[row], start, logits))
         return InFlightStep.start(batch, sampling, samples, prompt_logprobs, non_blocking)
 
     def _forward(
@@ -365,48 +372,6 @@ class ModelRunner:
             logits_of(hidden)
         for lo, hi in plan.prompt_slices:
             self.model.compute_logits(hidden[lo:hi])
-
-    @staticmethod
-    def _prompt_rows(seqs: list[Sequence]) -> list[bool | None]:
-        return [True if _wants_prompt_logprobs(s) else None for s in seqs]
-
-    def _prompt_logprob_parts(
-        self, seqs: list[Sequence], num_new: list[int], qsl: np.ndarray
-    ) -> list[tuple[int, int, int, int]]:
-        """(batch row, first position, hidden lo, hidden hi) of each slice of
-        prompt positions whose logits this step computes, in order. Full-vocabulary
-        fp32 logits for a long chunk would be huge (8k x 152k x 4 bytes = 4.6 GiB):
-        a slice at a time."""
-        parts = []
-        for i, (seq, n) in enumerate(zip(seqs, num_new, strict=True)):
-            # Only a chunk that still holds prompt positions has prompt logprobs.
-            if not _wants_prompt_logprobs(seq):
-                continue
-            start = seq.num_computed_tokens
-            # Position p predicts prompt token p + 1.
-            end = min(start + n, seq.num_prompt_tokens - 1)
-            for lo in range(start, end, PROMPT_LOGPROBS_SLICE):
-                hi = min(lo + PROMPT_LOGPROBS_SLICE, end)
-                base = int(qsl[i]) - start
-                parts.append((i, lo, base + lo, base + hi))
-        return parts
-
-    def _prompt_logprobs(
-        self, seq: Sequence, lo: int, logits: torch.Tensor
-    ) -> list[PromptTokenLogprob]:
-        """Entries for prompt positions ``lo ..`` (one per row of ``logits``)."""
-        hi = lo + logits.shape[0]
-        targets = seq.token_ids[lo + 1 : hi + 1]
-        lps = torch.log_softmax(logits.float(), dim=-1)
-        chosen = torch.tensor(targets, device=self.device)
-        k = seq.params.prompt_logprobs
-        lp, rank, top_ids, top_lp = (t.tolist() for t in top_logprobs(lps, chosen, k))
-        return [
-            PromptTokenLogprob(
-                lo + 1 + j, tok, TokenLogprobs(lp[j], rank[j], top_ids[j], top_lp[j])
-            )
-            for j, tok in enumerate(targets)
-        ]
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         # One row per sequence for its whole life: its facts do not change, and
@@ -455,41 +420,9 @@ class ModelRunner:
         self._rows.pop(seq.seq_id, None)
 
 
-def _wants_prompt_logprobs(seq: Sequence) -> bool:
-    return (
-        seq.num_computed_tokens < seq.num_prompt_tokens - 1
-        and seq.params.prompt_logprobs is not None
-        and seq.index == 0
-    )
-
-
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return True
-
-
-def _available_host_memory() -> int:
-    """Free host memory, bounded by the container's cgroup limit where there is one."""
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX hosts
-        free = 8 * GiB
-    for path, usage in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
-        (
-            "/sys/fs/cgroup/memory/memory.limit_in_bytes",  # cgroup v1
-            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-        ),
-    ):
-        try:
-            with open(path) as f, open(usage) as g:
-                limit_text, used = f.read().strip(), int(g.read().strip())
-        except (OSError, ValueError):
-            continue
-        if limit_text.isdigit():
-            free = min(free, max(0, int(limit_text) - used))
-        break
-    return free

@@ -9,7 +9,7 @@ SiLU-and-mul and q/k-norm + RoPE run as single Triton kernels. The
 projections are ``SkinnyLinear``: at a decode step's few tokens they may run
 the skinny GEMM kernel instead of cuBLAS (engine/layers/skinny_gemm.py). With tensor
 parallelism (``tp`` of several ranks) each rank builds its shard of every
-layer (engine/parallel/layout.py) and the collectives join them: an
+layer (engine/tp_layout.py) and the collectives join them: an
 all-reduce after o_proj and down_proj and after the embedding, an all-gather
 of the logits.
 """
@@ -29,7 +29,7 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.layers.skinny_gemm import SkinnyLinear
 from engine.models.config import ModelArchConfig
 from engine.parallel.group import TPGroup
-from engine.parallel.layout import TPLayout
+from engine.tp_layout import TPLayout
 
 
 class Attention(nn.Module):

@@ -2,7 +2,7 @@
 
 With tensor parallelism each rank reads only its shard of each checkpoint
 tensor (safetensors' lazy slices: the rest is never read), by the layout of
-engine/parallel/layout.py. Dummy weights go through the same path: a
+engine/tp_layout.py. Dummy weights go through the same path: a
 checkpoint is synthesised tensor by tensor from the config, each drawn whole
 from its own seeded generator and then sliced, so TP = 1, 2, 4 of one seed
 hold the same model.
@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from engine.models.config import ModelArchConfig
 from engine.models.decoder import DecoderForCausalLM
-from engine.parallel.layout import TPLayout
+from engine.tp_layout import TPLayout
 
 logger = logging.getLogger(__name__)
 

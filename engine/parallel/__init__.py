@@ -1,3 +1,4 @@
-"""Tensor parallelism: which rank holds which shard (layout), the ranks' process
-groups (group), rank 0's per-step hand-off to the others (handoff), and the
-worker processes of ranks 1..t-1 (workers). ``layout`` is torch-free."""
+"""How the ranks of a tensor-parallel engine talk: their process groups
+(group), the shared-memory channel (shm_channel) and rank 0's per-step
+hand-off over it (handoff). Which rank holds what is engine/tp_layout.py; the
+ranks' processes are engine/tp_workers.py."""

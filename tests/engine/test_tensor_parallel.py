@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.parallel.workers import TensorParallelError
+from engine.tp_workers import TensorParallelError
 from tests.engine.conftest import assert_idle
 
 NEW_TOKENS = 16

@@ -82,7 +82,7 @@ def compile_rope_qk(has_norm, store_kv):
 
 
 def compile_decode_attention(num_splits):
-    from engine.layers.attention import triton_kernels as tk
+    from engine.layers.attention import triton_decode as td
 
     sig = dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr"], "*bf16")
     sig |= dict.fromkeys(["block_tables_ptr", "seq_lens_ptr"], "*i32")
@@ -93,13 +93,13 @@ def compile_decode_attention(num_splits):
     sig |= dict.fromkeys(strides, "i32") | {"num_splits": "i32"}
     const = dict(ONE_SPLIT=num_splits == 1, GROUP=2, BLOCK_G=16, BLOCK_SIZE=16, HEAD_DIM=128)
     const |= dict(BLOCK_D=128, BLOCK_N=64)
-    compile_for_hopper(tk._decode_split_kernel, sig, const, num_stages=4)
+    compile_for_hopper(td._decode_split_kernel, sig, const, num_stages=4)
     if num_splits > 1:
         red = dict.fromkeys(["part_out_ptr", "part_lse_ptr"], "*fp32") | {"seq_lens_ptr": "*i32"}
         red |= {"out_ptr": "*bf16", "stride_o_tok": "i32", "stride_o_head": "i32"}
         red |= {"num_splits": "i32"}
         const = dict(BLOCK_S=64, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64)
-        compile_for_hopper(tk._decode_reduce_kernel, red, const)
+        compile_for_hopper(td._decode_reduce_kernel, red, const)
 
 
 def child() -> dict:

@@ -20,6 +20,7 @@ ATOL = 2e-2 if ON_GPU else 1e-4
 SCALE = 2 if ON_GPU else 1  # bigger shapes on a GPU
 
 tk = pytest.importorskip("engine.layers.attention.triton_kernels", reason="triton is not installed")
+td = pytest.importorskip("engine.layers.attention.triton_decode", reason="triton is not installed")
 
 
 def random_layout(rng, q_lens, prefix_lens, block_size, num_blocks):
@@ -119,7 +120,7 @@ def test_split_k_decode_matches_torch(seq_lens, heads, kv_heads, head_dim, block
     q = torch.randn(len(seq_lens), heads, head_dim, device=DEVICE, dtype=DTYPE)
     out = torch.empty_like(q)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    tk.decode_attention(q, k_cache, v_cache, out, bt, lens, head_dim**-0.5, num_splits)
+    td.decode_attention(q, k_cache, v_cache, out, bt, lens, head_dim**-0.5, num_splits)
     ref = reference(
         q, k_cache, v_cache, bt, [1] * len(seq_lens), seq_lens, heads, kv_heads, head_dim
     )
@@ -134,7 +135,7 @@ def test_decode_padding_rows_read_nothing(num_splits):
     q = torch.randn(2, 4, 64, device=DEVICE, dtype=DTYPE)
     out = torch.empty_like(q)
     bt = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
-    tk.decode_attention(
+    td.decode_attention(
         q,
         k_cache,
         v_cache,
@@ -165,17 +166,17 @@ def test_store_kv_writes_slots_and_skips_padding():
     "batch, kv_heads, max_len, expected_min", [(1, 8, 4096, 2), (256, 8, 4096, 1)]
 )
 def test_split_heuristic(batch, kv_heads, max_len, expected_min):
-    splits = tk.decode_num_splits(batch, kv_heads, max_len, num_sms=132)
+    splits = td.decode_num_splits(batch, kv_heads, max_len, num_sms=132)
     assert expected_min <= splits <= 64
-    assert splits <= -(-max_len // tk.MIN_SPLIT_KEYS)
+    assert splits <= -(-max_len // td.MIN_SPLIT_KEYS)
 
 
 def test_batch_one_spreads_a_short_context_over_the_gpu():
     # Qwen3-0.6B at batch 1, 1024 tokens of context: 16 splits of one 64-key tile
     # (8 KV heads -> 128 programs on 132 SMs), not 4 splits of 4 tiles each.
-    assert tk.decode_num_splits(1, 8, 1024, num_sms=132) == 16
+    assert td.decode_num_splits(1, 8, 1024, num_sms=132) == 16
     # A graph planned for 40960 tokens asks for 33; a 1024-token context uses 16.
-    assert tk.decode_num_splits(1, 8, 40960, num_sms=132) == 33
+    assert td.decode_num_splits(1, 8, 40960, num_sms=132) == 33
 
 
 MIXED_CASES = [

@@ -1,4 +1,5 @@
-"""The `triton` backend: our own paged-attention kernels (triton_kernels.py)."""
+"""The `triton` backend: our own paged-attention kernels (store and prefill in
+triton_kernels.py, split-K decode in triton_decode.py)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ class TritonAttention(AttentionBackend):
 
     def __init__(self, num_heads, num_kv_heads, head_dim, scale, block_size) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
-        from engine.layers.attention import triton_kernels
+        from engine.layers.attention import triton_decode, triton_kernels
 
         self._kernels = triton_kernels
+        self._decode = triton_decode
         self._num_sms: int | None = None
 
     @classmethod
@@ -48,7 +50,7 @@ class TritonAttention(AttentionBackend):
                 if device.type == "cuda"
                 else 4
             )
-        return self._kernels.decode_num_splits(
+        return self._decode.decode_num_splits(
             num_seqs, self.num_kv_heads, meta.max_seq_len, self._num_sms
         )
 
@@ -63,7 +65,7 @@ class TritonAttention(AttentionBackend):
         # kernel serves them, the prefill kernel only the rows after them.
         d = meta.num_seqs if meta.is_decode_only else meta.num_decode_seqs
         if d:
-            kern.decode_attention(
+            self._decode.decode_attention(
                 q[:d],
                 k_cache,
                 v_cache,

@@ -26,7 +26,7 @@ from common.metrics.histogram import (
 from common.metrics.node import COUNTERS, HISTOGRAMS, NodeCollector
 from common.metrics.server import make_registry, plan_metrics_ports, serve_metrics
 from decode_node.worker import DecodeStats
-from engine.llm_engine import EngineStats
+from engine.engine_stats import EngineStats
 from pdserve.redis_server import free_port
 from prefill_node.worker import PrefillStats
 from router.inflight import InflightTracker

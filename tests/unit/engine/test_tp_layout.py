@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from engine.parallel.handoff import Logits, StepPlan, decode, encode
-from engine.parallel.layout import TPLayout, check_tensor_parallel_size
 from engine.step_inputs import host_inputs
+from engine.tp_layout import TPLayout, check_tensor_parallel_size
 
 
 def layout(rank, size, heads=8, kv=2, inter=256, vocab=501):

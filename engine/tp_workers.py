@@ -1,9 +1,12 @@
-"""Ranks 1..t-1 of a tensor-parallel engine: one process each.
+"""The processes of a tensor-parallel engine: rank 0's handle on ranks 1..t-1
+(``TPWorkers``) and their entry point (``python -m engine.tp_workers RANK
+SIZE PORT``, ``main``).
 
 Start-up: rank 0 (the engine's process) hosts a TCPStore on a free loopback
-port and starts the others as ``python -m engine.parallel.follower`` (a
-fresh interpreter: no multiprocessing re-import of the user's script, and
-the configuration travels as JSON on stdin, not pickled); each connects, says so in the store, and all of
+port and starts the others as ``python -m engine.tp_workers`` (a fresh
+interpreter: no multiprocessing re-import of the user's script, and the
+configuration and EOS ids travel as one JSON object on stdin, not pickled);
+each connects, says so in the store, and all of
 them build the process groups (engine/parallel/group.py) and their
 ModelRunner at the same time; the runners' construction is collective (KV
 block count agreed as the minimum, CUDA graphs captured in the same order).
@@ -25,6 +28,7 @@ import datetime
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -35,10 +39,12 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.device import resolve_device
+from engine.model_runner import ModelRunner
 from engine.parallel.group import TPGroup
 from engine.parallel.handoff import Handoff, max_plan_words
+from engine.parallel.shm_channel import ChannelClosed, parent_alive
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("engine.tp_workers")
 
 START_TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 10.0
@@ -73,7 +79,7 @@ class TPWorkers:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         setup = json.dumps({"config": config.to_json(), "eos_token_ids": sorted(eos_token_ids)})
         for rank in range(1, size):
-            cmd = [sys.executable, "-m", "engine.parallel.follower"]
+            cmd = [sys.executable, "-m", "engine.tp_workers"]
             cmd += [str(rank), str(size), str(self.store.port)]
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
             self.procs.append(proc)
@@ -113,6 +119,17 @@ class TPWorkers:
         ]
         return "; ".join(gone)
 
+    def raise_if_dead(self, error: Exception) -> None:
+        """After a failed collective: if a rank died, say which (TensorParallelError)."""
+        deadline = time.monotonic() + 2.0  # its exit code may lag its closed sockets
+        while not (dead := self.dead()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if dead:
+            self.close()
+            raise TensorParallelError(
+                f"a tensor-parallel rank died, the engine cannot go on: {dead}"
+            ) from error
+
     def close(self) -> None:
         """Stop the followers (STOP, then a join; killed after ``JOIN_TIMEOUT_S``)."""
         if self._closed:
@@ -148,3 +165,52 @@ def handoff_capacity(config: EngineConfig) -> int:
 
 def threads_per_rank(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
+
+
+def main(argv: list[str]) -> int:
+    """A follower rank: connect, build the ModelRunner (collectively with the
+    other ranks), run each step rank 0 hands off until STOP or until rank 0 is
+    gone. Ctrl-C is ignored here: the follower leaves when its rank 0 does."""
+    rank, size, port = (int(a) for a in argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=logging.WARNING, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s"
+    )
+    setup = json.loads(sys.stdin.read())
+    config = EngineConfig.from_json(setup["config"])
+    eos_token_ids = frozenset(setup["eos_token_ids"])
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(threads_per_rank(size))
+    timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
+    store.set(f"up/{rank}", "1")
+    group = TPGroup(rank, size, device, store)
+    group.handoff = Handoff(group, handoff_capacity(config), parent_alive(os.getppid()))
+    runner = ModelRunner(config, eos_token_ids, group)
+    try:
+        while (plan := runner.handoff.recv()) is not None:
+            runner.follow(plan)
+    except ChannelClosed as e:
+        # Rank 0 died without closing the channel: remove its file for it.
+        logger.warning("leaving: %s", e)
+        group.handoff.close(unlink=True)
+        return 1
+    except Exception as e:  # rank 0 broken: nothing left to follow
+        logger.warning("leaving: %s", e)
+        return 1
+    finally:
+        group.handoff.close()
+        group.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
