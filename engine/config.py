@@ -10,6 +10,7 @@ import enum
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from engine.models.config import ModelArchConfig
 from engine.tp_layout import check_tensor_parallel_size
 
 logger = logging.getLogger(__name__)
+
+_EXTENSION_NAME = re.compile(r"[A-Za-z_][\w.]*[:.][A-Za-z_]\w*")
 
 ALLOWED_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -116,6 +119,10 @@ class EngineConfig:
     # (vLLM's name). None: on for CUDA, off elsewhere; True also works on a CPU
     # (the same code path, without the overlap), which is how CI covers it.
     async_scheduling: bool | None = None
+    # vLLM's name: "module:Class" (or "module.Class") that every tensor-parallel
+    # rank but rank 0 instantiates with its ModelRunner; rank 0 reaches it with
+    # LLMEngine.call_workers (a node's KV transfer runs on every rank this way).
+    worker_extension_cls: str | None = None
     # Derived in __post_init__.
     model_config: ModelArchConfig = field(init=False, repr=False)
 
@@ -136,6 +143,13 @@ class EngineConfig:
             "attention_backend", self.attention_backend, AttentionBackendName
         )
         self.gemv_backend = _parse_enum("gemv_backend", self.gemv_backend, GemvBackend)
+        if self.worker_extension_cls is not None and not _EXTENSION_NAME.fullmatch(
+            str(self.worker_extension_cls)
+        ):
+            raise ValueError(
+                f"worker_extension_cls must be 'module:Class' or 'module.Class'; got "
+                f"{self.worker_extension_cls!r}"
+            )
         if self.dtype not in _DTYPE_ALIASES:
             allowed = ", ".join(repr(k) for k in _DTYPE_ALIASES)
             raise ValueError(f"dtype must be one of {allowed}; got {self.dtype!r}")

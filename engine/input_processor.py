@@ -1,4 +1,5 @@
-"""Turns what a caller passes (text, token ids, vLLM-style prompt dicts) into checked token ids.
+"""Turns what a caller passes (text, token ids, vLLM-style prompt dicts) into checked
+token ids, and a checked request into its Request and Sequences.
 
 Every check raises ValueError naming the field, before the engine holds any
 state for the request, so a rejected request leaves the engine as it was.
@@ -6,11 +7,16 @@ state for the request, so a rejected request leaves the engine as it was.
 
 from __future__ import annotations
 
+import itertools
+import time
 from dataclasses import dataclass
 from typing import Any
 
+from engine.block_hash import HasherCache
 from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, stop_holdback
 from engine.sampling_params import SamplingParams
+from engine.sequence import Request, Sequence
 
 # A prompt: "text", [token ids], {"prompt": text}, or {"prompt_token_ids": [...]};
 # dicts may also carry "cache_salt" (tenant isolation of the prefix cache).
@@ -27,12 +33,66 @@ class ProcessedPrompt:
 
 class InputProcessor:
     def __init__(
-        self, config: EngineConfig, tokenizer: Any | None, eos_token_ids: frozenset[int]
+        self,
+        config: EngineConfig,
+        tokenizer: Any | None,
+        eos_token_ids: frozenset[int],
+        tok_info: TokenizerInfo | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.tok_info = tok_info
         self.vocab_size = config.model_config.vocab_size
         self.eos_token_ids = eos_token_ids
+        self._seq_ids = itertools.count()
+
+    def new_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None,
+        arrival_time: float | None,
+        hashers: HasherCache | None,
+    ) -> Request:
+        """A checked request with one Sequence per completion (``n``), not yet queued.
+        ``hashers``: the engine's block hashers (None without prefix caching)."""
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        else:
+            # A private, re-validated copy: the caller may reuse and edit its object.
+            params = params.clone()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        processed = self.process(prompt, params)
+        hasher = hashers.get(processed.cache_salt) if hashers is not None else None
+        seqs = []
+        for index in range(params.n):
+            seq = Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=request_id,
+                index=index,
+                token_ids=list(processed.token_ids),
+                num_prompt_tokens=len(processed.token_ids),
+                params=params,
+                hasher=hasher,
+            )
+            if self.tok_info is not None and params.detokenize:
+                seq.detokenizer = IncrementalDetokenizer(self.tok_info, processed.token_ids, params)
+            seqs.append(seq)
+        return Request(
+            request_id=request_id,
+            prompt=processed.prompt,
+            prompt_token_ids=processed.token_ids,
+            params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            seqs=seqs,
+            cache_salt=processed.cache_salt,
+            stop_holdback=stop_holdback(params),
+            # The first prompt token has no context, so no logprob.
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         text, token_ids, salt = self._parse(prompt)

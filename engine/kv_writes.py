@@ -13,6 +13,11 @@ or a ``LayerDone`` callback: the model then runs eagerly and calls
 computed by then; on a GPU its kernels are queued on the current stream, so
 whatever the callback queues on that stream (a gather, an event) is ordered
 after layer i's KV writes and before layer i + 1's work.
+
+With tensor parallelism rank 0's observer sees the batch; an observer on
+another rank is asked with ``batch=None`` (it learnt what the step holds from
+rank 0's ``call_workers`` before it), and the step runs eagerly on every rank
+whenever rank 0's observer asked for layers.
 """
 
 from __future__ import annotations
@@ -27,4 +32,4 @@ LayerDone = Callable[[int], None]
 
 
 class KVWriteObserver(Protocol):
-    def begin_step(self, batch: ScheduledBatch) -> LayerDone | None: ...
+    def begin_step(self, batch: ScheduledBatch | None) -> LayerDone | None: ...

@@ -22,7 +22,7 @@ Life cycle of a request inside the engine:
 
 from __future__ import annotations
 
-import itertools
+import json
 import time
 import weakref
 from dataclasses import dataclass
@@ -31,13 +31,14 @@ from engine.async_step import InFlightStep
 from engine.block_hash import MAX_CACHED_HASHERS, HasherCache
 from engine.block_manager import BlockManager, CacheEvents
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, stop_holdback
+from engine.detokenizer import TokenizerInfo
 from engine.engine_stats import EngineStats, collect_stats
 from engine.input_processor import InputProcessor, PromptType
 from engine.kv_writes import KVWriteObserver
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.parallel.handoff import Call
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus, TokenLogprobs
@@ -97,17 +98,15 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        self.input_processor = InputProcessor(config, self.tokenizer, self.eos_token_ids)
+        self.input_processor = InputProcessor(config, self.tokenizer, self.eos_token_ids, tok_info)
         self.output_processor = OutputProcessor(
             self.scheduler, self.model_runner, tok_info, self.eos_token_ids, config.max_model_len
         )
-        self._tok_info = tok_info
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self.num_computed_tokens = 0  # since start (EngineStats)
         self.num_generated_tokens = 0
         self._touched: set[str] = set()
-        self._seq_ids = itertools.count()
         # Block hashers per tenant salt (None: no prefix caching, nothing to hash).
         self._hashers = (
             HasherCache(config.served_model_name, config.kvcache_block_size)
@@ -222,46 +221,12 @@ class LLMEngine:
         params: SamplingParams | None,
         arrival_time: float | None,
     ) -> Request:
-        if params is None:
-            params = SamplingParams()
-        elif not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        else:
-            # A private, re-validated copy: the caller may reuse and edit its object.
-            params = params.clone()
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.requests or request_id in self.scheduler.held:
+        if isinstance(request_id, str) and (
+            request_id in self.requests or request_id in self.scheduler.held
+        ):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        processed = self.input_processor.process(prompt, params)
-        hasher = self._hashers.get(processed.cache_salt) if self._hashers is not None else None
-        seqs = []
-        for index in range(params.n):
-            seq = Sequence(
-                seq_id=next(self._seq_ids),
-                request_id=request_id,
-                index=index,
-                token_ids=list(processed.token_ids),
-                num_prompt_tokens=len(processed.token_ids),
-                params=params,
-                hasher=hasher,
-            )
-            if self._tok_info is not None and params.detokenize:
-                seq.detokenizer = IncrementalDetokenizer(
-                    self._tok_info, processed.token_ids, params
-                )
-            seqs.append(seq)
-        return Request(
-            request_id=request_id,
-            prompt=processed.prompt,
-            prompt_token_ids=processed.token_ids,
-            params=params,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-            seqs=seqs,
-            cache_salt=processed.cache_salt,
-            stop_holdback=stop_holdback(params),
-            # The first prompt token has no context, so no logprob.
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        return self.input_processor.new_request(
+            request_id, prompt, params, arrival_time, self._hashers
         )
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -306,12 +271,25 @@ class LLMEngine:
         return len(self.scheduler.waiting), self.scheduler.num_free_slots
 
     def observe_kv_writes(self, observer: KVWriteObserver | None) -> None:
-        """Prefill node: be told when each layer's KV is written (None: stop)."""
-        if observer is not None and self.tp_workers is not None:
-            raise ValueError(
-                "streaming KV layer by layer is not supported with tensor_parallel_size > 1 yet"
-            )
+        """Prefill node: be told when each layer's KV is written (None: stop).
+        With tensor parallelism this is rank 0's; the others install their own
+        through their worker extension."""
         self.model_runner.kv_observer = observer
+
+    def call_workers(self, method: str, payload: dict) -> None:
+        """``method(payload)`` on the worker extension of every rank but this one
+        (``worker_extension_cls``), before the next step; a no-op without tensor
+        parallelism. Engine thread only. ``payload`` travels as JSON."""
+        if self.tp_workers is None:
+            return
+        if not self.config.worker_extension_cls:
+            raise ValueError("call_workers needs worker_extension_cls in the engine's config")
+        call = Call(method, json.dumps(payload, separators=(",", ":")).encode())
+        try:
+            self.model_runner.handoff.call(call)
+        except Exception as e:
+            self._raise_if_a_rank_died(e)
+            raise
 
     def num_held(self) -> int:
         """Prefill node: finished requests whose blocks wait for their transfer."""

@@ -366,8 +366,13 @@ class ModelRunner:
     @torch.inference_mode()
     def follow(self, plan: StepPlan) -> None:
         """Ranks 1..t-1: rank 0's step, for its collectives (the logits this rank
-        computes are its share of the all-gather; rank 0 samples)."""
-        hidden, logits_of = self._forward(plan)
+        computes are its share of the all-gather; rank 0 samples). An observer
+        this rank's worker extension installed learns of the step from rank 0's
+        call before it, so it is asked with no batch."""
+        after_layer = None
+        if self.kv_observer is not None and not plan.use_graph:
+            after_layer = self.kv_observer.begin_step(None)
+        hidden, logits_of = self._forward(plan, after_layer=after_layer)
         if plan.logits is not Logits.NONE:
             logits_of(hidden)
         for lo, hi in plan.prompt_slices:

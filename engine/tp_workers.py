@@ -18,6 +18,12 @@ forward, its share of the logits) until rank 0 sends STOP, or rank 0's
 connection closes (rank 0 died: the follower exits). Rank 0 sees a dead
 follower as a failed collective; ``TPWorkers.dead`` names it.
 
+Worker extension (``worker_extension_cls``, vLLM's name): a class the
+follower builds with its ModelRunner after start-up; rank 0's
+``LLMEngine.call_workers(method, payload)`` reaches its methods, in order with
+the steps (a call published before step N runs before step N). A node's KV
+transfer runs on every rank this way, in code the engine does not import.
+
 On a CPU every process gets ``cores / t`` intra-op threads, so t ranks do not
 oversubscribe the host.
 """
@@ -25,6 +31,7 @@ oversubscribe the host.
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import logging
 import os
@@ -41,7 +48,7 @@ from engine.config import EngineConfig
 from engine.device import resolve_device
 from engine.model_runner import ModelRunner
 from engine.parallel.group import TPGroup
-from engine.parallel.handoff import Handoff, max_plan_words
+from engine.parallel.handoff import Call, Handoff, max_plan_words
 from engine.parallel.shm_channel import ChannelClosed, parent_alive
 
 logger = logging.getLogger("engine.tp_workers")
@@ -75,7 +82,7 @@ class TPWorkers:
         self.procs: list[subprocess.Popen] = []
         env = dict(os.environ)
         # The follower imports this very package, wherever it was imported from.
-        root = str(Path(__file__).resolve().parents[2])
+        root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         setup = json.dumps({"config": config.to_json(), "eos_token_ids": sorted(eos_token_ids)})
         for rank in range(1, size):
@@ -163,6 +170,17 @@ def handoff_capacity(config: EngineConfig) -> int:
     return max_plan_words(config.max_num_batched_tokens, config.max_num_seqs, blocks_per_seq)
 
 
+def load_worker_extension(name: str) -> type:
+    """The class ``worker_extension_cls`` names ("module:Class" or "module.Class")."""
+    module, sep, cls = name.partition(":")
+    if not sep:
+        module, _, cls = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"worker_extension_cls {name!r} cannot be loaded: {e}") from e
+
+
 def threads_per_rank(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
@@ -191,9 +209,15 @@ def main(argv: list[str]) -> int:
     group = TPGroup(rank, size, device, store)
     group.handoff = Handoff(group, handoff_capacity(config), parent_alive(os.getppid()))
     runner = ModelRunner(config, eos_token_ids, group)
+    extension = None
+    if config.worker_extension_cls:
+        extension = load_worker_extension(config.worker_extension_cls)(runner)
     try:
-        while (plan := runner.handoff.recv()) is not None:
-            runner.follow(plan)
+        while (item := runner.handoff.recv()) is not None:
+            if isinstance(item, Call):
+                _run_call(extension, item)
+            else:
+                runner.follow(item)
     except ChannelClosed as e:
         # Rank 0 died without closing the channel: remove its file for it.
         logger.warning("leaving: %s", e)
@@ -208,8 +232,17 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+def _run_call(extension, call: Call) -> None:
+    """One call from rank 0. A failing call is logged, not fatal: the engine's
+    steps do not depend on it (the extension reports its own failures)."""
+    method = getattr(extension, call.method, None) if extension is not None else None
+    if method is None or call.method.startswith("_"):
+        logger.error("rank 0 called %r, which this rank's worker extension lacks", call.method)
+        return
+    try:
+        method(json.loads(call.payload))
+    except Exception:
+        logger.exception("worker extension call %s failed", call.method)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,16 @@ from engine.step_inputs import HostInputs
 class Op(IntEnum):
     STEP = 1
     STOP = 2  # rank 0 is shutting down: followers leave their loop
+    CALL = 3  # a method of the followers' worker extension, between two steps
+
+
+@dataclass(slots=True, frozen=True)
+class Call:
+    """``method(payload)`` on each follower's worker extension (engine/tp_workers.py).
+    The payload is JSON (UTF-8), never pickle."""
+
+    method: str
+    payload: bytes
 
 
 class Logits(IntEnum):
@@ -135,6 +145,11 @@ def max_plan_words(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> i
     )
 
 
+def _words(data: bytes) -> np.ndarray:
+    """Bytes as int64 words (zero-padded to a multiple of 8)."""
+    return np.frombuffer(data + bytes(-len(data) % 8), dtype=np.int64)
+
+
 class Handoff:
     """Both ends of the per-step channel: rank 0 ``send``s and ``stop``s, the
     others ``recv``. Rank 0 creates the shared-memory segment and publishes its
@@ -164,12 +179,23 @@ class Handoff:
         header[0] = Op.STOP
         self.channel.write([header], self.alive)
 
-    def recv(self) -> StepPlan | None:
-        """The next step's plan, or None when rank 0 stopped."""
+    def call(self, call: Call) -> None:
+        """Publish a call; the followers run it before the next step's plan."""
+        name = call.method.encode()
+        header = np.zeros(HEADER_WORDS, dtype=np.int64)
+        header[:3] = (Op.CALL, len(name), len(call.payload))
+        self.channel.write([header, _words(name + call.payload)], self.alive)
+
+    def recv(self) -> StepPlan | Call | None:
+        """The next step's plan or call, or None when rank 0 stopped."""
         words = self.channel.read(self.group.rank - 1, self.alive)
         header, payload = words[:HEADER_WORDS], words[HEADER_WORDS:]
         if header[0] == Op.STOP:
             return None
+        if header[0] == Op.CALL:
+            name_len, payload_len = int(header[1]), int(header[2])
+            raw = payload.tobytes()
+            return Call(raw[:name_len].decode(), raw[name_len : name_len + payload_len])
         if header[0] != Op.STEP:
             raise RuntimeError(f"tensor-parallel hand-off out of step: header {header.tolist()}")
         return decode(header, payload)

@@ -11,6 +11,7 @@ is named in the error; shutdown stops every rank.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -30,7 +31,13 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def tp3(demo_model_dir):
-    llm = LLM(str(demo_model_dir), max_model_len=512, device="cpu", tensor_parallel_size=3)
+    llm = LLM(
+        str(demo_model_dir),
+        max_model_len=512,
+        device="cpu",
+        tensor_parallel_size=3,
+        worker_extension_cls="tests.engine.tp_probe:Probe",
+    )
     yield llm
     llm.llm_engine.shutdown()
 
@@ -85,6 +92,48 @@ def test_tp3_logprobs_prompt_logprobs_and_seeded_samples_match_tp1(tp3, demo_llm
                     for tok in wl:
                         assert gl[tok].logprob == pytest.approx(wl[tok].logprob, abs=1e-4)
     assert_idle(tp3)
+
+
+def _lines(path, count: int, timeout_s: float = 30.0) -> list[dict]:
+    """The probe's records once ``count`` are written (followers run calls on their own time)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) >= count:
+            return [json.loads(line) for line in lines]
+        time.sleep(0.05)
+    raise AssertionError(f"{path}: fewer than {count} records after {timeout_s} s")
+
+
+def test_worker_extension_calls_run_on_every_other_rank_in_order_with_the_steps(tp3, tmp_path):
+    engine = tp3.llm_engine
+    path = tmp_path / "calls.jsonl"
+    layers = list(range(engine.config.model_config.num_hidden_layers))
+
+    class RankZero:  # rank 0's own observer: the step then runs layer by layer everywhere
+        def begin_step(self, batch):
+            return lambda layer: None
+
+    engine.call_workers("record", {"path": str(path), "tag": "first"})
+    engine.call_workers("watch_layers", {"path": str(path)})
+    engine.call_workers("no_such_method", {})  # logged by the follower, not fatal
+    engine.observe_kv_writes(RankZero())
+    try:
+        out = tp3.generate(
+            ["The capital of France is"], SamplingParams(max_tokens=3), use_tqdm=False
+        )
+    finally:
+        engine.observe_kv_writes(None)
+    engine.call_workers("unwatch", {})
+    engine.call_workers("record", {"path": str(path), "tag": "last"})
+    tp3.generate(["again"], SamplingParams(max_tokens=2), use_tqdm=False)  # not watched
+    records = _lines(path, 2 * (1 + 3 + 1))
+    assert len(out[0].outputs[0].token_ids) == 3
+    for rank, heads in ((1, [1]), (2, [2])):
+        mine = [r for r in records if r["rank"] == rank]
+        assert [r["tag"] for r in mine] == ["first", "step", "step", "step", "last"]
+        assert mine[0]["kv_heads"] == heads
+        assert all(r["layers"] == layers for r in mine[1:4])
 
 
 def test_tp3_async_scheduling_under_preemption_completes_everything(demo_model_dir, demo_llm):

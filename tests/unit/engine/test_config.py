@@ -78,6 +78,8 @@ def test_no_chunking_needs_budget_for_the_longest_prompt(model_dir):
         ("load_format", "gguf"),
         ("device", "tpu"),
         ("attention_backend", "xformers"),
+        ("worker_extension_cls", "not a class path"),
+        ("worker_extension_cls", "NoModule"),
     ],
 )
 def test_invalid_fields_raise_value_error_naming_them(model_dir, field, value):

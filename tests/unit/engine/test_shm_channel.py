@@ -61,3 +61,35 @@ def test_a_writer_whose_reader_died_raises_instead_of_waiting(channel, monkeypat
 def test_a_message_larger_than_the_channel_is_refused(channel):
     with pytest.raises(ValueError, match="exceeds"):
         channel.write([np.zeros(65, dtype=np.int64)])
+
+
+def test_a_call_travels_between_steps_as_json_and_in_order():
+    """Handoff's CALL messages: the method and its JSON payload arrive whole
+    and in order with the step plans around them (a real store, real shm)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from engine.parallel.handoff import Call, Handoff, StepPlan
+    from engine.step_inputs import host_inputs
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    rank0 = Handoff(SimpleNamespace(rank=0, size=2, is_driver=True, store=store), 4096)
+    rank1 = Handoff(SimpleNamespace(rank=1, size=2, is_driver=False, store=store), 4096)
+    try:
+        got = []
+        reader = threading.Thread(target=lambda: got.extend(rank1.recv() for _ in range(4)))
+        reader.start()
+        host = host_inputs([[5, 6, 7]], [0], [3], [[2]], 16)
+        rank0.call(Call("kv_expect", b'{"reservation":7,"blocks":[1,2,3]}'))
+        rank0.send(StepPlan(host))
+        rank0.call(Call("odd", "\u00e9".encode()))  # a length that is not a multiple of 8
+        rank0.stop()
+        reader.join(10)
+        assert got[0] == Call("kv_expect", b'{"reservation":7,"blocks":[1,2,3]}')
+        assert got[1].host.input_ids.tolist() == [5, 6, 7]
+        assert got[2] == Call("odd", "\u00e9".encode())
+        assert got[3] is None
+    finally:
+        rank1.close()
+        rank0.close()
