@@ -257,7 +257,7 @@ def _decode(a, port, cache, sizes, device, acks) -> dict[int, float]:
                 landed[ctx[0]] = time.monotonic()
                 acks.put(ctx[0])
 
-        def on_peer_failed(self, peer, error):
+        def on_peer_failed(self, peer, error, epoch):
             acks.put(f"failed: {error}")
 
     kv_bytes = cache.numel() * cache.element_size()

@@ -57,6 +57,7 @@ ROUTE_FIELDS = (
     "max_num_seqs",
     "draining",
     "seen_ms",
+    "tensor_parallel_size",
 )
 
 # ARGV[1]: the key prefix; ARGV[2]: the request's block hashes, concatenated
@@ -141,6 +142,8 @@ class NodeInfo:
     waiting: int = 0
     queued_prefill_tokens: int = 0
     max_num_seqs: int = 0
+    tensor_parallel_size: int = 1  # ranks of its engine, one process each
+    num_gpus: int = 0  # GPUs it holds (one per rank; 0 on a CPU)
     draining: bool = False  # the node itself is shutting down (SIGTERM)
     updated_ms: int = 0  # the node's clock at its last heartbeat
     seen_ms: int = 0  # the Redis server's clock at its last heartbeat
@@ -217,6 +220,7 @@ class NodeInfo:
             max_num_seqs=_int(v[11]),
             draining=v[12] not in ("0", "", "False"),
             seen_ms=_int(v[13]),
+            tensor_parallel_size=_int(v[14]) or 1,  # a node that predates the field: 1
         )
 
 

@@ -50,6 +50,7 @@ class NodeEngine:
 
     def info(self, role: NodeRole, port: int, **extra) -> NodeInfo:
         """The node's registration (the heartbeat keeps its load fields current)."""
+        tp = self.config.tensor_parallel_size
         return NodeInfo(
             node_id=self.node_id,
             role=role,
@@ -57,6 +58,8 @@ class NodeEngine:
             model_id=self.config.served_model_name,
             block_size=self.config.kvcache_block_size,
             max_num_seqs=self.config.max_num_seqs,
+            tensor_parallel_size=tp,
+            num_gpus=tp if self.engine.model_runner.device.type == "cuda" else 0,
             **extra,
         )
 
@@ -74,6 +77,11 @@ def start_node_engine(
     check_free(args.host, ports)
     crash_at_start(args.node_id or "")
     config = EngineConfig.from_kwargs(args.model, **(engine_kwargs(args) | overrides))
+    if args.verify_kv and config.tensor_parallel_size > 1:
+        raise ValueError(
+            "--verify-kv checks transfers between nodes of tensor-parallel size 1 only; "
+            f"this node has --tensor-parallel-size {config.tensor_parallel_size}"
+        )
     engine = LLMEngine(config)
     engine.enable_cache_events()
     advertise = args.advertise_host or default_host()

@@ -33,6 +33,7 @@ ENGINE_FLAGS: dict[str, type] = {
     "served_model_name": str,
     "seed": int,
     "load_format": str,
+    "tensor_parallel_size": int,
 }
 
 

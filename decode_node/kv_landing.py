@@ -4,94 +4,59 @@ Life cycle of one reservation (``TransferState``):
 
 1. RESERVED -- ``open`` registers the engine's reservation under a fresh id
    (ids are never reused: the id is the blocks' generation) and tells the
-   receiver to expect that prefill node's stream; the request path sends the
-   id, the channel epoch and the first missing block in its ``Prefill``.
+   receiver to expect that prefill node's stream, from each of its ranks that
+   pairs with this one (common/kv_transfer/pairing.py); the request path sends
+   the id, the channel epoch and the first missing block in its ``Prefill``.
 2. STREAMING -- the receiver read a segment header naming it (``on_group``,
-   the receiver's thread). The segment must fit the reservation and continue
-   what was announced before (common/kv_transfer/coverage.py); one that does
-   not fails the reservation. Each of its chunks is scattered into the
-   reserved blocks as it lands (``on_chunk``: on the receiver's CUDA stream,
-   with an event recorded after it), while the later chunks are on the wire.
-3. LANDED -- the last unit (block x layer x head) landed: the request path's
-   ``landed`` future resolves.
+   the receiver's thread; decode_node/landing_core.py). Each chunk is
+   scattered into the reserved blocks as it lands, while the later chunks are
+   on the wire.
+3. LANDED -- the last unit (block x layer x head) landed, on this rank and,
+   with tensor parallelism, on every other rank (each reports its own part,
+   decode_node/rank_reports.py): the request path's ``landed`` future resolves.
 4. COMMITTED -- ``commit`` runs on the engine thread: it orders the engine's
-   stream after the last scatter and makes the request join the running batch
-   with the prefill node's first token.
+   stream after the last scatter (on every rank) and makes the request join
+   the running batch with the prefill node's first token.
 Or EXPIRED (the lease ran out first: ``expire``), FAILED (the channel from that
-peer failed, a segment did not fit, a scatter failed, or the prefill node ended
-the stream early) or ABORTED (the request ended first; ``close`` marks whatever
-is still open). In each of those cases the request path aborts the engine
-request, which frees the blocks -- after the last scatter that was queued
-(``wait_for_landings``). Whatever arrives for a reservation that is no longer
-RESERVED or STREAMING (a segment for a reservation that is gone, the rest of a
-segment whose lease ran out half-way) is dropped, never written, and counted
-as late once per segment.
+peer failed, a segment did not fit, a scatter failed, the prefill node ended
+the stream early, or another rank's part failed) or ABORTED (the request ended
+first; ``close`` marks whatever is still open, on every rank). In each of those
+cases the request path aborts the engine request, which frees the blocks --
+after the last scatter that was queued (``wait_for_landings``; the other ranks
+order themselves the same way when ``close`` reaches them, before any later
+step). Whatever arrives for a reservation that is no longer RESERVED or
+STREAMING is dropped, never written, and counted as late once per segment.
+
+Tensor parallelism: rank 0 hosts the TCPStore and owns the channel epochs; the
+other ranks (decode_node/tp_rank.py) learn each reservation (``kv_expect``),
+its end (``kv_close``) and its commit (``kv_commit``) from rank 0 through
+``LLMEngine.call_workers``, in order with the engine's steps.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import threading
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from common.kv_transfer import KVReceiver, TransferError, TransferState
-from common.kv_transfer.checksum import chain, checksum
-from common.kv_transfer.coverage import Coverage
-from common.kv_transfer.protocol import ChunkDesc, SegmentHeader
+from common.kv_transfer.checksum import chain
+from common.kv_transfer.pairing import kv_pairs, receives_of
+from decode_node.landing_core import OPEN, LandingCore, PendingKV
+from decode_node.rank_reports import Report, ReportListener
 from decode_node.stats import DecodeStats
-from engine.kv_blocks import block_index, kv_unit_bytes
 from engine.llm_engine import LLMEngine, Reservation
 
 if TYPE_CHECKING:
+    from engine.engine_thread import EngineThread
     from engine.sequence import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class PendingKV:
-    """A reservation waiting for its prompt's KV (shared with the receiver thread)."""
-
-    request_id: str
-    reservation: Reservation
-    peer: str
-    landed: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    coverage: Coverage
-    state: TransferState = TransferState.RESERVED
-    landed_event: torch.cuda.Event | None = None  # behind the last scatter queued
-    digests: list[bytes] = field(default_factory=list)  # per chunk, with --verify-kv
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def resolve(self, error: BaseException | None = None) -> None:
-        def done() -> None:
-            if not self.landed.done():
-                if error is None:
-                    self.landed.set_result(None)
-                else:
-                    self.landed.set_exception(error)
-
-        self.loop.call_soon_threadsafe(done)
-
-
-@dataclass(slots=True)
-class _Segment:
-    """The landing's view of one announced segment (the receiver hands it back per chunk)."""
-
-    header: SegmentHeader
-    pending: PendingKV | None = None  # None: not wanted
-    index: torch.Tensor | None = None  # its reserved blocks, as an index tensor
-    dropped: bool = False  # counted (late) or failed already
-
-
-class KVLanding:
-    """Reservations of one decode node and the receiver that fills them."""
+class KVLanding(LandingCore):
+    """Reservations of one decode node and the receiver that fills them (rank 0)."""
 
     def __init__(
         self,
@@ -102,14 +67,14 @@ class KVLanding:
         stats: DecodeStats,
         transfer_timeout_s: float,
         verify_transfers: bool,
+        engine: EngineThread | None = None,
     ) -> None:
-        self.stats = stats
-        self.verify_transfers = verify_transfers
-        self._runner = runner
-        kv = runner.kv_cache
-        self._layout = (kv.shape[1], (0, kv.shape[4]), kv_unit_bytes(kv))
-        self._pending: dict[int, PendingKV] = {}
+        super().__init__(runner, stats, verify_transfers)
+        self.tp_size = runner.tp.size
+        self.num_kv_heads = runner.layout.num_kv_heads
+        self._engine = engine  # to reach the other ranks (tensor parallelism)
         self._reservation_ids = itertools.count(1)
+        kv = runner.kv_cache
         self.receiver = KVReceiver(
             node_id,
             store_host,
@@ -119,19 +84,56 @@ class KVLanding:
             timeout_s=transfer_timeout_s,
             max_group_bytes=kv.numel() * kv.element_size(),
         )
+        self.reports: ReportListener | None = None
+        if self.tp_size > 1:
+            if engine is None:
+                raise ValueError("a tensor-parallel decode node's landing needs its engine")
+            self.reports = ReportListener(self._on_report)
+            setup = {
+                "node_id": node_id,
+                "store_host": store_host,
+                "store_port": store_port,
+                "timeout_s": transfer_timeout_s,
+                "report_port": self.reports.port,
+            }
+            engine.call(lambda e: e.call_workers("setup", setup)).result()
 
     # ------------------------------------------------------- request path
-    def open(self, request_id: str, reservation: Reservation, peer: str) -> tuple[int, int]:
+    def open(
+        self, request_id: str, reservation: Reservation, peer: str, peer_tp: int = 1
+    ) -> tuple[int, int]:
         """Register a reservation; returns (reservation id, channel epoch)."""
         loop = asyncio.get_running_loop()
         reservation_id = next(self._reservation_ids)
-        num_layers, heads, unit_bytes = self._layout
-        coverage = Coverage(
-            reservation.first_block, len(reservation.block_ids), num_layers, heads, unit_bytes
+        pending = PendingKV(
+            request_id,
+            reservation,
+            peer,
+            self._coverage(reservation),
+            peer_tp=max(1, peer_tp),
+            reservation_id=reservation_id,
+            landed=loop.create_future(),
+            loop=loop,
+            ranks_left=self.tp_size - 1,
         )
-        pending = PendingKV(request_id, reservation, peer, loop.create_future(), loop, coverage)
         self._pending[reservation_id] = pending
-        return reservation_id, self.receiver.expect(peer, reservation_id)
+        pairs = kv_pairs(self.num_kv_heads, max(1, peer_tp), self.tp_size)
+        epoch = self.receiver.epoch_of(peer)
+        for pair in receives_of(pairs, 0):
+            self.receiver.expect(peer, reservation_id, pair.sender, epoch)
+        if self.tp_size > 1:
+            expect = {
+                "reservation_id": reservation_id,
+                "request_id": request_id,
+                "peer": peer,
+                "peer_tp": max(1, peer_tp),
+                "epoch": epoch,
+                "block_ids": reservation.block_ids,
+                "first_block": reservation.first_block,
+                "num_prompt_tokens": reservation.num_prompt_tokens,
+            }
+            self._call_workers("kv_expect", expect)
+        return reservation_id, epoch
 
     async def wait(self, reservation_id: int, timeout_s: float) -> None:
         """Until the KV landed (TimeoutError, TransferError otherwise)."""
@@ -150,20 +152,24 @@ class KVLanding:
         by the abort that follows); whatever arrives for it later is dropped."""
         pending = self._pending[reservation_id]
         with pending.lock:
-            if pending.state in _OPEN + (TransferState.LANDED,):
+            if pending.state in OPEN + (TransferState.LANDED,):
                 pending.state = TransferState.EXPIRED
                 self.stats.leases_expired += 1
 
     def close(self, reservation_id: int) -> None:
         """The request path is done with this reservation, whatever happened."""
         pending = self._pending.pop(reservation_id)
-        self.receiver.unexpect(pending.peer, reservation_id)
+        pairs = kv_pairs(self.num_kv_heads, pending.peer_tp, self.tp_size)
+        for pair in receives_of(pairs, 0):
+            self.receiver.unexpect(pending.peer, reservation_id, pair.sender)
         with pending.lock:
-            if pending.state in _OPEN + (TransferState.LANDED,):
+            if pending.state in OPEN + (TransferState.LANDED,):
                 pending.state = TransferState.ABORTED
+        if self.tp_size > 1:
+            self._call_workers("kv_close", {"reservation_id": reservation_id})
 
     def reset_peer(self, peer: str) -> None:
-        """The prefill node is unreachable or stalled: rebuild its channel on next use."""
+        """The prefill node is unreachable or stalled: rebuild its channels on next use."""
         self.receiver.reset(peer)
 
     # ------------------------------------------------------ engine thread
@@ -179,8 +185,9 @@ class KVLanding:
         with pending.lock:
             if pending.state is not TransferState.LANDED:
                 raise TransferError(f"reservation of {pending.request_id} is {pending.state.name}")
-            if pending.landed_event is not None:
-                torch.cuda.current_stream().wait_event(pending.landed_event)
+            self.order_after_landing(pending)
+            # The other ranks order their next step after their own scatters.
+            engine.call_workers("kv_commit", {"reservation_id": reservation_id})
             engine.commit_request(pending.request_id, first_token, first_logprobs, cached_tokens)
             pending.state = TransferState.COMMITTED
 
@@ -188,96 +195,55 @@ class KVLanding:
         """On the engine thread, before an abort frees the request's blocks: a
         scatter may still be writing them."""
         for pending in list(self._pending.values()):
-            if pending.request_id == request_id and pending.landed_event is not None:
-                torch.cuda.current_stream().wait_event(pending.landed_event)
+            if pending.request_id == request_id:
+                self.order_after_landing(pending)
 
-    # --------------------------------------------------- receiver thread
-    def on_group(self, peer: str, headers: list[SegmentHeader]) -> list[_Segment]:
-        return [self._announce(peer, h) for h in headers]
-
-    def _announce(self, peer: str, header: SegmentHeader) -> _Segment:
-        seg = _Segment(header)
-        pending = self._pending.get(header.reservation_id)
-        if pending is None or pending.peer != peer:
-            if not header.is_end:
-                self._drop(seg, late=True)
-                logger.info("dropping KV for reservation %d, which is gone", header.reservation_id)
-            return seg
+    # --------------------------------------------- this rank and the others
+    def _landed(self, pending: PendingKV) -> None:
+        """This rank's part landed, or another rank reported its own."""
         with pending.lock:
-            if header.is_end:
-                if pending.state in _OPEN:
-                    self._fail(pending, "the prefill node ended the stream before all KV came")
-                return seg
-            if pending.state not in _OPEN:
-                self._drop(seg, late=pending.state in _GONE)
-                return seg
-            if (error := pending.coverage.accept(header)) is not None:
-                self._fail(pending, f"a KV segment for {pending.request_id} does not fit: {error}")
-                seg.dropped = True
-                return seg
-            pending.state = TransferState.STREAMING
-            blocks = pending.reservation.block_ids[header.block_start : header.block_end]
-            seg.index = block_index(blocks, self._runner.device)
-            seg.pending = pending
-        return seg
+            if pending.state is not TransferState.LANDED or pending.coverage.units_left:
+                return
+            if pending.ranks_left:
+                return
+        self.stats.transfers_landed += 1
+        pending.resolve()
 
-    def on_chunk(self, peer: str, seg: _Segment, desc: ChunkDesc, data: torch.Tensor, stream):
-        pending = seg.pending
-        if pending is None or seg.dropped:
+    def _failed(self, pending: PendingKV, error: TransferError) -> None:
+        pending.resolve(error)
+
+    def on_peer_failed(self, peer: str, error: Exception, epoch: int) -> None:
+        self.fail_peer(peer, error)
+
+    def _on_report(self, report: Report) -> None:
+        """Another rank's news (its report thread)."""
+        if report.kind == "late":
+            self.stats.late_transfers += 1
             return
-        with pending.lock:
-            if pending.state is not TransferState.STREAMING:
-                self._drop(seg, late=pending.state in _GONE)
-                return
-            try:
-                self._place(pending, seg.index, desc, data, stream)
-            except Exception as e:
-                self._fail(pending, f"could not place the KV of {pending.request_id}: {e}")
-                seg.dropped = True
-                return
-            self.stats.bytes_received += data.numel()
-            complete = pending.coverage.land(desc)
-            if complete:
-                pending.state = TransferState.LANDED
-                self.stats.transfers_landed += 1
-        if complete:
-            pending.resolve()
-
-    def _place(self, pending: PendingKV, index, desc: ChunkDesc, data, stream) -> None:
-        runner = self._runner
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            runner.scatter_kv(index, data, desc.layers, desc.heads)
-            if stream is not None:
-                pending.landed_event = torch.cuda.Event()
-                pending.landed_event.record(stream)
-            if self.verify_transfers:
-                pending.digests.append(checksum(runner.gather_kv(index, desc.layers, desc.heads)))
-
-    def _drop(self, seg: _Segment, late: bool) -> None:
-        if not seg.dropped:
-            seg.dropped = True
-            if late:
-                self.stats.late_transfers += 1
-
-    @staticmethod
-    def _fail(pending: PendingKV, message: str) -> None:
-        """Under the pending's lock."""
-        pending.state = TransferState.FAILED
-        pending.resolve(TransferError(message))
-
-    def on_peer_failed(self, peer: str, error: Exception) -> None:
-        for pending in list(self._pending.values()):
+        if report.kind == "peer_failed":
+            self.receiver.fail_epoch(report.peer, report.epoch)
+            self.fail_peer(report.peer, TransferError(report.message))
+            return
+        pending = self._pending.get(report.reservation_id)
+        if pending is None:
+            return  # closed meanwhile
+        if report.kind == "landed":
+            self.stats.bytes_received += report.num_bytes
             with pending.lock:
-                if pending.peer != peer or pending.state not in _OPEN:
-                    continue
+                pending.ranks_left -= 1
+            self._landed(pending)
+        elif report.kind == "failed":
+            with pending.lock:
+                if pending.state not in OPEN + (TransferState.LANDED,):
+                    return
                 pending.state = TransferState.FAILED
-            self.stats.transfer_failures += 1
-            pending.resolve(TransferError(f"KV channel from {peer} failed: {error}"))
+            self._failed(pending, TransferError(f"rank {report.rank}: {report.message}"))
+
+    def _call_workers(self, method: str, payload: dict) -> None:
+        """From the request path: on the engine thread, in order with its steps."""
+        self._engine.call(lambda e: e.call_workers(method, payload))
 
     def close_receiver(self) -> None:
         self.receiver.close()
-
-
-# Still waiting for KV; and gone (whatever arrives for those is late).
-_OPEN = (TransferState.RESERVED, TransferState.STREAMING)
-_GONE = (TransferState.ABORTED, TransferState.EXPIRED)
+        if self.reports is not None:
+            self.reports.close()

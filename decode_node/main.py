@@ -39,7 +39,9 @@ async def serve(args: argparse.Namespace) -> int:
         PlannedPort(args.port, "--port", "decode node gRPC API"),
         PlannedPort(args.transfer_port, "--transfer-port", "KV transfer"),
     ]
-    node = start_node_engine(args, NodeRole.DECODE, ports)
+    node = start_node_engine(
+        args, NodeRole.DECODE, ports, worker_extension_cls="decode_node.tp_rank:DecodeRank"
+    )
     worker = DecodeWorker(
         node.node_id,
         node.thread,

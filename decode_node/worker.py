@@ -105,6 +105,7 @@ class DecodeWorker:
             self.stats,
             transfer_timeout_s=transfer_timeout_s,
             verify_transfers=verify_transfers,
+            engine=engine,
         )
 
     # ----------------------------------------------------------- requests
@@ -184,8 +185,15 @@ class DecodeWorker:
         self, req: internal_pb2.DecodeRequest, reservation: Reservation, deadline: float | None
     ) -> internal_pb2.PrefillResponse:
         peer = req.prefill.node_id
+        peer_tp = max(1, req.prefill.tensor_parallel_size)
         landing = self.landing
-        reservation_id, epoch = landing.open(req.request_id, reservation, peer)
+        if landing.verify_transfers and peer_tp > 1:
+            raise PrefillFailed(
+                peer,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "--verify-kv checks transfers between nodes of tensor-parallel size 1 only",
+            )
+        reservation_id, epoch = landing.open(req.request_id, reservation, peer, peer_tp)
         destination = internal_pb2.KVDestination(
             node_id=self.node_id,
             store_host=landing.receiver.host,
@@ -194,6 +202,7 @@ class DecodeWorker:
             reservation_id=reservation_id,
             first_block=reservation.first_block,
             num_blocks=len(reservation.block_ids),
+            tensor_parallel_size=landing.tp_size,
         )
         prefill_req = internal_pb2.PrefillRequest(
             request_id=req.request_id,

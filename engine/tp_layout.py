@@ -46,6 +46,16 @@ def check_tensor_parallel_size(
         )
 
 
+def kv_head_range(rank: int, size: int, num_kv_heads: int) -> range:
+    """The KV heads (global indices) rank ``rank`` of ``size`` holds: a contiguous
+    ``kv/size`` of them, or one head replicated on ``size/kv`` ranks."""
+    if size > num_kv_heads:
+        first = rank * num_kv_heads // size
+        return range(first, first + 1)
+    n = num_kv_heads // size
+    return range(rank * n, (rank + 1) * n)
+
+
 @dataclass(slots=True, frozen=True)
 class TPLayout:
     rank: int
@@ -93,11 +103,7 @@ class TPLayout:
     @property
     def kv_heads(self) -> range:
         """This rank's KV heads (global indices)."""
-        if self.kv_replicated:
-            first = self.rank * self.num_kv_heads // self.size
-            return range(first, first + 1)
-        n = self.num_local_kv_heads
-        return range(self.rank * n, (self.rank + 1) * n)
+        return kv_head_range(self.rank, self.size, self.num_kv_heads)
 
     def kv_head_ranks(self, kv_head: int) -> list[int]:
         """The ranks that hold global KV head ``kv_head`` (several when replicated)."""

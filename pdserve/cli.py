@@ -1,6 +1,6 @@
 """`pdserve`: the command line for running and preparing pdserve.
 
-pdserve up --model DIR [--prefill N] [--decode M] [--port 50051] [--redis-url URL]
+pdserve up --model DIR [--prefill N] [--decode M] [--prefill-tp A] [--decode-tp B] [--port 50051] [--redis-url URL]
 pdserve router|prefill|decode --model DIR [...]   one component (flags or PDSERVE_* variables)
 pdserve generate PROMPT|- [--address HOST:PORT] [--max-tokens N] [--temperature T] [--chat]
                  [--top-p P] [--top-k K] [--min-p P] [--stop S] [--n N] [--logprobs K]
@@ -128,6 +128,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         model=args.model,
         num_prefill=args.prefill,
         num_decode=args.decode,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
         host=args.host,
         port=args.port,
         admin_port=args.admin_port,
@@ -214,6 +216,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--prefill", type=int, default=1, help="prefill nodes")
     up.add_argument("--decode", type=int, default=1, help="decode nodes")
+    up.add_argument(
+        "--prefill-tp",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel size of each prefill node: its ranks, one GPU each (default 1)",
+    )
+    up.add_argument(
+        "--decode-tp",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel size of each decode node (default 1); may differ from "
+        "--prefill-tp: each decode rank receives its own KV heads",
+    )
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=50051, help="router port")
     up.add_argument("--admin-port", type=int, default=50052)

@@ -1,8 +1,10 @@
 """`pdserve up`: Redis, decode nodes, prefill nodes and the router as local processes.
 
 Decode nodes start first (they host the KV rendezvous), then prefill nodes,
-then the router. With GPUs, each node gets one (CUDA_VISIBLE_DEVICES, round
-robin); without, every node runs on the CPU. Start-up waits until every
+then the router. With GPUs, each node gets as many as its tensor-parallel size
+(``prefill_tp``, ``decode_tp``), consecutive ones (CUDA_VISIBLE_DEVICES),
+going round the host's GPUs; without, every node runs on the CPU (its ranks
+as processes there). Start-up waits until every
 component's grpc.health.v1 says SERVING, and gives up (stopping everything)
 when a process exits or the wait times out. Stopping sends SIGTERM to every
 child, then SIGKILL to the ones still alive after the grace period.
@@ -31,7 +33,7 @@ class Component:
     address: str  # host:port of its gRPC server
     process: subprocess.Popen
     argv: list[str] = field(default_factory=list)  # `pdserve` arguments, to restart it
-    gpu: int | None = None
+    gpus: str | None = None  # its CUDA_VISIBLE_DEVICES (None: no GPU)
     metrics_port: int = 0  # its /metrics port (0: none)
 
     @property
@@ -50,6 +52,8 @@ class ClusterSpec:
     model: str
     num_prefill: int = 1
     num_decode: int = 1
+    prefill_tp: int = 1  # tensor-parallel size of each prefill node (GPUs each)
+    decode_tp: int = 1
     host: str = "127.0.0.1"
     port: int = 50051
     admin_port: int = 50052
@@ -114,10 +118,10 @@ class LocalCluster:
         except ImportError:  # pragma: no cover - torch is a dependency
             return 0
 
-    def _spawn(self, name: str, argv: list[str], port: int, gpu: int | None) -> Component:
-        process = self._popen(name, argv, gpu)
+    def _spawn(self, name: str, argv: list[str], port: int, gpus: str | None) -> Component:
+        process = self._popen(name, argv, gpus)
         metrics_port = self.metrics_ports.get(name, 0)
-        component = Component(name, f"{self.spec.host}:{port}", process, argv, gpu, metrics_port)
+        component = Component(name, f"{self.spec.host}:{port}", process, argv, gpus, metrics_port)
         self.components.append(component)
         return component
 
@@ -137,7 +141,7 @@ class LocalCluster:
         """Start a component that exited again, same flags, ports and node id; no wait."""
         if component.process.poll() is None:
             raise RuntimeError(f"{component.name} is still running")
-        component.process = self._popen(component.name, component.argv, component.gpu)
+        component.process = self._popen(component.name, component.argv, component.gpus)
 
     def kill_all(self) -> None:
         """SIGKILL every child at once (a second Ctrl-C: no more waiting)."""
@@ -147,11 +151,11 @@ class LocalCluster:
         if self.redis is not None and self.redis.process is not None:
             self.redis.process.kill()
 
-    def _popen(self, name: str, argv: list[str], gpu: int | None) -> subprocess.Popen:
+    def _popen(self, name: str, argv: list[str], gpus: str | None) -> subprocess.Popen:
         env = dict(os.environ, **self._secret_env(), PDSERVE_LOG_NAME=name, PYTHONUNBUFFERED="1")
         env.update(self.spec.component_env.get(name, {}))
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
         metrics_port = self.metrics_ports.get(name, 0)
         argv = [*argv, "--metrics-port", str(metrics_port)]
         out = None
@@ -217,6 +221,9 @@ class LocalCluster:
             self.redis_url = self.redis.url
             progress(f"redis-server on {self.redis_url} (pid {self.redis.process.pid})")
         gpus = self._gpu_count()
+        for flag, tp in (("--decode-tp", spec.decode_tp), ("--prefill-tp", spec.prefill_tp)):
+            if gpus and tp > gpus:
+                raise ValueError(f"{flag} {tp} needs {tp} GPUs; this host shows {gpus}")
         device = ["--device", "cuda"] if gpus else ["--device", "cpu"]
         common = [
             "--model",
@@ -231,10 +238,18 @@ class LocalCluster:
         ]
         slot = 0
         started: list[Component] = []
+
+        def take(tp: int) -> str | None:
+            """The next ``tp`` GPUs, round the host's (None without GPUs)."""
+            nonlocal slot
+            if not gpus:
+                return None
+            first, slot = slot, slot + tp
+            return ",".join(str((first + k) % gpus) for k in range(tp))
+
         for i in range(spec.num_decode):
             port, tport = free_port(spec.host), free_port(spec.host)
-            gpu = slot % gpus if gpus else None
-            slot += 1
+            gpu = take(spec.decode_tp)
             started.append(
                 self._spawn(
                     f"decode-{i}",
@@ -247,6 +262,7 @@ class LocalCluster:
                         str(tport),
                         "--node-id",
                         f"decode-{i}",
+                        *_tp_flag(spec.decode_tp),
                         *device,
                         *spec.engine_args,
                         *spec.node_args,
@@ -257,8 +273,7 @@ class LocalCluster:
             )
         for i in range(spec.num_prefill):
             port = free_port(spec.host)
-            gpu = slot % gpus if gpus else None
-            slot += 1
+            gpu = take(spec.prefill_tp)
             started.append(
                 self._spawn(
                     f"prefill-{i}",
@@ -269,6 +284,7 @@ class LocalCluster:
                         str(port),
                         "--node-id",
                         f"prefill-{i}",
+                        *_tp_flag(spec.prefill_tp),
                         *device,
                         *spec.engine_args,
                         *spec.node_args,
@@ -351,3 +367,9 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _tp_flag(tp: int) -> list[str]:
+    """The node flag for a tensor-parallel size; none for 1, so that a node's
+    own PDSERVE_TENSOR_PARALLEL_SIZE (component_env) still counts."""
+    return ["--tensor-parallel-size", str(tp)] if tp != 1 else []

@@ -5,14 +5,22 @@ For every step that computes tokens of a request being streamed, ``begin_step``
 completes -- full blocks up to the step's last token, and on the prompt's last
 step every block that is left -- skipping those the decode node already holds
 (its own prefix cache: blocks before ``first_block``) and those sent by an
-earlier step. They form one segment (protocol.py) per request; a step's
-segments for one decode node form a group, whose headers are queued on the
-sender at once, before layer 0 runs. Then, as each group of
-``layers_per_chunk`` layers is done (``layer_done``), their KV of those blocks
-is gathered into a fresh buffer -- on the engine's stream, right behind the
-layers, so the blocks may be reused by any later step -- and queued as one
-chunk; the sender's thread (its own stream) puts it on the wire while the next
-layers compute. After the prompt's last layer only its last chunk is left.
+earlier step: one ``StepSegment`` per request. Each rank then sends its own KV
+heads of them (``_emit``): per decode rank it pairs with (pairing.py), one
+segment whose header names the global head range; a step's segments for one
+decode rank form a group, whose headers are queued on the sender at once,
+before layer 0 runs. Then, as each group of ``layers_per_chunk`` layers is
+done (``layer_done``), their KV of those blocks and heads is gathered into a
+fresh buffer -- on the engine's stream, right behind the layers, so the blocks
+may be reused by any later step -- and queued as one chunk; the sender's thread
+(its own stream) puts it on the wire while the next layers compute. After the
+prompt's last layer only its last chunk is left.
+
+Tensor parallelism: rank 0 plans (it has the scheduler's batch and the
+requests' destinations) and hands each step's segments to the other ranks
+(``call_workers("kv_step")``, before the step's own hand-off); their streamer
+(prefill_node/tp_rank.py) is asked with no batch and emits its heads of the
+same segments. ``finish`` ends a reservation's stream on every rank the same way.
 
 Chunked prefill: a long prompt streams chunk by chunk; a block cut by a chunk
 boundary goes with the chunk that fills it. Prefix hits on this node need no
@@ -22,18 +30,23 @@ segment.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from common.kv_transfer.channel import TransferError
+from common.kv_transfer.pairing import kv_pairs, sends_of
 from common.kv_transfer.protocol import SegmentHeader, wire_order
-from common.kv_transfer.sender import Destination, KVSender, OutgoingSegment, TransferTicket
+from common.kv_transfer.sender import KVSender
+from common.kv_transfer.ticket import Destination, OutgoingSegment, TransferTicket
 from engine.kv_blocks import block_index, gather_blocks, kv_unit_bytes
 from engine.kv_writes import LayerDone
 from engine.scheduler import ScheduledBatch
+from engine.tp_layout import kv_head_range
 
 
 @dataclass(slots=True)
@@ -45,11 +58,43 @@ class _Streamed:
     sent_upto: int  # blocks before this went out with an earlier step
 
 
+@dataclass(slots=True)
+class StepSegment:
+    """One request's blocks that a step completes; every rank sends its heads of them."""
+
+    request_id: str
+    dest: Destination
+    reservation_id: int
+    block_start: int
+    block_end: int
+    final: bool  # the prompt's last step
+    block_ids: list[int]  # this node's blocks [block_start, block_end) of the prompt
+    deadline: float  # time.monotonic() (one host's ranks share the clock)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> StepSegment:
+        return cls(**{**data, "dest": Destination(**data["dest"])})
+
+
 class KVStreamer:
-    """Engine thread only (``open``, ``close``, ``begin_step`` and its callbacks)."""
+    """Engine thread only (``open``, ``finish``, ``begin_step`` and its callbacks).
+
+    ``tp_rank`` / ``tp_size``: this rank of the node's engine; ``call_workers``
+    (rank 0 of several): hands the plan to the other ranks."""
 
     def __init__(
-        self, kv_cache: torch.Tensor, block_size: int, sender: KVSender, layers_per_chunk: int
+        self,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        sender: KVSender,
+        layers_per_chunk: int,
+        num_kv_heads: int | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        call_workers: Callable[[str, dict], None] | None = None,
     ) -> None:
         if layers_per_chunk < 0:
             raise ValueError(f"layers per KV chunk must be >= 0, got {layers_per_chunk}")
@@ -57,15 +102,28 @@ class KVStreamer:
         self.block_size = block_size
         self.sender = sender
         self.num_layers = kv_cache.shape[1]
-        self.num_heads = kv_cache.shape[4]
+        # The model's KV heads (this rank's cache holds its share of them).
+        self.num_kv_heads = num_kv_heads if num_kv_heads is not None else kv_cache.shape[4]
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.my_heads = kv_head_range(tp_rank, tp_size, self.num_kv_heads)
+        self.call_workers = call_workers
         self.unit_bytes = kv_unit_bytes(kv_cache)
         # 0: a step's blocks of every layer in one chunk, sent after its last layer.
         self.layers_per_chunk = min(layers_per_chunk or self.num_layers, self.num_layers)
-        self._streams: dict[str, _Streamed] = {}
+        self._streams: dict[str, _Streamed] = {}  # rank 0
         # Decode node -> the channel epoch its latest Prefill named: one step's
         # group for a node is sent on one channel, the newest.
         self._epochs: dict[str, int] = {}
+        # The other ranks: rank 0's plan for the next step, and each request's ticket.
+        self._next_plan: list[StepSegment] | None = None
+        self._tickets: dict[str, TransferTicket] = {}
 
+    def _parts(self, dest: Destination) -> int:
+        """The decode ranks this rank sends to (one pair each: pairing.py)."""
+        pairs = kv_pairs(self.num_kv_heads, self.tp_size, dest.tensor_parallel_size)
+        return len(sends_of(pairs, self.tp_rank))
+
+    # ------------------------------------------------------------ rank 0
     def open(
         self,
         request_id: str,
@@ -76,7 +134,7 @@ class KVStreamer:
         deadline: float,
         verify: bool,
     ) -> TransferTicket:
-        ticket = TransferTicket(request_id, dest, deadline, verify)
+        ticket = TransferTicket(request_id, dest, deadline, verify, self._parts(dest))
         self._epochs[dest.node_id] = dest.epoch
         self._streams[request_id] = _Streamed(
             ticket, reservation_id, first_block, num_blocks, first_block
@@ -85,16 +143,63 @@ class KVStreamer:
 
     def finish(self, request_id: str, dest: Destination, reservation_id: int) -> None:
         """A Prefill is done, whatever became of it (sent, failed, aborted, refused):
-        nothing more of it goes out but its end header, which follows everything
-        queued for it. Called exactly once per Prefill."""
+        nothing more of it goes out but its end headers, which follow everything
+        queued for it, from every rank. Called exactly once per Prefill."""
         streamed = self._streams.pop(request_id, None)
         if streamed is not None:
             streamed.ticket.cancel()  # a no-op once settled
-        self.sender.end(dest, reservation_id)
+        self._end(dest, reservation_id)
+        if self.call_workers is not None:
+            self.call_workers(
+                "kv_finish",
+                {
+                    "request_id": request_id,
+                    "dest": dataclasses.asdict(dest),
+                    "reservation_id": reservation_id,
+                },
+            )
+
+    def _end(self, dest: Destination, reservation_id: int) -> None:
+        pairs = kv_pairs(self.num_kv_heads, self.tp_size, dest.tensor_parallel_size)
+        for pair in sends_of(pairs, self.tp_rank):
+            heads = (pair.head_start, pair.head_end)
+            self.sender.end(dest, reservation_id, pair.receiver, heads)
+
+    # ------------------------------------------------------ other ranks
+    def follow_step(self, segments: list[StepSegment]) -> None:
+        """Rank 0's plan for the step that comes next."""
+        self._next_plan = segments
+
+    def follow_finish(self, request_id: str, dest: Destination, reservation_id: int) -> None:
+        ticket = self._tickets.pop(request_id, None)
+        if ticket is not None:
+            ticket.cancel()
+        self._end(dest, reservation_id)
+
+    def _ticket_for(self, seg: StepSegment) -> TransferTicket | None:
+        if self.tp_rank == 0:
+            streamed = self._streams.get(seg.request_id)
+            return streamed.ticket if streamed is not None else None
+        ticket = self._tickets.get(seg.request_id)
+        if ticket is None:
+            ticket = TransferTicket(
+                seg.request_id, seg.dest, seg.deadline, False, self._parts(seg.dest)
+            )
+            self._tickets[seg.request_id] = ticket
+        return ticket
 
     # ----------------------------------------------------------- the hook
-    def begin_step(self, batch: ScheduledBatch) -> LayerDone | None:
-        groups: dict[Destination, list[tuple[OutgoingSegment, torch.Tensor]]] = defaultdict(list)
+    def begin_step(self, batch: ScheduledBatch | None) -> LayerDone | None:
+        if batch is None:  # another rank: rank 0 sent the plan before the step
+            plan, self._next_plan = self._next_plan, None
+        else:
+            plan = self._plan(batch)
+            if plan and self.call_workers is not None:
+                self.call_workers("kv_step", {"segments": [s.to_json() for s in plan]})
+        return self._emit(plan) if plan else None
+
+    def _plan(self, batch: ScheduledBatch) -> list[StepSegment]:
+        plan = []
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             streamed = self._streams.get(seq.request_id)
             if streamed is None or not streamed.ticket.alive:
@@ -120,26 +225,48 @@ class KVStreamer:
             if stop <= start:
                 continue
             streamed.sent_upto = stop
-            header = SegmentHeader(
-                streamed.reservation_id,
-                start,
-                stop,
-                0,
-                self.num_layers,
-                self.layers_per_chunk,
-                0,
-                self.num_heads,
-                self.unit_bytes,
+            plan.append(
+                StepSegment(
+                    seq.request_id,
+                    dest,
+                    streamed.reservation_id,
+                    start,
+                    stop,
+                    final,
+                    list(seq.block_table[start:stop]),
+                    streamed.ticket.deadline,
+                )
             )
-            idx = block_index(seq.block_table[start:stop], self.kv_cache.device)
-            segment = OutgoingSegment(header, streamed.ticket, final)
-            groups[dest].append((segment, idx))
-        if not groups:
-            return None
+        return plan
+
+    def _emit(self, plan: list[StepSegment]) -> LayerDone:
+        """Queue this rank's groups for the step's segments; the returned hook
+        queues their chunks as the layers finish."""
+        groups: dict[tuple[Destination, int], list] = defaultdict(list)
+        for seg in plan:
+            ticket = self._ticket_for(seg)
+            if ticket is None or not ticket.alive:
+                continue
+            pairs = kv_pairs(self.num_kv_heads, self.tp_size, seg.dest.tensor_parallel_size)
+            idx = block_index(seg.block_ids, self.kv_cache.device)
+            for pair in sends_of(pairs, self.tp_rank):
+                header = SegmentHeader(
+                    seg.reservation_id,
+                    seg.block_start,
+                    seg.block_end,
+                    0,
+                    self.num_layers,
+                    self.layers_per_chunk,
+                    pair.head_start,
+                    pair.head_end,
+                    self.unit_bytes,
+                )
+                segment = OutgoingSegment(header, ticket, seg.final)
+                groups[seg.dest, pair.receiver].append((segment, idx))
         # layer -> the chunks whose last layer it is, in wire order.
         due: dict[int, list] = defaultdict(list)
-        for dest, members in groups.items():
-            group = self.sender.open_group(dest, [s for s, _ in members])
+        for (dest, receiver), members in groups.items():
+            group = self.sender.open_group(dest, [s for s, _ in members], receiver)
             headers = [s.header for s, _ in members]
             for i, desc in wire_order(headers):
                 segment, idx = members[i]
@@ -152,8 +279,10 @@ class KVStreamer:
             return
         now = time.monotonic()
         cuda = self.kv_cache.is_cuda
+        base = self.my_heads.start  # header heads are global, the cache holds this rank's
         for group, segment, desc, idx, last in chunks:
-            data = gather_blocks(self.kv_cache, idx, desc.layers, desc.heads)
+            heads = (desc.head_start - base, desc.head_end - base)
+            data = gather_blocks(self.kv_cache, idx, desc.layers, heads)
             ready = None
             if cuda:
                 # Timing-enabled: the sender measures its wire time and what of

@@ -43,7 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 async def serve(args: argparse.Namespace) -> int:
     # A prefill node never produces text: no tokenizer to load.
     ports = [PlannedPort(args.port, "--port", "prefill node gRPC API")]
-    node = start_node_engine(args, NodeRole.PREFILL, ports, skip_tokenizer_init=True)
+    node = start_node_engine(
+        args,
+        NodeRole.PREFILL,
+        ports,
+        skip_tokenizer_init=True,
+        worker_extension_cls="prefill_node.tp_rank:PrefillRank",
+    )
     faults = fault_delays(node.node_id)
     sender = KVSender(
         node.node_id,

@@ -122,10 +122,29 @@ class PrefillWorker:
         self.max_queued = max_queued
         self.faults = faults or FaultDelays()
         self.stats = PrefillStats()
-        runner = engine.engine.model_runner
+        llm_engine = engine.engine
+        runner = llm_engine.model_runner
         self.block_size = runner.block_size
-        self.streamer = KVStreamer(runner.kv_cache, runner.block_size, sender, layers_per_chunk)
-        engine.engine.observe_kv_writes(self.streamer)
+        tp = runner.tp
+        self.streamer = KVStreamer(
+            runner.kv_cache,
+            runner.block_size,
+            sender,
+            layers_per_chunk,
+            num_kv_heads=runner.layout.num_kv_heads,
+            tp_rank=tp.rank,
+            tp_size=tp.size,
+            call_workers=llm_engine.call_workers if tp.size > 1 else None,
+        )
+        llm_engine.observe_kv_writes(self.streamer)
+        if tp.size > 1:
+            # The other ranks' senders and streamers (prefill_node/tp_rank.py).
+            setup = {
+                "node_id": node_id,
+                "timeout_s": sender.timeout_s,
+                "layers_per_chunk": layers_per_chunk,
+            }
+            engine.call(lambda e: e.call_workers("setup", setup)).result()
         if step_delay := self.faults.get(FaultPoint.PREFILL_STEP):
             engine.after_step.append(lambda outputs: time.sleep(step_delay))
 
@@ -135,7 +154,13 @@ class PrefillWorker:
         rid = req.request_id
         ids = list(req.prompt_token_ids)
         dest = req.destination
-        target = Destination(dest.node_id, dest.store_host, dest.store_port, dest.channel_epoch)
+        target = Destination(
+            dest.node_id,
+            dest.store_host,
+            dest.store_port,
+            dest.channel_epoch,
+            max(1, dest.tensor_parallel_size),
+        )
         params = prefill_params(sampling_params_from_proto(req.sampling))
         params.resume_offset = req.resume_offset  # a migrated stream's seeded draws
         prompt = {"prompt_token_ids": ids}
@@ -215,6 +240,11 @@ class PrefillWorker:
             final.cancel()
 
     def _check_destination(self, num_tokens: int, dest: internal_pb2.KVDestination) -> None:
+        if self.verify_transfers and max(dest.tensor_parallel_size, 1) > 1:
+            raise ValueError(
+                "--verify-kv checks transfers between nodes of tensor-parallel size 1 only; "
+                f"decode node {dest.node_id} has {dest.tensor_parallel_size} ranks"
+            )
         num_blocks = -(-num_tokens // self.block_size)
         if dest.num_blocks != num_blocks:
             raise ValueError(

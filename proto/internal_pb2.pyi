@@ -34,12 +34,14 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., prefill: _Optional[_Union[NodeRef, _Mapping]] = ..., resume_offset: _Optional[int] = ...) -> None: ...
 
 class NodeRef(_message.Message):
-    __slots__ = ("node_id", "address")
+    __slots__ = ("node_id", "address", "tensor_parallel_size")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "destination", "resume_offset")
@@ -58,7 +60,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., resume_offset: _Optional[int] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("node_id", "store_host", "store_port", "channel_epoch", "reservation_id", "first_block", "num_blocks")
+    __slots__ = ("node_id", "store_host", "store_port", "channel_epoch", "reservation_id", "first_block", "num_blocks", "tensor_parallel_size")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +68,7 @@ class KVDestination(_message.Message):
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     store_host: str
     store_port: int
@@ -73,7 +76,8 @@ class KVDestination(_message.Message):
     reservation_id: int
     first_block: int
     num_blocks: int
-    def __init__(self, node_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., channel_epoch: _Optional[int] = ..., reservation_id: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, node_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., channel_epoch: _Optional[int] = ..., reservation_id: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprobs", "cached_tokens", "queue_ms", "compute_ms", "transfer_ms", "transfer_bytes", "kv_checksum")

@@ -160,6 +160,8 @@ def node_to_proto(n: NodeInfo, cached_blocks: int, server_now_ms: int) -> admin_
         preemptions=n.preemptions,
         computed_tokens_total=n.computed_tokens,
         generated_tokens_total=n.generated_tokens,
+        tensor_parallel_size=n.tensor_parallel_size,
+        num_gpus=n.num_gpus,
     )
 
 

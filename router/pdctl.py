@@ -38,6 +38,8 @@ NODE_COLUMNS = [
     ("NODE", "node_id"),
     ("ROLE", "role"),
     ("ADDRESS", "address"),
+    ("TP", "tensor_parallel_size"),
+    ("GPUS", "num_gpus"),
     ("KV FREE", "kv_blocks_free"),
     ("KV TOTAL", "kv_blocks_total"),
     ("RUNNING", "running"),

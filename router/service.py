@@ -273,6 +273,7 @@ class _Attempt:
         if route.prefill is not None:
             downstream.prefill.node_id = route.prefill.node_id
             downstream.prefill.address = route.prefill.address
+            downstream.prefill.tensor_parallel_size = route.prefill.tensor_parallel_size
         dispatch = self.routing.dispatch(self.routed)
         self.channel = self.servicer.channel(route.decode.address)
         call = internal_pb2_grpc.DecodeNodeStub(self.channel).Decode(

@@ -13,9 +13,9 @@ a new epoch on next use.
 from common.kv_transfer.channel import DeadlinePassed, PairChannel, TransferError
 from common.kv_transfer.protocol import ChunkDesc, SegmentHeader, TransferState, wire_order
 from common.kv_transfer.receiver import KVReceiver, KVSink
-from common.kv_transfer.sender import (
+from common.kv_transfer.sender import KVSender
+from common.kv_transfer.ticket import (
     Destination,
-    KVSender,
     OutgoingSegment,
     TransferReport,
     TransferTicket,

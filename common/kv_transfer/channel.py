@@ -22,6 +22,12 @@ SENDER, RECEIVER = 0, 1
 POLL_S = 0.00005
 
 
+def pair_key(sender_node: str, sender_rank: int, receiver_rank: int, epoch: int) -> str:
+    """The rendezvous key of one pair channel: a prefill node's rank and a
+    decode node's rank (whose rank 0 hosts the store), under one epoch."""
+    return f"pair/{sender_node}/{sender_rank}-{receiver_rank}/{epoch}"
+
+
 class TransferError(RuntimeError):
     """A transfer failed (peer gone, deadline passed, bad header); the channel is unusable."""
 

@@ -64,6 +64,16 @@ class Coverage:
                 row[k] = h.block_end
         return None
 
+    def announced_all(self, heads: tuple[int, int]) -> bool:
+        """Whether every block of every layer of these KV heads was announced
+        (an end header's sender is done: what it announced has landed)."""
+        h0 = self.heads[0]
+        return all(
+            row[k - h0] == self.num_blocks
+            for row in self._next
+            for k in range(max(heads[0], h0), min(heads[1], self.heads[1]))
+        )
+
     def land(self, desc: ChunkDesc) -> bool:
         """A chunk of an accepted segment landed; True once everything has."""
         self.units_left -= desc.units

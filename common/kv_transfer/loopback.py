@@ -19,7 +19,7 @@ from common.kv_transfer.checksum import checksum
 from common.kv_transfer.coverage import Coverage
 from common.kv_transfer.protocol import ChunkDesc, SegmentHeader
 from common.kv_transfer.receiver import KVSink
-from common.kv_transfer.sender import Destination, OutgoingSegment
+from common.kv_transfer.ticket import Destination, OutgoingSegment
 from engine.kv_blocks import block_index, kv_unit_bytes
 
 PEER = "loopback"
@@ -37,7 +37,9 @@ class LoopbackSender:
     def __init__(self, sink: KVSink) -> None:
         self.sink = sink
 
-    def open_group(self, dest: Destination, segments: list[OutgoingSegment]) -> _Group:
+    def open_group(
+        self, dest: Destination, segments: list[OutgoingSegment], receiver_rank: int = 0
+    ) -> _Group:
         for i, s in enumerate(segments):
             s.header = s.header.with_group(len(segments), i)
         return _Group(segments, self.sink.on_group(PEER, [s.header for s in segments]))
@@ -56,14 +58,18 @@ class LoopbackSender:
         context = group.contexts[group.segments.index(segment)]
         self.sink.on_chunk(PEER, context, desc, data.view(-1).view(torch.uint8), None)
         if ticket is not None:
-            ticket.num_bytes += data.numel() * data.element_size()
             if ticket.verify:
                 ticket.digests.append(checksum(data))
-            if last:
-                ticket.succeed(0.0)
+            ticket.sent(data.numel() * data.element_size(), 0.0, last, 0.0)
 
-    def end(self, dest: Destination, reservation_id: int) -> None:
-        self.sink.on_group(PEER, [SegmentHeader.end(reservation_id)])
+    def end(
+        self,
+        dest: Destination,
+        reservation_id: int,
+        receiver_rank: int = 0,
+        heads: tuple[int, int] = (0, 0),
+    ) -> None:
+        self.sink.on_group(PEER, [SegmentHeader.end(reservation_id, heads)])
 
 
 @dataclass(slots=True)
@@ -118,5 +124,5 @@ class LoopbackLanding:
         self.reservations[reservation_id].coverage.land(desc)
         self.chunks.append((reservation_id, desc))
 
-    def on_peer_failed(self, peer: str, error: Exception) -> None:
+    def on_peer_failed(self, peer: str, error: Exception, epoch: int) -> None:
         raise error

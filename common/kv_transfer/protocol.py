@@ -20,8 +20,10 @@ chunk c only after its layers ran. Groups never interleave: a group's headers
 go out only after every chunk of the group before it.
 
 An *end* header (flag END, no blocks, no chunks, a group of its own) closes a
-reservation's stream: the prefill node sends one for every Prefill it handled,
-after all of that request's chunks, whatever became of the request. Until it
+reservation's stream on one pair channel: each sending rank of the prefill node
+sends one, naming the KV heads it was to send, to each decode rank it pairs
+with, for every Prefill it handled, after all of that request's chunks on that
+channel, whatever became of the request. Until it
 arrives the decode node keeps a receive posted for that peer, so a segment the
 prefill node sent before it learnt of a cancellation is read and dropped instead
 of blocking the channel.
@@ -107,12 +109,18 @@ class SegmentHeader:
     flags: int = 0  # FLAG_END: the reservation's stream ends here (no blocks)
 
     @classmethod
-    def end(cls, reservation_id: int) -> SegmentHeader:
-        return cls(reservation_id, 0, 0, 0, 0, 1, 0, 0, 0, flags=FLAG_END)
+    def end(cls, reservation_id: int, heads: tuple[int, int] = (0, 0)) -> SegmentHeader:
+        """The end of one sender's stream for a reservation: of these KV heads
+        (a tensor-parallel prefill rank sends only some; each sends its own end)."""
+        return cls(reservation_id, 0, 0, 0, 0, 1, heads[0], heads[1], 0, flags=FLAG_END)
 
     @property
     def is_end(self) -> bool:
         return bool(self.flags & FLAG_END)
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        return self.head_start, self.head_end
 
     def chunks(self) -> list[ChunkDesc]:
         if self.is_end:
@@ -178,7 +186,8 @@ class SegmentHeader:
             and self.reservation_id >= 0
             and (end or 0 <= self.block_start < self.block_end <= MAX_BLOCKS)
             and (end or 0 <= self.layer_start < self.layer_end <= MAX_LAYERS)
-            and (end or 0 <= self.head_start < self.head_end <= MAX_HEADS)
+            and 0 <= self.head_start <= self.head_end <= MAX_HEADS
+            and (end or self.head_start < self.head_end)
             and (end or 0 < self.unit_bytes <= MAX_UNIT_BYTES)
             and self.layers_per_chunk >= 1
             and self.flags & ~FLAG_END == 0

@@ -1,4 +1,12 @@
-"""Decode-node side: hosts the TCPStore; one receiving thread per prefill node.
+"""Decode-node side: hosts the TCPStore; one receiving thread per sending rank.
+
+A *peer* is one rank of a prefill node (just the node, at tensor-parallel size
+1); each has its own pair channel and thread. A tensor-parallel decode node
+runs one receiver per rank: rank 0's hosts the store and owns the channel
+epochs (one per prefill node, shared by all the pair channels between the two
+nodes), the others connect to its store and are told the epoch with each
+reservation (``expect(..., epoch=)``); an epoch older than one that failed
+here is refused (``StaleEpoch``).
 
 A peer's thread keeps a header receive posted while any reservation of that
 peer is awaited: from ``expect`` until the reservation's end header arrives
@@ -9,7 +17,7 @@ hands them to the sink (``on_group``), posts every chunk's receive at once into
 one buffer -- sizes and order follow from the headers (protocol.wire_order) --
 and hands each chunk to the sink (``on_chunk``) as soon as it landed, while the
 later ones are still on the wire. A failure or a passed deadline closes the
-channel, bumps the peer's epoch (the next transfer rebuilds the group) and
+channel, bumps the node's epoch (the next transfer rebuilds the group) and
 reports the peer (``on_peer_failed``) so that waiting reservations fail fast.
 """
 
@@ -27,14 +35,19 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from common.kv_transfer.channel import RECEIVER, PairChannel, TransferError
+from common.kv_transfer.channel import RECEIVER, PairChannel, TransferError, pair_key
 from common.kv_transfer.protocol import ChunkDesc, SegmentHeader, wire_order
 
 logger = logging.getLogger(__name__)
 
 
+class StaleEpoch(RuntimeError):
+    """A reservation names a channel epoch that already failed on this rank."""
+
+
 class KVSink(Protocol):
-    """Where received KV goes (the decode node's landing; tests' collectors)."""
+    """Where received KV goes (the decode node's landing; tests' collectors).
+    ``peer`` is the prefill node's id (its ranks' data come on their own threads)."""
 
     def on_group(self, peer: str, headers: list[SegmentHeader]) -> list[object]:
         """One context per header, handed back with each of its chunks."""
@@ -49,13 +62,16 @@ class KVSink(Protocol):
         stream: torch.cuda.Stream | None,
     ) -> None: ...
 
-    def on_peer_failed(self, peer: str, error: Exception) -> None: ...
+    def on_peer_failed(self, peer: str, error: Exception, epoch: int) -> None:
+        """The channel from one of ``peer``'s ranks failed under ``epoch``."""
+        ...
 
 
 @dataclass(slots=True)
 class _Peer:
     node_id: str
-    epoch: int
+    rank: int  # the sending node's rank
+    channel_epoch: int = -1  # the epoch ``channel`` was built under
     # Reservation id -> None while its request waits for it, or the time until
     # which it lingers after the request gave up (its end header not yet seen).
     # A dict, not a count: each reservation ends on its own header.
@@ -85,8 +101,10 @@ class KVReceiver:
         timeout_s: float = 30.0,
         first_epoch: int | None = None,
         max_group_bytes: int = 1 << 40,
+        rank: int = 0,
     ) -> None:
         self.node_id = node_id
+        self.rank = rank  # this decode node's rank (0 hosts the store)
         # Epochs start at a random point: a restarted decode node must not name
         # an epoch (a rendezvous key) a sender still holds from the previous
         # process. Benchmarks and tests pin it.
@@ -101,58 +119,93 @@ class KVReceiver:
         self.store = dist.TCPStore(
             host,
             port,
-            is_master=True,
+            is_master=rank == 0,
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        # Prefill node -> its current channel epoch (every pair channel with it).
+        self._epochs: dict[str, int] = {}
         self._lock = threading.Lock()
         self._closed = False
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def expect(self, peer_id: str, reservation_id: int) -> int:
-        """A transfer for ``reservation_id`` will come from ``peer_id``; returns
-        the epoch it must use."""
+    def epoch_of(self, node_id: str) -> int:
+        """The channel epoch for ``node_id`` (rank 0 chooses it on first use)."""
         with self._lock:
-            peer = self._peers.get(peer_id)
-            if peer is None:
+            epoch = self._epochs.get(node_id)
+            if epoch is None:
                 first = self._first_epoch
-                peer = self._peers[peer_id] = _Peer(
-                    peer_id, secrets.randbits(48) if first is None else first
+                epoch = self._epochs[node_id] = secrets.randbits(48) if first is None else first
+            return epoch
+
+    def expect(
+        self, peer_id: str, reservation_id: int, sender_rank: int = 0, epoch: int | None = None
+    ) -> int:
+        """A transfer for ``reservation_id`` will come from ``peer_id``'s rank
+        ``sender_rank``; returns the epoch it must use. A rank other than 0 is
+        given the epoch; one older than this rank's is refused (``StaleEpoch``)."""
+        if epoch is None:
+            epoch = self.epoch_of(peer_id)
+        with self._lock:
+            current = self._epochs.get(peer_id, epoch)
+            if epoch < current:
+                raise StaleEpoch(
+                    f"reservation {reservation_id} names epoch {epoch} of the channels from "
+                    f"{peer_id}, which failed here (now {current})"
                 )
+            self._epochs[peer_id] = epoch
+            key = (peer_id, sender_rank)
+            peer = self._peers.get(key)
+            if peer is None:
+                peer = self._peers[key] = _Peer(peer_id, sender_rank)
                 peer.thread = threading.Thread(
-                    target=self._run, args=(peer,), name=f"kv-recv-{peer_id}", daemon=True
+                    target=self._run,
+                    args=(peer,),
+                    name=f"kv-recv-{peer_id}-{sender_rank}",
+                    daemon=True,
                 )
                 peer.thread.start()
         with peer.cond:
             peer.awaiting[reservation_id] = None
             peer.cond.notify()
-            return peer.epoch
+        return epoch
 
-    def unexpect(self, peer_id: str, reservation_id: int) -> None:
+    def unexpect(self, peer_id: str, reservation_id: int, sender_rank: int = 0) -> None:
         """The request no longer wants this transfer: keep reading (and dropping)
         what the peer sends for it until its end header, for at most the timeout."""
-        peer = self._peers.get(peer_id)
+        peer = self._peers.get((peer_id, sender_rank))
         if peer is not None:
             with peer.cond:
                 if reservation_id in peer.awaiting:
                     peer.awaiting[reservation_id] = time.monotonic() + self.timeout_s
 
     def reset(self, peer_id: str) -> None:
-        """The peer failed or restarted (its Prefill call broke): when no receive
-        is in progress, drop the channel so that the next transfer rendezvouses anew
-        under a new epoch instead of posting a receive to a dead process."""
-        peer = self._peers.get(peer_id)
-        if peer is None:
-            return
-        with peer.cond:
-            if not peer.receiving and peer.channel is not None:
-                peer.channel.close()
-                peer.channel = None
-                peer.epoch += 1
-                for rid, until in list(peer.awaiting.items()):
-                    if until is not None:  # lingering on the old channel: moot now
-                        del peer.awaiting[rid]
+        """The peer failed or restarted (its Prefill call broke): the channels
+        with it move to a new epoch, so that the next transfer rendezvouses anew
+        instead of posting a receive to a dead process. Idle channels close now,
+        busy ones after their group."""
+        with self._lock:
+            if peer_id in self._epochs:
+                self._epochs[peer_id] += 1
+            peers = [p for (node, _), p in self._peers.items() if node == peer_id]
+        for peer in peers:
+            with peer.cond:
+                if not peer.receiving and peer.channel is not None:
+                    peer.channel.close()
+                    peer.channel = None
+                    for rid, until in list(peer.awaiting.items()):
+                        if until is not None:  # lingering on the old channel: moot now
+                            del peer.awaiting[rid]
+
+    def fail_epoch(self, peer_id: str, epoch: int) -> bool:
+        """``epoch`` of the channels with ``peer_id`` failed (on some rank): move
+        on to the next, once. True when this call moved it."""
+        with self._lock:
+            if self._epochs.get(peer_id) != epoch:
+                return False
+        self.reset(peer_id)
+        return True
 
     def _run(self, peer: _Peer) -> None:
         if self.device.type == "cuda":
@@ -163,17 +216,22 @@ class KVReceiver:
                     peer.cond.wait(timeout=0.5)
                 if self._closed:
                     return
-                epoch = peer.epoch
+                with self._lock:
+                    epoch = self._epochs[peer.node_id]
                 peer.receiving = True
             try:
+                if peer.channel is not None and peer.channel_epoch != epoch:
+                    peer.channel.close()  # the node moved on: a fresh rendezvous
+                    peer.channel = None
                 if peer.channel is None or peer.channel.closed:
                     peer.channel = PairChannel(
                         self.store,
-                        f"pair/{peer.node_id}/{epoch}",
+                        pair_key(peer.node_id, peer.rank, self.rank, epoch),
                         RECEIVER,
                         self.device,
                         self.timeout_s,
                     )
+                    peer.channel_epoch = epoch
                 with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
                     self._receive_group(peer, peer.channel)
             except Exception as e:
@@ -182,13 +240,19 @@ class KVReceiver:
                     if peer.channel is not None:
                         peer.channel.close()
                     peer.channel = None
-                    peer.epoch += 1
                     peer.awaiting.clear()
+                with self._lock:
+                    if self._epochs.get(peer.node_id) == epoch:
+                        self._epochs[peer.node_id] = epoch + 1
                 if not self._closed:
                     logger.warning(
-                        "KV channel from %s failed (epoch %d): %s", peer.node_id, epoch, e
+                        "KV channel from %s rank %d failed (epoch %d): %s",
+                        peer.node_id,
+                        peer.rank,
+                        epoch,
+                        e,
                     )
-                    self.sink.on_peer_failed(peer.node_id, e)
+                    self.sink.on_peer_failed(peer.node_id, e, epoch)
                 continue
             with peer.cond:
                 peer.receiving = False

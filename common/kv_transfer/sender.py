@@ -1,4 +1,8 @@
-"""Prefill-node side: one sending thread (and CUDA stream) per decode node.
+"""Prefill-node side: one sending thread (and CUDA stream) per receiving rank.
+
+A link is one rank of a decode node (just the node, at tensor-parallel size 1);
+a tensor-parallel prefill node runs one sender per rank, each sending its own
+KV heads to the decode ranks that need them (pairing.py).
 
 Each link sends what is queued on it, in queue order, which is the wire order
 (protocol.py): a step's group of headers when the step is launched, each chunk
@@ -28,81 +32,25 @@ import queue
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from common.kv_transfer.channel import POLL_S, SENDER, DeadlinePassed, PairChannel, TransferError
-from common.kv_transfer.checksum import chain, checksum
-from common.kv_transfer.protocol import ChunkDesc, SegmentHeader, TransferState, wire_order
+from common.kv_transfer.channel import (
+    POLL_S,
+    SENDER,
+    DeadlinePassed,
+    PairChannel,
+    TransferError,
+    pair_key,
+)
+from common.kv_transfer.checksum import checksum
+from common.kv_transfer.protocol import ChunkDesc, SegmentHeader, wire_order
+from common.kv_transfer.ticket import Destination, OutgoingSegment
 from common.reliability import FaultDelays, FaultPoint
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, frozen=True)
-class Destination:
-    node_id: str  # the decode node
-    store_host: str  # its TCPStore
-    store_port: int
-    epoch: int  # the channel incarnation it expects
-
-
-@dataclass(slots=True, frozen=True)
-class TransferReport:
-    num_bytes: int
-    wire_s: float  # time its chunks spent on the wire, summed
-    exposed_s: float  # from its last chunk's layers being done to that chunk being out
-    digest: bytes  # chained chunk checksums (--verify-kv), else empty
-
-
-class TransferTicket:
-    """One request's KV transfer on the prefill node, shared by the engine thread
-    (which queues its segments), its link's thread (which sends them and keeps
-    the counts) and the request's handler (which awaits ``done``)."""
-
-    def __init__(self, request_id: str, dest: Destination, deadline: float, verify: bool) -> None:
-        self.request_id = request_id
-        self.dest = dest
-        self.deadline = deadline
-        self.verify = verify
-        self.done: Future[TransferReport] = Future()
-        self.state = TransferState.SENDING
-        self.num_bytes = 0
-        self.wire_s = 0.0
-        self.digests: list[bytes] = []
-
-    @property
-    def alive(self) -> bool:
-        return not self.done.done()
-
-    def cancel(self) -> None:
-        if self.done.cancel():
-            self.state = TransferState.ABORTED
-
-    def fail(self, error: Exception) -> None:
-        try:
-            self.done.set_exception(error)
-            self.state = TransferState.FAILED
-        except InvalidStateError:
-            pass  # settled already
-
-    def succeed(self, exposed_s: float) -> None:
-        digest = chain(self.digests) if self.verify else b""
-        try:
-            self.done.set_result(TransferReport(self.num_bytes, self.wire_s, exposed_s, digest))
-            self.state = TransferState.SENT
-        except InvalidStateError:
-            pass
-
-
-@dataclass(slots=True)
-class OutgoingSegment:
-    header: SegmentHeader
-    ticket: TransferTicket | None  # None for an end header
-    final: bool = False  # the request's last segment (its prompt's last step)
 
 
 @dataclass(slots=True)
@@ -110,6 +58,7 @@ class _Group:
     dest: Destination
     segments: list[OutgoingSegment]
     num_chunks: int = 0
+    receiver_rank: int = 0  # which of the destination's ranks
     dropped: bool = False  # skipped before its headers left, or its channel broke
     chunks_sent: int = 0
 
@@ -143,9 +92,10 @@ _IDLE = object()
 class _Link:
     """Everything this node holds for one decode node."""
 
-    def __init__(self, owner: KVSender, node_id: str) -> None:
+    def __init__(self, owner: KVSender, node_id: str, receiver_rank: int) -> None:
         self.owner = owner
         self.node_id = node_id
+        self.receiver_rank = receiver_rank
         self.timeout_s = owner.timeout_s
         self.queue: queue.Queue = queue.Queue()
         self.store: dist.TCPStore | None = None
@@ -159,7 +109,9 @@ class _Link:
         self.last_done = 0.0  # gloo: when the last posted send was seen complete
         self.cuda = owner.device.type == "cuda"
         self.stream = torch.cuda.Stream(owner.device) if self.cuda else None
-        self.thread = threading.Thread(target=self._run, name=f"kv-send-{node_id}", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, name=f"kv-send-{node_id}-{receiver_rank}", daemon=True
+        )
         self.thread.start()
 
     def _run(self) -> None:
@@ -255,12 +207,9 @@ class _Link:
 
     def _sent(self, chunk: _Chunk, wire_s: float, exposed_s: float) -> None:
         ticket = chunk.segment.ticket
-        if ticket is None:
-            return
-        ticket.num_bytes += chunk.data.numel() * chunk.data.element_size()
-        ticket.wire_s += wire_s
-        if chunk.last:
-            ticket.succeed(exposed_s)
+        if ticket is not None:
+            nbytes = chunk.data.numel() * chunk.data.element_size()
+            ticket.sent(nbytes, wire_s, chunk.last, exposed_s)
 
     def _wait_oldest(self) -> None:
         """gloo: wait for the oldest posted send (sends complete in order)."""
@@ -332,7 +281,7 @@ class _Link:
             )
         self.channel = PairChannel(
             self.store,
-            f"pair/{self.owner.node_id}/{dest.epoch}",
+            pair_key(self.owner.node_id, self.owner.rank, self.receiver_rank, dest.epoch),
             SENDER,
             self.owner.device,
             self.timeout_s,
@@ -373,28 +322,34 @@ class KVSender:
         device: torch.device,
         timeout_s: float = 30.0,
         faults: FaultDelays | None = None,
+        rank: int = 0,
     ) -> None:
         self.node_id = node_id
+        self.rank = rank  # this prefill node's rank
         self.device = device
         self.timeout_s = timeout_s
         self.faults = faults or FaultDelays()
-        self._links: dict[str, _Link] = {}
+        self._links: dict[tuple[str, int], _Link] = {}
         self._lock = threading.Lock()
 
-    def _link(self, node_id: str) -> _Link:
+    def _link(self, node_id: str, receiver_rank: int) -> _Link:
         with self._lock:
-            link = self._links.get(node_id)
+            link = self._links.get((node_id, receiver_rank))
             if link is None:
-                link = self._links[node_id] = _Link(self, node_id)
+                link = self._links[node_id, receiver_rank] = _Link(self, node_id, receiver_rank)
             return link
 
-    def open_group(self, dest: Destination, segments: list[OutgoingSegment]) -> _Group:
-        """Queue a group's headers (numbered here); its chunks follow with ``send_chunk``."""
+    def open_group(
+        self, dest: Destination, segments: list[OutgoingSegment], receiver_rank: int = 0
+    ) -> _Group:
+        """Queue a group's headers (numbered here) for one of the destination's
+        ranks; its chunks follow with ``send_chunk``."""
         n = len(segments)
         for i, s in enumerate(segments):
             s.header = s.header.with_group(n, i)
         group = _Group(dest, segments, len(wire_order([s.header for s in segments])))
-        self._link(dest.node_id).queue.put(group)
+        group.receiver_rank = receiver_rank
+        self._link(dest.node_id, receiver_rank).queue.put(group)
         return group
 
     def send_chunk(
@@ -409,12 +364,20 @@ class KVSender:
     ) -> None:
         """Queue one chunk, in wire order (``protocol.wire_order``) within its group."""
         chunk = _Chunk(group, segment, desc, data, ready, ready_at, last)
-        self._link(group.dest.node_id).queue.put(chunk)
+        self._link(group.dest.node_id, group.receiver_rank).queue.put(chunk)
 
-    def end(self, dest: Destination, reservation_id: int) -> None:
-        """Queue the end header of a reservation's stream (after all of its chunks)."""
-        header = SegmentHeader.end(reservation_id)
-        self._link(dest.node_id).queue.put(_Group(dest, [OutgoingSegment(header, None)]))
+    def end(
+        self,
+        dest: Destination,
+        reservation_id: int,
+        receiver_rank: int = 0,
+        heads: tuple[int, int] = (0, 0),
+    ) -> None:
+        """Queue the end header of a reservation's stream of these KV heads to
+        one of the destination's ranks (after all of its chunks to that rank)."""
+        header = SegmentHeader.end(reservation_id, heads)
+        group = _Group(dest, [OutgoingSegment(header, None)], receiver_rank=receiver_rank)
+        self._link(dest.node_id, receiver_rank).queue.put(group)
 
     def close(self) -> None:
         with self._lock:

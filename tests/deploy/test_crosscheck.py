@@ -259,7 +259,7 @@ def test_engine_settings_are_valid_and_shared(overlay, tmp_path):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_gpu_nodes_get_a_gpu_shared_memory_and_nccl_settings(overlay):
+def test_gpu_nodes_get_a_gpu_per_rank_shared_memory_and_nccl_settings(overlay):
     docs = render(f"overlays/{overlay}")
     for component in ("prefill", "decode"):
         dep = deployment(docs, component)
@@ -270,7 +270,9 @@ def test_gpu_nodes_get_a_gpu_shared_memory_and_nccl_settings(overlay):
         if env.get("PDSERVE_DEVICE") != "cuda":
             assert gpus is None, f"{overlay}: {component} asks for a GPU it does not use"
             continue
-        assert gpus == 1 and res["requests"].get("nvidia.com/gpu") == 1
+        # One GPU per tensor-parallel rank.
+        ranks = int(env.get("PDSERVE_TENSOR_PARALLEL_SIZE", "1"))
+        assert gpus == ranks and res["requests"].get("nvidia.com/gpu") == ranks, component
         volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
         (shm,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"]
         assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"

@@ -16,7 +16,7 @@ import pytest
 
 from common.kv_transfer.checksum import chain
 from common.kv_transfer.loopback import LoopbackLanding, LoopbackSender
-from common.kv_transfer.sender import Destination
+from common.kv_transfer.ticket import Destination
 from engine import LLM, RequestOutputKind, SamplingParams
 from prefill_node.kv_stream import KVStreamer
 from tests.engine.conftest import assert_idle

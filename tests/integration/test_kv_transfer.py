@@ -107,7 +107,7 @@ class Collector:
         self.chunks.append((rid, desc, data.clone()))
         self.event.set()
 
-    def on_peer_failed(self, peer, error):
+    def on_peer_failed(self, peer, error, epoch):
         self.failed.append(peer)
         self.event.set()
 
@@ -162,7 +162,7 @@ def test_groups_land_bit_identical_in_wire_order_and_ends_close_the_streams(rece
     units = {100: 4 * 2 * 2 + 4 * 3 * 2, 101: 4 * 1 * 2}
     assert report == {rid: ("ok", n * UNIT, True) for rid, n in units.items()}
     # Both streams ended: no receive is posted for them any more.
-    wait_until(lambda: not rx._peers["prefill-a"].awaiting)
+    wait_until(lambda: not rx._peers["prefill-a", 0].awaiting)
     assert [h.reservation_id for h in col.headers if h.is_end] == [101, 100]
     assert col.failed == []
 
@@ -181,7 +181,7 @@ def test_a_group_whose_requests_are_all_gone_is_skipped_whole(receiver):
     epochs.put(epoch)
     report = results.get(timeout=60)
     proc.join(30)
-    wait_until(lambda: not rx._peers["prefill-a"].awaiting)
+    wait_until(lambda: not rx._peers["prefill-a", 0].awaiting)
     assert report[7][0] == "CancelledError" and report[8] == ("ok", 4 * 2 * UNIT, True)
     assert {rid for rid, _, _ in col.chunks} == {8}  # nothing of 7 was on the wire
     assert [h.reservation_id for h in col.headers] == [7, 8, 8]  # 7's end still came
@@ -196,7 +196,7 @@ def test_a_sender_dying_mid_group_fails_the_channel_then_the_next_epoch_works(re
     wait_until(lambda: col.failed == ["prefill-a"], 30)
     proc.join(30)
     assert len(col.chunks) == 2  # what landed before the death was delivered
-    assert not rx._peers["prefill-a"].awaiting  # the failure cleared the peer's expectations
+    assert not rx._peers["prefill-a", 0].awaiting  # the failure cleared the peer's expectations
     proc, epochs, results = start_sender(port, [("group", [(segment(2, 0, 1), False)])])
     epoch = rx.expect("prefill-a", 2)
     assert epoch == 1

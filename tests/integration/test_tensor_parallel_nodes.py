@@ -1,0 +1,140 @@
+"""Prefill and decode nodes of different tensor-parallel sizes, through a real cluster.
+
+The demo model (3 KV heads) on a real cluster (Redis, router, nodes and their
+ranks in their own processes, KV over gloo): prefill-0 and decode-1 run with
+``--tensor-parallel-size 3`` (one KV head per rank), prefill-1 and decode-0
+with 1. Draining the others picks the pair under test, so each of
+TP 3 -> 1, 1 -> 3 and 3 -> 3 carries real prompts: every rank of the decode
+node receives exactly its heads from the prefill ranks that hold them, and the
+text equals HF transformers'. Every block is free on every node after.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.redis_server import free_port
+from proto.client import generate
+from tests.conftest import REMOTE_PREFILL_ONLY
+from tests.faults.harness import nodes, set_drained, wait_idle
+
+pytestmark = pytest.mark.timeout(900)
+
+NEW_TOKENS = 12
+BLOCK = 16
+TP = {"prefill-0": 3, "prefill-1": 1, "decode-0": 1, "decode-1": 3}
+PROMPTS = [
+    "The capital of France is",
+    # Over 64 tokens: several prefill chunks on prefill-0, streamed step by step.
+    "Summarize the following notes. " + "The river rose after three days of rain. " * 10,
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(demo_model_dir, tmp_path_factory):
+    tp3 = {"PDSERVE_TENSOR_PARALLEL_SIZE": "3"}
+    spec = ClusterSpec(
+        model=str(demo_model_dir),
+        num_prefill=2,
+        num_decode=2,
+        port=free_port(),
+        admin_port=free_port(),
+        engine_args=["--max-model-len", "512"],
+        node_args=["--heartbeat-interval", "0.1"],
+        router_args=REMOTE_PREFILL_ONLY,
+        component_env={
+            "prefill-0": tp3
+            | {"PDSERVE_MAX_NUM_BATCHED_TOKENS": "64", "PDSERVE_MAX_NUM_SEQS": "8"},
+            "decode-1": tp3,
+        },
+        log_dir=str(tmp_path_factory.mktemp("tp-logs")),
+        start_timeout_s=600,
+    )
+    with LocalCluster(spec) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def hf(demo_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(demo_model_dir)
+
+
+def hf_greedy(hf, ids: list[int]) -> list[int]:
+    model, _ = hf
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, top_p=None, top_k=None
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def run(cluster, ids: list[int]):
+    tokens, final = [], None
+    for r in generate(
+        cluster.router_address, token_ids=ids, max_tokens=NEW_TOKENS, temperature=0.0, timeout=180
+    ):
+        for d in r.deltas:
+            tokens.extend(d.token_ids)
+        if r.HasField("final"):
+            final = r.final
+    return tokens, final
+
+
+def only(cluster, *chosen: str) -> None:
+    """Drain every node but ``chosen`` (none chosen: undrain them all)."""
+    for node in TP:
+        set_drained(cluster, node, bool(chosen) and node not in chosen)
+
+
+def landed_bytes(cluster, decode: str) -> int:
+    return nodes(cluster)[decode].kv_transfer_bytes
+
+
+def block_bytes(demo_model_dir) -> int:
+    from engine.models.config import ModelArchConfig
+
+    cfg = ModelArchConfig.from_dir(str(demo_model_dir))
+    return 2 * cfg.num_hidden_layers * BLOCK * cfg.num_key_value_heads * cfg.head_dim * 4  # fp32
+
+
+def test_each_node_registers_its_tensor_parallel_size(cluster):
+    infos = nodes(cluster)
+    assert {n: infos[n].tensor_parallel_size for n in TP} == TP
+    assert all(infos[n].num_gpus == 0 for n in TP)  # a CPU host: no GPUs held
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode"),
+    [("prefill-0", "decode-0"), ("prefill-1", "decode-1"), ("prefill-0", "decode-1")],
+    ids=["tp3-to-tp1", "tp1-to-tp3", "tp3-to-tp3"],
+)
+def test_text_equals_hf_across_tensor_parallel_sizes(cluster, hf, demo_model_dir, prefill, decode):
+    _, tokenizer = hf
+    only(cluster, prefill, decode)
+    try:
+        before = landed_bytes(cluster, decode)
+        blocks = 0
+        for text in PROMPTS:
+            ids = tokenizer.encode(f"[{prefill} to {decode}] {text}")  # new to every cache
+            blocks += -(-len(ids) // BLOCK)
+            tokens, final = run(cluster, ids)
+            assert tokens == hf_greedy(hf, ids), text
+            assert (final.usage.prefill_node, final.usage.decode_node) == (prefill, decode)
+        wait_idle(cluster, timeout_s=30)
+        deadline = time.monotonic() + 5
+        while landed_bytes(cluster, decode) - before < blocks * block_bytes(demo_model_dir):
+            assert time.monotonic() < deadline, "the decode node did not count every head landed"
+            time.sleep(0.1)
+    finally:
+        only(cluster)
+    # Every head of every block landed once, on the rank that holds it.
+    assert landed_bytes(cluster, decode) - before == blocks * block_bytes(demo_model_dir)
+    infos = nodes(cluster)
+    assert infos[decode].kv_transfer_failures == infos[decode].kv_late_transfers == 0
