@@ -11,6 +11,9 @@ text equals HF transformers'. Every block is free on every node after.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -104,10 +107,15 @@ def block_bytes(demo_model_dir) -> int:
     return 2 * cfg.num_hidden_layers * BLOCK * cfg.num_key_value_heads * cfg.head_dim * 4  # fp32
 
 
-def test_each_node_registers_its_tensor_parallel_size(cluster):
+def test_each_node_registers_its_tensor_parallel_size_and_pdctl_shows_it(cluster):
     infos = nodes(cluster)
     assert {n: infos[n].tensor_parallel_size for n in TP} == TP
     assert all(infos[n].num_gpus == 0 for n in TP)  # a CPU host: no GPUs held
+    cmd = [sys.executable, "-m", "router.pdctl", "--address", cluster.admin_address, "nodes"]
+    listed = json.loads(subprocess.run(cmd + ["--json"], capture_output=True, timeout=60).stdout)
+    assert {r["node_id"]: r["tensor_parallel_size"] for r in listed} == TP
+    table = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+    assert "TP" in table.splitlines()[0] and "GPUS" in table.splitlines()[0]
 
 
 @pytest.mark.parametrize(
