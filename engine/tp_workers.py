@@ -223,8 +223,8 @@ def main(argv: list[str]) -> int:
         logger.warning("leaving: %s", e)
         group.handoff.close(unlink=True)
         return 1
-    except Exception as e:  # rank 0 broken: nothing left to follow
-        logger.warning("leaving: %s", e)
+    except Exception as e:  # rank 0 broken, or this rank's own call failed
+        logger.exception("leaving: %s", e)
         return 1
     finally:
         group.handoff.close()
@@ -233,16 +233,13 @@ def main(argv: list[str]) -> int:
 
 
 def _run_call(extension, call: Call) -> None:
-    """One call from rank 0. A failing call is logged, not fatal: the engine's
-    steps do not depend on it (the extension reports its own failures)."""
+    """One call from rank 0. One that fails (or names no method of the
+    extension) ends this rank: its state would no longer be what rank 0
+    assumes, and a dead rank is what rank 0 reports (TensorParallelError)."""
     method = getattr(extension, call.method, None) if extension is not None else None
     if method is None or call.method.startswith("_"):
-        logger.error("rank 0 called %r, which this rank's worker extension lacks", call.method)
-        return
-    try:
-        method(json.loads(call.payload))
-    except Exception:
-        logger.exception("worker extension call %s failed", call.method)
+        raise RuntimeError(f"rank 0 called {call.method!r}, which this rank's extension lacks")
+    method(json.loads(call.payload))
 
 
 if __name__ == "__main__":

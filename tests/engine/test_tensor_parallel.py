@@ -116,7 +116,6 @@ def test_worker_extension_calls_run_on_every_other_rank_in_order_with_the_steps(
 
     engine.call_workers("record", {"path": str(path), "tag": "first"})
     engine.call_workers("watch_layers", {"path": str(path)})
-    engine.call_workers("no_such_method", {})  # logged by the follower, not fatal
     engine.observe_kv_writes(RankZero())
     try:
         out = tp3.generate(
@@ -215,6 +214,24 @@ def test_a_dead_rank_is_named_and_shutdown_stops_the_rest(demo_model_dir):
         llm.generate(["Hello again"], params, use_tqdm=False)
     # The engine stopped the survivor on the way out.
     assert workers.procs[0].wait(timeout=15) is not None
+
+
+def test_a_call_that_fails_on_a_rank_ends_that_rank_and_the_engine_names_it(demo_model_dir):
+    llm = LLM(
+        str(demo_model_dir),
+        max_model_len=256,
+        device="cpu",
+        tensor_parallel_size=3,
+        worker_extension_cls="tests.engine.tp_probe:Probe",
+    )
+    workers = llm.llm_engine.tp_workers
+    try:
+        llm.llm_engine.call_workers("record", {})  # no "path": a KeyError on ranks 1 and 2
+        with pytest.raises(TensorParallelError, match=r"rank \d \(pid \d+\) exited with code 1"):
+            llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    assert all(p.poll() is not None for p in workers.procs)
 
 
 def test_shutdown_stops_every_rank_cleanly(demo_model_dir):
