@@ -16,13 +16,13 @@ from tests.conftest import TINY_CONFIGS, write_config_dir
 KINDS = list(TINY_CONFIGS)
 
 
-def make_runner(model_dir, **kwargs) -> ModelRunner:
+def make_runner(model_dir, device: str = "cpu", **kwargs) -> ModelRunner:
     config = EngineConfig(
         model=str(model_dir),
         skip_tokenizer_init=True,
         num_kvcache_blocks=64,
         kvcache_block_size=8,
-        device="cpu",
+        device=device,
         **kwargs,
     )
     return ModelRunner(config, frozenset())

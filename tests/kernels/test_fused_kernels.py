@@ -129,7 +129,16 @@ def test_fused_decoder_matches_the_unfused_one(tiny_model, kind, backend):
     from tests.engine.test_models import PROMPT, make_runner, our_logits
 
     model_dir, _ = tiny_model(kind)
-    runner = make_runner(model_dir, attention_backend=backend)
+    # fp32 and the plain ops first on either device (on CUDA the engine would
+    # fuse from the start); eager: the test calls the model itself.
+    runner = make_runner(
+        model_dir,
+        device=DEVICE,
+        dtype="float32",
+        fused_ops=False,
+        enforce_eager=True,
+        attention_backend=backend,
+    )
     chunks = [len(PROMPT) - 3, 1, 1, 1]
     plain = our_logits(runner, PROMPT, chunks)
     for module in runner.model.modules():
