@@ -145,6 +145,27 @@ def demo_tokenizer(demo_model_dir):
     return AutoTokenizer.from_pretrained(demo_model_dir)
 
 
+@pytest.fixture(scope="session")
+def hf_demo(demo_model_dir):
+    """HF transformers on the demo model, fp32: the correctness oracle."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy_ids(hf_model, ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF transformers' greedy continuation of ``ids`` (token ids)."""
+    with torch.inference_mode():
+        out = hf_model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            top_p=None,
+            top_k=None,
+        )
+    return out[0, len(ids) :].tolist()
+
+
 def write_config_dir(tmp_path: Path, raw: dict) -> Path:
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "config.json").write_text(json.dumps(raw))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 # Varied prompts: chat-templated and raw, short and long, multilingual, code.
 RAW_PROMPTS = [
@@ -37,13 +36,6 @@ def demo_llm(demo_model_dir):
     from engine import LLM
 
     return LLM(str(demo_model_dir), max_model_len=1024, device="cpu")
-
-
-@pytest.fixture(scope="session")
-def hf_demo(demo_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
 
 
 def assert_idle(llm) -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
+from tests.conftest import hf_greedy_ids
 from tests.engine.conftest import assert_idle
 
 NEW_TOKENS = 32
@@ -14,18 +15,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def hf_greedy(hf_demo, parity_prompts) -> list[list[int]]:
-    out = []
-    with torch.inference_mode():
-        for ids in parity_prompts:
-            gen = hf_demo.generate(
-                torch.tensor([ids]),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                top_p=None,
-                top_k=None,
-            )
-            out.append(gen[0, len(ids) :].tolist())
-    return out
+    return [hf_greedy_ids(hf_demo, ids, NEW_TOKENS) for ids in parity_prompts]
 
 
 def test_at_least_eight_varied_prompts(parity_prompts, hf_greedy):

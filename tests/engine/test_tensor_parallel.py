@@ -14,10 +14,10 @@ import json
 import time
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.tp_workers import TensorParallelError
+from tests.conftest import hf_greedy_ids
 from tests.engine.conftest import assert_idle
 
 NEW_TOKENS = 16
@@ -44,18 +44,7 @@ def tp3(demo_model_dir):
 
 @pytest.fixture(scope="module")
 def hf_greedy(hf_demo, parity_prompts) -> list[list[int]]:
-    out = []
-    with torch.inference_mode():
-        for ids in parity_prompts:
-            gen = hf_demo.generate(
-                torch.tensor([ids]),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                top_p=None,
-                top_k=None,
-            )
-            out.append(gen[0, len(ids) :].tolist())
-    return out
+    return [hf_greedy_ids(hf_demo, ids, NEW_TOKENS) for ids in parity_prompts]
 
 
 def test_tp3_batched_greedy_equals_transformers_and_again_from_the_cache(

@@ -13,13 +13,12 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from common.cluster import NodeRole
 from pdserve.launcher import ClusterSpec, LocalCluster
 from pdserve.redis_server import free_port
 from proto.client import generate
-from tests.conftest import REMOTE_PREFILL_ONLY
+from tests.conftest import REMOTE_PREFILL_ONLY, hf_greedy_ids
 from tests.faults.harness import nodes, set_drained, wait_idle
 
 pytestmark = pytest.mark.timeout(600)
@@ -61,23 +60,6 @@ def cluster(demo_model_dir, tmp_path_factory):
     )
     with LocalCluster(spec) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def hf(demo_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(demo_model_dir)
-
-
-def hf_greedy(hf, ids: list[int]) -> list[int]:
-    model, _ = hf
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, top_p=None, top_k=None
-        )
-    return out[0, len(ids) :].tolist()
 
 
 def run(cluster, ids: list[int]):
@@ -129,8 +111,10 @@ def only(cluster, prefill: str | None):
 
 
 @pytest.mark.parametrize("prefill", sorted(LAYERS))
-def test_streamed_text_equals_hf_transformers(cluster, hf, demo_model_dir, prefill):
-    _, tokenizer = hf
+def test_streamed_text_equals_hf_transformers(
+    cluster, hf_demo, demo_tokenizer, demo_model_dir, prefill
+):
+    tokenizer = demo_tokenizer
     only(cluster, prefill)
     try:
         before = decode_counters(cluster)
@@ -139,7 +123,7 @@ def test_streamed_text_equals_hf_transformers(cluster, hf, demo_model_dir, prefi
             ids = tokenizer.encode(f"[{prefill}] {text}")  # new to the decode node's cache
             total_blocks += -(-len(ids) // BLOCK)
             tokens, out_text, final = run(cluster, ids)
-            expected = hf_greedy(hf, ids)
+            expected = hf_greedy_ids(hf_demo, ids, NEW_TOKENS)
             assert tokens == expected, text
             assert out_text == tokenizer.decode(expected, skip_special_tokens=True)
             assert final.usage.prefill_node == prefill
@@ -155,9 +139,9 @@ def test_streamed_text_equals_hf_transformers(cluster, hf, demo_model_dir, prefi
 
 
 def test_prefix_hits_stream_only_the_blocks_from_the_first_uncached_one(
-    cluster, hf, demo_model_dir
+    cluster, hf_demo, demo_tokenizer, demo_model_dir
 ):
-    _, tokenizer = hf
+    tokenizer = demo_tokenizer
     prefix = tokenizer.encode(
         "You are a helpful assistant for the city library. Opening hours, fees and "
         "the rules for borrowing books are as follows. " * 4
@@ -168,7 +152,7 @@ def test_prefix_hits_stream_only_the_blocks_from_the_first_uncached_one(
     only(cluster, "prefill-0")
     try:
         tokens, _, _ = run(cluster, first)
-        assert tokens == hf_greedy(hf, first)
+        assert tokens == hf_greedy_ids(hf_demo, first, NEW_TOKENS)
         wait_idle(cluster, timeout_s=10)
         before = settled_counters(cluster, int(time.time() * 1000))
         tokens, _, final = run(cluster, second)
@@ -176,7 +160,7 @@ def test_prefix_hits_stream_only_the_blocks_from_the_first_uncached_one(
         after = settled_counters(cluster, int(time.time() * 1000))
     finally:
         only(cluster, None)
-    assert tokens == hf_greedy(hf, second)
+    assert tokens == hf_greedy_ids(hf_demo, second, NEW_TOKENS)
     # The decode node had the shared prefix's full blocks: only the rest crossed.
     sent_blocks = -(-len(second) // BLOCK) - len(prefix) // BLOCK
     assert after["bytes"] - before["bytes"] == sent_blocks * block_bytes(demo_model_dir)

@@ -17,12 +17,11 @@ import sys
 import time
 
 import pytest
-import torch
 
 from pdserve.launcher import ClusterSpec, LocalCluster
 from pdserve.redis_server import free_port
 from proto.client import generate
-from tests.conftest import REMOTE_PREFILL_ONLY
+from tests.conftest import REMOTE_PREFILL_ONLY, hf_greedy_ids
 from tests.faults.harness import nodes, set_drained, wait_idle
 
 pytestmark = pytest.mark.timeout(900)
@@ -59,23 +58,6 @@ def cluster(demo_model_dir, tmp_path_factory):
     )
     with LocalCluster(spec) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def hf(demo_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(demo_model_dir)
-
-
-def hf_greedy(hf, ids: list[int]) -> list[int]:
-    model, _ = hf
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, top_p=None, top_k=None
-        )
-    return out[0, len(ids) :].tolist()
 
 
 def run(cluster, ids: list[int]):
@@ -123,8 +105,10 @@ def test_each_node_registers_its_tensor_parallel_size_and_pdctl_shows_it(cluster
     [("prefill-0", "decode-0"), ("prefill-1", "decode-1"), ("prefill-0", "decode-1")],
     ids=["tp3-to-tp1", "tp1-to-tp3", "tp3-to-tp3"],
 )
-def test_text_equals_hf_across_tensor_parallel_sizes(cluster, hf, demo_model_dir, prefill, decode):
-    _, tokenizer = hf
+def test_text_equals_hf_across_tensor_parallel_sizes(
+    cluster, hf_demo, demo_tokenizer, demo_model_dir, prefill, decode
+):
+    tokenizer = demo_tokenizer
     only(cluster, prefill, decode)
     try:
         before = landed_bytes(cluster, decode)
@@ -133,7 +117,7 @@ def test_text_equals_hf_across_tensor_parallel_sizes(cluster, hf, demo_model_dir
             ids = tokenizer.encode(f"[{prefill} to {decode}] {text}")  # new to every cache
             blocks += -(-len(ids) // BLOCK)
             tokens, final = run(cluster, ids)
-            assert tokens == hf_greedy(hf, ids), text
+            assert tokens == hf_greedy_ids(hf_demo, ids, NEW_TOKENS), text
             assert (final.usage.prefill_node, final.usage.decode_node) == (prefill, decode)
         wait_idle(cluster, timeout_s=30)
         deadline = time.monotonic() + 5
