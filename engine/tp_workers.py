@@ -55,6 +55,7 @@ logger = logging.getLogger("engine.tp_workers")
 
 START_TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 10.0
+RANK_EXIT_WAIT_S = 10.0
 
 
 class TensorParallelError(RuntimeError):
@@ -128,7 +129,9 @@ class TPWorkers:
 
     def raise_if_dead(self, error: Exception) -> None:
         """After a failed collective: if a rank died, say which (TensorParallelError)."""
-        deadline = time.monotonic() + 2.0  # its exit code may lag its closed sockets
+        # Its exit code may lag its closed sockets by seconds on a loaded host (a
+        # rank that fails tears its groups down, then the interpreter exits).
+        deadline = time.monotonic() + RANK_EXIT_WAIT_S
         while not (dead := self.dead()) and time.monotonic() < deadline:
             time.sleep(0.05)
         if dead:
