@@ -19,6 +19,14 @@ One heartbeat is one pipelined round trip. One routing decision is one round
 trip: a Lua script returns the server's clock and, for every live node, its
 routing fields and how many leading blocks of the request it holds.
 
+The routing fields are also written packed, as one JSON array in the hash's
+``route`` field (ROUTE_FIELDS order, less ``seen_ms``), and the script reads
+that one field and ``seen_ms`` instead of the 14 fields: each field read from
+Lua becomes a Lua string and then a reply entry, and with 16 nodes the 14-field
+read was most of the script's time on the server (docs/performance.md,
+"Routing"). A node hash without ``route`` (written by an earlier version) is
+read field by field, as before, so routers and nodes can be upgraded in any order.
+
 That count is found by galloping then binary search (about 2·log2(n) set
 lookups per node, not n). It is exact when a node's published set is
 prefix-closed -- every cached block's parent is cached too -- which the block
@@ -32,6 +40,7 @@ verifies a block's tokens before it reuses it.
 from __future__ import annotations
 
 import enum
+import json
 import time
 from dataclasses import dataclass, fields
 from typing import Any
@@ -59,6 +68,8 @@ ROUTE_FIELDS = (
     "seen_ms",
     "tensor_parallel_size",
 )
+# The hash field holding ROUTE_FIELDS[:-1] packed (a JSON array, in that order).
+ROUTE_KEY = "route"
 
 # ARGV[1]: the key prefix; ARGV[2]: the request's block hashes, concatenated
 # (16 bytes each). One argument rather than one per block: encoding hundreds of
@@ -74,7 +85,11 @@ local hashes = ARGV[2]
 local n = math.floor(#hashes / DIGEST)
 local function block(i) return string.sub(hashes, (i - 1) * DIGEST + 1, i * DIGEST) end
 for _, id in ipairs(ids) do
-  local values = redis.call('HMGET', prefix .. ':node:' .. id, FIELDS)
+  local node = prefix .. ':node:' .. id
+  local values = redis.call('HMGET', node, 'ROUTE_KEY', 'seen_ms')
+  if not values[1] then  -- a node of an earlier version, or an expired one
+    values = redis.call('HMGET', node, FIELDS)
+  end
   if not values[1] then
     redis.call('SREM', KEYS[1], id)
   else
@@ -106,8 +121,10 @@ for _, id in ipairs(ids) do
 end
 return out
 """
-_ROUTE_SCRIPT = _ROUTE_SCRIPT.replace("FIELDS", ", ".join(f"'{f}'" for f in ROUTE_FIELDS)).replace(
-    "DIGEST", str(DIGEST_SIZE)
+_ROUTE_SCRIPT = (
+    _ROUTE_SCRIPT.replace("ROUTE_KEY", ROUTE_KEY)
+    .replace("FIELDS", ", ".join(f"'{f}'" for f in ROUTE_FIELDS))
+    .replace("DIGEST", str(DIGEST_SIZE))
 )
 
 # Stamps a heartbeat with the Redis server's clock, so that every router reads
@@ -180,7 +197,15 @@ class NodeInfo:
             elif isinstance(value, bool):
                 value = int(value)
             out[f.name] = str(value)
+        out[ROUTE_KEY] = self.route_value()
         return out
+
+    def route_value(self) -> str:
+        """The routing fields as the ``route`` hash field: a JSON array, ROUTE_FIELDS order."""
+        values = [getattr(self, name) for name in ROUTE_FIELDS[:-1]]
+        values[0] = self.role.value
+        values[-1] = int(self.draining)
+        return json.dumps(values, separators=(",", ":"))
 
     @classmethod
     def from_fields(cls, raw: dict[Any, Any]) -> NodeInfo:
@@ -201,8 +226,33 @@ class NodeInfo:
         return cls(**kwargs)
 
     @classmethod
+    def from_route(cls, node_id: str, values: list[Any]) -> NodeInfo:
+        """From what the routing script read: ``[route, seen_ms]``, or every
+        ROUTE_FIELDS field from a node of an earlier version; the hot path."""
+        if len(values) != 2:
+            return cls.from_route_values(node_id, values)
+        v = json.loads(values[0])
+        return cls(
+            node_id=node_id,
+            role=NodeRole(v[0]),
+            address=v[1],
+            model_id=v[2],
+            block_size=int(v[3]),
+            transfer_host=v[4],
+            transfer_port=int(v[5]),
+            kv_blocks_total=int(v[6]),
+            kv_blocks_free=int(v[7]),
+            running=int(v[8]),
+            waiting=int(v[9]),
+            queued_prefill_tokens=int(v[10]),
+            max_num_seqs=int(v[11]),
+            draining=bool(v[12]),
+            seen_ms=int(values[1] or 0),
+        )
+
+    @classmethod
     def from_route_values(cls, node_id: str, values: list[Any]) -> NodeInfo:
-        """From the routing script's HMGET (ROUTE_FIELDS order); the hot path."""
+        """From the 14 fields of ROUTE_FIELDS, in that order (a node hash without ``route``)."""
         v = [_text(x) if x is not None else "" for x in values]
         return cls(
             node_id=node_id,
@@ -321,7 +371,7 @@ class Cluster:
         )
         out = []
         for i in range(1, len(raw), 4):
-            info = NodeInfo.from_route_values(_text(raw[i]), raw[i + 1])
+            info = NodeInfo.from_route(_text(raw[i]), raw[i + 1])
             out.append(RouteCandidate(info, int(raw[i + 2]), bool(raw[i + 3])))
         return ClusterView(int(raw[0]), out)
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
-from common.cluster import Cluster, NodeInfo, NodeRole
+from common.cluster import ROUTE_FIELDS, ROUTE_KEY, Cluster, NodeInfo, NodeRole
 from engine.block_hash import hash_prompt_blocks
 from pdserve.redis_server import RedisServer
 
@@ -146,3 +147,54 @@ def test_node_info_round_trips_through_redis_fields():
     )
     back = NodeInfo.from_fields({k.encode(): v.encode() for k, v in info.to_fields().items()})
     assert back == info
+
+
+def routing_fields(info: NodeInfo) -> tuple:
+    return tuple(getattr(info, name) for name in ("node_id", *ROUTE_FIELDS))
+
+
+def test_the_routing_read_takes_the_packed_route_field(redis_url):
+    # The script reads `route` and `seen_ms` only; every routing field comes back.
+    async def go():
+        cluster = Cluster.from_url(redis_url, prefix="t8")
+        info = node(
+            "d1",
+            NodeRole.DECODE,
+            free=40,
+            running=3,
+            waiting=2,
+            queued_prefill_tokens=77,
+            max_num_seqs=64,
+            draining=True,
+            transfer_host="10.0.0.1",
+            transfer_port=29500,
+        )
+        info.model_id = 'a model \u00e9 "quoted"'
+        await cluster.heartbeat(info, reset_blocks=True)
+        raw = await cluster.redis.hget("t8:node:d1", ROUTE_KEY)
+        assert json.loads(raw)[0] == "decode"
+        (cand,) = await cluster.candidates([])
+        assert cand.node.seen_ms > 0
+        info.seen_ms = cand.node.seen_ms
+        assert routing_fields(cand.node) == routing_fields(info)
+        await cluster.close()
+
+    run(go())
+
+
+def test_a_node_hash_without_the_route_field_is_read_field_by_field(redis_url):
+    # Written by a node of an earlier version: a new router still routes to it.
+    async def go():
+        cluster = Cluster.from_url(redis_url, prefix="t9")
+        hashes = hash_prompt_blocks(list(range(160)), "m", 16)
+        info = node("p2", running=5, queued_prefill_tokens=12, transfer_port=29501)
+        await cluster.heartbeat(info, stored=hashes[:4], reset_blocks=True)
+        await cluster.redis.hdel("t9:node:p2", ROUTE_KEY)
+        (cand,) = await cluster.candidates(hashes)
+        assert cand.hit_blocks == 4
+        info.seen_ms = cand.node.seen_ms
+        assert cand.node.seen_ms > 0
+        assert routing_fields(cand.node) == routing_fields(info)
+        await cluster.close()
+
+    run(go())
