@@ -68,8 +68,12 @@ ROUTE_FIELDS = (
     "seen_ms",
     "tensor_parallel_size",
 )
-# The hash field holding ROUTE_FIELDS[:-1] packed (a JSON array, in that order).
+# The hash field holding PACKED_FIELDS as a JSON array, in that order: every
+# routing field but seen_ms, which the server's clock writes by itself. A reader
+# takes as many as it knows and the writer's node gave (missing ones keep their
+# defaults), so new fields go at the end of ROUTE_FIELDS.
 ROUTE_KEY = "route"
+PACKED_FIELDS = tuple(f for f in ROUTE_FIELDS if f != "seen_ms")
 
 # ARGV[1]: the key prefix; ARGV[2]: the request's block hashes, concatenated
 # (16 bytes each). One argument rather than one per block: encoding hundreds of
@@ -201,11 +205,12 @@ class NodeInfo:
         return out
 
     def route_value(self) -> str:
-        """The routing fields as the ``route`` hash field: a JSON array, ROUTE_FIELDS order."""
-        values = [getattr(self, name) for name in ROUTE_FIELDS[:-1]]
-        values[0] = self.role.value
-        values[-1] = int(self.draining)
-        return json.dumps(values, separators=(",", ":"))
+        """The ``route`` hash field: PACKED_FIELDS as a JSON array."""
+        values = [getattr(self, name) for name in PACKED_FIELDS]
+        values = [v.value if isinstance(v, NodeRole) else v for v in values]
+        return json.dumps(
+            [int(v) if isinstance(v, bool) else v for v in values], separators=(",", ":")
+        )
 
     @classmethod
     def from_fields(cls, raw: dict[Any, Any]) -> NodeInfo:
@@ -226,29 +231,27 @@ class NodeInfo:
         return cls(**kwargs)
 
     @classmethod
-    def from_route(cls, node_id: str, values: list[Any]) -> NodeInfo:
+    def from_route(
+        cls, node_id: str, values: list[Any], parsed: dict[str, tuple] | None = None
+    ) -> NodeInfo:
         """From what the routing script read: ``[route, seen_ms]``, or every
-        ROUTE_FIELDS field from a node of an earlier version; the hot path."""
+        ROUTE_FIELDS field from a node of an earlier version; the hot path.
+
+        ``parsed``: node id -> (route bytes, their fields) of the last read,
+        updated here. A node's route changes with its heartbeat, twice a second,
+        while routing reads it on every request, and decoding the JSON was most
+        of the client's time per node (about 7.7 against 1.7 us with this).
+        """
         if len(values) != 2:
             return cls.from_route_values(node_id, values)
-        v = json.loads(values[0])
-        return cls(
-            node_id=node_id,
-            role=NodeRole(v[0]),
-            address=v[1],
-            model_id=v[2],
-            block_size=int(v[3]),
-            transfer_host=v[4],
-            transfer_port=int(v[5]),
-            kv_blocks_total=int(v[6]),
-            kv_blocks_free=int(v[7]),
-            running=int(v[8]),
-            waiting=int(v[9]),
-            queued_prefill_tokens=int(v[10]),
-            max_num_seqs=int(v[11]),
-            draining=bool(v[12]),
-            seen_ms=int(values[1] or 0),
-        )
+        route = values[0]
+        last = parsed.get(node_id) if parsed is not None else None
+        if last is None or last[0] != route:
+            packed = zip(_PACKED_TYPES, json.loads(route), strict=False)
+            last = (route, {name: kind(v) for (name, kind), v in packed})
+            if parsed is not None:
+                parsed[node_id] = last
+        return cls(node_id=node_id, seen_ms=int(values[1] or 0), **last[1])
 
     @classmethod
     def from_route_values(cls, node_id: str, values: list[Any]) -> NodeInfo:
@@ -272,6 +275,12 @@ class NodeInfo:
             seen_ms=_int(v[13]),
             tensor_parallel_size=_int(v[14]) or 1,  # a node that predates the field: 1
         )
+
+
+# (name, type) of each of PACKED_FIELDS, the types as NodeInfo declares them.
+_KINDS = {"int": int, "str": str, "bool": bool, "NodeRole": NodeRole}
+_DECLARED = {f.name: f.type for f in fields(NodeInfo)}
+_PACKED_TYPES = tuple((name, _KINDS[_DECLARED[name]]) for name in PACKED_FIELDS)
 
 
 @dataclass(slots=True)
@@ -314,6 +323,8 @@ class Cluster:
         self.ttl_ms = int(ttl_s * 1000)
         self._route = client.register_script(_ROUTE_SCRIPT)
         self._stamp = client.register_script(_STAMP_SCRIPT)
+        # NodeInfo.from_route's cache: each live node's last route field, parsed.
+        self._parsed_routes: dict[str, tuple] = {}
 
     @classmethod
     def from_url(cls, url: str, connection: dict[str, Any] | None = None, **kwargs: Any) -> Cluster:
@@ -370,8 +381,12 @@ class Cluster:
             keys=[self._key("nodes"), self._key("draining")], args=[self.prefix, packed]
         )
         out = []
+        last, self._parsed_routes = self._parsed_routes, {}  # live nodes only
         for i in range(1, len(raw), 4):
-            info = NodeInfo.from_route(_text(raw[i]), raw[i + 1])
+            node_id = _text(raw[i])
+            if node_id in last:
+                self._parsed_routes[node_id] = last[node_id]
+            info = NodeInfo.from_route(node_id, raw[i + 1], self._parsed_routes)
             out.append(RouteCandidate(info, int(raw[i + 2]), bool(raw[i + 3])))
         return ClusterView(int(raw[0]), out)
 

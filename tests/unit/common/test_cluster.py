@@ -177,6 +177,13 @@ def test_the_routing_read_takes_the_packed_route_field(redis_url):
         assert cand.node.seen_ms > 0
         info.seen_ms = cand.node.seen_ms
         assert routing_fields(cand.node) == routing_fields(info)
+        # Read again (the parsed route is reused) and after the node's load changed.
+        (again,) = await cluster.candidates([])
+        assert routing_fields(again.node) == routing_fields(info) and again.node is not cand.node
+        info.running, info.kv_blocks_free = 9, 11
+        await cluster.heartbeat(info)
+        (changed,) = await cluster.candidates([])
+        assert (changed.node.running, changed.node.kv_blocks_free) == (9, 11)
         await cluster.close()
 
     run(go())
@@ -198,3 +205,18 @@ def test_a_node_hash_without_the_route_field_is_read_field_by_field(redis_url):
         await cluster.close()
 
     run(go())
+
+
+def test_a_route_field_with_fewer_or_more_fields_keeps_defaults_or_ignores_the_rest():
+    # Fields are appended at the end of ROUTE_FIELDS: an older node packs fewer
+    # (the rest keep NodeInfo's defaults), a newer one more (ignored here).
+    full = json.loads(node("n", NodeRole.DECODE, running=4).route_value())
+    older = NodeInfo.from_route("n", [json.dumps(full[:5]).encode(), b"7"])
+    assert (older.role, older.block_size, older.running, older.seen_ms) == (
+        NodeRole.DECODE,
+        16,
+        0,
+        7,
+    )
+    newer = NodeInfo.from_route("n", [json.dumps([*full, 99, "x"]).encode(), None])
+    assert (newer.running, newer.seen_ms) == (4, 0)
