@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
             if args.compare_tree:
                 # Its own packages first on the path (not this checkout's installation).
                 other = free_port()
-                env = dict(os.environ, PYTHONPATH=str(args.compare_tree.resolve()))
+                path = [str(args.compare_tree.resolve()), os.environ.get("PYTHONPATH", "")]
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
                 cmd = router_cmd(other, [])
                 procs.append(subprocess.Popen(cmd, cwd=args.compare_tree, env=env))
                 routers["compare-tree"] = f"127.0.0.1:{other}"
