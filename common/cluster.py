@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any
 
+from common.redis_script import ScriptConnection
 from engine.block_hash import DIGEST_SIZE
 
 DEFAULT_PREFIX = "pds"
@@ -325,15 +326,26 @@ class Cluster:
         self._stamp = client.register_script(_STAMP_SCRIPT)
         # NodeInfo.from_route's cache: each live node's last route field, parsed.
         self._parsed_routes: dict[str, tuple] = {}
+        # The routing script's own connection (common/redis_script.py says why);
+        # None: through redis-py, whose settings it does not all handle.
+        self.route_connection = ScriptConnection.for_client(client)
 
     @classmethod
     def from_url(cls, url: str, connection: dict[str, Any] | None = None, **kwargs: Any) -> Cluster:
         """``connection``: more client options (credentials, TLS: common/redis_auth.py)."""
         import redis.asyncio as aioredis
+        from redis.exceptions import ConnectionError as RedisConnectionError
 
         timeout = kwargs.pop("socket_timeout", 2.0)
         client = aioredis.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout, **(connection or {})
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            # A pooled connection that Redis closed (a restart) fails the command
+            # that finds it; one retry at once reconnects it. Without it, every
+            # pooled connection failed one command after each restart.
+            retry_on_error=[RedisConnectionError],
+            **(connection or {}),
         )
         return cls(client, **kwargs)
 
@@ -377,9 +389,11 @@ class Cluster:
         packed = b"".join(hashes)
         if len(packed) != DIGEST_SIZE * len(hashes):
             raise ValueError(f"block hashes must be {DIGEST_SIZE} bytes each")
-        raw = await self._route(
-            keys=[self._key("nodes"), self._key("draining")], args=[self.prefix, packed]
-        )
+        keys, args = [self._key("nodes"), self._key("draining")], [self.prefix, packed]
+        if self.route_connection is not None:
+            raw = await self.route_connection.evalsha(self._route.sha, _ROUTE_SCRIPT, keys, args)
+        else:
+            raw = await self._route(keys=keys, args=args)
         out = []
         last, self._parsed_routes = self._parsed_routes, {}  # live nodes only
         for i in range(1, len(raw), 4):
@@ -433,4 +447,6 @@ class Cluster:
         return set(await self.redis.smembers(self._key("blocks", node_id)))
 
     async def close(self) -> None:
+        if self.route_connection is not None:
+            self.route_connection.close()
         await self.redis.aclose()
