@@ -17,12 +17,17 @@ reply that is not back within the client's socket timeout fails every request
 on the connection, which is closed: after a reply is skipped the order is
 lost. For settings it does not handle, ``ScriptConnection.for_client`` returns
 None and the caller goes through redis-py.
+
+``send`` writes a call at once and ``finish`` awaits its reply, so that a
+caller can do other work during the round trip (the router validates a
+request meanwhile); a call whose reply nobody awaits is dropped quietly.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import hiredis
@@ -91,12 +96,30 @@ class _Replies(asyncio.Protocol):
 
     def request(self, args: tuple) -> asyncio.Future:
         waiter = asyncio.get_running_loop().create_future()
+        # A reply nobody awaits (its caller dropped it) must not be logged as
+        # an exception never retrieved.
+        waiter.add_done_callback(_retrieved)
         if self.lost is not None:
             waiter.set_exception(self.lost)
             return waiter
         self.waiting.append(waiter)
         self.transport.write(pack_command(args))
         return waiter
+
+
+def _retrieved(waiter: asyncio.Future) -> None:
+    if not waiter.cancelled():
+        waiter.exception()
+
+
+@dataclass(slots=True)
+class Sent:
+    """An EVALSHA on its way (ScriptConnection.send): what finish() needs."""
+
+    conn: _Replies
+    waiter: asyncio.Future
+    timer: asyncio.TimerHandle | None
+    command: tuple  # numkeys, keys, args
 
 
 class ScriptConnection:
@@ -190,12 +213,34 @@ class ScriptConnection:
 
     async def evalsha(self, sha: str, script: str, keys: list[str], args: list[Any]) -> Any:
         """The script's reply (raw, as redis-py returns it); raises redis-py's exceptions."""
-        conn = await self._connection()
+        await self._connection()
+        return await self.finish(self.send(sha, keys, args), script)
+
+    def send(self, sha: str, keys: list[str], args: list[Any]) -> Sent | None:
+        """EVALSHA written now; None while the connection is not open (use evalsha)."""
+        conn = self._conn
+        if conn is None or conn.lost is not None:
+            return None
         command = (len(keys), *keys, *args)
-        reply = await self._call(conn, ("EVALSHA", sha, *command))
+        waiter = conn.request(("EVALSHA", sha, *command))
+        self.sent += 1
+        timer = None
+        if self.timeout is not None:
+            timer = asyncio.get_running_loop().call_later(self.timeout, self._expire, conn, waiter)
+        return Sent(conn, waiter, timer, command)
+
+    async def finish(self, sent: Sent | None, script: str) -> Any:
+        """The reply to ``send``'s call (``script``: its source, for a Redis that lost it)."""
+        if sent is None:  # the connection failed between _connection() and send()
+            raise RedisConnectionError("the routing connection to Redis is closed")
+        try:
+            reply = await sent.waiter
+        finally:
+            if sent.timer is not None:
+                sent.timer.cancel()
         if isinstance(reply, ResponseError) and str(reply).startswith("NOSCRIPT"):
             # A restarted or flushed Redis: EVAL runs the script and caches it again.
-            reply = await self._call(conn, ("EVAL", script, *command))
+            reply = await self._call(sent.conn, ("EVAL", script, *sent.command))
         if isinstance(reply, ResponseError):
             raise reply
         return reply

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from common.cluster import ROUTE_FIELDS, ROUTE_KEY, Cluster, NodeInfo, NodeRole
+from common.cluster import Cluster, NodeInfo, NodeRole
+from common.route_script import ROUTE_FIELDS, ROUTE_KEY
 from engine.block_hash import hash_prompt_blocks
 from pdserve.redis_server import RedisServer
 

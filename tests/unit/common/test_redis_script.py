@@ -161,3 +161,19 @@ def test_a_reply_late_beyond_the_socket_timeout_fails_and_the_next_call_reconnec
         await cluster.close()
 
     run(go())
+
+
+def test_a_read_started_early_gives_the_same_view_and_one_dropped_costs_nothing(server):
+    async def go():
+        cluster = Cluster.from_url(server.url, prefix="s6")
+        await populate(cluster)
+        assert cluster.start_view(HASHES) is None  # not connected yet: view() connects
+        await cluster.view([])
+        dropped = cluster.start_view(HASHES[:3])  # nobody finishes it
+        started = cluster.start_view(HASHES[:25])
+        assert dropped is not None and started is not None
+        assert hits(await cluster.finish_view(started)) == {"n0": 0, "n1": 10, "n2": 20, "n3": 25}
+        assert hits(await cluster.view(HASHES[:12]))["n3"] == 12
+        await cluster.close()
+
+    run(go())
