@@ -135,9 +135,10 @@ def test_restart_resets_the_block_set_and_deregister_removes_everything(redis_ur
     run(go())
 
 
-def test_node_info_round_trips_through_redis_fields():
-    info = node(
-        "x",
+def busy(node_id: str, **kw) -> NodeInfo:
+    """A decode node with every routing field away from its default."""
+    return node(
+        node_id,
         NodeRole.DECODE,
         running=3,
         waiting=2,
@@ -145,7 +146,12 @@ def test_node_info_round_trips_through_redis_fields():
         draining=True,
         transfer_host="10.0.0.1",
         transfer_port=29500,
+        **kw,
     )
+
+
+def test_node_info_round_trips_through_redis_fields():
+    info = busy("x")
     back = NodeInfo.from_fields({k.encode(): v.encode() for k, v in info.to_fields().items()})
     assert back == info
 
@@ -158,18 +164,7 @@ def test_the_routing_read_takes_the_packed_route_field(redis_url):
     # The script reads `route` and `seen_ms` only; every routing field comes back.
     async def go():
         cluster = Cluster.from_url(redis_url, prefix="t8")
-        info = node(
-            "d1",
-            NodeRole.DECODE,
-            free=40,
-            running=3,
-            waiting=2,
-            queued_prefill_tokens=77,
-            max_num_seqs=64,
-            draining=True,
-            transfer_host="10.0.0.1",
-            transfer_port=29500,
-        )
+        info = busy("d1", free=40, max_num_seqs=64)
         info.model_id = 'a model \u00e9 "quoted"'
         await cluster.heartbeat(info, reset_blocks=True)
         raw = await cluster.redis.hget("t8:node:d1", ROUTE_KEY)
