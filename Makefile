@@ -13,7 +13,8 @@ PYTEST_ARGS ?=
 
 setup: $(VENV)/.setup-done
 
-$(VENV)/.setup-done: pyproject.toml Makefile
+# The C extension (engine/_block_hash.c) is compiled by the install: a change to it reinstalls.
+$(VENV)/.setup-done: pyproject.toml Makefile engine/_block_hash.c
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
 		|| { echo "pdserve needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)

@@ -17,7 +17,11 @@ model is out of the picture, so what is measured is the router's own work:
   token rate one router core sustains.
 - ttft: sequential one-token requests, alternately through the router and
   straight to the fake node's Decode; the p50 difference is what the router
-  and its extra hop add to a request's time to first token.
+  and its extra hop add to a request's time to first token. With
+  ``--compare-tree DIR`` a second router runs from another checkout (the
+  baseline, say) beside the first, on the same fake node, and the requests
+  rotate among the three, so that both routers are measured under the same
+  load: on a shared machine that matters more than anything measured.
 
 A JSON record goes to benchmarks/results/.
 """
@@ -138,25 +142,24 @@ def sweep(args, router_pid: int, node_pid: int, target: list[str], label: str, o
     return row
 
 
-async def ttft(args, router_address: str, node_address: str) -> dict:
+async def ttft(args, routers: dict[str, str], node_address: str) -> dict:
+    """``routers``: label -> address (the router, and the one from --compare-tree)."""
     import grpc
 
     from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 
     prompt = list(range(1, args.input_len + 1))
     sampling = pdserve_pb2.SamplingParams(max_tokens=1, temperature=0.0)
-    async with (
-        grpc.aio.insecure_channel(router_address) as rc,
-        grpc.aio.insecure_channel(node_address) as nc,
-    ):
-        router = pdserve_pb2_grpc.RouterStub(rc)
+    channels = {label: grpc.aio.insecure_channel(a) for label, a in routers.items()}
+    async with grpc.aio.insecure_channel(node_address) as nc:
+        stubs = {label: pdserve_pb2_grpc.RouterStub(c) for label, c in channels.items()}
         node = internal_pb2_grpc.DecodeNodeStub(nc)
 
-        async def via_router() -> float:
+        async def via_router(label: str) -> float:
             start = time.perf_counter()
             request = pdserve_pb2.GenerateRequest(sampling=sampling)
             request.token_ids.ids.extend(prompt)
-            async for _ in router.Generate(request):
+            async for _ in stubs[label].Generate(request):
                 return time.perf_counter() - start
             raise RuntimeError("no response")
 
@@ -169,26 +172,34 @@ async def ttft(args, router_address: str, node_address: str) -> dict:
                 return time.perf_counter() - start
             raise RuntimeError("no response")
 
-        for i in range(20):  # warm both paths (channels, caches)
-            await via_router()
+        for i in range(20):  # warm every path (channels, caches)
+            for label in routers:
+                await via_router(label)
             await direct(i)
-        r, d = [], []
+        r: dict[str, list[float]] = {label: [] for label in routers}
+        d = []
         for i in range(args.ttft_requests):
-            r.append(await via_router())
+            # Rotate the order too: no path always runs right after another.
+            for label in [*routers][i % len(routers) :] + [*routers][: i % len(routers)]:
+                r[label].append(await via_router(label))
             d.append(await direct(i))
+    for c in channels.values():
+        await c.close()
     row = {
         "requests": args.ttft_requests,
         "prompt_tokens": args.input_len,
-        "router_ttft_p50_ms": statistics.median(r) * 1e3,
         "direct_ttft_p50_ms": statistics.median(d) * 1e3,
     }
-    row["router_added_p50_ms"] = row["router_ttft_p50_ms"] - row["direct_ttft_p50_ms"]
-    print(
-        f"TTFT p50 over {args.ttft_requests} one-token requests of {args.input_len} prompt tokens: "
-        f"through the router {row['router_ttft_p50_ms']:.3f} ms, straight to the node "
-        f"{row['direct_ttft_p50_ms']:.3f} ms: the router adds {row['router_added_p50_ms']:.3f} ms",
-        flush=True,
-    )
+    for label, times in r.items():
+        key = "router" if label == "router" else label.replace("-", "_")
+        row[f"{key}_ttft_p50_ms"] = statistics.median(times) * 1e3
+        row[f"{key}_added_p50_ms"] = row[f"{key}_ttft_p50_ms"] - row["direct_ttft_p50_ms"]
+        print(
+            f"TTFT p50 over {args.ttft_requests} one-token requests of {args.input_len} prompt "
+            f"tokens: through {label} {row[f'{key}_ttft_p50_ms']:.3f} ms, straight to the node "
+            f"{row['direct_ttft_p50_ms']:.3f} ms: {label} adds {row[f'{key}_added_p50_ms']:.3f} ms",
+            flush=True,
+        )
     return row
 
 
@@ -203,6 +214,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--encodings", default="grpc,http")
     p.add_argument("--out-dir", type=Path)
     p.add_argument(
+        "--compare-tree",
+        type=Path,
+        help="another checkout whose router runs beside this one's in the TTFT part",
+    )
+    p.add_argument(
         "--token-interval-ms",
         type=float,
         default=0.0,
@@ -216,11 +232,12 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     from engine.models.shapes import write_shape_dir
 
-    results: dict = {"parameters": vars(args) | {"out_dir": None}}
+    compare = str(args.compare_tree) if args.compare_tree else None
+    results: dict = {"parameters": vars(args) | {"out_dir": None, "compare_tree": compare}}
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as redis:
         model_dir = write_shape_dir("smollm2-135m", Path(tmp) / "model")
-        node_port, port, admin, http = free_port(), free_port(), free_port(), free_port()
+        node_port, port, http = free_port(), free_port(), free_port()
         try:
             procs.append(
                 subprocess.Popen(
@@ -228,15 +245,28 @@ def main(argv: list[str] | None = None) -> dict:
                     + [model_dir.name, "16", str(args.token_interval_ms)]
                 )
             )
-            router_cmd = [sys.executable, "-m", "pdserve.cli", "router", "--model", str(model_dir)]
-            router_cmd += ["--redis-url", redis.url, "--port", str(port), "--host", "127.0.0.1"]
-            router_cmd += ["--admin-port", str(admin), "--http-port", str(http)]
-            router_cmd += ["--skip-tokenizer-init", "--no-access-log", "--metrics-port", "0"]
-            router = subprocess.Popen(router_cmd)
+
+            def router_cmd(port: int, http: list[str]) -> list[str]:
+                cmd = [sys.executable, "-m", "pdserve.cli", "router", "--model", str(model_dir)]
+                cmd += ["--redis-url", redis.url, "--port", str(port), "--host", "127.0.0.1"]
+                cmd += ["--admin-port", str(free_port()), *http]
+                return cmd + ["--skip-tokenizer-init", "--no-access-log", "--metrics-port", "0"]
+
+            router = subprocess.Popen(router_cmd(port, ["--http-port", str(http)]))
             procs.append(router)
             address = f"127.0.0.1:{port}"
-            _wait_routable(address)
-            results["ttft"] = asyncio.run(ttft(args, address, f"127.0.0.1:{node_port}"))
+            routers = {"router": address}
+            if args.compare_tree:
+                # Its own packages first on the path (not this checkout's installation).
+                other = free_port()
+                path = [str(args.compare_tree.resolve()), os.environ.get("PYTHONPATH", "")]
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
+                cmd = router_cmd(other, [])
+                procs.append(subprocess.Popen(cmd, cwd=args.compare_tree, env=env))
+                routers["compare-tree"] = f"127.0.0.1:{other}"
+            for a in routers.values():
+                _wait_routable(a)
+            results["ttft"] = asyncio.run(ttft(args, routers, f"127.0.0.1:{node_port}"))
             if not args.ttft_only:
                 sweeps = []
                 out = Path(tmp) / "records"

@@ -6,7 +6,10 @@ A real redis-server holding 16 synthetic nodes (8 prefill, 8 decode), each with
 test prompt. One decision for an 8k-token prompt = hashing its blocks + the
 routing read (one Redis round trip, counted on the wire) + the router's
 in-flight split + the policy. Baseline in the same run: the previous routing
-read (HGETALL of every node + SMISMEMBER of every block).
+read (HGETALL of every node + SMISMEMBER of every block). Also reported: the
+script's time on the Redis server (INFO commandstats), and hashing the prompt
+with hashlib where the C chain (engine/_block_hash.c) did it. The file runs in
+older trees too (copy it there), for a before/after of the same figures.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ return out
 
 
 class RoundTrips:
-    """Counts the requests the Redis client writes to its sockets (a pipeline is one)."""
+    """Counts the requests redis-py writes to its sockets (a pipeline is one); the routing
+    script's own connection (common/redis_script.py) counts its own."""
 
     def __init__(self) -> None:
         from redis.asyncio.connection import AbstractConnection
@@ -68,6 +72,7 @@ async def decision_latency(args: argparse.Namespace) -> dict[str, Any]:
     import gc
 
     from common.cluster import Cluster, NodeInfo, NodeRole
+    from engine import block_hash
     from engine.block_hash import BlockHasher
     from pdserve.redis_server import RedisServer
     from router.inflight import InflightTracker
@@ -76,6 +81,10 @@ async def decision_latency(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     bs = args.block_size
     hasher = BlockHasher("bench-model", bs)
+    try:
+        hashlib_hasher = BlockHasher("bench-model", bs, native=False)
+    except TypeError:  # a tree from before the C chain: hashlib is all it has
+        hashlib_hasher = hasher
     prompt = [rng.randrange(32000) for _ in range(args.decision_prompt_tokens)]
     hashes = hasher.hash_blocks(prompt)
     server = RedisServer().start()
@@ -122,7 +131,10 @@ async def decision_latency(args: argparse.Namespace) -> dict[str, Any]:
             await decide(k)
             await linear(keys=[cluster._key("nodes")], args=[cluster.prefix, *hashes])
         parts: list[tuple[float, float, float]] = []
+        await cluster.redis.config_resetstat()
         trips.count = 0
+        lean = getattr(cluster, "route_connection", None)  # common/redis_script.py
+        lean_sent = lean.sent if lean is not None else 0
         gc.disable()  # a collection in one sample is noise, not routing
         try:
             for k in range(args.decisions):
@@ -132,7 +144,18 @@ async def decision_latency(args: argparse.Namespace) -> dict[str, Any]:
                     gc.collect()
         finally:
             gc.enable()
-        trips_per_decision = trips.count / args.decisions
+        lean_sent = (lean.sent if lean is not None else 0) - lean_sent
+        trips_per_decision = (trips.count + lean_sent) / args.decisions
+        stats = await cluster.redis.info("commandstats")
+        server_us = stats["cmdstat_evalsha"]["usec_per_call"]
+        # Each hasher alone, back to back (in a decision the hashing runs between
+        # Redis reads, on colder caches): the implementations compared.
+        alone: dict[str, list[float]] = {"default": [], "hashlib": []}
+        for _ in range(args.decisions):
+            for name, h in (("default", hasher), ("hashlib", hashlib_hasher)):
+                t0 = time.perf_counter()
+                h.hash_blocks(prompt)
+                alone[name].append(time.perf_counter() - t0)
         expected = max(
             (c for c in view.candidates if c.node.role is NodeRole.DECODE),
             key=lambda c: c.hit_blocks,
@@ -162,10 +185,14 @@ async def decision_latency(args: argparse.Namespace) -> dict[str, Any]:
         "unrelated_blocks_per_node": args.other_blocks,
         "decisions": args.decisions,
         "redis_round_trips_per_decision": trips_per_decision,
+        "native_hashing": getattr(block_hash, "NATIVE_AVAILABLE", False),
+        "routing_script_server_us_per_call": server_us,
         "hits_agree_with_linear_scan": linear_hits == ours_hits,
         "chosen_decode_node": decision.decode.node_id,
         "longest_decode_hit_node": expected.node.node_id,
         "hash_blocks": summary_ms(hash_ms),
+        "hash_blocks_alone": summary_ms(ms(alone["default"])),
+        "hash_blocks_hashlib_alone": summary_ms(ms(alone["hashlib"])),
         "routing_read": summary_ms(read_ms),
         "policy": summary_ms(policy_ms),
         "decision_excluding_hashing": summary_ms(without_hash),
@@ -181,7 +208,10 @@ async def decision_latency(args: argparse.Namespace) -> dict[str, Any]:
         f"p50 {out['decision_including_hashing']['p50_ms']:.3f} ms "
         f"(hashing {out['hash_blocks']['p50_ms']:.3f}, Redis read {out['routing_read']['p50_ms']:.3f}, "
         f"policy {out['policy']['p50_ms']:.3f}), p99 {out['decision_including_hashing']['p99_ms']:.3f} ms; "
-        f"{trips_per_decision:g} Redis round trips; linear read p50 "
+        f"{trips_per_decision:g} Redis round trips; the script {server_us:.0f} us on the server; "
+        f"hashing alone {out['hash_blocks_alone']['p50_ms']:.3f} ms, with hashlib "
+        f"{out['hash_blocks_hashlib_alone']['p50_ms']:.3f} ms "
+        f"(C chain: {'yes' if out['native_hashing'] else 'no'}); linear read p50 "
         f"{out['baseline_linear_read']['p50_ms']:.3f} ms",
         flush=True,
     )

@@ -15,6 +15,13 @@ so anything that changes a digest bumps ``BLOCK_HASH_VERSION``.
 Hashes are hints: whoever finds a hash in its cache still verifies the block's
 tokens before reusing it. Nothing here uses Python's ``hash()``, which is salted
 per process.
+
+The chain runs in C (``engine/_block_hash.c``, built with the package) where it
+was built: the spec makes it sequential, and in Python each block costs four
+method calls around one BLAKE2b compression (about 0.4 ms of a routing decision
+for an 8k-token prompt; docs/performance.md, "Routing"). Without the extension
+(no C compiler at install) hashlib computes the same digests; the tests check
+that both agree with a literal reading of the spec.
 """
 
 from __future__ import annotations
@@ -24,10 +31,17 @@ import sys
 from array import array
 from collections.abc import Sequence
 
+try:
+    import engine._block_hash as _native
+except ImportError:  # installed without a C compiler: hashlib gives the same digests
+    _native = None
+
 BLOCK_HASH_VERSION = 1
 DIGEST_SIZE = 16
 ROOT_HASH = bytes(DIGEST_SIZE)
 MAX_TOKEN_ID = 2**32 - 1
+# Whether the C chain is built (the benchmarks record it).
+NATIVE_AVAILABLE = _native is not None
 _KEY_DOMAIN = b"pdserve/block-hash/v1"
 
 
@@ -59,15 +73,30 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
 class BlockHasher:
     """Computes the chained hashes of full blocks for one (model, salt, block size)."""
 
-    __slots__ = ("_base", "block_size")
+    __slots__ = ("_base", "_key", "_native", "block_size")
 
-    def __init__(self, model_id: str, block_size: int, cache_salt: str | None = None) -> None:
+    def __init__(
+        self,
+        model_id: str,
+        block_size: int,
+        cache_salt: str | None = None,
+        native: bool | None = None,
+    ) -> None:
+        """``native``: None uses the C chain where it is built; False always hashlib
+        (tests and benchmarks compare the two); True insists on the C chain."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if native and _native is None:
+            raise RuntimeError(
+                "engine._block_hash is not built (no C compiler at install?): "
+                "reinstall the package where one is available, or pass native=None"
+            )
         self.block_size = block_size
+        self._key = derive_key(model_id, cache_salt)
+        self._native = _native if native is not False else None
         # A keyed BLAKE2b object is set up once; copying it per block is much
         # cheaper than re-deriving the keyed state for every block.
-        self._base = hashlib.blake2b(key=derive_key(model_id, cache_salt), digest_size=DIGEST_SIZE)
+        self._base = hashlib.blake2b(key=self._key, digest_size=DIGEST_SIZE)
 
     def hash_blocks(
         self, token_ids: Sequence[int], parent: bytes = ROOT_HASH, start_block: int = 0
@@ -82,8 +111,12 @@ class BlockHasher:
         num_full = len(token_ids) // bs
         if start_block >= num_full:
             return []
+        if len(parent) != DIGEST_SIZE:
+            raise ValueError(f"parent must be a {DIGEST_SIZE}-byte block hash, got {len(parent)}")
         data = pack_tokens(token_ids[start_block * bs : num_full * bs])
         step = bs * 4
+        if self._native is not None:
+            return self._native.chain(self._key, parent, data, step)
         hashes: list[bytes] = []
         prev = parent
         base = self._base

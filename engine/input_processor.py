@@ -156,15 +156,14 @@ class InputProcessor:
                     "text prompts need a tokenizer; with skip_tokenizer_init=True pass token ids"
                 )
             ids = self.tokenizer.encode(text)
-        elif not isinstance(ids, list | tuple) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in ids
-        ):
+        elif not isinstance(ids, list | tuple) or not _all_ints(ids):
             raise ValueError("prompt_token_ids must be a list of integers")
         return text, list(ids), salt
 
     def _check_ids(self, name: str, ids: list[int] | tuple[int, ...]) -> None:
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
+        # min and max scan in C; the generator, 5x slower, only names the culprit.
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             raise ValueError(
                 f"{name} contains {bad}, outside the vocabulary [0, {self.vocab_size})"
             )
@@ -192,3 +191,13 @@ class InputProcessor:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True)")
         if p.stop_strings and not p.detokenize:
             raise ValueError("stop strings need detokenize=True")
+
+
+def _all_ints(ids: list | tuple) -> bool:
+    """Whether every id is an int and none a bool. The set of the ids' types is
+    built in C (an 8k-token prompt: about a tenth of the generator's time, which
+    the router paid on every request); only int subclasses other than bool need
+    the generator."""
+    if set(map(type, ids)) <= {int}:
+        return True
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in ids)

@@ -25,6 +25,14 @@ class ParsedRequest:
     block_hashes: list[bytes]
 
 
+@dataclass(slots=True)
+class Early:
+    """A prompt's token ids and block hashes, known before its checks (Frontend.early)."""
+
+    token_ids: list[int]
+    block_hashes: list[bytes]
+
+
 class Frontend:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -38,16 +46,42 @@ class Frontend:
         self.block_size = config.kvcache_block_size
         self._hashers = HasherCache(self.model_id, self.block_size)
 
-    def parse(self, request: pdserve_pb2.GenerateRequest) -> ParsedRequest:
-        """Raises ValueError naming the problem (-> INVALID_ARGUMENT)."""
+    def early(self, request: pdserve_pb2.GenerateRequest) -> Early | None:
+        """The prompt's token ids and block hashes before any check, where parse
+        will find the same ids: token ids, or text a tokenizer encodes, without
+        truncation. The router starts its routing read with them and checks the
+        request during the round trip. Never raises: a problem is parse's to
+        report, in parse's order (so a chat prompt, whose template can fail, waits)."""
+        if request.sampling.HasField("truncate_prompt_tokens"):
+            return None
+        which = request.WhichOneof("input")
+        try:
+            if which == "token_ids":
+                ids = list(request.token_ids.ids)
+            elif which == "prompt" and self.tokenizer is not None:
+                ids = self.tokenizer.encode(request.prompt)  # InputProcessor's own call
+            else:
+                return None
+            return Early(ids, self._hashers.get(request.cache_salt).hash_blocks(ids))
+        except Exception:
+            return None
+
+    def parse(
+        self, request: pdserve_pb2.GenerateRequest, early: Early | None = None
+    ) -> ParsedRequest:
+        """Raises ValueError naming the problem (-> INVALID_ARGUMENT). ``early``:
+        what ``early(request)`` gave, not computed again."""
         params = sampling_params_from_proto(request.sampling)
         which = request.WhichOneof("input")
         if which is None:
             raise ValueError("the request has no input: set prompt, token_ids or chat")
         if which == "prompt":
             prompt: dict = {"prompt": request.prompt}
+            if early is not None:
+                prompt["prompt_token_ids"] = early.token_ids
         elif which == "token_ids":
-            prompt = {"prompt_token_ids": list(request.token_ids.ids)}
+            ids = early.token_ids if early is not None else list(request.token_ids.ids)
+            prompt = {"prompt_token_ids": ids}
         else:
             prompt = self._chat_prompt(request.chat)
         if request.cache_salt:
@@ -55,12 +89,11 @@ class Frontend:
         processed = self.inputs.process(prompt, params)
         if request.sampling.HasField("max_tokens"):
             self._check_fits(len(processed.token_ids), params.max_tokens)
-        return ParsedRequest(
-            processed.token_ids,
-            params,
-            request.cache_salt,
-            self._hashers.get(request.cache_salt).hash_blocks(processed.token_ids),
-        )
+        if early is not None and processed.token_ids == early.token_ids:
+            hashes = early.block_hashes
+        else:
+            hashes = self._hashers.get(request.cache_salt).hash_blocks(processed.token_ids)
+        return ParsedRequest(processed.token_ids, params, request.cache_salt, hashes)
 
     def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
         """vLLM's rule: an explicit max_tokens must fit beside the prompt (unset,

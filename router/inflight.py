@@ -77,6 +77,8 @@ class InflightTracker:
 
     def loads(self, view: ClusterView) -> dict[str, LocalLoad]:
         """Per node: what this router has there, split at the node's last report."""
+        if not self._dispatches and not self._failed_at:
+            return {}  # nothing sent, nothing failed: the common case at low load
         now = self._clock()
         reported_at = {c.node.node_id: now - view.age_ms(c.node) / 1e3 for c in view.candidates}
         out: dict[str, LocalLoad] = {}

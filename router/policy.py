@@ -281,10 +281,14 @@ def choose_route(
     )
 
 
+# What this router has on a node it sent nothing: the cost functions only read it.
+_NOTHING_SENT = LocalLoad()
+
+
 def _cheapest(candidates, request, local, config, rng, cost_fn):
     scored = []
     for c in candidates:
-        terms = cost_fn(c, request, local.get(c.node.node_id) or LocalLoad(), config)
+        terms = cost_fn(c, request, local.get(c.node.node_id) or _NOTHING_SENT, config)
         scored.append((sum(terms.values()), rng.random(), c, terms))
     best = min(scored, key=lambda s: (s[0], s[1]))
     scores = [

@@ -21,6 +21,12 @@ concatenated, token ids and logprobs appended, the Final from the last.
 Why a watch task rather than a timeout on every read: a timed wait per message
 is a task, a timer and a future per token; the watch is one sleeping task per
 stream and a timestamp per message.
+
+The first message is read by the relay itself, and the reader task starts
+after it: through the task it took one more event-loop turn (the reader's
+wake-up, then the relay's) on its way to the client's first token. A stall
+before it is handled the same way: the watch cancels the call, which ends the
+pending read with CancelledError.
 """
 
 from __future__ import annotations
@@ -98,13 +104,26 @@ async def node_messages(
             if not await responsive():
                 stalled = True
                 call.cancel()
-                reader.cancel()
+                if reader is not None:
+                    reader.cancel()
                 return
             await asyncio.sleep(silence_s)
 
-    reader = asyncio.ensure_future(read())
+    reader: asyncio.Future | None = None
     watcher = asyncio.ensure_future(watch())
     try:
+        try:
+            first = await call.read()
+        except asyncio.CancelledError:
+            # The watch cancelled the call (and nobody cancelled us): the node stalled.
+            if stalled and not asyncio.current_task().cancelling():
+                raise _stalled(node_id) from None
+            raise
+        if first is grpc.aio.EOF:
+            return
+        last = loop.time()
+        yield first
+        reader = asyncio.ensure_future(read())
         while True:
             if not queued:
                 if ended:
@@ -119,17 +138,22 @@ async def node_messages(
                 queued.clear()
                 yield merge(batch)
         if stalled:
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.UNAVAILABLE,
-                grpc.aio.Metadata(),
-                grpc.aio.Metadata(),
-                details=f"decode node {node_id} stopped answering mid-request",
-            )
+            raise _stalled(node_id)
         if error is not None:
             raise error
     finally:
-        for task in (reader, watcher):
+        tasks = [t for t in (reader, watcher) if t is not None]
+        for task in tasks:
             task.cancel()
-        for task in (reader, watcher):
+        for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
+
+
+def _stalled(node_id: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details=f"decode node {node_id} stopped answering mid-request",
+    )

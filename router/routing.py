@@ -17,6 +17,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from common.cluster import Cluster, ClusterView, RouteCandidate
+from common.redis_script import Sent
 from router.frontend import ParsedRequest
 from router.inflight import InflightTracker
 from router.policy import (
@@ -74,12 +75,26 @@ class Routing:
             ),
         )
 
-    async def route(self, parsed: ParsedRequest, avoid: Collection[str] = ()) -> Routed:
+    def start_view(self, block_hashes: list[bytes]) -> Sent | None:
+        """The routing read of these hashes, written now where it can be (Redis up,
+        the routing connection open), so that the caller's work overlaps its
+        round trip: give it to ``route``. None: ``route`` reads as usual."""
+        if self.redis_down:
+            return None
+        try:
+            return self.cluster.start_view(block_hashes)
+        except Exception:  # whatever failed fails again in route, which handles it
+            return None
+
+    async def route(
+        self, parsed: ParsedRequest, avoid: Collection[str] = (), started: Sent | None = None
+    ) -> Routed:
         """Decide (one Redis round trip); raises NoRoute saying why there is none.
 
         ``avoid``: nodes that already failed this request (it is being retried).
+        ``started``: ``start_view(parsed.block_hashes)``'s read, if there is one.
         """
-        view = await self.view(parsed.block_hashes)
+        view = await self.view(parsed.block_hashes, started)
         request = self.route_request(parsed)
         loads = self.inflight.loads(view)
         for node_id in avoid:
@@ -91,12 +106,15 @@ class Routing:
     def redis_down(self) -> bool:
         return self._probe is not None and not self._probe.done()
 
-    async def view(self, block_hashes: list[bytes]) -> ClusterView:
+    async def view(self, block_hashes: list[bytes], started: Sent | None = None) -> ClusterView:
         """Redis's view, or while Redis is unreachable the last-known nodes
         (with no prefix hits: those are unknown) and a background probe."""
         if not self.redis_down:
             try:
-                view = await self.cluster.view(block_hashes)
+                if started is not None:
+                    view = await self.cluster.finish_view(started)
+                else:
+                    view = await self.cluster.view(block_hashes)
             except Exception as e:  # down, refusing, timing out: never hang a request on it
                 self.stats.redis_errors += 1
                 if self._last_view is None:

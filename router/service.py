@@ -86,8 +86,12 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         deadline = None if timeout_s is None else trace.start + timeout_s
         stats = self.routing.stats
         client_id = request.request_id or uuid.uuid4().hex
+        # The routing read goes out before the request is checked, where the
+        # prompt's hashes are known first: the checks run during its round trip.
+        early = self.frontend.early(request)
+        started = self.routing.start_view(early.block_hashes) if early is not None else None
         try:
-            parsed = self.frontend.parse(request)
+            parsed = self.frontend.parse(request, early)
         except ValueError as e:
             stats.requests_by_status[grpc.StatusCode.INVALID_ARGUMENT.name] += 1
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
@@ -109,8 +113,10 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
             while (attempt := attempt + 1) < self.routing.config.max_attempts:
                 if attempt:
                     stats.retries += 1
+                if started is not None and parsed.block_hashes is not early.block_hashes:
+                    started = None  # the checks changed the prompt: read it anew
                 try:
-                    routed = await self.routing.route(parsed, avoid)
+                    routed = await self.routing.route(parsed, avoid, started)
                 except NoRoute as no_route:  # no usable node, or Redis unreachable
                     if failure is not None:  # every node left failed: say how the last did
                         raise RequestFailed(
@@ -118,6 +124,7 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                         ) from None
                     status = grpc.StatusCode.UNAVAILABLE
                     raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(no_route)) from None
+                started = None  # one read per decision: retries read again
                 tried = _Attempt(
                     self, routed, parsed, request, client_id, deadline, trace, progress
                 )

@@ -19,7 +19,7 @@ import grpc
 import pytest
 import redis
 
-from common.cluster import DEFAULT_PREFIX
+from common.cluster import DEFAULT_PREFIX, NodeInfo
 from engine.block_hash import BlockHasher
 from engine.config import EngineConfig
 from pdserve.launcher import LocalCluster
@@ -125,14 +125,14 @@ def test_false_entries_break_neither_serving_nor_correctness(cluster, demo_model
     real = {
         k.decode(): v.decode() for k, v in client.hgetall(f"{DEFAULT_PREFIX}:node:decode-0").items()
     }
-    phantom = dict(
-        real,
-        node_id="phantom",
-        address=f"127.0.0.1:{free_port()}",  # nobody listens there
-        kv_blocks_free=real["kv_blocks_total"],
-        running="0",
-        waiting="0",
-    )
+    # Lies as a node tells them: every field, the packed route field too.
+    liar_info = NodeInfo.from_fields(real)
+    liar_info.running = liar_info.waiting = 0
+    liar_info.kv_blocks_free = liar_info.kv_blocks_total
+    zero_load = liar_info.to_fields()
+    liar_info.node_id = "phantom"
+    liar_info.address = f"127.0.0.1:{free_port()}"  # nobody listens there
+    phantom = liar_info.to_fields()
     # decode-0 claims every block of the token-id prompts (it holds none of them).
     hasher = BlockHasher(real["model_id"], int(real["block_size"]))
     lies = [h for ids in id_prompts for h in hasher.hash_blocks(ids)]
@@ -153,10 +153,7 @@ def test_false_entries_break_neither_serving_nor_correctness(cluster, demo_model
             pipe.hset(f"{DEFAULT_PREFIX}:node:phantom", mapping=phantom)
             pipe.sadd(f"{DEFAULT_PREFIX}:nodes", "phantom")
             # A zero-load report from a busy node, every 50 ms.
-            pipe.hset(
-                f"{DEFAULT_PREFIX}:node:decode-0",
-                mapping={"running": 0, "waiting": 0, "kv_blocks_free": real["kv_blocks_total"]},
-            )
+            pipe.hset(f"{DEFAULT_PREFIX}:node:decode-0", mapping=zero_load)
             pipe.sadd(f"{DEFAULT_PREFIX}:blocks:decode-0", *lies)
             pipe.sadd(f"{DEFAULT_PREFIX}:blocks:phantom", *bait)
             pipe.execute()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from common.cluster import Cluster, NodeInfo, NodeRole
+from common.route_script import ROUTE_FIELDS, ROUTE_KEY
 from engine.block_hash import hash_prompt_blocks
 from pdserve.redis_server import RedisServer
 
@@ -133,9 +135,10 @@ def test_restart_resets_the_block_set_and_deregister_removes_everything(redis_ur
     run(go())
 
 
-def test_node_info_round_trips_through_redis_fields():
-    info = node(
-        "x",
+def busy(node_id: str, **kw) -> NodeInfo:
+    """A decode node with every routing field away from its default."""
+    return node(
+        node_id,
         NodeRole.DECODE,
         running=3,
         waiting=2,
@@ -143,6 +146,74 @@ def test_node_info_round_trips_through_redis_fields():
         draining=True,
         transfer_host="10.0.0.1",
         transfer_port=29500,
+        tensor_parallel_size=2,
+        **kw,
     )
+
+
+def test_node_info_round_trips_through_redis_fields():
+    info = busy("x")
     back = NodeInfo.from_fields({k.encode(): v.encode() for k, v in info.to_fields().items()})
     assert back == info
+
+
+def routing_fields(info: NodeInfo) -> tuple:
+    return tuple(getattr(info, name) for name in ("node_id", *ROUTE_FIELDS))
+
+
+def test_the_routing_read_takes_the_packed_route_field(redis_url):
+    # The script reads `route` and `seen_ms` only; every routing field comes back.
+    async def go():
+        cluster = Cluster.from_url(redis_url, prefix="t8")
+        info = busy("d1", free=40, max_num_seqs=64)
+        info.model_id = 'a model \u00e9 "quoted"'
+        await cluster.heartbeat(info, reset_blocks=True)
+        raw = await cluster.redis.hget("t8:node:d1", ROUTE_KEY)
+        assert json.loads(raw)[0] == "decode"
+        (cand,) = await cluster.candidates([])
+        assert cand.node.seen_ms > 0
+        info.seen_ms = cand.node.seen_ms
+        assert routing_fields(cand.node) == routing_fields(info)
+        # Read again (the parsed route is reused) and after the node's load changed.
+        (again,) = await cluster.candidates([])
+        assert routing_fields(again.node) == routing_fields(info) and again.node is not cand.node
+        info.running, info.kv_blocks_free = 9, 11
+        await cluster.heartbeat(info)
+        (changed,) = await cluster.candidates([])
+        assert (changed.node.running, changed.node.kv_blocks_free) == (9, 11)
+        await cluster.close()
+
+    run(go())
+
+
+def test_a_node_hash_without_the_route_field_is_read_field_by_field(redis_url):
+    # Written by a node of an earlier version: a new router still routes to it.
+    async def go():
+        cluster = Cluster.from_url(redis_url, prefix="t9")
+        hashes = hash_prompt_blocks(list(range(160)), "m", 16)
+        info = node("p2", running=5, queued_prefill_tokens=12, tensor_parallel_size=4)
+        await cluster.heartbeat(info, stored=hashes[:4], reset_blocks=True)
+        await cluster.redis.hdel("t9:node:p2", ROUTE_KEY)
+        (cand,) = await cluster.candidates(hashes)
+        assert cand.hit_blocks == 4
+        info.seen_ms = cand.node.seen_ms
+        assert cand.node.seen_ms > 0
+        assert routing_fields(cand.node) == routing_fields(info)
+        await cluster.close()
+
+    run(go())
+
+
+def test_a_route_field_with_fewer_or_more_fields_keeps_defaults_or_ignores_the_rest():
+    # Fields are appended at the end of ROUTE_FIELDS: an older node packs fewer
+    # (the rest keep NodeInfo's defaults), a newer one more (ignored here).
+    full = json.loads(node("n", NodeRole.DECODE, running=4).route_value())
+    older = NodeInfo.from_route("n", [json.dumps(full[:5]).encode(), b"7"])
+    assert (older.role, older.block_size, older.running, older.seen_ms) == (
+        NodeRole.DECODE,
+        16,
+        0,
+        7,
+    )
+    newer = NodeInfo.from_route("n", [json.dumps([*full, 99, "x"]).encode(), None])
+    assert (newer.running, newer.seen_ms) == (4, 0)

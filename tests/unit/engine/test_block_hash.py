@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import random
+import shutil
 import struct
+import sysconfig
 
 import pytest
 
 from engine.block_hash import (
     BLOCK_HASH_VERSION,
+    NATIVE_AVAILABLE,
     ROOT_HASH,
     BlockHasher,
     derive_key,
@@ -32,26 +36,56 @@ def spec_hashes(tokens: list[int], model_id: str, block_size: int, salt: str | N
     return out
 
 
-def test_pinned_digests_of_spec_version_1():
+# The two implementations of the chain: the C extension and hashlib.
+IMPLEMENTATIONS = [pytest.param(True, id="c"), pytest.param(False, id="hashlib")]
+
+
+def test_the_c_chain_is_built_where_there_is_a_compiler():
+    # Without it the router's hashing is about twice as slow (docs/performance.md,
+    # "Routing"), silently: the install skips an extension it cannot compile.
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler ({compiler}) here: hashlib computes the chain")
+    assert NATIVE_AVAILABLE, "engine._block_hash is not built: rerun `make setup`"
+
+
+@pytest.mark.parametrize("native", IMPLEMENTATIONS)
+def test_pinned_digests_of_spec_version_1(native):
     # Changing any of these means router and nodes of different versions would
     # disagree: bump BLOCK_HASH_VERSION and the key domain together.
     assert BLOCK_HASH_VERSION == 1
-    hashes = hash_prompt_blocks(list(range(32)), "demo-model", 16)
+    hashes = BlockHasher("demo-model", 16, native=native).hash_blocks(list(range(32)))
     assert [h.hex() for h in hashes] == [
         "6de08888fb15dcdbfa6a769fd84687b9",
         "fbf0ddc097bbda69552e3601209017de",
     ]
-    salted = hash_prompt_blocks(list(range(32)), "demo-model", 16, "tenant-a")
+    salted = BlockHasher("demo-model", 16, "tenant-a", native=native).hash_blocks(range(32))
     assert salted[0].hex() == "7d923532d8af32b4d5f409738f93c7f0"
 
 
+@pytest.mark.parametrize("native", IMPLEMENTATIONS)
 @pytest.mark.parametrize("block_size", [1, 8, 16, 256])
 @pytest.mark.parametrize("salt", [None, "tenant-a"])
-def test_matches_literal_spec(block_size, salt):
+def test_matches_literal_spec(block_size, salt, native):
     tokens = [(i * 7919) % 50000 for i in range(1000)]
-    assert hash_prompt_blocks(tokens, "m", block_size, salt) == spec_hashes(
-        tokens, "m", block_size, salt
-    )
+    hasher = BlockHasher("m", block_size, salt, native=native)
+    assert hasher.hash_blocks(tokens) == spec_hashes(tokens, "m", block_size, salt)
+
+
+def test_c_and_hashlib_agree_on_every_shape():
+    # Messages of one to several BLAKE2b blocks (block sizes up to 300 tokens),
+    # ids over the whole uint32 range, any parent, long model ids and salts.
+    rng = random.Random(0)
+    for _ in range(300):
+        block_size = rng.choice([1, 2, 7, 16, 27, 28, 29, 32, 33, 64, 100, 300])
+        tokens = [rng.randrange(2**32) for _ in range(block_size * rng.randrange(0, 9) + 3)]
+        model = "m" * rng.randrange(1, 200)
+        salt = rng.choice([None, "", "t" * rng.randrange(1, 200)])
+        parent = rng.choice([ROOT_HASH, rng.randbytes(16)])
+        start = rng.randrange(0, 3)
+        hashers = [BlockHasher(model, block_size, salt, native=n) for n in (True, False)]
+        c, py = (h.hash_blocks(tokens, parent, start) for h in hashers)
+        assert c == py
 
 
 def test_only_full_blocks_are_hashed():
@@ -103,9 +137,12 @@ def test_bad_token_ids_raise_value_error(bad):
         pack_tokens(bad)
 
 
-def test_invalid_arguments():
+@pytest.mark.parametrize("native", IMPLEMENTATIONS)
+def test_invalid_arguments(native):
     with pytest.raises(ValueError, match="block_size"):
         BlockHasher("m", 0)
+    with pytest.raises(ValueError, match="parent must be a 16-byte block hash"):
+        BlockHasher("m", 4, native=native).hash_blocks(list(range(8)), parent=b"short")
     with pytest.raises(ValueError, match="model_id"):
         derive_key("")
 

@@ -42,20 +42,25 @@ def test_merge_keeps_order_per_index_and_takes_the_last_final():
 
 
 class FakeCall:
-    """The read side of a grpc.aio stream, fed by the test."""
+    """The read side of a grpc.aio stream, fed by the test. As a grpc.aio call
+    does, cancel() ends a pending read with CancelledError."""
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
 
     async def read(self):
+        if self.cancelled:
+            raise asyncio.CancelledError()
         item = await self.queue.get()
         if isinstance(item, BaseException):
             raise item
         return item
 
     def cancel(self) -> None:
-        self.cancelled = True
+        if not self.cancelled:
+            self.cancelled = True
+            self.queue.put_nowait(asyncio.CancelledError())
 
 
 async def alive() -> bool:
@@ -148,3 +153,39 @@ def test_the_calls_own_error_passes_through():
     seen, err = asyncio.run(go())
     assert err.code() == grpc.StatusCode.INTERNAL
     assert [list(m.deltas[0].token_ids) for m in seen] == [[1]]
+
+
+def test_a_node_that_stalls_after_its_first_message_fails_unavailable():
+    async def go():
+        call = FakeCall()
+
+        async def dead() -> bool:
+            return False
+
+        call.queue.put_nowait(message([1], "a"))
+        seen = []
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for m in node_messages(call, "d8", dead, silence_s=0.05):
+                seen.append(m)
+        return seen, info.value
+
+    seen, err = asyncio.run(go())
+    assert [list(m.deltas[0].token_ids) for m in seen] == [[1]]
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_caller_that_goes_away_before_the_first_message_is_cancelled_not_failed():
+    async def go():
+        call = FakeCall()
+
+        async def consume():
+            async for _ in node_messages(call, "d9", alive):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(go())

@@ -1,0 +1,119 @@
+"""What a routing decision asks Redis: the Lua script, the node fields it reads.
+
+One routing decision is one round trip: the script returns the server's clock
+and, for every live node, its routing fields and how many leading blocks of
+the request it holds.
+
+That count is found by galloping then binary search (about 2·log2(n) set
+lookups per node, not n). It is exact when a node's published set is
+prefix-closed -- every cached block's parent is cached too -- which the block
+manager guarantees: a hit touches every block before it, and freed blocks
+enter the LRU tail first, so a parent is never evicted before its child
+(tests/unit/test_block_manager.py checks this). A set with holes can only be
+credited with too long a hit; hashes are hints either way, and a node
+verifies a block's tokens before it reuses it.
+
+The routing fields are also written packed, as one JSON array in the hash's
+``route`` field (ROUTE_FIELDS order, less ``seen_ms``), and the script reads
+that one field and ``seen_ms`` instead of the 14 fields: each field read from
+Lua becomes a Lua string and then a reply entry, and with 16 nodes the 14-field
+read was most of the script's time on the server (docs/performance.md,
+"Routing"). A node hash without ``route`` (written by an earlier version) is
+read field by field, as before, so routers and nodes can be upgraded in any order.
+"""
+
+from __future__ import annotations
+
+from engine.block_hash import DIGEST_SIZE
+
+# Node fields the routing script returns, in this order (NodeInfo names).
+ROUTE_FIELDS = (
+    "role",
+    "address",
+    "model_id",
+    "block_size",
+    "transfer_host",
+    "transfer_port",
+    "kv_blocks_total",
+    "kv_blocks_free",
+    "running",
+    "waiting",
+    "queued_prefill_tokens",
+    "max_num_seqs",
+    "draining",
+    "seen_ms",
+    "tensor_parallel_size",
+)
+# The hash field holding PACKED_FIELDS as a JSON array, in that order: every
+# routing field but seen_ms, which the server's clock writes by itself. A reader
+# takes as many as it knows and the writer's node gave (missing ones keep their
+# defaults), so new fields go at the end of ROUTE_FIELDS.
+ROUTE_KEY = "route"
+PACKED_FIELDS = tuple(f for f in ROUTE_FIELDS if f != "seen_ms")
+
+# ARGV[1]: the key prefix; ARGV[2]: the request's block hashes, concatenated
+# (16 bytes each). One argument rather than one per block: encoding hundreds of
+# arguments cost the client more than the whole script costs the server.
+ROUTE_SCRIPT = """
+local t = redis.call('TIME')
+local out = {t[1] * 1000 + math.floor(t[2] / 1000)}
+local ids = redis.call('SMEMBERS', KEYS[1])
+local drained = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do drained[id] = 1 end
+local prefix = ARGV[1]
+local hashes = ARGV[2]
+local n = math.floor(#hashes / DIGEST)
+local function block(i) return string.sub(hashes, (i - 1) * DIGEST + 1, i * DIGEST) end
+for _, id in ipairs(ids) do
+  local node = prefix .. ':node:' .. id
+  local values = redis.call('HMGET', node, 'ROUTE_KEY', 'seen_ms')
+  if not values[1] then  -- a node of an earlier version, or an expired one
+    values = redis.call('HMGET', node, FIELDS)
+  end
+  if not values[1] then
+    redis.call('SREM', KEYS[1], id)
+  else
+    local key = prefix .. ':blocks:' .. id
+    local hit = 0
+    if n > 0 and redis.call('SISMEMBER', key, block(1)) == 1 then
+      -- blocks 1..lo are held; hi is the first block known to be missing.
+      local lo, hi, step = 1, n + 1, 1
+      while lo + step <= n do
+        if redis.call('SISMEMBER', key, block(lo + step)) == 1 then
+          lo = lo + step
+          step = step * 2
+        else
+          hi = lo + step
+          break
+        end
+      end
+      while hi - lo > 1 do
+        local mid = math.floor((lo + hi) / 2)
+        if redis.call('SISMEMBER', key, block(mid)) == 1 then lo = mid else hi = mid end
+      end
+      hit = lo
+    end
+    out[#out + 1] = id
+    out[#out + 1] = values
+    out[#out + 1] = hit
+    out[#out + 1] = drained[id] or 0
+  end
+end
+return out
+"""
+ROUTE_SCRIPT = (
+    ROUTE_SCRIPT.replace("ROUTE_KEY", ROUTE_KEY)
+    .replace("FIELDS", ", ".join(f"'{f}'" for f in ROUTE_FIELDS))
+    .replace("DIGEST", str(DIGEST_SIZE))
+)
+
+# Stamps a heartbeat with the Redis server's clock, so that every router reads
+# node ages on one clock whatever the skew between hosts.
+STAMP_SCRIPT = """
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], 'seen_ms', t[1] * 1000 + math.floor(t[2] / 1000))
+"""
+# A routing decision looks up at most this many leading blocks (64k tokens at
+# block size 16), which bounds the script's arguments; a longer common prefix
+# still hits on the node, which matches every block itself.
+MAX_ROUTED_BLOCKS = 4096

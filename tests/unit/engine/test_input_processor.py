@@ -1,0 +1,52 @@
+"""Token-id prompts are checked exactly as before the fast paths (engine/input_processor.py)."""
+
+from __future__ import annotations
+
+import enum
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.input_processor import InputProcessor
+from engine.models.shapes import write_shape_dir
+from engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def processor(tmp_path_factory):
+    model = write_shape_dir("smollm2-135m", tmp_path_factory.mktemp("model") / "m")
+    config = EngineConfig(model=str(model), skip_tokenizer_init=True, max_model_len=512)
+    return InputProcessor(config, None, frozenset({0}))
+
+
+class Token(enum.IntEnum):
+    A = 7
+
+
+def process(processor, ids, **params):
+    return processor.process({"prompt_token_ids": ids}, SamplingParams(**params))
+
+
+def test_plain_and_subclassed_ints_pass(processor):
+    assert process(processor, [1, 2, 3]).token_ids == [1, 2, 3]
+    assert process(processor, (4, Token.A)).token_ids == [4, 7]
+    last = processor.vocab_size - 1
+    assert process(processor, [0, last]).token_ids == [0, last]
+
+
+@pytest.mark.parametrize("ids", [[1, True], [1, 2.0], [1, "2"], [1, None], "12"])
+def test_anything_but_ints_is_refused(processor, ids):
+    with pytest.raises(ValueError, match="prompt_token_ids must be a list of integers"):
+        process(processor, ids)
+
+
+@pytest.mark.parametrize("bad", [-1, "vocab", "far"])
+def test_the_first_id_outside_the_vocabulary_is_named(processor, bad):
+    value = {"vocab": processor.vocab_size, "far": 10**12}.get(bad, bad)
+    with pytest.raises(ValueError, match=rf"prompt_token_ids contains {value}, outside"):
+        process(processor, [5, value, -7, 6])
+
+
+def test_sampling_ids_are_checked_against_the_vocabulary(processor):
+    with pytest.raises(ValueError, match=f"stop_token_ids contains {processor.vocab_size}"):
+        process(processor, [1, 2], stop_token_ids=[3, processor.vocab_size])
