@@ -4,7 +4,10 @@ decode node over gRPC, and the router in front, on the same engine config.
     python benchmarks/serve_path.py --torch-threads 1 --out benchmarks/results   # CPU, tiny shape
     python benchmarks/serve_path.py --shape llama-3.1-8b --groups 8 --prompts-per-group 32 \\
         --system-len 2048 --question-len 128 --output-len 128 --request-rate 8 16 \\
-        --num-prompts 128 --engine-args '--num-kvcache-blocks 8192' --out $OUT           # GPU
+        --num-prompts 96 --warmup-rounds 1 --engine-args '--num-kvcache-blocks 8192' --out $OUT
+
+(On a GPU both engines share it: a fixed --num-kvcache-blocks keeps either from
+sizing its KV cache from what the other left free.)
 
 The same shared-prefix workload (``pdserve bench serve``'s dataset: G groups x P
 prompts sharing a system prompt, ignore_eos) at a Poisson rate, three ways,
@@ -46,6 +49,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -77,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, nargs="+", default=[8.0])
     p.add_argument("--num-prompts", type=int, default=64, help="per sweep")
     p.add_argument("--rounds", type=int, default=2, help="sweeps of each mode and rate")
+    p.add_argument("--warmup-rounds", type=int, default=0, help="rounds first, not summarized")
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--prompts-per-group", type=int, default=16)
     p.add_argument("--system-len", type=int, default=512)
@@ -95,11 +100,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------ clients
-def _first(rec: dict[str, float], responses_tokens: int) -> None:
-    if responses_tokens and "first" not in rec:
-        rec["first"] = time.monotonic()
-
-
 async def via_engine(thread, rid: str, prompt: list[int], output_len: int, rec) -> None:
     from engine.engine_thread import RequestStream
     from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -134,7 +134,8 @@ async def via_grpc(call, rec) -> None:
     rec["sent"] = time.monotonic()
     async for response in call:
         new = sum(len(d.token_ids) for d in response.deltas)
-        _first(rec, new)
+        if new and "first" not in rec:
+            rec["first"] = time.monotonic()
         rec["tokens"] = rec.get("tokens", 0) + new
     rec["end"] = time.monotonic()
 
@@ -312,6 +313,13 @@ async def run(args, model_dir: Path, logs: Path) -> list[dict[str, Any]]:
     local_lags: list[tuple[float, list[float]]] = []  # the engine mode's GIL probe
     targets: dict[str, Target] = {}
     try:
+        if {"node", "router"} & set(args.modes):  # starts while this process loads its engine
+            env = {"OMP_NUM_THREADS": str(args.torch_threads)} if args.torch_threads else {}
+            if args.switch_interval_ms is not None:
+                env["SERVE_PATH_SWITCH_INTERVAL_MS"] = str(args.switch_interval_ms)
+            cluster = Cluster(model_dir, flags, logs, env)
+            for mode, port in (("node", cluster.node_port), ("router", cluster.router_port)):
+                targets[mode] = Target(mode, args.output_len, address=f"127.0.0.1:{port}")
         if "engine" in args.modes:
             if args.torch_threads:
                 import torch
@@ -321,25 +329,19 @@ async def run(args, model_dir: Path, logs: Path) -> list[dict[str, Any]]:
             thread = EngineThread(llm.llm_engine, name="engine-bench").start()
             targets["engine"] = Target("engine", args.output_len, thread=thread)
             GilProbe(lambda lags: local_lags.append((time.monotonic(), lags)))
-        if {"node", "router"} & set(args.modes):
-            env = {"OMP_NUM_THREADS": str(args.torch_threads)} if args.torch_threads else {}
-            if args.switch_interval_ms is not None:
-                env["SERVE_PATH_SWITCH_INTERVAL_MS"] = str(args.switch_interval_ms)
-            cluster = Cluster(model_dir, flags, logs, env)
-            for mode, port in (("node", cluster.node_port), ("router", cluster.router_port)):
-                targets[mode] = Target(mode, args.output_len, address=f"127.0.0.1:{port}")
+        if cluster is not None:
             ready = targets["router"]
             await cluster.wait_ready(
                 lambda: ready.start("ready", [1, 2, 3], {}), args.start_timeout
             )
         sweeps: list[dict[str, Any]] = []
         k = 0
-        for rnd in range(args.rounds):
+        for rnd in range(args.warmup_rounds + args.rounds):
             for rate in args.request_rate:
                 for mode in args.modes:
                     native = thread._thread if thread is not None else None
                     s = await one_sweep(args, mode, targets, cluster, native, local_lags, k, rate)
-                    sweeps.append({"round": rnd, **s})
+                    sweeps.append({"round": rnd, "warmup": rnd < args.warmup_rounds, **s})
                     print(f"round {rnd} rate {rate:g} {line(mode, s)}", flush=True)
                     k += 1
         return sweeps
@@ -352,6 +354,34 @@ async def run(args, model_dir: Path, logs: Path) -> list[dict[str, Any]]:
             cluster.stop()
 
 
+def summarize_rounds(args, sweeps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per rate and mode: TTFT p50 of each round, and the median over rounds of
+    the TTFT's and each hop's p50 (a hop's p50s do not add up; their means do)."""
+    summary: dict[str, Any] = {}
+    for rate in args.request_rate:
+        for mode in args.modes:
+            mine = [s for s in sweeps if s["mode"] == mode and s["request_rate"] == rate]
+            if not mine:
+                continue
+            p50s = [s["ttft_ms"]["p50_ms"] for s in mine]
+            hops = {
+                name: median([s["hops_ms"][name]["p50_ms"] for s in mine if name in s["hops_ms"]])
+                for name, _, _ in HOPS
+                if name in mine[0]["hops_ms"]
+            }
+            summary[f"{mode}@{rate:g}"] = {
+                "ttft_p50_ms_per_round": p50s,
+                "ttft_p50_ms_median": median(p50s),
+                "hop_p50_ms_median": hops,
+            }
+            print(
+                f"{mode:6s} @ {rate:g} req/s: TTFT p50 per round "
+                f"{', '.join(f'{x:.1f}' for x in p50s)}; median hop p50s "
+                + ", ".join(f"{k} {v:.2f}" for k, v in hops.items())
+            )
+    return summary
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.switch_interval_ms is not None:
@@ -361,15 +391,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         logs = args.out / "serve_path_logs" if args.out else Path(tmp) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         sweeps = asyncio.run(run(args, model_dir, logs))
-    summary = {}
-    for rate in args.request_rate:
-        for mode in args.modes:
-            mine = [s for s in sweeps if s["mode"] == mode and s["request_rate"] == rate]
-            p50s = [s["ttft_ms"]["p50_ms"] for s in mine]
-            summary[f"{mode}@{rate:g}"] = {"ttft_p50_ms_per_round": p50s}
-            print(
-                f"{mode:6s} @ {rate:g} req/s: TTFT p50 per round {', '.join(f'{x:.1f}' for x in p50s)}"
-            )
+    summary = summarize_rounds(args, [s for s in sweeps if not s["warmup"]])
     params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     results = {"sweeps": sweeps, "summary": summary}
     record = {"environment": environment(), "parameters": params, "results": results}
