@@ -145,8 +145,12 @@ def cpu_seconds(pid: int, tid: int = 0) -> float:
 
 def runq_seconds(pid: int, tid: int) -> float:
     """How long a thread was ready to run but waited for a CPU (not for the GIL:
-    a thread waiting for the GIL sleeps), from /proc's schedstat."""
-    return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1]) / 1e9
+    a thread waiting for the GIL sleeps), from /proc's schedstat (0 where the
+    kernel keeps none)."""
+    try:
+        return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 class Cluster:
@@ -171,7 +175,10 @@ class Cluster:
         self.router = self._spawn("router", router, env)
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        env = os.environ | {"PYTHONPATH": str(ROOT)} | env
+        # This tree first, and whatever else the caller's PYTHONPATH holds (a GPU
+        # host's extra packages).
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = os.environ | {"PYTHONPATH": path} | env
         log = (self.logs / f"{name}.log").open("w")
         proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log, stderr=log)
         self.procs.append(proc)
