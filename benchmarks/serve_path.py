@@ -26,14 +26,16 @@ thread), handoff (to the engine thread adding it), queued (to first
 scheduled), computed (to the first token read on the host), to_loop (the rest
 of that engine step, until the output is handed to the loop), loop (the loop
 picking it up and building the message) and to_client (to the client reading
-it); ``write`` is how long gRPC took to report that message written. Every
-process is on one host, so ``time.monotonic()`` is one clock. Means add up to
-the TTFT's mean; p50s are listed too. Per sweep also: the CPU time per
-streamed token of the node's loop thread, its engine thread, the node and the
-router processes, and how long those two threads waited for a CPU (from /proc), and a GIL probe's lag (a thread in the node,
-and one in this process for the engine mode, sleeping 2 ms at a time: how late
-it wakes, p50/p90 in us) -- how long a thread that wakes up waits for the GIL.
-Each sweep first warms every group's system prompt into the prefix cache (not
+it); their means add up to the TTFT's mean. Besides: write (how long gRPC took
+to report that message written), and the serving path's two spans, way_in
+(send to added) and way_out (first token read to the client). Every process
+is on one host, so ``time.monotonic()`` is one clock. Per sweep also: the CPU
+time per streamed token of the node's loop thread, its engine thread, the
+node and the router processes, how long those two threads waited for a CPU
+(from /proc), and a GIL probe's lag (a thread in the node, and one in this
+process for the engine mode, sleeping 2 ms at a time: how late it wakes,
+p50/p90 in us), i.e. how long a thread that wakes up waits for the GIL. Each
+sweep first warms every group's system prompt into the prefix cache (not
 counted). A JSON record goes to ``--out``.
 """
 
@@ -71,6 +73,10 @@ HOPS = (
     ("loop", "sink", "yielded"),
     ("to_client", "yielded", "first"),
     ("write", "yielded", "written"),
+    # The serving path's share as two spans: in, to the engine thread adding the
+    # request; out, from the first token read on the host to the client.
+    ("way_in", "sent", "added"),
+    ("way_out", "first_token", "first"),
 )
 
 
