@@ -5,6 +5,9 @@ thread. Other threads hand it work with ``call(fn)`` (``fn(engine)`` runs
 between two steps; its result or exception comes back through a Future) and
 receive outputs through per-request sinks, called on this thread after each
 step. ``RequestStream`` turns a sink into an async iterator on the caller's loop.
+
+A step's outputs go to their streams with one wake-up per asyncio loop (not
+one per request), requests' first outputs first: see ``_deliver``.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
 from engine.engine_stats import EngineStats
@@ -38,6 +43,8 @@ class EngineThread:
             queue.SimpleQueue()
         )
         self._sinks: dict[str, Sink] = {}
+        # Requests attached that have had no output yet: their next one goes first.
+        self._fresh: set[str] = set()
         # Called on the engine thread after every step with that step's outputs.
         self.after_step: list[Callable[[list[RequestOutput]], None]] = []
         self.stats: EngineStats = engine.stats()
@@ -73,16 +80,21 @@ class EngineThread:
 
         def attach_and_add(engine: LLMEngine) -> T:
             self._sinks[request_id] = sink
+            self._fresh.add(request_id)
             try:
                 return fn(engine)
             except BaseException:
-                self._sinks.pop(request_id, None)
+                self._drop_sink(request_id)
                 raise
 
         return self.call(attach_and_add)
 
     def detach(self, request_id: str) -> None:
-        self.call(lambda _: self._sinks.pop(request_id, None))
+        self.call(lambda _: self._drop_sink(request_id))
+
+    def _drop_sink(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
+        self._fresh.discard(request_id)
 
     # ---------------------------------------------------------------- loop
     def _run(self) -> None:
@@ -96,22 +108,37 @@ class EngineThread:
             except BaseException as e:  # the engine's state is unknown: stop serving
                 logger.exception("engine step failed; the node stops serving")
                 self.error = e
-                for sink in self._sinks.values():
-                    sink(EngineDead(f"engine step failed: {e}"))
+                with one_wake_per_loop():
+                    for sink in self._sinks.values():
+                        sink(EngineDead(f"engine step failed: {e}"))
                 self._sinks.clear()
+                self._fresh.clear()
                 return
-            for out in outputs:
-                sink = self._sinks.get(out.request_id)
-                if sink is not None:
-                    if out.finished:
-                        del self._sinks[out.request_id]
-                    sink(out)
+            self._deliver(outputs)
             for hook in self.after_step:
                 try:
                     hook(outputs)
                 except Exception:
                     logger.exception("after-step hook failed")
             self.stats = engine.stats()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their sinks. Requests' first outputs go first:
+        each is a time to first token, while the rest of the batch can wait the
+        little the loop takes to turn the first ones into messages (it handles
+        them in the order they come). Streams on one loop are woken once."""
+        fresh = self._fresh
+        if fresh:
+            outputs = sorted(outputs, key=lambda out: out.request_id not in fresh)
+        with one_wake_per_loop():
+            for out in outputs:
+                sink = self._sinks.get(out.request_id)
+                if sink is None:
+                    continue
+                fresh.discard(out.request_id)
+                if out.finished:
+                    del self._sinks[out.request_id]
+                sink(out)
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -132,15 +159,86 @@ class EngineThread:
         self.stats = self.engine.stats()
 
 
+class _Mailbox:
+    """Items for the streams of one asyncio loop, handed over with one wake-up
+    for as many as arrive before the loop takes them. A wake-up is a syscall on
+    the sending thread and a point where it lets go of the GIL, which the loop
+    (woken by it) may then keep while the engine thread waits."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: list[tuple[asyncio.Queue, Any]] = []
+        self._wake_pending = False
+        self._lock = threading.Lock()
+
+    def put(self, stream_queue: asyncio.Queue, item: Any) -> None:
+        with self._lock:
+            self._items.append((stream_queue, item))
+            if self._wake_pending:
+                return  # the loop has not taken the items before this one yet
+            self._wake_pending = True
+        deferred = getattr(_handing_over, "mailboxes", None)
+        if deferred is not None:
+            deferred.append(self)
+        else:
+            self.wake()
+
+    def wake(self) -> None:
+        # A closed loop raises RuntimeError: nobody reads its streams any more.
+        with suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self._take)
+
+    def _take(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._wake_pending = False
+        for stream_queue, item in items:
+            stream_queue.put_nowait(item)
+
+
+# The mailboxes a thread filled inside ``one_wake_per_loop``, woken at its end.
+_handing_over = threading.local()
+# One mailbox per loop, made by the first stream on it (loops are few and live long).
+_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = (
+    weakref.WeakKeyDictionary()
+)
+_mailboxes_lock = threading.Lock()
+
+
+@contextmanager
+def one_wake_per_loop() -> Iterator[None]:
+    """Streams' items put inside this block wake their loop once, when it ends."""
+    if getattr(_handing_over, "mailboxes", None) is not None:
+        yield  # nested: the outer block wakes
+        return
+    _handing_over.mailboxes = deferred = []
+    try:
+        yield
+    finally:
+        _handing_over.mailboxes = None
+        for mailbox in deferred:
+            mailbox.wake()
+
+
+def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
+    with _mailboxes_lock:
+        mailbox = _mailboxes.get(loop)
+        if mailbox is None:
+            mailbox = _mailboxes[loop] = _Mailbox(loop)
+        return mailbox
+
+
 class RequestStream:
     """Outputs of one request, delivered from the engine thread to an asyncio loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.loop = loop or asyncio.get_running_loop()
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._mailbox = _mailbox(self.loop)
 
     def sink(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        """From any thread; items keep their order."""
+        self._mailbox.put(self.queue, item)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while True:

@@ -1,0 +1,123 @@
+"""EngineThread's hand-off of outputs to asyncio loops: one wake-up per loop and
+step, items in order, and requests' first outputs ahead of the rest of a step."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from engine.engine_thread import EngineThread, RequestStream, one_wake_per_loop
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    from engine import LLM
+    from engine.models.shapes import write_shape_dir
+
+    model_dir = write_shape_dir("tiny", tmp_path_factory.mktemp("tiny"))
+    llm = LLM(
+        str(model_dir),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        device="cpu",
+        max_model_len=256,
+        async_scheduling=True,
+    )
+    return llm.llm_engine
+
+
+def from_thread(fn) -> None:
+    t = threading.Thread(target=fn)
+    t.start()
+    t.join()
+
+
+def test_items_put_in_one_hand_off_arrive_together():
+    async def main():
+        streams = [RequestStream() for _ in range(8)]
+
+        def hand_off():
+            with one_wake_per_loop():
+                for i, stream in enumerate(streams):
+                    stream.sink(i)
+
+        from_thread(hand_off)
+        first = await streams[0].queue.get()
+        # One wake-up delivered all of them: the others are there already.
+        return first, [s.queue.qsize() for s in streams[1:]]
+
+    first, sizes = asyncio.run(main())
+    assert first == 0
+    assert sizes == [1] * 7
+
+
+def test_items_keep_their_order_and_errors_reach_the_reader():
+    async def main():
+        stream = RequestStream()
+
+        def produce():
+            for i in range(200):
+                if i % 50 == 0:
+                    with one_wake_per_loop():
+                        stream.sink(i)
+                else:
+                    stream.sink(i)
+            stream.sink(ValueError("boom"))
+
+        from_thread(produce)
+        got = [await stream.queue.get() for _ in range(201)]
+        return got
+
+    got = asyncio.run(main())
+    assert got[:200] == list(range(200))
+    assert isinstance(got[200], ValueError)
+
+
+def test_a_closed_loop_does_not_fail_the_sender():
+    loops = [asyncio.new_event_loop() for _ in range(2)]
+    streams = [RequestStream(loop) for loop in loops]
+    for loop in loops:
+        loop.close()
+    streams[0].sink("late")  # nobody reads it any more
+    with one_wake_per_loop():
+        streams[1].sink("late too")
+
+
+def test_first_outputs_are_handed_over_before_the_rest_of_their_step(tiny_engine):
+    thread = EngineThread(tiny_engine, name="engine-test").start()
+    order: list[str] = []  # request ids in hand-off order; "|" ends a step
+    lock = threading.Lock()
+
+    def sink_for(rid: str):
+        def sink(out) -> None:
+            if getattr(out, "outputs", None) and out.outputs[0].token_ids:
+                with lock:
+                    order.append(rid)
+
+        return sink
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=n, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA
+        )
+
+    thread.after_step.append(lambda outputs: order.append("|"))
+    try:
+        # "old" decodes for a while; "new" arrives while it does.
+        thread.add("old", sink_for("old"), lambda e: e.add_request("old", [1, 2, 3], params(40)))
+        while "old" not in order:
+            threading.Event().wait(0.001)
+        thread.add("new", sink_for("new"), lambda e: e.add_request("new", [4, 5, 6], params(4)))
+        while order.count("new") < 4:
+            threading.Event().wait(0.001)
+    finally:
+        thread.stop()
+    steps = "".join(x if x == "|" else x[0] for x in order).split("|")
+    first_new = next(s for s in steps if "n" in s)
+    assert first_new.startswith("n"), steps  # ahead of "old" in its step
+    # Later steps keep the engine's own order (nothing is fresh any more).
+    later = [s for s in steps[steps.index(first_new) + 1 :] if len(s) == 2]
+    assert later and all(s == "on" for s in later), steps
