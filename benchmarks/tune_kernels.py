@@ -1,11 +1,15 @@
 """Sweep launch configurations of our Triton attention kernels on this GPU.
 
     python benchmarks/tune_kernels.py
+    python benchmarks/tune_kernels.py --part short-prefill
 
 Prints the time of each configuration for a few representative shapes
 (Llama-3.1-8B's and Qwen3-0.6B's attention heads) and the best one per kernel
 over all shapes (geometric mean); the defaults in triton_kernels.py come from
-this sweep.
+this sweep. ``--part short-prefill`` sweeps the prefill kernel on what a
+serving step carries when requests arrive: a few prompts of 16 to 512 new
+tokens each on a cached prefix (``--prefix-len``), against the configuration
+triton_kernels.py picks for them today.
 """
 
 from __future__ import annotations
@@ -28,7 +32,11 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out-dir", type=Path)
+    parser.add_argument("--part", choices=["all", "short-prefill"], default="all")
+    parser.add_argument("--prefix-len", type=int, default=2048)
     args = parser.parse_args(argv)
+    if args.part == "short-prefill":
+        return short_prefill(args, argv)
 
     from engine.layers.attention import triton_decode as td
     from engine.layers.attention import triton_kernels as tk
@@ -96,6 +104,54 @@ def main(argv=None):
         record,
         command_line("tune_kernels.py", argv),
         args.out_dir,
+    )
+    print(f"record: {path}")
+
+
+def short_prefill(args, argv) -> None:
+    """Each (prompts, new tokens) case: every configuration's time and the default's."""
+    import torch
+
+    from engine.layers.attention import triton_kernels as tk
+
+    cases = [(1, 16), (1, 32), (1, 64), (1, 128), (1, 256), (1, 512), (4, 128), (4, 512)]
+    configs = [
+        {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
+        for m, n, w, st in itertools.product((16, 32, 64), (32, 64, 128), (2, 4, 8), (1, 2, 3))
+    ]
+    results = {}
+    for seqs, new in cases:
+        ctx = args.prefix_len + new
+        k, v, tables = make_cache(torch, seqs, ctx, 16, 8)
+        q = torch.randn(seqs * new, 32, 128, dtype=torch.bfloat16, device="cuda")
+        qsl = torch.arange(0, (seqs + 1) * new, new, dtype=torch.int32, device="cuda")
+        lens = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
+        out = torch.empty_like(q)
+
+        def run(cfg=None):
+            tk.prefill_attention(q, k, v, out, tables, qsl, lens, new, 0.088, config=cfg)
+
+        default = cuda_time_ms(run, iters=50)
+        times = {}
+        for cfg in configs:
+            try:
+                times[str(cfg)] = cuda_time_ms(lambda cfg=cfg: run(cfg), iters=50)
+            except Exception as e:  # out of shared memory, etc.
+                print(f"  {cfg}: {type(e).__name__}")
+        best = min(times, key=times.get)
+        results[f"{seqs}x{new}"] = {"default_ms": default, "times": times, "best": best}
+        print(
+            f"{seqs} x {new:3d} new on {args.prefix_len} cached: default {default * 1e3:7.1f} us, "
+            f"best {times[best] * 1e3:7.1f} us ({default / times[best]:.2f}x) {best}",
+            flush=True,
+        )
+    record = {
+        "environment": environment(),
+        "parameters": {"part": "short-prefill", "prefix_len": args.prefix_len, "cases": cases},
+        "results": results,
+    }
+    path, _ = write_record(
+        "tune_kernels", record, command_line("tune_kernels.py", argv), args.out_dir
     )
     print(f"record: {path}")
 
