@@ -22,6 +22,7 @@ def interpreter_enabled() -> bool:
 class TritonAttention(AttentionBackend):
     name = AttentionBackendName.TRITON
     supports_cuda_graphs = True
+    accepts_out = True
 
     def __init__(self, num_heads, num_kv_heads, head_dim, scale, block_size) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
@@ -55,12 +56,21 @@ class TritonAttention(AttentionBackend):
         )
 
     def forward(
-        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, kv_stored: bool = False
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        kv_stored: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kern = self._kernels
         if not kv_stored:
             kern.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         # Decode rows (one query token each) lead the batch: the split-K decode
         # kernel serves them, the prefill kernel only the rows after them.
         d = meta.num_seqs if meta.is_decode_only else meta.num_decode_seqs
