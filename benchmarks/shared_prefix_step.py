@@ -202,7 +202,7 @@ def run(args) -> list[dict[str, Any]]:
                     ms = cuda_time_ms(fn, warmup=3, iters=args.iters)
                     host = host_ms(fn)
                     prof = kernel_table(fn) if batch == args.profile_batch else None
-                    py = host_profile(fn) if prof is not None and not graph else None
+                    py = host_profile(fn) if prof is not None and graph is not True else None
                 row = {
                     "batch": batch,
                     "case": name,
