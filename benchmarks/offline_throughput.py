@@ -60,6 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-fused-ops", action="store_true", help="plain torch RMSNorm/SiLU/RoPE")
+    p.add_argument(
+        "--piecewise-cuda-graphs",
+        action="store_true",
+        help="steps with prefill rows through piecewise CUDA graphs (engine/piecewise_graphs.py)",
+    )
     p.add_argument("--hf-baseline", action="store_true", help="also run HF transformers generate")
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument(
@@ -119,6 +124,7 @@ def run_pdserve(model_dir: Path, args, prompts, out_lens) -> dict[str, Any]:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         fused_ops=not args.no_fused_ops,
+        piecewise_cuda_graphs=args.piecewise_cuda_graphs,
         seed=args.seed,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
     )

@@ -16,7 +16,10 @@ is made of, one variable at a time, on one ModelRunner:
 - ``decode shared eager``: the shuffled batch without the CUDA graph;
 - ``mixed``: the shuffled batch plus one new request's prefill of
   ``--question-len`` tokens whose first ``--system-len`` are cached (what every
-  step carries when a request arrives per step); always eager.
+  step carries when a request arrives per step); always eager;
+- ``mixed piecewise`` (with ``--piecewise``): the same step through the
+  piecewise CUDA graphs (engine/piecewise_graphs.py), attention eager between
+  the pieces, with its largest deviation from the eager step's hidden states.
 
 Each: median wall time per step over CUDA events, the host's own time to
 enqueue the step (no device wait), and for ``--profile-batch`` a kernel table
@@ -130,7 +133,7 @@ def host_profile(fn, steps: int = 10, top: int = 25) -> list[dict[str, Any]]:
     return rows[:top]
 
 
-def step_fn(runner, inputs, batch_rows: int, use_graph: bool):
+def step_fn(runner, inputs, batch_rows: int, use_graph: bool | str):
     from engine.layers.sampler import SamplingRow
     from engine.sampling_params import SamplingParams
 
@@ -138,7 +141,9 @@ def step_fn(runner, inputs, batch_rows: int, use_graph: bool):
     last = inputs.meta.query_start_loc[1:].long() - 1
 
     def step():
-        if use_graph and runner.graphs is not None and runner.graphs.can_run(inputs):
+        if use_graph == "piecewise":
+            hidden = runner.piecewise.run(inputs)[last]
+        elif use_graph and runner.graphs is not None and runner.graphs.can_run(inputs):
             hidden = runner.graphs.run(inputs)
         else:
             hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)[last]
@@ -183,13 +188,21 @@ def run(args) -> list[dict[str, Any]]:
                 tables + [new_table],
             )
             cases.append(("mixed", mixed, batch + 1, False))
+            deviation = None
+            if args.piecewise:
+                assert runner.piecewise is not None and runner.piecewise.can_run(mixed)
+                cases.append(("mixed piecewise", mixed, batch + 1, "piecewise"))
+                with torch.inference_mode():
+                    eager = runner.model(mixed.input_ids, mixed.positions, mixed.meta).float()
+                    pw = runner.piecewise.run(mixed).float()
+                    deviation = ((pw - eager).abs().max() / eager.abs().max()).item()
             for name, inp, nrows, graph in cases:
                 fn = step_fn(runner, inp, nrows, graph)
                 with torch.inference_mode():
                     ms = cuda_time_ms(fn, warmup=3, iters=args.iters)
                     host = host_ms(fn)
                     prof = kernel_table(fn) if batch == args.profile_batch else None
-                    py = host_profile(fn) if prof is not None and not graph else None
+                    py = host_profile(fn) if prof is not None and graph is not True else None
                 row = {
                     "batch": batch,
                     "case": name,
@@ -198,10 +211,15 @@ def run(args) -> list[dict[str, Any]]:
                     "profile": prof,
                     "host_profile": py,
                 }
+                dev = ""
+                if graph == "piecewise":
+                    row["max_rel_deviation_from_eager"] = deviation
+                    dev = f"  max |diff| vs eager {deviation:.2e} (relative)"
                 rows.append(row)
                 print(
                     f"batch {batch:4d} {name:22s} step {ms:7.3f} ms  host enqueue {host:7.3f} ms"
-                    + (f"  device busy {prof['busy_ms']:.3f} ms" if prof else ""),
+                    + (f"  device busy {prof['busy_ms']:.3f} ms" if prof else "")
+                    + dev,
                     flush=True,
                 )
                 if prof:
@@ -229,6 +247,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--profile-batch", type=int, default=128)
+    p.add_argument(
+        "--piecewise",
+        action="store_true",
+        help="capture piecewise CUDA graphs and time the mixed step through them too",
+    )
     p.add_argument("--out-dir", type=Path)
     args = p.parse_args(argv)
     # make_runner reads these model_step flags.

@@ -79,6 +79,14 @@ def add_engine_flags(parser: Any) -> None:
         "off gives a new request's first token about one decode step sooner and "
         "costs throughput (docs/performance.md) [PDSERVE_ASYNC_SCHEDULING=1|0]",
     )
+    parser.add_argument(
+        "--piecewise-cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=_on_off(engine_env_name("piecewise_cuda_graphs")),
+        help="steps with prefill rows replay CUDA graphs of the layers' dense parts, "
+        "attention eager between them (CUDA, one rank; default off) "
+        "[PDSERVE_PIECEWISE_CUDA_GRAPHS=1|0]",
+    )
 
 
 def _on_off(var: str) -> bool | None:
@@ -97,8 +105,9 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
     for flag in ("enforce_eager", "skip_tokenizer_init"):
         if getattr(args, flag, None):
             out[flag] = True
-    if getattr(args, "async_scheduling", None) is not None:
-        out["async_scheduling"] = args.async_scheduling
+    for switch in ("async_scheduling", "piecewise_cuda_graphs"):
+        if getattr(args, switch, None) is not None:
+            out[switch] = getattr(args, switch)
     return out
 
 

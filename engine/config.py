@@ -102,6 +102,10 @@ class EngineConfig:
     # pdserve-specific: fused Triton kernels for RMSNorm, SiLU-and-mul and RoPE on
     # CUDA (False: the plain torch ops, e.g. to measure what they buy).
     fused_ops: bool = True
+    # pdserve-specific: steps with prefill rows replay CUDA graphs of everything
+    # between the attention calls, attention run eagerly between them
+    # (engine/piecewise_graphs.py; CUDA, one rank). Off until measured.
+    piecewise_cuda_graphs: bool = False
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
@@ -184,6 +188,7 @@ class EngineConfig:
         for name in (
             "enforce_eager",
             "fused_ops",
+            "piecewise_cuda_graphs",
             "enable_prefix_caching",
             "enable_chunked_prefill",
             "skip_tokenizer_init",

@@ -34,6 +34,7 @@ from engine.models.decoder import DecoderForCausalLM
 from engine.models.loader import init_dummy_weights, load_weights
 from engine.parallel.group import TPGroup
 from engine.parallel.handoff import Logits, StepPlan
+from engine.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from engine.prompt_logprobs import (
     prompt_logprob_entries,
     prompt_logprob_parts,
@@ -109,6 +110,18 @@ class ModelRunner:
                 logger.info(
                     "CUDA graphs are off: the %s attention backend reads host values",
                     self.attention_backend.name.value,
+                )
+        # Steps with prefill rows: graphs of everything between the attention calls.
+        self.piecewise: PiecewiseGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager and config.piecewise_cuda_graphs:
+            if self.tp.size > 1:
+                logger.info("piecewise CUDA graphs are off: single-rank only for now")
+            else:
+                self.piecewise = PiecewiseGraphs(
+                    self.model,
+                    self.device,
+                    self.dtype,
+                    piecewise_sizes(config.max_num_batched_tokens),
                 )
 
     # ------------------------------------------------------------- KV cache
@@ -355,6 +368,13 @@ class ModelRunner:
             self.tp.broadcast(inputs.input_ids)
         if plan.use_graph:
             hidden = self.graphs.run(inputs)
+        elif (
+            after_layer is None
+            and self.piecewise is not None
+            and self.tp.size == 1
+            and self.piecewise.can_run(inputs)
+        ):
+            hidden = self.piecewise.run(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, after_layer)
 

@@ -72,6 +72,17 @@ class Attention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        q, k, v = self.project(positions, x, meta.slot_mapping)
+        return self.output(self.attend(q, k, v, meta))
+
+    # The three parts of forward, apart for the piecewise CUDA graphs
+    # (engine/piecewise_graphs.py): ``project`` and ``output`` are captured,
+    # ``attend`` runs eagerly between them.
+    def project(
+        self, positions: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D], RoPE applied. Fused, k and v are also
+        in the KV cache already (slot -1: a padding row, not stored)."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -90,15 +101,34 @@ class Attention(nn.Module):
                 self.q_norm.weight if self.qk_norm else None,
                 self.k_norm.weight if self.qk_norm else None,
                 self.eps,
-                kv_store=(v, self.k_cache, self.v_cache, meta.slot_mapping),
+                kv_store=(v, self.k_cache, self.v_cache, slot_mapping),
             )
-            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, kv_stored=True)
         else:
             if self.qk_norm:
                 q = self.q_norm(q)
                 k = self.k_norm(k)
             q, k = rotary(positions, q, k)
-            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)
+        return q, k, v
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[T, Hq, D]: the attention of the step's tokens (fused: K/V stored by
+        ``project``), written into ``out`` when given."""
+        backend = self.backend
+        if out is not None and backend.accepts_out:
+            return backend.forward(
+                q, k, v, self.k_cache, self.v_cache, meta, kv_stored=self.fused, out=out
+            )
+        result = backend.forward(q, k, v, self.k_cache, self.v_cache, meta, kv_stored=self.fused)
+        return result if out is None else out.copy_(result)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 

@@ -65,6 +65,15 @@ def test_async_scheduling_by_flag_or_variable():
     assert engine_kwargs(ns) == {"async_scheduling": False}  # the flag wins
 
 
+def test_piecewise_cuda_graphs_by_flag_or_variable():
+    ns, _ = parse_component("decode", ["--piecewise-cuda-graphs"], {})
+    assert engine_kwargs(ns) == {"piecewise_cuda_graphs": True}
+    ns, _ = parse_component("prefill", [], {"PDSERVE_PIECEWISE_CUDA_GRAPHS": "1"})
+    assert engine_kwargs(ns) == {"piecewise_cuda_graphs": True}
+    ns, _ = parse_component("decode", ["--no-piecewise-cuda-graphs"], {})
+    assert engine_kwargs(ns) == {"piecewise_cuda_graphs": False}
+
+
 def test_a_bad_switch_value_is_a_configuration_error(capsys):
     with pytest.raises(SystemExit) as info:
         parse_component("decode", [], {"PDSERVE_ASYNC_SCHEDULING": "yes"})

@@ -62,6 +62,9 @@ class AttentionBackend(ABC):
     # True when the decode path reads nothing from the host (no Python loop
     # over host lists), so a CUDA graph can capture it.
     supports_cuda_graphs: ClassVar[bool] = False
+    # True when ``forward`` takes ``out=`` (a [num_tokens, num_heads, head_dim]
+    # tensor to write the result into; the piecewise CUDA graphs' static buffer).
+    accepts_out: ClassVar[bool] = False
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int

@@ -22,6 +22,7 @@ def interpreter_enabled() -> bool:
 class TritonAttention(AttentionBackend):
     name = AttentionBackendName.TRITON
     supports_cuda_graphs = True
+    accepts_out = True
 
     def __init__(self, num_heads, num_kv_heads, head_dim, scale, block_size) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
@@ -30,6 +31,8 @@ class TritonAttention(AttentionBackend):
         self._kernels = triton_kernels
         self._decode = triton_decode
         self._num_sms: int | None = None
+        self._args_meta: AttentionMetadata | None = None
+        self._args = None
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -55,36 +58,52 @@ class TritonAttention(AttentionBackend):
         )
 
     def forward(
-        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, kv_stored: bool = False
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        kv_stored: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kern = self._kernels
         if not kv_stored:
             kern.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
+        d, splits, decode_args, prefill_args = self._step_args(meta, q.device)
+        if d:
+            self._decode.decode_attention(
+                q[:d], k_cache, v_cache, out[:d], *decode_args, self.scale, splits
+            )
+        if prefill_args is not None:
+            kern.prefill_attention(
+                q[d:], k_cache, v_cache, out[d:], *prefill_args, meta.max_query_len, self.scale
+            )
+        return out
+
+    def _step_args(self, meta: AttentionMetadata, device: torch.device):
+        """What every layer of one step passes alike (the decode rows, the split
+        count, the metadata's slices): worked out at the step's first layer, not
+        at each (a slice is a few microseconds of host time, the prefill's shifted
+        query starts a launch)."""
+        if self._args_meta is meta:
+            return self._args
         # Decode rows (one query token each) lead the batch: the split-K decode
         # kernel serves them, the prefill kernel only the rows after them.
         d = meta.num_seqs if meta.is_decode_only else meta.num_decode_seqs
-        if d:
-            self._decode.decode_attention(
-                q[:d],
-                k_cache,
-                v_cache,
-                out[:d],
-                meta.block_tables[:d],
-                meta.seq_lens[:d],
-                self.scale,
-                self.num_splits(meta, q.device, d),
-            )
+        splits = self.num_splits(meta, device, d) if d else 0
+        decode_args = (meta.block_tables[:d], meta.seq_lens[:d]) if d else None
+        prefill_args = None
         if d < meta.num_seqs:
-            kern.prefill_attention(
-                q[d:],
-                k_cache,
-                v_cache,
-                out[d:],
+            prefill_args = (
                 meta.block_tables[d:],
                 meta.query_start_loc[d:] - d if d else meta.query_start_loc,
                 meta.seq_lens[d:],
-                meta.max_query_len,
-                self.scale,
             )
-        return out
+        # The metadata is kept with them, so a new step's cannot reuse its id.
+        self._args_meta = meta
+        self._args = (d, splits, decode_args, prefill_args)
+        return self._args

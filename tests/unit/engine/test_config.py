@@ -67,6 +67,7 @@ def test_no_chunking_needs_budget_for_the_longest_prompt(model_dir):
         ("num_kvcache_blocks", -2),
         ("kv_cache_memory_bytes", 0),
         ("enforce_eager", "yes"),
+        ("piecewise_cuda_graphs", 1),
         ("enable_prefix_caching", 1),
         ("enable_chunked_prefill", None),
         ("skip_tokenizer_init", "no"),
