@@ -58,12 +58,15 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
     raise RuntimeError(f"{url} did not answer in {timeout_s:.0f} s")
 
 
-def bench(args, label: str, target: list[str], workload: str, out: Path) -> None:
+def bench(args, label: str, target: list[str], workload: str, out: Path, seed: int = 0) -> None:
+    """One sweep. ``seed``: the prompts' (each rate adds its index); a second
+    sweep on the same cluster takes another, or it would find the first sweep's
+    prompts in the prefix cache (the gRPC sweeps before 2026-11-25 did)."""
     rates = args.rates[workload]
     cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--label", label, *target]
     cmd += [*WORKLOADS[workload], "--num-prompts", str(args.num_prompts), "--ignore-eos"]
     cmd += ["--model-dir", str(args.model_dir), "--request-rate", *rates, "--slo", SLO]
-    cmd += ["--num-warmups", "8", "--seed", "0", "--result-dir", str(out), "--no-progress"]
+    cmd += ["--num-warmups", "8", "--seed", str(seed), "--result-dir", str(out), "--no-progress"]
     cmd += ["--timeout", "120"]
     # Leave time to stop the servers and write the plots before the device's limit.
     timeout = min(args.sweep_timeout, args.deadline - time.monotonic() - 45)
@@ -112,7 +115,7 @@ def run_pdserve(args, out: Path) -> None:
             else:
                 log("pdserve's router has no --http-port yet: HTTP sweep skipped")
             grpc = ["--backend", "grpc", "--address", cluster.router_address]
-            bench(args, "pdserve-grpc", grpc, workload, out)
+            bench(args, "pdserve-grpc", grpc, workload, out, seed=1000)
 
 
 def run_vllm(args, out: Path) -> None:
