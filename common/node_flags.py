@@ -84,7 +84,7 @@ def add_engine_flags(parser: Any) -> None:
         action=argparse.BooleanOptionalAction,
         default=_on_off(engine_env_name("piecewise_cuda_graphs")),
         help="steps with prefill rows replay CUDA graphs of the layers' dense parts, "
-        "attention eager between them (CUDA, one rank; default off) "
+        "attention eager between them (CUDA, one rank, triton backend; default on) "
         "[PDSERVE_PIECEWISE_CUDA_GRAPHS=1|0]",
     )
 

@@ -104,8 +104,10 @@ class EngineConfig:
     fused_ops: bool = True
     # pdserve-specific: steps with prefill rows replay CUDA graphs of everything
     # between the attention calls, attention run eagerly between them
-    # (engine/piecewise_graphs.py; CUDA, one rank). Off until measured.
-    piecewise_cuda_graphs: bool = False
+    # (engine/piecewise_graphs.py; CUDA, one rank, backends that write into a
+    # given buffer: triton). On: an eager step of a large model is bound by the
+    # host's Python (docs/performance.md, "Why shared-prefix steps are slower").
+    piecewise_cuda_graphs: bool = True
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE

@@ -116,6 +116,12 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager and config.piecewise_cuda_graphs:
             if self.tp.size > 1:
                 logger.info("piecewise CUDA graphs are off: single-rank only for now")
+            elif not self.attention_backend.accepts_out:
+                # Measured and tested with triton only; the copy path is not.
+                logger.info(
+                    "piecewise CUDA graphs are off with the %s attention backend",
+                    self.attention_backend.name.value,
+                )
             else:
                 self.piecewise = PiecewiseGraphs(
                     self.model,
