@@ -34,7 +34,7 @@ from engine.models.decoder import DecoderForCausalLM
 from engine.models.loader import init_dummy_weights, load_weights
 from engine.parallel.group import TPGroup
 from engine.parallel.handoff import Logits, StepPlan
-from engine.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
+from engine.piecewise_graphs import PiecewiseGraphs, piecewise_graphs_for
 from engine.prompt_logprobs import (
     prompt_logprob_entries,
     prompt_logprob_parts,
@@ -112,23 +112,9 @@ class ModelRunner:
                     self.attention_backend.name.value,
                 )
         # Steps with prefill rows: graphs of everything between the attention calls.
-        self.piecewise: PiecewiseGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager and config.piecewise_cuda_graphs:
-            if self.tp.size > 1:
-                logger.info("piecewise CUDA graphs are off: single-rank only for now")
-            elif not self.attention_backend.accepts_out:
-                # Measured and tested with triton only; the copy path is not.
-                logger.info(
-                    "piecewise CUDA graphs are off with the %s attention backend",
-                    self.attention_backend.name.value,
-                )
-            else:
-                self.piecewise = PiecewiseGraphs(
-                    self.model,
-                    self.device,
-                    self.dtype,
-                    piecewise_sizes(config.max_num_batched_tokens),
-                )
+        self.piecewise: PiecewiseGraphs | None = piecewise_graphs_for(
+            config, self.model, self.attention_backend, self.device, self.dtype, self.tp.size
+        )
 
     # ------------------------------------------------------------- KV cache
     @property

@@ -39,6 +39,8 @@ import time
 import torch
 from torch import nn
 
+from engine.config import EngineConfig
+from engine.layers.attention import AttentionBackend
 from engine.model_io import ModelInputs
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,27 @@ def piecewise_sizes(max_tokens: int, cap: int = PIECEWISE_SIZES[-1]) -> list[int
     if not sizes or sizes[-1] != top:
         sizes.append(top)
     return sizes
+
+
+def piecewise_graphs_for(
+    config: EngineConfig,
+    model: nn.Module,
+    backend: AttentionBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp_size: int,
+) -> PiecewiseGraphs | None:
+    """The graphs a model runner should use, or None (and why, in the log)."""
+    if device.type != "cuda" or config.enforce_eager or not config.piecewise_cuda_graphs:
+        return None
+    if tp_size > 1:
+        logger.info("piecewise CUDA graphs are off: single-rank only for now")
+        return None
+    if not backend.accepts_out:
+        # Measured and tested with triton only; the copy path is not.
+        logger.info("piecewise CUDA graphs are off with the %s backend", backend.name.value)
+        return None
+    return PiecewiseGraphs(model, device, dtype, piecewise_sizes(config.max_num_batched_tokens))
 
 
 class PiecewiseGraphs:
