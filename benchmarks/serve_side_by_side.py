@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -160,6 +161,27 @@ def run_vllm(args, out: Path) -> None:
         logf.close()
 
 
+GC_PAUSE = re.compile(r"garbage collection \(generation (\d)\) paused this process for (\d+) ms")
+GC_FROZE = re.compile(r"froze (\d+) start-up objects")
+
+
+def gc_pauses(log_dir: Path) -> dict:
+    """Per pdserve process log: objects frozen at start-up and the collector's long
+    pauses (common/gc_heap.py logs each one over 50 ms)."""
+    found = {}
+    for path in sorted(log_dir.glob("*.log")):
+        text = path.read_text(errors="replace")
+        pauses = [int(ms) for _, ms in GC_PAUSE.findall(text)]
+        frozen = GC_FROZE.findall(text)
+        found[path.stem] = {
+            "frozen": int(frozen[-1]) if frozen else 0,
+            "pauses_over_50ms": len(pauses),
+            "max_pause_ms": max(pauses, default=0),
+            "total_pause_ms": sum(pauses),
+        }
+    return found
+
+
 def summarize(out: Path, workloads: list[str]) -> dict:
     """Plots per workload and the issue's two targets, from the records."""
     from pdserve.bench.plot import plot_records
@@ -181,6 +203,8 @@ def summarize(out: Path, workloads: list[str]) -> dict:
                 k: {str(x["request_rate"]): x["ttft_ms"]["p50"] for x in v} for k, v in per.items()
             }
         summary[f"{workload}_failed"] = {k: sum(x["failed"] for x in v) for k, v in per.items()}
+    if (out / "logs-pdserve").is_dir():
+        summary["pdserve_gc"] = gc_pauses(out / "logs-pdserve")
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print(json.dumps(summary, indent=2, default=str))
     return summary

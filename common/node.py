@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import grpc
 
 from common.cluster import Cluster, NodeInfo, NodeRole
+from common.gc_heap import GcPauses, freeze_heap
 from common.grpc_server import SERVER_OPTIONS, add_health, add_reflection, set_serving
 from common.heartbeat import Heartbeat
+from common.metrics.gc import GcCollector
 from common.metrics.histogram import Histogram
 from common.metrics.node import NodeCollector
 from common.metrics.server import serve_metrics
@@ -126,7 +128,8 @@ async def run_node(
     cluster = Cluster.from_url(args.redis_url, redis_options_from_args(args), ttl_s=args.node_ttl)
     await check_redis(cluster.redis, args.redis_url)  # refused credentials: stop here
     metrics = NodeCollector(info, thread, counters=counters, histograms=histograms)
-    serve_metrics(args.metrics_port, args.host, [metrics])
+    gc_pauses = GcPauses().install()
+    serve_metrics(args.metrics_port, args.host, [metrics, GcCollector(gc_pauses, metrics.labels)])
     server = grpc.aio.server(options=SERVER_OPTIONS)
     add_servicer(server)
     internal_pb2_grpc.add_NodeControlServicer_to_server(NodeControlServicer(thread), server)
@@ -143,6 +146,10 @@ async def run_node(
     await heartbeat.beat()
     beating = asyncio.create_task(heartbeat.run_forever())
     progress = asyncio.create_task(log_progress(thread, info.node_id, args.log_stats_interval))
+    # Start-up is over (model, graphs, servers): what is alive now lives as long
+    # as the process, and full collections should stop walking it.
+    if args.gc_freeze:
+        freeze_heap(f"{info.role.value} node {info.node_id}")
     await set_serving(health, [service, CONTROL_SERVICE], True)
     logger.info("%s node %s serving on %s:%d", info.role.value, info.node_id, args.host, args.port)
 

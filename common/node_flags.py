@@ -10,6 +10,7 @@ import socket
 import sys
 from typing import Any
 
+from common.gc_heap import add_gc_arguments
 from common.metrics.server import add_metrics_arguments
 from common.progress_log import DEFAULT_INTERVAL_S as DEFAULT_STATS_INTERVAL_S
 from common.redis_auth import add_redis_auth_arguments
@@ -192,6 +193,7 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
         "--enable-reflection", action="store_true", default=env("PDSERVE_REFLECTION") == "1"
     )
     add_metrics_arguments(p)
+    add_gc_arguments(p)
     add_tls_arguments(p)
     add_redis_auth_arguments(p)
     add_engine_flags(p)

@@ -13,6 +13,7 @@ import grpc
 
 from common.auth import add_token_arguments, router_interceptors
 from common.cluster import Cluster
+from common.gc_heap import GcPauses, add_gc_arguments, freeze_heap
 from common.grpc_server import (
     PUBLIC_SERVER_OPTIONS,
     MetadataLimitInterceptor,
@@ -21,6 +22,7 @@ from common.grpc_server import (
     add_reflection,
     set_serving,
 )
+from common.metrics.gc import GcCollector
 from common.metrics.server import add_metrics_arguments, serve_metrics
 from common.ports import PlannedPort, check_free, listen, router_listeners
 from common.redis_auth import add_redis_auth_arguments, check_redis, redis_options_from_args
@@ -127,6 +129,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="no INFO line per request [PDSERVE_NO_ACCESS_LOG=1]",
     )
     add_metrics_arguments(p)
+    add_gc_arguments(p)
     add_routing_arguments(p)
 
 
@@ -231,7 +234,8 @@ async def serve(args: argparse.Namespace) -> int:
     )
     admin_health = await add_health(admin, [ADMIN])
     listen(admin, admin_host, args.admin_port, "--admin-port", "router admin API", tls)
-    collectors = [RouterCollector(routing)]
+    gc_pauses = GcPauses().install()
+    collectors = [RouterCollector(routing), GcCollector(gc_pauses, {})]
     http = None
     if args.http_port:
         from router import openai_api  # FastAPI is imported only where the port is on
@@ -260,6 +264,9 @@ async def serve(args: argparse.Namespace) -> int:
             args.http_port,
         )
     await admin.start()
+    # Start-up is over (tokenizer, servers): full collections skip it from now on.
+    if args.gc_freeze:
+        freeze_heap("router")
     await set_serving(health, [ROUTER], True)
     await set_serving(admin_health, [ADMIN], True)
     logger.info(

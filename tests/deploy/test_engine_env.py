@@ -79,3 +79,13 @@ def test_a_bad_switch_value_is_a_configuration_error(capsys):
         parse_component("decode", [], {"PDSERVE_ASYNC_SCHEDULING": "yes"})
     assert info.value.code == 2
     assert "PDSERVE_ASYNC_SCHEDULING must be 1 or 0" in capsys.readouterr().err
+
+
+def test_gc_freeze_by_flag_or_variable():
+    for component in ("decode", "prefill", "router"):
+        ns, read = parse_component(component, [], {})
+        assert ns.gc_freeze is True and "PDSERVE_GC_FREEZE" in read
+        ns, _ = parse_component(component, [], {"PDSERVE_GC_FREEZE": "0"})
+        assert ns.gc_freeze is False
+        ns, _ = parse_component(component, ["--gc-freeze"], {"PDSERVE_GC_FREEZE": "0"})
+        assert ns.gc_freeze is True  # the flag wins

@@ -100,6 +100,8 @@ def test_every_process_serves_metrics_on_its_own_port(cluster):
             role = c.name.split("-")[0]
             assert value(samples, "pdserve_node_info", role=role, node=c.name) == 1
             assert value(samples, "pdserve_engine_alive") == 1
+        # Start-up's heap is frozen (--gc-freeze): torch, the model, grpc.
+        assert value(samples, "pdserve_gc_frozen_objects") > 10_000, c.name
 
 
 def test_router_counts_and_times_every_request(cluster, traffic):

@@ -16,6 +16,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.cluster import NodeInfo, NodeRole
+from common.gc_heap import GcPauses
+from common.metrics.gc import GcCollector
 from common.metrics.node import NodeCollector
 from common.metrics.server import make_registry
 from decode_node.worker import DecodeStats
@@ -59,6 +61,7 @@ def expositions() -> dict[str, str]:
             node_info(), engine, heartbeat, prefill.counters, prefill.histograms
         ),
         "decode": NodeCollector(decode_info, engine, heartbeat, decode.counters),
+        "gc": GcCollector(GcPauses(), {"role": "decode", "node": "d-1"}),
     }
     return {k: generate_latest(make_registry([c])).decode() for k, c in collectors.items()}
 
