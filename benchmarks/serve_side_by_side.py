@@ -115,8 +115,9 @@ def run_pdserve(args, out: Path) -> None:
                 bench(args, "pdserve-http", url, workload, out)
             else:
                 log("pdserve's router has no --http-port yet: HTTP sweep skipped")
-            grpc = ["--backend", "grpc", "--address", cluster.router_address]
-            bench(args, "pdserve-grpc", grpc, workload, out, seed=1000)
+            if args.grpc:
+                grpc = ["--backend", "grpc", "--address", cluster.router_address]
+                bench(args, "pdserve-grpc", grpc, workload, out, seed=1000)
 
 
 def run_vllm(args, out: Path) -> None:
@@ -230,6 +231,12 @@ def main(argv: list[str] | None = None) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="pdserve's HTTP sweep too (--no-http: gRPC only, where FastAPI is not installed)",
+    )
+    p.add_argument(
+        "--grpc",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pdserve's gRPC sweep too, on prompts of its own (--no-grpc: HTTP only)",
     )
     p.add_argument("--vllm-args", default="--gpu-memory-utilization 0.9 --max-num-seqs 256")
     args = p.parse_args(argv)
