@@ -2,7 +2,7 @@
 
     python benchmarks/tune_kernels.py
     python benchmarks/tune_kernels.py --part short-prefill
-    python benchmarks/tune_kernels.py --part split-prefill [--sweep]
+    python benchmarks/tune_kernels.py --part split-prefill [--sweep | --sweep-splits]
 
 Prints the time of each configuration for a few representative shapes
 (Llama-3.1-8B's and Qwen3-0.6B's attention heads) and the best one per kernel
@@ -15,7 +15,8 @@ prefill split over the context (triton_prefill_split.py) against the unsplit
 kernel on short queries over the cached prefix, one and several prompts: each
 kernel's device time (ten calls replayed from a CUDA graph, so no launch cost),
 its time launched eagerly (what a step pays, launches included), the largest
-difference of the two outputs; ``--sweep`` adds split counts and tile configs.
+difference of the two outputs; ``--sweep`` adds split counts and tile configs,
+``--sweep-splits`` split counts only.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main(argv=None):
     parser.add_argument("--part", choices=["all", "short-prefill", "split-prefill"], default="all")
     parser.add_argument("--prefix-len", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="split-prefill: counts and configs")
+    parser.add_argument("--sweep-splits", action="store_true", help="split-prefill: counts")
     args = parser.parse_args(argv)
     if args.part == "short-prefill":
         return short_prefill(args, argv)
@@ -185,7 +187,7 @@ def split_prefill(args, argv) -> None:
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     heads, kv_heads = 32, 8  # Llama-3.1-8B
-    cases = [(1, 32), (1, 64), (1, 128), (4, 32), (4, 128), (8, 128), (1, 512)]
+    cases = [(1, 32), (1, 64), (1, 128), (4, 32), (2, 128), (4, 128), (8, 128), (1, 512)]
     configs = [
         {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
         for m, n, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
@@ -204,21 +206,23 @@ def split_prefill(args, argv) -> None:
             """One call: the unsplit kernel (splits 0) or the split one (1 split too)."""
             if not splits:
                 return lambda: tk.prefill_attention(q, k, v, dst, tables, qsl, lens, new, 0.088)
-            ws = ts.make_workspace(q.shape[0], heads, 128, splits, "cuda")
+            ws = ts.make_workspace(q.shape[0], heads, 128, splits, "cuda") if splits > 1 else None
             return lambda: ts.prefill_split_attention(
                 q, k, v, dst, tables, qsl, lens, new, 0.088, splits, ws, cfg
             )
 
         row = {"rule_splits": rule, "unsplit_us": graph_time_us(torch, run(ref))}
         row["unsplit_eager_us"] = cuda_time_ms(run(ref), iters=50) * 1e3
-        n = max(rule, 2)  # the split kernel even where the rule says no: what it would cost
+        n = max(rule, 1)  # the split kernel even where the rule says no: what it would cost
         row["split_us"] = graph_time_us(torch, run(out, n))
         row["split_eager_us"] = cuda_time_ms(run(out, n), iters=50) * 1e3
         row["split_max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
-        if args.sweep:
+        if args.sweep or args.sweep_splits:
             row["by_splits"] = {
                 s: graph_time_us(torch, run(out, s)) for s in (1, 2, 3, 4, 6, 8, 12, 16)
             }
+            print("  by splits: " + ", ".join(f"{s}: {t:.1f}" for s, t in row["by_splits"].items()))
+        if args.sweep:
             row["by_config"] = {}
             for cfg in configs:
                 try:
@@ -227,7 +231,6 @@ def split_prefill(args, argv) -> None:
                     print(f"  {cfg}: {type(e).__name__}")
             best = min(row["by_config"], key=row["by_config"].get)
             print(f"  splits {n}: best {row['by_config'][best]:.1f} us {best}", flush=True)
-            print("  by splits: " + ", ".join(f"{s}: {t:.1f}" for s, t in row["by_splits"].items()))
         results[f"{seqs}x{new}"] = row
         print(
             f"{seqs} x {new:3d} new on {args.prefix_len} cached: unsplit {row['unsplit_us']:6.1f} us "

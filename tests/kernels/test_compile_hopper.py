@@ -107,12 +107,15 @@ def compile_prefill_split():
 
     sig = dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr"], "*bf16")
     sig |= dict.fromkeys(["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"], "*i32")
-    sig |= dict.fromkeys(["part_out_ptr", "part_lse_ptr"], "*fp32") | {"scale": "fp32"}
-    strides = ["stride_q_tok", "stride_q_head", "stride_cache_block", "stride_cache_slot"]
-    strides += ["stride_cache_head", "stride_bt", "num_tokens", "num_splits"]
-    sig |= dict.fromkeys(strides, "i32")
-    const = dict(GROUP=4, TOKS=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64)
-    compile_for_hopper(ts._prefill_split_kernel, sig, const | {"BLOCK_SIZE": 16}, num_stages=2)
+    sig |= dict.fromkeys(["part_out_ptr", "part_lse_ptr"], "*fp32")
+    sig |= {"out_ptr": "*bf16", "scale": "fp32"}
+    strides = ["stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head"]
+    strides += ["stride_cache_block", "stride_cache_slot", "stride_cache_head", "stride_bt"]
+    sig |= dict.fromkeys([*strides, "num_tokens", "num_splits"], "i32")
+    const = dict(GROUP=4, TOKS=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=32)
+    for one in (True, False):
+        split_const = const | {"ONE_SPLIT": one, "BLOCK_SIZE": 16}
+        compile_for_hopper(ts._prefill_split_kernel, sig, split_const, num_stages=2)
     red = dict.fromkeys(["part_out_ptr", "part_lse_ptr"], "*fp32") | {"out_ptr": "*bf16"}
     red |= dict.fromkeys(["query_start_loc_ptr", "seq_lens_ptr"], "*i32")
     red |= dict.fromkeys(["stride_o_tok", "stride_o_head", "num_tokens", "num_splits"], "i32")

@@ -120,6 +120,9 @@ SPLIT_CASES = [
     ([70], [130], 8, 8, 64, 64, 16, None),  # MHA; more splits than the context fills
     ([9, 40], [77, 41], 32, 8, 128, 16, 8, {"BLOCK_M": 16, "BLOCK_N": 32}),  # 4 tokens a tile
     ([20], [100], 32, 1, 64, 16, 3, {"BLOCK_M": 16}),  # group 32 wider than the tile
+    # One split: the whole context, stored directly (no workspace, no merge).
+    ([5, 17, 1], [0, 23, 300], 4, 2, 64, 16, 1, None),
+    ([9, 40], [77, 41], 32, 8, 128, 16, 1, None),
 ]
 
 
@@ -168,14 +171,16 @@ def test_split_prefill_writes_into_a_strided_out_and_reuses_its_workspace():
 
 
 def test_prefill_split_rule():
-    # Llama-3.1-8B heads (8 KV heads, groups of 4) on an H200's 132 SMs, 2,048 cached.
+    # Llama-3.1-8B heads (8 KV heads, groups of 4) on an H200's 132 SMs, 2,048 cached:
+    # 64 tiles of 16 tokens x 4 heads for 128 new tokens -> 4 splits, 256 programs.
     one = [ts.prefill_num_splits(1, 8, 4, n, 2048 + n, 132) for n in (128, 64, 32)]
-    assert all(s >= 2 for s in one) and one == sorted(one)
-    # A prompt without a long cached prefix is not split (too few keys a chunk).
-    assert ts.prefill_num_splits(1, 8, 4, 128, 128, 132) == 1
-    # A grid that fills the GPU on its own, or a long query: the unsplit kernel.
+    assert one == [4, 8, 8]
+    # A grid that fills the GPU on its own: one split (the packed tile, no merge).
     assert ts.prefill_num_splits(4, 8, 4, 512, 2560, 132) == 1
-    assert ts.prefill_num_splits(1, 8, 4, 1024, 3072, 132) == 1
+    # A fresh prompt (no long cached prefix) or a long query: the unsplit kernel.
+    assert ts.prefill_num_splits(1, 8, 4, 128, 128, 132) == 0
+    assert ts.prefill_num_splits(1, 8, 4, 128, 300, 132) == 0
+    assert ts.prefill_num_splits(1, 8, 4, 1024, 3072, 132) == 0
     assert ts.prefill_num_splits(1, 8, 4, 16, 1 << 20, 132) == ts.MAX_PREFILL_SPLITS
 
 
@@ -268,12 +273,13 @@ def test_batch_one_spreads_a_short_context_over_the_gpu():
 
 MIXED_CASES = [
     # (q_lens with the decode rows first, prefix_lens, num_decode_seqs, prefill split)
-    ([1, 1, 1, 9, 30], [40, 7, 90, 33, 0], 3, 1),
-    ([1, 1, 12], [16, 64, 48], 2, 1),
-    ([5, 1, 20], [3, 30, 0], 0, 1),  # a one-token chunk after a prefill: not a leading decode
+    ([1, 1, 1, 9, 30], [40, 7, 90, 33, 0], 3, 0),
+    ([1, 1, 12], [16, 64, 48], 2, 0),
+    ([5, 1, 20], [3, 30, 0], 0, 0),  # a one-token chunk after a prefill: not a leading decode
     # A short prompt over a long cached prefix: the prefill split over its context
     # (2 splits of 310 keys on the CPU's 4 "SMs" and on an H200's 132).
     ([1, 1, 20], [16, 64, 600], 2, 2),
+    ([1, 40], [50, 300], 1, 1),  # one split: a chunk of 340 keys holds the whole context
 ]
 
 

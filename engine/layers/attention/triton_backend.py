@@ -63,7 +63,7 @@ class TritonAttention(AttentionBackend):
         )
 
     def prefill_splits(self, meta: AttentionMetadata, device: torch.device, d: int) -> int:
-        """The prefill rows' context split (1: the unsplit kernel), from the host's
+        """The prefill rows' context split (0: the unsplit kernel), from the host's
         lengths of those rows (a decode row's long context must not count)."""
         max_seq_len = max(meta.seq_lens_cpu[d:], default=meta.max_seq_len)
         return self._split.prefill_num_splits(
@@ -124,7 +124,7 @@ class TritonAttention(AttentionBackend):
         splits = self.num_splits(meta, device, d) if d else 0
         decode_args = (meta.block_tables[:d], meta.seq_lens[:d]) if d else None
         prefill_args = None
-        prefill_split = (1, None)
+        prefill_split = None
         if d < meta.num_seqs:
             prefill_args = (
                 meta.block_tables[d:],
@@ -132,12 +132,15 @@ class TritonAttention(AttentionBackend):
                 meta.seq_lens[d:],
             )
             n = self.prefill_splits(meta, device, d)
-            if n > 1:
-                # One workspace for all layers: they run in turn on one stream.
-                ws = self._split.make_workspace(
+            # One workspace for all layers: they run in turn on one stream.
+            ws = (
+                self._split.make_workspace(
                     meta.num_tokens - d, self.num_heads, self.head_dim, n, device
                 )
-                prefill_split = (n, ws)
+                if n > 1
+                else None
+            )
+            prefill_split = (n, ws)
         # The metadata is kept with them, so a new step's cannot reuse its id.
         self._args_meta = meta
         self._args = (d, splits, decode_args, prefill_args, prefill_split)

@@ -10,9 +10,9 @@ kernel runs first), so one code path serves fresh prompts, chunks and prompts
 with a prefix-cache hit. ``_prefill_kernel`` gives each program one query tile
 and head and walks the whole context; a short query over a long context (a
 prompt mostly served from the prefix cache) leaves most SMs idle that way, and
-``prefill_attention(num_splits > 1)`` hands it to triton_prefill_split.py, which
-cuts the context into chunks and merges them (its ``prefill_num_splits`` picks
-the count).
+``prefill_attention(num_splits >= 1)`` hands it to triton_prefill_split.py,
+which packs a KV head's query heads into one tile, cuts the context into chunks
+and merges them (its ``prefill_num_splits`` picks the count, 0 for this kernel).
 """
 
 from __future__ import annotations
@@ -176,13 +176,13 @@ def prefill_attention(
     max_query_len: int,
     scale: float,
     config: dict[str, int] | None = None,
-    num_splits: int = 1,
+    num_splits: int = 0,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Varlen causal prefill over the paged cache, written into ``out``. With
-    ``num_splits`` > 1 the split-context kernels run instead (``config`` and
+    ``num_splits`` >= 1 the split-context kernels run instead (``config`` and
     ``workspace`` are then theirs: triton_prefill_split.py)."""
-    if num_splits > 1:
+    if num_splits >= 1:
         prefill_split_attention(
             q,
             k_cache,
