@@ -20,12 +20,12 @@ the tiles worth having:
   decode's ``_split_bounds``); the causal limit of a query tile cuts the last
   chunks short or empties them (those programs return at once).
 
-``prefill_num_splits`` is the rule that picks the split count. With one split
-the kernel stores its rows directly (no workspace, no merge launch): the GQA
-packing alone beats ``_prefill_kernel`` on short queries over a long context
-whose grid already fills the GPU (several prompts at once). 0 means neither
-pays (a long query, or no long cached context) and the caller runs
-``_prefill_kernel`` as before.
+``prefill_num_splits`` is the rule that picks the split count; 0 means the
+split does not pay (a long query, or too little context for two chunks) and
+the caller runs ``_prefill_kernel`` as before. One split (callers may ask for
+it) stores the rows directly, without workspace or merge: the packed tile
+alone, which measured no faster than ``_prefill_kernel`` (H200, 4-8 prompts of
+128 tokens), so the rule never picks it.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import triton.language as tl
 
 # Rows (query tokens x GROUP heads) and keys per tile, warps, stages: the best
 # of `benchmarks/tune_kernels.py --part split-prefill --sweep` on an H200 over
-# 1-8 prompts of 32-512 tokens (geometric mean; within 3% of the best of each
-# case with 1 prompt, 15-20% faster than 64-key tiles with 4-8 prompts).
+# 1-8 prompts of 32-512 tokens (geometric mean of 24 configurations; within 3%
+# of each 1-prompt case's best, 15-20% faster than 64-key tiles with 4-8).
 PREFILL_SPLIT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 # The fewest keys a split gets: each split costs its partial's store and the
 # merge's read (fp32, num_heads x head_dim per query token), so a chunk must
@@ -69,10 +69,14 @@ def prefill_num_splits(
     MIN_PREFILL_SPLIT_KEYS keys of context before it (a fresh prompt: this
     kernel was not measured there). Else as many splits as keep the programs
     (query tiles x KV heads x sequences, sized by the longest query, times the
-    splits) within two per SM, the most an SM holds of this tile at once, so
-    they run in one wave (H200, 1 x 128 tokens: 4 splits 28 us, 6 splits 36);
-    never fewer than MIN_PREFILL_SPLIT_KEYS keys a chunk, at most
-    MAX_PREFILL_SPLITS, at least 1.
+    splits) within two per SM, but at least two: on an H200 (sweep of
+    `tune_kernels.py --part split-prefill --sweep-splits`, 2,048 cached) that
+    is 8 splits for 1 x 32 or 1 x 64 new tokens (6 is at most 3% faster), 4
+    for 1 x 128 (27 us; 6: 29, 8: 31) and 2 where the grid alone covers the
+    GPU (4 and 8 x 128, 1 x 512: 1.1-1.4x faster than one split, which is no
+    faster than the unsplit kernel there). Never fewer than
+    MIN_PREFILL_SPLIT_KEYS keys a chunk, at most MAX_PREFILL_SPLITS; 0 where
+    that leaves fewer than two.
     """
     if not 0 < max_query_len <= PREFILL_SPLIT_MAX_QUERY:
         return 0
@@ -80,8 +84,9 @@ def prefill_num_splits(
         return 0
     toks = tokens_per_tile(group, block_m or PREFILL_SPLIT_CONFIG["BLOCK_M"])
     tiles = triton.cdiv(max_query_len, toks) * num_kv_heads * max(1, num_seqs)
-    want = (2 * num_sms) // tiles
-    return int(max(1, min(want, max_seq_len // MIN_PREFILL_SPLIT_KEYS, MAX_PREFILL_SPLITS)))
+    want = max(2, (2 * num_sms) // tiles)
+    splits = min(want, max_seq_len // MIN_PREFILL_SPLIT_KEYS, MAX_PREFILL_SPLITS)
+    return int(splits) if splits >= 2 else 0
 
 
 def make_workspace(
