@@ -21,7 +21,8 @@ the tiles worth having:
   chunks short or empties them (those programs return at once).
 
 ``prefill_num_splits`` is the rule that picks the split count; 0 means the
-split does not pay (a long query, or too little context for two chunks) and
+split does not pay (a long query, no cached context before the query, or too
+little context for two chunks) and
 the caller runs ``_prefill_kernel`` as before. One split (callers may ask for
 it) stores the rows directly, without workspace or merge: the packed tile
 alone, which measured no faster than ``_prefill_kernel`` (H200, 4-8 prompts of
@@ -36,16 +37,17 @@ import triton.language as tl
 
 # Rows (query tokens x GROUP heads) and keys per tile, warps, stages: the best
 # of `benchmarks/tune_kernels.py --part split-prefill --sweep` on an H200 over
-# 1-8 prompts of 32-512 tokens (geometric mean of 24 configurations; within 3%
-# of each 1-prompt case's best, 15-20% faster than 64-key tiles with 4-8).
+# 1-8 prompts of 32-512 tokens (geometric mean of 24 configurations; within 4%
+# of each 1-prompt case's best; 64-key tiles take 1.2x as long at 4-8 x 128).
 PREFILL_SPLIT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 # The fewest keys a split gets: each split costs its partial's store and the
 # merge's read (fp32, num_heads x head_dim per query token), so a chunk must
 # carry enough keys to amortise them.
 MIN_PREFILL_SPLIT_KEYS = 256
 MAX_PREFILL_SPLITS = 16
-# Longer queries give a grid large enough on their own, and their causal
-# triangle leaves most chunks of the early tiles empty.
+# Longer queries were not measured (1 x 512 new tokens gained 1.08x): their
+# grid covers the GPU on its own and the causal triangle empties the early
+# tiles' last chunks.
 PREFILL_SPLIT_MAX_QUERY = 512
 
 
