@@ -102,6 +102,26 @@ def compile_decode_attention(num_splits):
         compile_for_hopper(td._decode_reduce_kernel, red, const)
 
 
+def compile_prefill_split():
+    from engine.layers.attention import triton_prefill_split as ts
+
+    sig = dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr"], "*bf16")
+    sig |= dict.fromkeys(["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"], "*i32")
+    sig |= dict.fromkeys(["part_out_ptr", "part_lse_ptr"], "*fp32")
+    sig |= {"out_ptr": "*bf16", "scale": "fp32"}
+    strides = ["stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head"]
+    strides += ["stride_cache_block", "stride_cache_slot", "stride_cache_head", "stride_bt"]
+    sig |= dict.fromkeys([*strides, "num_tokens", "num_splits"], "i32")
+    const = dict(GROUP=4, TOKS=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=32)
+    for one in (True, False):
+        split_const = const | {"ONE_SPLIT": one, "BLOCK_SIZE": 16}
+        compile_for_hopper(ts._prefill_split_kernel, sig, split_const, num_stages=2)
+    red = dict.fromkeys(["part_out_ptr", "part_lse_ptr"], "*fp32") | {"out_ptr": "*bf16"}
+    red |= dict.fromkeys(["query_start_loc_ptr", "seq_lens_ptr"], "*i32")
+    red |= dict.fromkeys(["stride_o_tok", "stride_o_head", "num_tokens", "num_splits"], "i32")
+    compile_for_hopper(ts._prefill_merge_kernel, red, const)
+
+
 def child() -> dict:
     report = {}
     for case in SKINNY_CASES:
@@ -112,6 +132,8 @@ def child() -> dict:
     for num_splits in (1, 33):
         compile_decode_attention(num_splits)
         report[f"decode_attention(splits={num_splits})"] = True
+    compile_prefill_split()
+    report["prefill_split_attention"] = True
     return report
 
 
@@ -130,7 +152,7 @@ def test_kernels_compile_for_hopper():
         pytest.skip("no ptxas in this triton")  # pragma: no cover
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == len(SKINNY_CASES) + 4
+    assert len(report) == len(SKINNY_CASES) + 5
     # The tensor-core tile is pipelined by Triton (the FMA tiles prefetch by hand).
     assert report[f"skinny_gemm{SKINNY_CASES[-1]}"] is True
 

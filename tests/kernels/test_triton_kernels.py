@@ -21,6 +21,9 @@ SCALE = 2 if ON_GPU else 1  # bigger shapes on a GPU
 
 tk = pytest.importorskip("engine.layers.attention.triton_kernels", reason="triton is not installed")
 td = pytest.importorskip("engine.layers.attention.triton_decode", reason="triton is not installed")
+ts = pytest.importorskip(
+    "engine.layers.attention.triton_prefill_split", reason="triton is not installed"
+)
 
 
 def random_layout(rng, q_lens, prefix_lens, block_size, num_blocks):
@@ -90,6 +93,97 @@ def test_prefill_over_paged_prefix_matches_torch(
     )
     ref = reference(q, k_cache, v_cache, bt, q_lens, seq_lens, heads, kv_heads, head_dim)
     assert torch.allclose(out.float(), ref, atol=ATOL, rtol=ATOL), (out.float() - ref).abs().max()
+
+
+def prefill_case(rng, q_lens, prefix_lens, heads, kv_heads, head_dim, block_size):
+    """Random cache, block tables, queries and lengths of one varlen prefill batch."""
+    seq_lens = [q + p for q, p in zip(q_lens, prefix_lens, strict=True)]
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 4
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=DEVICE, dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    bt = random_layout(rng, q_lens, prefix_lens, block_size, num_blocks)
+    q = torch.randn(sum(q_lens), heads, head_dim, device=DEVICE, dtype=DTYPE)
+    qsl = torch.tensor(
+        [0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+    )
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return q, k_cache, v_cache, bt, qsl, lens, seq_lens
+
+
+SPLIT_CASES = [
+    # (q_lens, prefix_lens, heads, kv_heads, head_dim, block_size, num_splits, config)
+    ([16], [200], 8, 2, 64, 16, 4, None),  # GQA: one short query over a long prefix
+    # No cached prefix, a chunk-sized one and a long one; lengths not multiples of the block.
+    ([5, 17, 1], [0, 23, 300], 4, 2, 64, 16, 3, None),
+    ([33], [90], 8, 1, 128, 8, 2, None),  # a group of 8: 8 tokens a 64-row tile
+    ([12, 3], [150, 0], 6, 2, 128, 256, 5, None),  # a group of 3: not a power of two
+    ([70], [130], 8, 8, 64, 64, 16, None),  # MHA; more splits than the context fills
+    ([9, 40], [77, 41], 32, 8, 128, 16, 8, {"BLOCK_M": 16, "BLOCK_N": 32}),  # 4 tokens a tile
+    ([20], [100], 32, 1, 64, 16, 3, {"BLOCK_M": 16}),  # group 32 wider than the tile
+    # One split: the whole context, stored directly (no workspace, no merge).
+    ([5, 17, 1], [0, 23, 300], 4, 2, 64, 16, 1, None),
+    ([9, 40], [77, 41], 32, 8, 128, 16, 1, None),
+]
+
+
+@pytest.mark.parametrize(
+    "q_lens, prefix_lens, heads, kv_heads, head_dim, block_size, num_splits, config", SPLIT_CASES
+)
+def test_split_prefill_matches_torch_and_the_unsplit_kernel(
+    q_lens, prefix_lens, heads, kv_heads, head_dim, block_size, num_splits, config
+):
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    q_lens = [q * SCALE for q in q_lens]
+    prefix_lens = [p * SCALE for p in prefix_lens]
+    q, k_cache, v_cache, bt, qsl, lens, seq_lens = prefill_case(
+        rng, q_lens, prefix_lens, heads, kv_heads, head_dim, block_size
+    )
+    args = (k_cache, v_cache)
+    split, unsplit = torch.full_like(q, float("nan")), torch.empty_like(q)
+    meta = (bt, qsl, lens, max(q_lens), head_dim**-0.5)
+    tk.prefill_attention(q, *args, split, *meta, config=config, num_splits=num_splits)
+    tk.prefill_attention(q, *args, unsplit, *meta)
+    ref = reference(q, k_cache, v_cache, bt, q_lens, seq_lens, heads, kv_heads, head_dim)
+    assert torch.allclose(split.float(), ref, atol=ATOL, rtol=ATOL), (
+        (split.float() - ref).abs().max()
+    )
+    assert torch.allclose(split.float(), unsplit.float(), atol=ATOL, rtol=ATOL)
+
+
+def test_split_prefill_writes_into_a_strided_out_and_reuses_its_workspace():
+    """The backend's case: out is a slice of a larger buffer (rows after the decode
+    rows), and one workspace serves every layer of the step."""
+    rng = random.Random(4)
+    q, k_cache, v_cache, bt, qsl, lens, seq_lens = prefill_case(
+        rng, [7, 11], [260, 90], 8, 2, 64, 16
+    )
+    big = torch.zeros(3 + q.shape[0], 8, 64, device=DEVICE, dtype=DTYPE)
+    ws = ts.make_workspace(q.shape[0], 8, 64, 2, DEVICE)
+    ref = reference(q, k_cache, v_cache, bt, [7, 11], seq_lens, 8, 2, 64)
+    for _ in range(2):
+        out = big[3:]
+        tk.prefill_attention(
+            q, k_cache, v_cache, out, bt, qsl, lens, 11, 0.125, num_splits=2, workspace=ws
+        )
+        assert torch.allclose(out.float(), ref, atol=ATOL, rtol=ATOL)
+    assert torch.equal(big[:3], torch.zeros_like(big[:3]))
+
+
+def test_prefill_split_rule():
+    # Llama-3.1-8B heads (8 KV heads, groups of 4) on an H200's 132 SMs, 2,048 cached:
+    # 64 tiles of 16 tokens x 4 heads for 128 new tokens -> 4 splits, 256 programs.
+    one = [ts.prefill_num_splits(1, 8, 4, n, 2048 + n, 132) for n in (128, 64, 32)]
+    assert one == [4, 8, 8]
+    # A grid that fills the GPU on its own: still two splits (measured 1.1-1.4x).
+    assert ts.prefill_num_splits(4, 8, 4, 512, 2560, 132) == 2
+    assert ts.prefill_num_splits(8, 8, 4, 128, 2176, 132) == 2
+    # A fresh prompt, a context too short for two chunks, a long query: unsplit.
+    assert ts.prefill_num_splits(1, 8, 4, 128, 128, 132) == 0
+    assert ts.prefill_num_splits(1, 8, 4, 128, 300, 132) == 0
+    assert ts.prefill_num_splits(1, 8, 4, 100, 500, 132) == 0
+    assert ts.prefill_num_splits(1, 8, 4, 1024, 3072, 132) == 0
+    assert ts.prefill_num_splits(1, 8, 4, 16, 1 << 20, 132) == ts.MAX_PREFILL_SPLITS
 
 
 DECODE_CASES = [
@@ -180,15 +274,20 @@ def test_batch_one_spreads_a_short_context_over_the_gpu():
 
 
 MIXED_CASES = [
-    # (q_lens with the decode rows first, prefix_lens, num_decode_seqs)
-    ([1, 1, 1, 9, 30], [40, 7, 90, 33, 0], 3),
-    ([1, 1, 12], [16, 64, 48], 2),
-    ([5, 1, 20], [3, 30, 0], 0),  # a one-token chunk after a prefill: not a leading decode
+    # (q_lens with the decode rows first, prefix_lens, num_decode_seqs, prefill split)
+    ([1, 1, 1, 9, 30], [40, 7, 90, 33, 0], 3, 0),
+    ([1, 1, 12], [16, 64, 48], 2, 0),
+    ([5, 1, 20], [3, 30, 0], 0, 0),  # a one-token chunk after a prefill: not a leading decode
+    # A short prompt over a long cached prefix: the prefill split over its context
+    # (2 splits of 310 keys on the CPU's 4 "SMs" and on an H200's 132).
+    ([1, 1, 20], [16, 64, 600], 2, 2),
+    ([1, 40], [50, 300], 1, 0),  # 340 keys: too few for two chunks, the unsplit kernel
+    ([1, 40], [50, 500], 1, 2),
 ]
 
 
-@pytest.mark.parametrize("q_lens, prefix_lens, num_decodes", MIXED_CASES)
-def test_mixed_step_matches_torch_backend(q_lens, prefix_lens, num_decodes):
+@pytest.mark.parametrize("q_lens, prefix_lens, num_decodes, prefill_splits", MIXED_CASES)
+def test_mixed_step_matches_torch_backend(q_lens, prefix_lens, num_decodes, prefill_splits):
     """A step of decodes then prefills: the triton backend runs the decode kernel on
     the leading one-token rows and the prefill kernel on the rest; the output must
     be the torch reference's for every row."""
@@ -228,6 +327,7 @@ def test_mixed_step_matches_torch_backend(q_lens, prefix_lens, num_decodes):
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     triton_attn = TritonAttention(heads, kv_heads, head_dim, head_dim**-0.5, block_size)
     out = triton_attn.forward(q, k, v, k_cache, v_cache, meta)
+    assert triton_attn._args[-1][0] == prefill_splits
     ref_attn = TorchAttention(heads, kv_heads, head_dim, head_dim**-0.5, block_size)
     ref = ref_attn.forward(q, k, v, ref_k, ref_v, meta)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)

@@ -7,7 +7,12 @@ Cache layout (see backend.py): ``k_cache``/``v_cache`` are
 
 Prefill reads every key, the new ones included, from the cache (the store
 kernel runs first), so one code path serves fresh prompts, chunks and prompts
-with a prefix-cache hit.
+with a prefix-cache hit. ``_prefill_kernel`` gives each program one query tile
+and head and walks the whole context; a short query over a long context (a
+prompt mostly served from the prefix cache) leaves most SMs idle that way, and
+``prefill_attention(num_splits >= 1)`` hands it to triton_prefill_split.py,
+which packs a KV head's query heads into one tile, cuts the context into chunks
+and merges them (its ``prefill_num_splits`` picks the count, 0 for this kernel).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from engine.layers.attention.triton_prefill_split import prefill_split_attention
 
 # Launch configurations (tile sizes, warps, pipeline stages); the defaults are the
 # best of benchmarks/tune_kernels.py on an H200 (see docs/performance.md).
@@ -169,7 +176,28 @@ def prefill_attention(
     max_query_len: int,
     scale: float,
     config: dict[str, int] | None = None,
+    num_splits: int = 0,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
+    """Varlen causal prefill over the paged cache, written into ``out``. With
+    ``num_splits`` >= 1 the split-context kernels run instead (``config`` and
+    ``workspace`` are then theirs: triton_prefill_split.py)."""
+    if num_splits >= 1:
+        prefill_split_attention(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            max_query_len,
+            scale,
+            num_splits,
+            workspace,
+            config,
+        )
+        return
     _, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
