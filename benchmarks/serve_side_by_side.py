@@ -168,12 +168,15 @@ GC_FROZE = re.compile(r"froze (\d+) start-up objects")
 
 def gc_pauses(log_dir: Path) -> dict:
     """Per pdserve process log: objects frozen at start-up and the collector's long
-    pauses (common/gc_heap.py logs each one over 50 ms)."""
+    pauses once serving (common/gc_heap.py logs each one over 50 ms; those of
+    start-up, before the process says it is serving, are left out)."""
     found = {}
     for path in sorted(log_dir.glob("*.log")):
         text = path.read_text(errors="replace")
-        pauses = [int(ms) for _, ms in GC_PAUSE.findall(text)]
+        serving = text.find(" serving on ")
         frozen = GC_FROZE.findall(text)
+        text = text[serving:] if serving >= 0 else ""
+        pauses = [int(ms) for _, ms in GC_PAUSE.findall(text)]
         found[path.stem] = {
             "frozen": int(frozen[-1]) if frozen else 0,
             "pauses_over_50ms": len(pauses),
