@@ -75,10 +75,23 @@ def bench(args, label: str, target: list[str], workload: str, out: Path, seed: i
         log(f"{label} {workload}: skipped, --time-budget spent")
         return
     log(f"{label} {workload}: rates {' '.join(rates)}")
+    before = triton_kernels_cached()
     try:
         subprocess.run(cmd, check=False, timeout=timeout)
     except subprocess.TimeoutExpired:
         log(f"{label} {workload}: sweep timed out after {timeout:.0f} s (record lost)")
+    # A kernel compiled while requests wait stalls the server for a second or so:
+    # name what the sweep made a server compile (the first sweep on a fresh host).
+    compiled = sorted(p.name for p in triton_kernels_cached() - before)
+    args.compiled[f"{label}-{workload}"] = compiled
+    if compiled:
+        log(f"{label} {workload}: {len(compiled)} Triton kernels compiled during the sweep")
+
+
+def triton_kernels_cached() -> set[Path]:
+    """The kernel metadata files in Triton's on-disk cache (one per compiled variant)."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    return {p for p in root.glob("*/*.json") if not p.name.startswith("__grp__")}
 
 
 def run_pdserve(args, out: Path) -> None:
@@ -186,7 +199,7 @@ def gc_pauses(log_dir: Path) -> dict:
     return found
 
 
-def summarize(out: Path, workloads: list[str]) -> dict:
+def summarize(out: Path, workloads: list[str], compiled: dict[str, list[str]]) -> dict:
     """Plots per workload and the issue's two targets, from the records."""
     from pdserve.bench.plot import plot_records
     from pdserve.bench.report import load_record
@@ -207,6 +220,7 @@ def summarize(out: Path, workloads: list[str]) -> dict:
                 k: {str(x["request_rate"]): x["ttft_ms"]["p50"] for x in v} for k, v in per.items()
             }
         summary[f"{workload}_failed"] = {k: sum(x["failed"] for x in v) for k, v in per.items()}
+    summary["triton_compiled_during_sweeps"] = compiled
     if (out / "logs-pdserve").is_dir():
         summary["pdserve_gc"] = gc_pauses(out / "logs-pdserve")
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
@@ -244,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm-args", default="--gpu-memory-utilization 0.9 --max-num-seqs 256")
     args = p.parse_args(argv)
     args.deadline = time.monotonic() + args.time_budget
+    args.compiled = {}
     args.rates = {"random": args.random_rates, "shared-prefix": args.shared_prefix_rates}
     from engine.models.shapes import write_shape_dir
 
@@ -256,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
             (run_pdserve if system == "pdserve" else run_vllm)(args, args.out)
         except Exception as e:  # the other system still runs; the error is in the log
             log(f"{system}: {type(e).__name__}: {e}")
-    summarize(args.out, args.workloads)
+    summarize(args.out, args.workloads, args.compiled)
 
 
 if __name__ == "__main__":
