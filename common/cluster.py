@@ -310,14 +310,18 @@ class Cluster:
         return self._view_of(await self.route_connection.finish(started, ROUTE_SCRIPT))
 
     def _view_of(self, raw: list[Any]) -> ClusterView:
+        """The routing script's flat reply (common/route_script.py) as a view."""
         out = []
         last, self._parsed_routes = self._parsed_routes, {}  # live nodes only
-        for i in range(1, len(raw), 4):
+        i, end = 1, len(raw)
+        while i < end:
             node_id = _text(raw[i])
+            k = raw[i + 1]
             if node_id in last:
                 self._parsed_routes[node_id] = last[node_id]
-            info = NodeInfo.from_route(node_id, raw[i + 1], self._parsed_routes)
-            out.append(RouteCandidate(info, int(raw[i + 2]), bool(raw[i + 3])))
+            info = NodeInfo.from_route(node_id, raw[i + 2 : i + 2 + k], self._parsed_routes)
+            out.append(RouteCandidate(info, raw[i + 2 + k], bool(raw[i + 3 + k])))
+            i += 4 + k
         return ClusterView(int(raw[0]), out)
 
     async def candidates(self, block_hashes: list[bytes]) -> list[RouteCandidate]:

@@ -31,6 +31,13 @@ Lua becomes a Lua string and then a reply entry, and with 16 nodes the 14-field
 read was most of the script's time on the server (docs/performance.md,
 "Routing"). A node hash without ``route`` (written by an earlier version) is
 read field by field, as before, so routers and nodes can be upgraded in any order.
+
+The reply is one flat array. Redis 6.2 sends each nested array of a script's
+reply (a node's values, as it was) with a write() and a TCP segment of its
+own: 17 for 16 nodes, where the client read the reply in as many pieces. That
+cost about 90 us per read on the 2-core VM, none of it in INFO commandstats'
+figure for the script (docs/performance.md, "Issue 19, item 4: the decision,
+second pass").
 """
 
 from __future__ import annotations
@@ -65,6 +72,10 @@ PACKED_FIELDS = tuple(f for f in ROUTE_FIELDS if f != "seen_ms")
 # ARGV[1]: the key prefix; ARGV[2]: the request's block hashes, concatenated
 # (16 bytes each). One argument rather than one per block: encoding hundreds of
 # arguments cost the client more than the whole script costs the server.
+# The reply is one flat array: the server's clock (ms), then per live node its
+# id, the number k of values read (2: route and seen_ms; one per ROUTE_FIELDS
+# field from a node without ``route``), those k values, its hit in blocks, and
+# 1 if an operator drained it (module docstring: why flat).
 ROUTE_SCRIPT = """
 local t = redis.call('TIME')
 local out = {t[1] * 1000 + math.floor(t[2] / 1000)}
@@ -94,10 +105,11 @@ for _, id in ipairs(ids) do
         if redis.call('SISMEMBER', key, block(mid)) == 1 then lo = mid else hi = mid end
       end
     end
-    local hit = lo
+    -- Flat: a nested table would cost a write() and a TCP segment of its own.
     out[#out + 1] = id
-    out[#out + 1] = values
-    out[#out + 1] = hit
+    out[#out + 1] = #values
+    for k = 1, #values do out[#out + 1] = values[k] end
+    out[#out + 1] = lo
     out[#out + 1] = drained[id] or 0
   end
 end

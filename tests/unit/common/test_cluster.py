@@ -226,8 +226,13 @@ def test_a_node_hash_without_the_route_field_is_read_field_by_field(redis_url):
         info = node("p2", running=5, queued_prefill_tokens=12, tensor_parallel_size=4)
         await cluster.heartbeat(info, stored=hashes[:4], reset_blocks=True)
         await cluster.redis.hdel("t9:node:p2", ROUTE_KEY)
-        (cand,) = await cluster.candidates(hashes)
-        assert cand.hit_blocks == 4
+        # Beside a node that has the field: the flat reply holds both shapes.
+        await cluster.heartbeat(node("d3", NodeRole.DECODE), stored=hashes[:2], reset_blocks=True)
+        await cluster.drain("d3")
+        cands = {c.node.node_id: c for c in await cluster.candidates(hashes)}
+        cand, other = cands["p2"], cands["d3"]
+        assert (other.hit_blocks, other.drained, other.node.role) == (2, True, NodeRole.DECODE)
+        assert cand.hit_blocks == 4 and not cand.drained
         info.seen_ms = cand.node.seen_ms
         assert cand.node.seen_ms > 0
         assert routing_fields(cand.node) == routing_fields(info)
