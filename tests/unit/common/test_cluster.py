@@ -254,3 +254,6 @@ def test_a_route_field_with_fewer_or_more_fields_keeps_defaults_or_ignores_the_r
     )
     newer = NodeInfo.from_route("n", [json.dumps([*full, 99, "x"]).encode(), None])
     assert (newer.running, newer.seen_ms) == (4, 0)
+    # Role, address, model id and block size are required.
+    with pytest.raises(ValueError, match="lacks a required field"):
+        NodeInfo.from_route("n", [json.dumps(full[:3]).encode(), b"7"])
