@@ -10,10 +10,10 @@ one when the node holds none of it. It is exact when a node's published set
 is prefix-closed -- every cached block's parent is cached too -- which the
 block manager guarantees: a hit touches every block before it, and freed
 blocks enter the LRU tail first, so a parent is never evicted before its child
-(tests/unit/engine/test_block_manager.py checks this). Then "block i is held" is true
-for i <= hit and false after it, which is what bisection needs. A set with
-holes is credited with at least its leading run and at most its last held
-block; hashes are hints either way, and a node verifies a block's tokens
+(tests/unit/engine/test_block_manager.py checks this). Then "block i is held"
+is true for i <= hit and false after it, which is what bisection needs. A set
+with holes is credited with at least its leading run and at most its last
+held block; hashes are hints either way, and a node verifies a block's tokens
 before it reuses it.
 
 Bisection replaced galloping (which took 2·log2(hit) lookups: fewer for hits
@@ -96,7 +96,7 @@ for _, id in ipairs(ids) do
     redis.call('SREM', KEYS[1], id)
   else
     local key = prefix .. ':blocks:' .. id
-    -- Blocks 1..lo are held and block hi is not (n + 1: past the end).
+    -- Once block 1 is found: blocks 1..lo are held, block hi is not (n + 1: past the end).
     local lo, hi = 0, n + 1
     if n > 0 and redis.call('SISMEMBER', key, block(1)) == 1 then
       lo = 1
