@@ -4,14 +4,25 @@ One routing decision is one round trip: the script returns the server's clock
 and, for every live node, its routing fields and how many leading blocks of
 the request it holds.
 
-That count is found by galloping then binary search (about 2·log2(n) set
-lookups per node, not n). It is exact when a node's published set is
-prefix-closed -- every cached block's parent is cached too -- which the block
-manager guarantees: a hit touches every block before it, and freed blocks
-enter the LRU tail first, so a parent is never evicted before its child
-(tests/unit/test_block_manager.py checks this). A set with holes can only be
-credited with too long a hit; hashes are hints either way, and a node
-verifies a block's tokens before it reuses it.
+That count is found by binary search: block 1, then bisection of 1..n, at
+most 1 + ceil(log2(n + 1)) set lookups per node (11 for an 8k-token prompt),
+one when the node holds none of it. It is exact when a node's published set
+is prefix-closed -- every cached block's parent is cached too -- which the
+block manager guarantees: a hit touches every block before it, and freed
+blocks enter the LRU tail first, so a parent is never evicted before its child
+(tests/unit/engine/test_block_manager.py checks this). Then "block i is held"
+is true for i <= hit and false after it, which is what bisection needs. A set
+with holes is credited with at least its leading run and at most its last
+held block; hashes are hints either way, and a node verifies a block's tokens
+before it reuses it.
+
+Bisection replaced galloping (which took 2·log2(hit) lookups: fewer for hits
+under about sqrt(n) blocks, twice as many for long ones). Looking up several
+blocks per call with SMISMEMBER (a k-ary search) was measured and is slower:
+on Redis 6.2 a call from Lua costs about 0.5 us and each block in an
+SMISMEMBER about 0.3 us more, so the cost follows the number of blocks looked
+up, and bisection looks up the fewest (docs/performance.md, "Issue 19, item 4:
+the decision, second pass").
 
 The routing fields are also written packed, as one JSON array in the hash's
 ``route`` field (ROUTE_FIELDS order, less ``seen_ms``), and the script reads
@@ -20,6 +31,13 @@ Lua becomes a Lua string and then a reply entry, and with 16 nodes the 14-field
 read was most of the script's time on the server (docs/performance.md,
 "Routing"). A node hash without ``route`` (written by an earlier version) is
 read field by field, as before, so routers and nodes can be upgraded in any order.
+
+The reply is one flat array. Redis 6.2 sends each nested array of a script's
+reply (a node's values, as it was) with a write() and a TCP segment of its
+own: 17 for 16 nodes, where the client read the reply in as many pieces. That
+cost about 90 us per read on the 2-core VM, none of it in INFO commandstats'
+figure for the script (docs/performance.md, "Issue 19, item 4: the decision,
+second pass").
 """
 
 from __future__ import annotations
@@ -54,6 +72,10 @@ PACKED_FIELDS = tuple(f for f in ROUTE_FIELDS if f != "seen_ms")
 # ARGV[1]: the key prefix; ARGV[2]: the request's block hashes, concatenated
 # (16 bytes each). One argument rather than one per block: encoding hundreds of
 # arguments cost the client more than the whole script costs the server.
+# The reply is one flat array: the server's clock (ms), then per live node its
+# id, the number k of values read (2: route and seen_ms; one per ROUTE_FIELDS
+# field from a node without ``route``), those k values, its hit in blocks, and
+# 1 if an operator drained it (module docstring: why flat).
 ROUTE_SCRIPT = """
 local t = redis.call('TIME')
 local out = {t[1] * 1000 + math.floor(t[2] / 1000)}
@@ -74,28 +96,20 @@ for _, id in ipairs(ids) do
     redis.call('SREM', KEYS[1], id)
   else
     local key = prefix .. ':blocks:' .. id
-    local hit = 0
+    -- Once block 1 is found: blocks 1..lo are held, block hi is not (n + 1: past the end).
+    local lo, hi = 0, n + 1
     if n > 0 and redis.call('SISMEMBER', key, block(1)) == 1 then
-      -- blocks 1..lo are held; hi is the first block known to be missing.
-      local lo, hi, step = 1, n + 1, 1
-      while lo + step <= n do
-        if redis.call('SISMEMBER', key, block(lo + step)) == 1 then
-          lo = lo + step
-          step = step * 2
-        else
-          hi = lo + step
-          break
-        end
-      end
+      lo = 1
       while hi - lo > 1 do
         local mid = math.floor((lo + hi) / 2)
         if redis.call('SISMEMBER', key, block(mid)) == 1 then lo = mid else hi = mid end
       end
-      hit = lo
     end
+    -- Flat: a nested table would cost a write() and a TCP segment of its own.
     out[#out + 1] = id
-    out[#out + 1] = values
-    out[#out + 1] = hit
+    out[#out + 1] = #values
+    for k = 1, #values do out[#out + 1] = values[k] end
+    out[#out + 1] = lo
     out[#out + 1] = drained[id] or 0
   end
 end

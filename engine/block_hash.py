@@ -19,9 +19,13 @@ per process.
 The chain runs in C (``engine/_block_hash.c``, built with the package) where it
 was built: the spec makes it sequential, and in Python each block costs four
 method calls around one BLAKE2b compression (about 0.4 ms of a routing decision
-for an 8k-token prompt; docs/performance.md, "Routing"). Without the extension
-(no C compiler at install) hashlib computes the same digests; the tests check
-that both agree with a literal reading of the spec.
+for an 8k-token prompt; docs/performance.md, "Routing"). The C call reads the
+token ids straight from the caller's list, validating them as ``pack_tokens``
+does: packing 8,192 ids with ``array('I')`` first cost about 60 us, a third of
+the hashing (docs/performance.md, "Issue 19, item 4: the decision, second
+pass"). Without the extension (no C compiler at install, or one built from an
+older source) hashlib computes the same digests; the tests check that both
+agree with a literal reading of the spec.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from collections.abc import Sequence
 try:
     import engine._block_hash as _native
 except ImportError:  # installed without a C compiler: hashlib gives the same digests
+    _native = None
+if not hasattr(_native, "chain_ids"):  # an extension built from an older source
     _native = None
 
 BLOCK_HASH_VERSION = 1
@@ -113,10 +119,10 @@ class BlockHasher:
             return []
         if len(parent) != DIGEST_SIZE:
             raise ValueError(f"parent must be a {DIGEST_SIZE}-byte block hash, got {len(parent)}")
+        if self._native is not None:
+            return self._native.chain_ids(self._key, parent, token_ids, bs, start_block)
         data = pack_tokens(token_ids[start_block * bs : num_full * bs])
         step = bs * 4
-        if self._native is not None:
-            return self._native.chain(self._key, parent, data, step)
         hashes: list[bytes] = []
         prev = parent
         base = self._base

@@ -37,6 +37,7 @@ always prefill remotely when they can.
 from __future__ import annotations
 
 import enum
+import operator
 import random
 from dataclasses import dataclass, field
 
@@ -235,14 +236,15 @@ def choose_route(
     rng = rng or random.Random()
     local = local or {}
     scores: list[NodeScore] = []
-    usable: dict[NodeRole, list[RouteCandidate]] = {NodeRole.DECODE: [], NodeRole.PREFILL: []}
-    for c in sorted(view.candidates, key=lambda c: c.node.node_id):
+    decodes: list[RouteCandidate] = []
+    prefills: list[RouteCandidate] = []
+    for c in sorted(view.candidates, key=_node_id):
         why = exclusion(c, view, request, local.get(c.node.node_id), config)
         if why:
             scores.append(NodeScore(c.node.node_id, c.node.role, c.hit_blocks, excluded=why))
         else:
-            usable[c.node.role].append(c)
-    decodes, prefills = usable[NodeRole.DECODE], usable[NodeRole.PREFILL]
+            # `is`, not a dict keyed by role: an Enum's __hash__ is Python code.
+            (decodes if c.node.role is _DECODE else prefills).append(c)
     if not decodes:
         _raise_no_decode(view, scores)
     remote_ok = request.allow_remote_prefill and bool(prefills)
@@ -270,7 +272,7 @@ def choose_route(
         scores.extend(
             NodeScore(c.node.node_id, c.node.role, c.hit_blocks) for c in decodes + prefills
         )
-    scores.sort(key=lambda s: (s.role.value, s.node_id))
+    scores.sort(key=_role_then_id)
     return RouteDecision(
         decode=decode.node,
         prefill=prefill.node if prefill else None,
@@ -283,6 +285,18 @@ def choose_route(
 
 # What this router has on a node it sent nothing: the cost functions only read it.
 _NOTHING_SENT = LocalLoad()
+# The policy runs on every request (docs/performance.md, "Routing"): plain
+# attribute reads where Enum's own accessors run Python code.
+_DECODE = NodeRole.DECODE
+_cost_then_draw = operator.itemgetter(0, 1)
+
+
+def _node_id(c: RouteCandidate) -> str:
+    return c.node.node_id
+
+
+def _role_then_id(s: NodeScore) -> tuple[str, str]:
+    return (s.role._value_, s.node_id)
 
 
 def _cheapest(candidates, request, local, config, rng, cost_fn):
@@ -290,7 +304,7 @@ def _cheapest(candidates, request, local, config, rng, cost_fn):
     for c in candidates:
         terms = cost_fn(c, request, local.get(c.node.node_id) or _NOTHING_SENT, config)
         scored.append((sum(terms.values()), rng.random(), c, terms))
-    best = min(scored, key=lambda s: (s[0], s[1]))
+    best = min(scored, key=_cost_then_draw)
     scores = [
         NodeScore(c.node.node_id, c.node.role, c.hit_blocks, cost, "", terms)
         for cost, _, c, terms in scored

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 
 import pytest
 
@@ -64,7 +65,7 @@ def test_heartbeat_registers_and_routing_counts_prefix_hits(redis_url):
 @pytest.mark.parametrize("num_blocks", [1, 2, 3, 7, 8, 9, 64, 100])
 def test_the_prefix_search_is_exact_on_prefix_closed_sets(redis_url, num_blocks):
     # What nodes publish is prefix-closed (see test_block_manager); on such a
-    # set the galloping search finds the same leading run a linear scan would.
+    # set the bisection finds the same leading run a linear scan would.
     async def go():
         cluster = Cluster.from_url(redis_url, prefix=f"t5-{num_blocks}")
         hashes = hash_prompt_blocks(list(range(16 * num_blocks)), "m", 16)
@@ -77,6 +78,28 @@ def test_the_prefix_search_is_exact_on_prefix_closed_sets(redis_url, num_blocks)
     run(go())
 
 
+# Hits where a bisection's bounds meet: none, one, every block, one short of
+# them, and each side of every power of two (the midpoints' neighbourhood).
+EDGE_HITS = sorted({0, 1, 2, 511, 512} | {2**k + d for k in range(1, 9) for d in (-1, 0, 1)})
+
+
+def test_the_prefix_search_is_exact_at_its_edges_on_an_8k_token_prompt(redis_url):
+    async def go():
+        cluster = Cluster.from_url(redis_url, prefix="t5-edges")
+        hashes = hash_prompt_blocks(list(range(16 * 512)), "m", 16)
+        for held in EDGE_HITS:
+            await cluster.heartbeat(node("p0"), stored=hashes[:held], reset_blocks=True)
+            (cand,) = await cluster.candidates(hashes)
+            assert cand.hit_blocks == held
+            # A prompt shorter or longer than what is held by one block.
+            for n in {max(held - 1, 0), held + 1}:
+                (cand,) = await cluster.candidates(hashes[:n])
+                assert cand.hit_blocks == min(held, n)
+        await cluster.close()
+
+    run(go())
+
+
 def test_a_set_with_holes_is_credited_between_its_leading_run_and_its_last_block(redis_url):
     async def go():
         cluster = Cluster.from_url(redis_url, prefix="t6")
@@ -84,6 +107,15 @@ def test_a_set_with_holes_is_credited_between_its_leading_run_and_its_last_block
         await cluster.heartbeat(node("p1"), stored=hashes[:2] + hashes[3:9], reset_blocks=True)
         (cand,) = await cluster.candidates(hashes)
         assert 2 <= cand.hit_blocks <= 9
+        # Random holes: never below the leading run, never past the last held block.
+        rng = random.Random(6)
+        hashes = hash_prompt_blocks(list(range(16 * 100)), "m", 16)
+        for _ in range(30):
+            held = [i for i in range(100) if rng.random() < rng.random()]
+            await cluster.heartbeat(node("p1"), stored=[hashes[i] for i in held], reset_blocks=True)
+            (cand,) = await cluster.candidates(hashes)
+            run_ = next(i for i in range(101) if i not in held)
+            assert run_ <= cand.hit_blocks <= (held[-1] + 1 if held else 0)
         await cluster.close()
 
     run(go())
@@ -194,8 +226,13 @@ def test_a_node_hash_without_the_route_field_is_read_field_by_field(redis_url):
         info = node("p2", running=5, queued_prefill_tokens=12, tensor_parallel_size=4)
         await cluster.heartbeat(info, stored=hashes[:4], reset_blocks=True)
         await cluster.redis.hdel("t9:node:p2", ROUTE_KEY)
-        (cand,) = await cluster.candidates(hashes)
-        assert cand.hit_blocks == 4
+        # Beside a node that has the field: the flat reply holds both shapes.
+        await cluster.heartbeat(node("d3", NodeRole.DECODE), stored=hashes[:2], reset_blocks=True)
+        await cluster.drain("d3")
+        cands = {c.node.node_id: c for c in await cluster.candidates(hashes)}
+        cand, other = cands["p2"], cands["d3"]
+        assert (other.hit_blocks, other.drained, other.node.role) == (2, True, NodeRole.DECODE)
+        assert cand.hit_blocks == 4 and not cand.drained
         info.seen_ms = cand.node.seen_ms
         assert cand.node.seen_ms > 0
         assert routing_fields(cand.node) == routing_fields(info)
@@ -217,3 +254,6 @@ def test_a_route_field_with_fewer_or_more_fields_keeps_defaults_or_ignores_the_r
     )
     newer = NodeInfo.from_route("n", [json.dumps([*full, 99, "x"]).encode(), None])
     assert (newer.running, newer.seen_ms) == (4, 0)
+    # Role, address, model id and block size are required.
+    with pytest.raises(ValueError, match="lacks a required field"):
+        NodeInfo.from_route("n", [json.dumps(full[:3]).encode(), b"7"])

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 import shutil
 import struct
 import sysconfig
+from array import array
 
 import pytest
 
@@ -135,6 +137,61 @@ def test_digests_are_16_bytes_and_root_is_zero():
 def test_bad_token_ids_raise_value_error(bad):
     with pytest.raises(ValueError, match="token ids"):
         pack_tokens(bad)
+
+
+@pytest.mark.parametrize("native", IMPLEMENTATIONS)
+@pytest.mark.parametrize(
+    ("bad", "shown"), [(-1, "-1"), (2**32, "4294967296"), (2**70, str(2**70)), (1.5, "1.5")]
+)
+def test_bad_token_ids_in_a_full_block_raise_the_same_value_error(native, bad, shown):
+    # The C chain reads the ids itself; its message must be pack_tokens'.
+    hasher = BlockHasher("m", 4, native=native)
+    tokens = [1, 2, 3, 4, 5, bad, 7, 8, 9]
+    with pytest.raises(ValueError, match=re.escape(f"in [0, 2**32); got {shown}")):
+        hasher.hash_blocks(tokens)
+    # Only full blocks are read: a bad id in the trailing partial block is ignored.
+    assert hasher.hash_blocks(tokens[:4] + [bad]) == spec_hashes([1, 2, 3, 4], "m", 4, None)
+
+
+class _Index:
+    """An integer-like object that is not an int (numpy's integers are such)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+@pytest.mark.parametrize("native", IMPLEMENTATIONS)
+def test_any_sequence_of_integers_hashes_like_a_list(native):
+    # The router passes a list (or a protobuf repeated field), the engine a list
+    # with a start block; bools and __index__ objects count as their values.
+    hasher = BlockHasher("m", 4, native=native)
+    ids = [(i * 7919) % 50000 for i in range(37)]
+    expected = spec_hashes(ids, "m", 4, None)
+    assert hasher.hash_blocks(tuple(ids)) == expected
+    assert hasher.hash_blocks(array("I", ids)) == expected
+    assert hasher.hash_blocks([_Index(i) for i in ids]) == expected
+    assert hasher.hash_blocks([True, False] * 2) == spec_hashes([1, 0, 1, 0], "m", 4, None)
+    assert hasher.hash_blocks(range(8)) == spec_hashes(list(range(8)), "m", 4, None)
+    assert hasher.hash_blocks(ids, expected[2], 3) == expected[3:]
+    assert hasher.hash_blocks(ids, expected[-1], 9) == []
+
+
+def test_a_list_emptied_while_the_c_chain_reads_it_fails_cleanly():
+    if not NATIVE_AVAILABLE:
+        pytest.skip("engine._block_hash is not built")
+    ids: list = list(range(8))
+
+    class Clears:
+        def __index__(self) -> int:
+            ids.clear()
+            return 0
+
+    ids[1] = Clears()
+    with pytest.raises(RuntimeError, match="changed while they were hashed"):
+        BlockHasher("m", 4, native=True).hash_blocks(ids)
 
 
 @pytest.mark.parametrize("native", IMPLEMENTATIONS)
