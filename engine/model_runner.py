@@ -24,6 +24,7 @@ from engine.device import (
     resolve_device,
     resolve_dtype,
 )
+from engine.kernel_warmup import warm_up_kernels
 from engine.kv_blocks import Range, gather_blocks, scatter_blocks
 from engine.kv_writes import KVWriteObserver
 from engine.layers.attention import select_backend
@@ -115,6 +116,8 @@ class ModelRunner:
         self.piecewise: PiecewiseGraphs | None = piecewise_graphs_for(
             config, self.model, self.attention_backend, self.device, self.dtype, self.tp.size
         )
+        if self.device.type == "cuda":  # compiles now, not under load (kernel_warmup.py)
+            warm_up_kernels(self)
 
     # ------------------------------------------------------------- KV cache
     @property

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers.attention.triton_jit import step_jit
+
 # The launch configuration (tile, warps, pipeline stages): the best of
 # benchmarks/tune_kernels.py on an H200 (see docs/performance.md).
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
@@ -36,7 +38,7 @@ def _split_bounds(seq_len, num_splits, BLOCK_N: tl.constexpr):
 # every new count a Triton compile of a second or so inside a serving step (a
 # node's first minutes had TTFT spikes of a second from it). ONE_SPLIT keeps the
 # one-split path (direct store, no reduce) a separate compiled variant.
-@triton.jit(do_not_specialize=["num_splits"])
+@step_jit(ints=("stride_bt", "num_splits"), pointers=("block_tables_ptr", "seq_lens_ptr"))
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -135,7 +137,7 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + base, lse, mask=g_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@step_jit(ints=("num_splits",), pointers=("seq_lens_ptr",))
 def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers.attention.triton_jit import step_jit
 from engine.layers.attention.triton_prefill_split import prefill_split_attention
 
 # Launch configurations (tile sizes, warps, pipeline stages); the defaults are the
@@ -29,7 +30,7 @@ PREFILL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 PREFILL_CONFIG_SHORT = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
-@triton.jit
+@step_jit(pointers=("slot_ptr",))
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
@@ -81,7 +82,7 @@ def store_kv(
     )
 
 
-@triton.jit
+@step_jit(ints=("stride_bt",), pointers=("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"))
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,

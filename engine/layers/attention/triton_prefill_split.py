@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers.attention.triton_jit import step_jit
+
 # Rows (query tokens x GROUP heads) and keys per tile, warps, stages: the best
 # of `benchmarks/tune_kernels.py --part split-prefill --sweep` on an H200 over
 # 1-8 prompts of 32-512 tokens (geometric mean of 24 configurations; within 4%
@@ -124,7 +126,10 @@ def _chunk_keys(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 # The split count is a runtime argument (not a constexpr), so a new count in a
 # serving step is no new compile (see triton_decode.py).
-@triton.jit(do_not_specialize=["num_splits", "num_tokens"])
+@step_jit(
+    ints=("stride_bt", "num_tokens", "num_splits"),
+    pointers=("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"),
+)
 def _prefill_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -237,7 +242,7 @@ def _prefill_split_kernel(
         tl.store(part_lse_ptr + row, lse, mask=r_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits", "num_tokens"])
+@step_jit(ints=("num_tokens", "num_splits"), pointers=("query_start_loc_ptr", "seq_lens_ptr"))
 def _prefill_merge_kernel(
     part_out_ptr,
     part_lse_ptr,

@@ -1,0 +1,74 @@
+"""Compile, at start-up, the attention kernel variants a server meets later.
+
+Why: a Triton kernel variant first met while serving compiles inside that
+step (0.5-1 s on an H200), and every request waits. Per-step metadata no
+longer makes new variants (``engine/layers/attention/triton_jit.py``), but the
+kernels still choose constexprs by the step's shape: the short-query tiles
+(a prefill of at most 32 tokens), the split prefill and its merge (a short
+query over a long cached context), the decode kernel with one split (short
+contexts) or several, and the mixed step's slicing. The start-up profile pass
+and the CUDA-graph captures meet only some of them.
+
+``warm_up_kernels`` runs one small forward pass of each kind over the real KV
+cache, before any request can own a block (the blocks it writes are free and
+hold nothing), and throws the results away.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# (context already cached, new tokens) per sequence of each warm-up pass.
+WARMUP_PASSES: tuple[tuple[tuple[int, int], ...], ...] = (
+    ((0, 16),),  # a short prompt: the short-query prefill tiles
+    ((0, 64),),  # a prompt: the prefill tiles
+    ((1024, 16),),  # a question after a cached system prompt: split prefill + merge
+    ((1024, 128), (512, 64)),  # two of them, of different lengths
+    ((16, 1),),  # a decode over a short context: one split
+    ((2048, 1), (64, 1)),  # decodes over a long context: several splits
+    ((2048, 1), (0, 48), (1024, 32)),  # a mixed step: decode and prefill rows sliced apart
+)
+
+
+@torch.inference_mode()
+def warm_up_kernels(runner: ModelRunner) -> None:
+    """One forward pass per entry of WARMUP_PASSES that fits the cache and the
+    token budget (a small cache or model length skips the longer ones)."""
+    started = time.perf_counter()
+    bs = runner.block_size
+    cfg = runner.config
+    ran = 0
+    for seqs in WARMUP_PASSES:
+        if any(c + n > cfg.max_model_len for c, n in seqs):
+            continue
+        if sum(n for _, n in seqs) > cfg.max_num_batched_tokens or len(seqs) > cfg.max_num_seqs:
+            continue
+        tables, next_block = [], 0
+        for cached, new in seqs:
+            num_blocks = -(-(cached + new) // bs)
+            tables.append(list(range(next_block, next_block + num_blocks)))
+            next_block += num_blocks
+        if next_block > runner.num_kvcache_blocks:
+            continue
+        inputs = runner.build_inputs(
+            [[0] * (c + n) for c, n in seqs], [c for c, _ in seqs], [n for _, n in seqs], tables
+        )
+        runner.model(inputs.input_ids, inputs.positions, inputs.meta)
+        ran += 1
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    logger.info(
+        "kernel warm-up: %d of %d passes in %.1f s",
+        ran,
+        len(WARMUP_PASSES),
+        time.perf_counter() - started,
+    )
