@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +38,20 @@ WARMUP_PASSES: tuple[tuple[tuple[int, int], ...], ...] = (
 )
 
 
+class _Runner(Protocol):
+    """What the warm-up needs of a ModelRunner (which calls it from its __init__)."""
+
+    config: EngineConfig
+    block_size: int
+    num_kvcache_blocks: int
+    device: torch.device
+    model: Any
+
+    def build_inputs(self, token_ids, starts, num_new, block_tables) -> Any: ...
+
+
 @torch.inference_mode()
-def warm_up_kernels(runner: ModelRunner) -> None:
+def warm_up_kernels(runner: _Runner) -> None:
     """One forward pass per entry of WARMUP_PASSES that fits the cache and the
     token budget (a small cache or model length skips the longer ones)."""
     started = time.perf_counter()
