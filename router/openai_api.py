@@ -392,11 +392,12 @@ async def _sse(merged, assembler: Assembler, include_usage: bool):
     # then closes the streams, which cancels the Decode calls downstream.
     async with contextlib.aclosing(merged):
         try:
-            for chunk in assembler.start_chunks():
-                yield _event(chunk)
+            if start := assembler.start_events():
+                yield start
+            # One write per message from the node, all its chunks together.
             async for index, response in merged:
-                for chunk in assembler.chunks(index, response):
-                    yield _event(chunk)
+                if events := assembler.events(index, response):
+                    yield events
             if include_usage:
                 yield _event(assembler.usage_chunk())
         except RequestFailed as e:
