@@ -162,7 +162,7 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats, max_model_len: i
     async def unexpected(_request: Request, e: Exception):  # never a traceback to the client
         return ApiError(500, f"internal error: {type(e).__name__}", "server_error").response()
 
-    def authorize(request: Request) -> None:
+    async def authorize(request: Request) -> None:  # async: FastAPI runs a def on a thread
         if auth is None:
             return
         header = request.headers.get("authorization")
