@@ -260,7 +260,9 @@ def main(argv: list[str] | None = None) -> dict:
                 cmd += ["--admin-port", str(free_port()), *http]
                 return cmd + ["--skip-tokenizer-init", "--no-access-log", "--metrics-port", "0"]
 
-            router = subprocess.Popen(router_cmd(port, ["--http-port", str(http)]))
+            # The HTTP port only for the HTTP sweep (the TTFT part is gRPC, and needs no FastAPI).
+            serve_http = not args.ttft_only and "http" in args.encodings.split(",")
+            router = subprocess.Popen(router_cmd(port, ["--http-port", str(http)] * serve_http))
             procs.append(router)
             address = f"127.0.0.1:{port}"
             routers = {"router": address}
