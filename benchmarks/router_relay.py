@@ -104,7 +104,7 @@ def sweep(args, router_pid: int, node_pid: int, target: list[str], label: str, o
     cmd += ["--dataset", "random", "--random-input-len", str(args.input_len)]
     cmd += ["--random-output-len", str(args.output_len), "--ignore-eos"]
     cmd += ["--vocab-size", "1000", "--num-prompts", str(args.num_prompts)]
-    cmd += ["--max-concurrency", str(args.max_concurrency), "--request-rate", "inf"]
+    cmd += ["--max-concurrency", str(args.max_concurrency), "--request-rate", args.request_rate]
     cmd += ["--result-dir", str(out), "--no-plot", "--no-progress", "--num-warmups", "16"]
     before = set(out.glob("*.json"))
     cpu0, node0 = cpu_seconds(router_pid), cpu_seconds(node_pid)
@@ -130,13 +130,18 @@ def sweep(args, router_pid: int, node_pid: int, target: list[str], label: str, o
         "wall_output_tok_per_s": rate["output_throughput"],
         # The fake node: a bare gRPC server streaming the same messages, for scale.
         "fake_node_cpu_us_per_token": node_cpu / tokens * 1e6,
+        # With --token-interval-ms and a --request-rate: the client's first-token
+        # wait under that load, router's event loop busy with the other streams.
+        "ttft_p50_ms": rate["ttft_ms"]["p50"],
+        "ttft_p90_ms": rate["ttft_ms"]["p90"],
     }
     print(
         f"{label:5s}: {requests} streams x {args.output_len} tokens; router CPU {cpu:.2f} s = "
         f"{row['router_cpu_us_per_token']:.1f} us/token, {row['router_cpu_us_per_request']:.0f} "
         f"us/request -> {row['tokens_per_router_cpu_second']:,.0f} tokens per router CPU-second "
         f"(wall {rate['output_throughput']:,.0f} tok/s); the fake node (a bare gRPC stream) "
-        f"{row['fake_node_cpu_us_per_token']:.1f} us/token",
+        f"{row['fake_node_cpu_us_per_token']:.1f} us/token; TTFT p50 {row['ttft_p50_ms']:.2f} ms, "
+        f"p90 {row['ttft_p90_ms']:.2f} ms",
         flush=True,
     )
     return row
@@ -207,6 +212,9 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num-prompts", type=int, default=2000)
     p.add_argument("--max-concurrency", type=int, default=64)
+    p.add_argument(
+        "--request-rate", default="inf", help="the load's requests/s (inf: back to back)"
+    )
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--ttft-requests", type=int, default=300)
@@ -252,7 +260,9 @@ def main(argv: list[str] | None = None) -> dict:
                 cmd += ["--admin-port", str(free_port()), *http]
                 return cmd + ["--skip-tokenizer-init", "--no-access-log", "--metrics-port", "0"]
 
-            router = subprocess.Popen(router_cmd(port, ["--http-port", str(http)]))
+            # The HTTP port only for the HTTP sweep (the TTFT part is gRPC, and needs no FastAPI).
+            serve_http = not args.ttft_only and "http" in args.encodings.split(",")
+            router = subprocess.Popen(router_cmd(port, ["--http-port", str(http)] * serve_http))
             procs.append(router)
             address = f"127.0.0.1:{port}"
             routers = {"router": address}

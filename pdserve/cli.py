@@ -106,9 +106,9 @@ def positive_float(value: str) -> float:
 
 
 def cmd_component(args: argparse.Namespace) -> int:
-    import asyncio
+    from common.event_loop import run
 
-    return asyncio.run(args.serve(args))
+    return run(lambda: args.serve(args), args.event_loop)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -297,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_redis_auth_arguments(up)
     up.set_defaults(func=cmd_up)
 
+    from common.event_loop import add_event_loop_argument
     from decode_node import main as decode_main
     from prefill_node import main as prefill_main
     from router import main as router_main
@@ -308,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=text)
         module.add_arguments(p)
+        add_event_loop_argument(p)
         p.set_defaults(func=cmd_component, serve=module.serve)
 
     from pdserve.generate import add_generate_parser

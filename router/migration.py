@@ -70,16 +70,25 @@ class StreamProgress:
 
     prompt_len: int
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    # The text sent, in its pieces: joined only on a migration (``text``), not
+    # copied whole on every message of every stream.
+    texts: list[str] = field(default_factory=list)
     migrations: int = 0
     # Set while relaying a continuation: the generated tokens its prompt holds.
     resume_offset: int = 0
     seam: Seam | None = None
 
-    def observe(self, response: pdserve_pb2.GenerateResponse) -> None:
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def observe(self, response: pdserve_pb2.GenerateResponse) -> int:
+        """Records what the client is sent; the number of new tokens."""
+        before = len(self.token_ids)
         for delta in response.deltas:
             self.token_ids.extend(delta.token_ids)
-            self.text += delta.text
+            self.texts.append(delta.text)
+        return len(self.token_ids) - before
 
     def sampling(self, original: pdserve_pb2.SamplingParams) -> pdserve_pb2.SamplingParams:
         """The sampling parameters of the current attempt (a continuation's are reduced)."""

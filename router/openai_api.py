@@ -56,13 +56,8 @@ HTTP_STATUS = {
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str, param=None, code=None) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = (
-            status,
-            message,
-            kind,
-            param,
-            code,
-        )
+        self.status, self.message, self.kind = status, message, kind
+        self.param, self.code = param, code
 
     @classmethod
     def from_failure(cls, e: RequestFailed) -> ApiError:
@@ -162,7 +157,7 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats, max_model_len: i
     async def unexpected(_request: Request, e: Exception):  # never a traceback to the client
         return ApiError(500, f"internal error: {type(e).__name__}", "server_error").response()
 
-    def authorize(request: Request) -> None:
+    async def authorize(request: Request) -> None:  # async: FastAPI runs a def on a thread
         if auth is None:
             return
         header = request.headers.get("authorization")
@@ -304,6 +299,8 @@ def _invalid(errors) -> ApiError:
 
 
 async def _firsts(streams: list[AsyncIterator]) -> list:
+    if len(streams) == 1:  # no task and no gather: each a loop turn on the first token's way
+        return [await anext(streams[0])]
     tasks = [asyncio.ensure_future(anext(s)) for s in streams]
     try:
         return list(await asyncio.gather(*tasks))
@@ -320,25 +317,28 @@ async def _collect(merged, assembler: Assembler) -> None:
 
 async def _until_disconnected(request: Request, work):
     """``work``'s result; cancelled (aborting downstream, freeing the nodes'
-    blocks) when the client drops the connection first."""
-    task = asyncio.ensure_future(work)
+    blocks) when the client drops the connection first. ``work`` runs in this
+    task, not in one of its own: a task's result reaches its waiter loop turns
+    later, and under load each turn waits behind the other streams' messages."""
+    me = asyncio.current_task()
+    left = False
 
     async def gone() -> None:
+        nonlocal left
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        left = True
+        me.cancel()
 
     watcher = asyncio.ensure_future(gone())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if left:
+            raise asyncio.CancelledError("the client disconnected") from None
+        raise
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        raise asyncio.CancelledError("the client disconnected")
-    return task.result()
 
 
 async def _close(streams) -> None:
@@ -392,11 +392,12 @@ async def _sse(merged, assembler: Assembler, include_usage: bool):
     # then closes the streams, which cancels the Decode calls downstream.
     async with contextlib.aclosing(merged):
         try:
-            for chunk in assembler.start_chunks():
-                yield _event(chunk)
+            if start := assembler.start_events():
+                yield start
+            # One write per message from the node, all its chunks together.
             async for index, response in merged:
-                for chunk in assembler.chunks(index, response):
-                    yield _event(chunk)
+                if events := assembler.events(index, response):
+                    yield events
             if include_usage:
                 yield _event(assembler.usage_chunk())
         except RequestFailed as e:

@@ -7,11 +7,16 @@ non-streamed answer needs and sums the usage of every prompt.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from proto import pdserve_pb2
+
+# json.dumps(obj, separators=(",", ":")) without building an encoder per call.
+_compact = json.JSONEncoder(separators=(",", ":")).encode
+_string = json.encoder.encode_basestring_ascii  # a JSON string, as _compact writes it
 
 FINISH = {
     pdserve_pb2.FINISH_REASON_STOP: "stop",
@@ -46,6 +51,7 @@ class Assembler:
         self.object = "chat.completion" if chat else "text_completion"
         self.choices = [_Choice() for _ in range(n * num_prompts)]
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
+        self._head: str | None = None  # a stream chunk's encoded start (``_events``)
 
     # -- token texts -------------------------------------------------------
 
@@ -154,6 +160,15 @@ class Assembler:
         return self._envelope(choices) | {"usage": self.usage()}
 
     # -- streamed ----------------------------------------------------------------
+    #
+    # Server-Sent Events are written as bytes here, one ``data: {...}`` event per
+    # chunk, every chunk of one GenerateResponse in one buffer (one write to the
+    # socket). Per streamed token this is the edge's own work, on the router's
+    # one event loop beside every other stream (docs/performance.md, "The
+    # router's event loop and SSE path"), so the part of each chunk that never
+    # changes -- id, object, created, model -- is encoded once per request, and
+    # only the choice per token; the bytes are those of json.dumps(chunk) with
+    # compact separators (tests/unit/router/test_openai_chunks.py checks).
 
     def _envelope(self, choices: list) -> dict:
         return {
@@ -170,35 +185,42 @@ class Assembler:
             out["object"] = "chat.completion.chunk"
         return out
 
-    def start_chunks(self) -> list[dict]:
-        """What comes before any token: chat's role, completions' echoed prompt."""
+    def _events(self, choices: list[dict | str]) -> bytes:
+        if not choices:
+            return b""
+        if self._head is None:
+            head = _compact(self._chunk({}) | {"choices": []})
+            self._head = "data: " + head[: -len("]}")]  # up to '"choices":['
+        head = self._head
+        return "".join(
+            [f"{head}{c if type(c) is str else _compact(c)}]}}\n\n" for c in choices]
+        ).encode()
+
+    def _start_choices(self) -> list[dict]:
         if self.chat:
             return [
-                self._chunk(
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                )
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
                 for i in range(len(self.choices))
             ]
         if self.echo is None:
             return []
         return [
-            self._chunk(
-                {
-                    "index": i,
-                    "text": self.echo[i // self.n],
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            )
+            {
+                "index": i,
+                "text": self.echo[i // self.n],
+                "logprobs": None,
+                "finish_reason": None,
+            }
             for i in range(len(self.choices))
         ]
 
-    def chunks(self, index: int, response: pdserve_pb2.GenerateResponse) -> list[dict]:
+    def _choices(self, index: int, response, encoded: bool = False) -> list[dict | str]:
+        """The response's choices; ``encoded``: token chunks as JSON text already."""
         out = []
         for delta in response.deltas:
             number = index * self.n + delta.index
@@ -208,26 +230,42 @@ class Assembler:
             # A step's tokens always make a chunk, even with no text yet (half a
             # UTF-8 character held back, or no tokenizer at all): clients and load
             # generators time tokens by chunks, as they do against vLLM.
+            if encoded and logprobs is None:
+                # A token's chunk, the one per step: encoded without a dict (same bytes).
+                text = _string(delta.text)
+                body = f'"delta":{{"content":{text}}}' if self.chat else f'"text":{text}'
+                out.append(f'{{"index":{number},{body},"logprobs":null,"finish_reason":null}}')
+                continue
             body = {"delta": {"content": delta.text}} if self.chat else {"text": delta.text}
-            out.append(
-                self._chunk({"index": number, **body, "logprobs": logprobs, "finish_reason": None})
-            )
+            out.append({"index": number, **body, "logprobs": logprobs, "finish_reason": None})
         if response.HasField("final"):
             for number in self._final(index, response.final):
                 c = self.choices[number]
                 body = {"delta": {}} if self.chat else {"text": ""}
                 out.append(
-                    self._chunk(
-                        {
-                            "index": number,
-                            **body,
-                            "logprobs": None,
-                            "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason,
-                        }
-                    )
+                    {
+                        "index": number,
+                        **body,
+                        "logprobs": None,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
                 )
         return out
+
+    def start_chunks(self) -> list[dict]:
+        """What comes before any token: chat's role, completions' echoed prompt."""
+        return [self._chunk(c) for c in self._start_choices()]
+
+    def start_events(self) -> bytes:
+        return self._events(self._start_choices())
+
+    def chunks(self, index: int, response: pdserve_pb2.GenerateResponse) -> list[dict]:
+        return [self._chunk(c) for c in self._choices(index, response)]
+
+    def events(self, index: int, response: pdserve_pb2.GenerateResponse) -> bytes:
+        """``chunks``, as Server-Sent Events in one buffer (b"" when there are none)."""
+        return self._events(self._choices(index, response, encoded=True))
 
     def usage_chunk(self) -> dict:
         out = self._envelope([]) | {"usage": self.usage()}

@@ -303,17 +303,16 @@ class _Attempt:
                     self.received = True
                     now = time.monotonic()
                     response.request_id = self.client_id
-                    new_tokens = sum(len(d.token_ids) for d in response.deltas)
+                    seam_stop = self.progress.rewrite(response)  # text only: same tokens
+                    new_tokens = self.progress.observe(response)
                     if new_tokens and trace.first_token is None:
                         self.routing.inflight.first_token(dispatch)
                     trace.on_tokens(new_tokens, now)
-                    seam_stop = self.progress.rewrite(response)
                     if response.HasField("final"):
                         self.usage = response.final.usage
                         self.usage.time_to_first_token_ms = (
                             (trace.first_token - trace.start) * 1e3 if trace.first_token else 0.0
                         )
-                    self.progress.observe(response)
                     yield response
                     if seam_stop:
                         break  # a stop string across a migration's seam ended it
