@@ -4,8 +4,8 @@ Why: CPython's full (generation 2) collection walks every container object
 alive, and a node's heap after start-up is mostly torch, triton, transformers
 and the model's modules -- about 220,000 objects that never become garbage. A
 full collection of that heap stops every thread of the process for about
-0.2 s (measured on a 2-core VM: docs/performance.md, "Garbage-collector
-pauses"); the engine thread cannot launch a step and the gRPC loop cannot
+0.2 s (measured on a 2-core VM: docs/performance.md, "Stalls under
+load"); the engine thread cannot launch a step and the gRPC loop cannot
 stream a token meanwhile. Under load such collections come every few seconds,
 because requests' objects live long enough to be promoted, so they land on
 first tokens as a random extra 0.1-0.3 s: the bimodal TTFT at saturation.
@@ -26,11 +26,10 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 
+from common.env_switch import env_switch
 from common.metrics.histogram import Histogram
 
 logger = logging.getLogger(__name__)
@@ -39,20 +38,14 @@ logger = logging.getLogger(__name__)
 GC_PAUSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # A pause this long is worth a line in the log: it delays every stream of the process.
 WARN_PAUSE_S = 0.05
-GENERATIONS = (0, 1, 2)
 
 
 def add_gc_arguments(p: argparse.ArgumentParser) -> None:
-    value = os.environ.get("PDSERVE_GC_FREEZE", "")
-    if value not in ("", "0", "1"):
-        # Exit 2, as argparse does for a bad flag: pdserve up reads it as a
-        # configuration error and does not restart the component.
-        print(f"error: PDSERVE_GC_FREEZE must be 1 or 0, got {value!r}", file=sys.stderr)
-        raise SystemExit(2)
+    """The router's and the nodes' switch for ``freeze_heap``."""
     p.add_argument(
         "--gc-freeze",
         action=argparse.BooleanOptionalAction,
-        default=value != "0",
+        default=env_switch("PDSERVE_GC_FREEZE") is not False,
         help="once serving, freeze the start-up heap out of the garbage collector's reach, so "
         "full collections stop pausing the process for ~0.2 s (default on) [PDSERVE_GC_FREEZE=1|0]",
     )

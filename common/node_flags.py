@@ -7,9 +7,9 @@ import argparse
 import logging
 import os
 import socket
-import sys
 from typing import Any
 
+from common.env_switch import env_switch
 from common.gc_heap import add_gc_arguments
 from common.metrics.server import add_metrics_arguments
 from common.progress_log import DEFAULT_INTERVAL_S as DEFAULT_STATS_INTERVAL_S
@@ -75,7 +75,7 @@ def add_engine_flags(parser: Any) -> None:
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=_on_off(engine_env_name("async_scheduling")),
+        default=env_switch(engine_env_name("async_scheduling")),
         help="prepare step N+1 while the GPU runs step N (default: on with CUDA); "
         "off gives a new request's first token about one decode step sooner and "
         "costs throughput (docs/performance.md) [PDSERVE_ASYNC_SCHEDULING=1|0]",
@@ -83,22 +83,11 @@ def add_engine_flags(parser: Any) -> None:
     parser.add_argument(
         "--piecewise-cuda-graphs",
         action=argparse.BooleanOptionalAction,
-        default=_on_off(engine_env_name("piecewise_cuda_graphs")),
+        default=env_switch(engine_env_name("piecewise_cuda_graphs")),
         help="steps with prefill rows replay CUDA graphs of the layers' dense parts, "
         "attention eager between them (CUDA, one rank, triton backend; default on) "
         "[PDSERVE_PIECEWISE_CUDA_GRAPHS=1|0]",
     )
-
-
-def _on_off(var: str) -> bool | None:
-    """A switch's variable: 1 or 0, unset or empty for the engine's default."""
-    value = os.environ.get(var, "")
-    if value not in ("", "0", "1"):
-        # Exit 2, as argparse does for a bad flag: pdserve up reads it as a
-        # configuration error and does not restart the component.
-        print(f"error: {var} must be 1 or 0, got {value!r}", file=sys.stderr)
-        raise SystemExit(2)
-    return None if value == "" else value == "1"
 
 
 def engine_kwargs(args: Any) -> dict[str, Any]:
