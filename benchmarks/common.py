@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shlex
 import sys
@@ -39,6 +40,13 @@ def environment() -> dict[str, Any]:
     except ImportError:
         pass
     return env
+
+
+def triton_cache_entries() -> set[Path]:
+    """The kernel metadata files in Triton's on-disk cache (``TRITON_CACHE_DIR``),
+    one per compiled variant: what appears between two reads was compiled between them."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    return {p for p in root.glob("*/*.json") if not p.name.startswith("__grp__")}
 
 
 def command_line(script: str, argv: list[str] | None) -> str:

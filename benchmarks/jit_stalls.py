@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import tempfile
@@ -27,25 +26,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import save_run
+from benchmarks.common import save_run, triton_cache_entries
 
 
-def cache_entries(root: Path) -> dict[Path, dict]:
-    out = {}
-    for p in root.glob("*/*.json"):
-        if p.name.startswith("__grp__"):
-            continue
-        try:
-            out[p] = json.loads(p.read_text())
-        except (OSError, ValueError):
-            out[p] = {}
-    return out
-
-
-def variant(meta: dict) -> dict:
-    """What tells one compiled variant of a kernel from another."""
-    keep = ("name", "constants", "attrs", "signature", "num_warps", "num_stages")
-    return {k: meta[k] for k in keep if k in meta}
+def variant(path: Path) -> dict:
+    """What Triton's metadata file says of a compiled variant (its kernel's name,
+    warps and stages; the specialisation itself is not in it)."""
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"name": path.stem}
+    return {k: meta[k] for k in ("name", "num_warps", "num_stages") if k in meta}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,7 +58,6 @@ def main(argv: list[str] | None = None) -> None:
     from engine.models.shapes import write_shape_dir
     from engine.sampling_params import SamplingParams
 
-    root = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
     model = write_shape_dir(args.shape, tempfile.mkdtemp(prefix="jit-stalls-"))
     kwargs = {"load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": 4096}
     for item in filter(None, args.engine_args.split(",")):
@@ -76,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     engine = LLMEngine(EngineConfig.from_kwargs(str(model), **kwargs))
     start_s = time.perf_counter() - started
-    at_start = cache_entries(root)
+    at_start = triton_cache_entries()
     print(f"engine ready in {start_s:.1f} s; {len(at_start)} kernel variants cached")
 
     rng = random.Random(0)
@@ -85,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.requests):
         t += rng.expovariate(args.request_rate)
         arrivals.append(t)
-    seen = dict(at_start)
+    seen = set(at_start)
     compiled, steps = [], []
     sent, clock0 = 0, time.perf_counter()
     while sent < len(arrivals) or engine.has_unfinished_requests():
@@ -101,11 +91,12 @@ def main(argv: list[str] | None = None) -> None:
         engine.step()
         step_ms = (time.perf_counter() - step_start) * 1e3
         steps.append(step_ms)
-        new = {k: v for k, v in cache_entries(root).items() if k not in seen}
-        for path, meta in new.items():
-            compiled.append({"step": len(steps), "step_ms": step_ms, **variant(meta)})
-            print(f"step {len(steps)} ({step_ms:.0f} ms) compiled {meta.get('name', path.name)}")
-        seen.update(new)
+        new = triton_cache_entries() - seen
+        for path in new:
+            found = variant(path)
+            compiled.append({"step": len(steps), "step_ms": step_ms, **found})
+            print(f"step {len(steps)} ({step_ms:.0f} ms) compiled {found.get('name', path.stem)}")
+        seen |= new
     steps_sorted = sorted(steps)
     results = {
         "engine_start_s": start_s,

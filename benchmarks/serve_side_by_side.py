@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import triton_cache_entries
 from pdserve.redis_server import free_port
 
 SLO = "ttft:500,tpot:50"
@@ -75,23 +76,17 @@ def bench(args, label: str, target: list[str], workload: str, out: Path, seed: i
         log(f"{label} {workload}: skipped, --time-budget spent")
         return
     log(f"{label} {workload}: rates {' '.join(rates)}")
-    before = triton_kernels_cached()
+    before = triton_cache_entries()
     try:
         subprocess.run(cmd, check=False, timeout=timeout)
     except subprocess.TimeoutExpired:
         log(f"{label} {workload}: sweep timed out after {timeout:.0f} s (record lost)")
     # A kernel compiled while requests wait stalls the server for a second or so:
     # name what the sweep made a server compile (the first sweep on a fresh host).
-    compiled = sorted(p.name for p in triton_kernels_cached() - before)
+    compiled = sorted(p.name for p in triton_cache_entries() - before)
     args.compiled[f"{label}-{workload}"] = compiled
     if compiled:
         log(f"{label} {workload}: {len(compiled)} Triton kernels compiled during the sweep")
-
-
-def triton_kernels_cached() -> set[Path]:
-    """The kernel metadata files in Triton's on-disk cache (one per compiled variant)."""
-    root = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
-    return {p for p in root.glob("*/*.json") if not p.name.startswith("__grp__")}
 
 
 def run_pdserve(args, out: Path) -> None:
