@@ -18,7 +18,8 @@ heap that lives as long as the process. vLLM's engine process does the same
 after start-up.
 
 ``GcPauses`` times every collection through ``gc.callbacks`` (a few
-microseconds each), for the metrics and for a warning when one is long.
+microseconds each), for the metrics and for a warning when one is long;
+servers install it once serving, after the freeze.
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ async def run_node(
     cluster = Cluster.from_url(args.redis_url, redis_options_from_args(args), ttl_s=args.node_ttl)
     await check_redis(cluster.redis, args.redis_url)  # refused credentials: stop here
     metrics = NodeCollector(info, thread, counters=counters, histograms=histograms)
-    gc_pauses = GcPauses().install()
+    gc_pauses = GcPauses()  # installed once serving (below)
     serve_metrics(args.metrics_port, args.host, [metrics, GcCollector(gc_pauses, metrics.labels)])
     server = grpc.aio.server(options=SERVER_OPTIONS)
     add_servicer(server)
@@ -150,6 +150,9 @@ async def run_node(
     # as the process, and full collections should stop walking it.
     if args.gc_freeze:
         freeze_heap(f"{info.role.value} node {info.node_id}")
+    # Timed from here on: start-up's collections (the freeze's own among them)
+    # delay no stream, and warning of them would say they did.
+    gc_pauses.install()
     await set_serving(health, [service, CONTROL_SERVICE], True)
     logger.info("%s node %s serving on %s:%d", info.role.value, info.node_id, args.host, args.port)
 

@@ -234,7 +234,7 @@ async def serve(args: argparse.Namespace) -> int:
     )
     admin_health = await add_health(admin, [ADMIN])
     listen(admin, admin_host, args.admin_port, "--admin-port", "router admin API", tls)
-    gc_pauses = GcPauses().install()
+    gc_pauses = GcPauses()  # installed once serving (below)
     collectors = [RouterCollector(routing), GcCollector(gc_pauses, {})]
     http = None
     if args.http_port:
@@ -267,6 +267,7 @@ async def serve(args: argparse.Namespace) -> int:
     # Start-up is over (tokenizer, servers): full collections skip it from now on.
     if args.gc_freeze:
         freeze_heap("router")
+    gc_pauses.install()  # start-up's collections delay no stream: not timed
     await set_serving(health, [ROUTER], True)
     await set_serving(admin_health, [ADMIN], True)
     logger.info(
