@@ -104,17 +104,21 @@ def wait_serving(
     return False
 
 
-async def abort_from_exception(context: grpc.aio.ServicerContext, error: BaseException) -> None:
-    """Map what went wrong to a status code with a one-line message."""
+def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """What went wrong as a status code with a one-line message."""
     if isinstance(error, grpc.aio.AioRpcError):
-        await context.abort(error.code(), error.details() or str(error.code()))
+        return error.code(), error.details() or str(error.code())
     if isinstance(error, NoCapacity):
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
     if isinstance(error, ValueError):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
     if isinstance(error, asyncio.TimeoutError | TimeoutError):
-        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
-    await context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+    return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
+
+
+async def abort_from_exception(context: grpc.aio.ServicerContext, error: BaseException) -> None:
+    await context.abort(*status_of(error))
 
 
 def refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str):

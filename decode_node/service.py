@@ -1,4 +1,5 @@
-"""gRPC edge of the decode node: DecodeRequest in, DecodeWorker, GenerateResponse stream out."""
+"""gRPC edge of the decode node: DecodeRequest in, DecodeWorker, GenerateResponse stream
+out; one request per Decode call, or many over a router's DecodeSession."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import grpc
 
 from common.grpc_server import abort_from_exception
 from common.reliability import FAILED_NODE_KEY
+from decode_node import session
 from decode_node.worker import DecodeWorker, PrefillFailed
 from proto import internal_pb2, internal_pb2_grpc
 
@@ -25,12 +27,11 @@ class DecodeNodeServicer(internal_pb2_grpc.DecodeNodeServicer):
         except PrefillFailed as e:
             # Nothing reached the client: the router retries on another prefill
             # node, avoiding the one named here.
-            code = (
-                grpc.StatusCode.RESOURCE_EXHAUSTED
-                if e.code is grpc.StatusCode.RESOURCE_EXHAUSTED
-                else grpc.StatusCode.UNAVAILABLE
-            )
             context.set_trailing_metadata(((FAILED_NODE_KEY, e.node_id),))
-            await context.abort(code, str(e))
+            await context.abort(e.status_code, str(e))
         except Exception as e:
             await abort_from_exception(context, e)
+
+    async def DecodeSession(self, request_iterator, context: grpc.aio.ServicerContext):
+        async for batch in session.DecodeSession(self.worker).run(request_iterator):
+            yield batch

@@ -71,6 +71,14 @@ class PrefillFailed(RuntimeError):
         self.node_id = node_id
         self.code = code
 
+    @property
+    def status_code(self) -> grpc.StatusCode:
+        """What the router is told: RESOURCE_EXHAUSTED (the prefill node is full)
+        or UNAVAILABLE, both of which it retries on another prefill node."""
+        if self.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return self.code
+        return grpc.StatusCode.UNAVAILABLE
+
 
 class DecodeWorker:
     def __init__(

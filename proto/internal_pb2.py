@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import pdserve_pb2 as proto_dot_pdserve__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14proto/internal.proto\x12\npdserve.v1\x1a\x13proto/pdserve.proto\"\x12\n\x10NodeFlushRequest\"+\n\x11NodeFlushResponse\x12\x16\n\x0e\x62locks_flushed\x18\x01 \x01(\x04\"\xbc\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12$\n\x07prefill\x18\x05 \x01(\x0b\x32\x13.pdserve.v1.NodeRef\x12\x15\n\rresume_offset\x18\x06 \x01(\r\"I\n\x07NodeRef\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\r\"\xc7\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12.\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x15\n\rresume_offset\x18\x06 \x01(\r\"\xbe\x01\n\rKVDestination\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\r\x12\x15\n\rchannel_epoch\x18\x04 \x01(\x04\x12\x16\n\x0ereservation_id\x18\x05 \x01(\x04\x12\x13\n\x0b\x66irst_block\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\"\xdb\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12\x31\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x07 \x01(\x04\x12\x13\n\x0bkv_checksum\x18\x08 \x01(\x0c\x32Q\n\nDecodeNode\x12\x43\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x32Q\n\x0bPrefillNode\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse2X\n\x0bNodeControl\x12I\n\nFlushCache\x12\x1c.pdserve.v1.NodeFlushRequest\x1a\x1d.pdserve.v1.NodeFlushResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14proto/internal.proto\x12\npdserve.v1\x1a\x13proto/pdserve.proto\"\x12\n\x10NodeFlushRequest\"+\n\x11NodeFlushResponse\x12\x16\n\x0e\x62locks_flushed\x18\x01 \x01(\x04\"\xbc\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12$\n\x07prefill\x18\x05 \x01(\x0b\x32\x13.pdserve.v1.NodeRef\x12\x15\n\rresume_offset\x18\x06 \x01(\r\"X\n\x0eSessionCommand\x12)\n\x05start\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.SessionStartH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x42\t\n\x07\x63ommand\"`\n\x0cSessionStart\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequest\x12\x16\n\ttimeout_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x0c\n\n_timeout_s\"8\n\x0cSessionBatch\x12(\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.SessionEvent\"\x84\x01\n\x0cSessionEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x08response\x18\x02 \x01(\x0b\x32\x1c.pdserve.v1.GenerateResponseH\x00\x12%\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.SessionEndH\x00\x42\x07\n\x05\x65vent\"@\n\nSessionEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x13\n\x0b\x66\x61iled_node\x18\x03 \x01(\t\"I\n\x07NodeRef\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\r\"\xc7\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12.\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x15\n\rresume_offset\x18\x06 \x01(\r\"\xbe\x01\n\rKVDestination\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\r\x12\x15\n\rchannel_epoch\x18\x04 \x01(\x04\x12\x16\n\x0ereservation_id\x18\x05 \x01(\x04\x12\x13\n\x0b\x66irst_block\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\"\xdb\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12\x31\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x07 \x01(\x04\x12\x13\n\x0bkv_checksum\x18\x08 \x01(\x0c\x32\x9c\x01\n\nDecodeNode\x12\x43\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12I\n\rDecodeSession\x12\x1a.pdserve.v1.SessionCommand\x1a\x18.pdserve.v1.SessionBatch(\x01\x30\x01\x32Q\n\x0bPrefillNode\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse2X\n\x0bNodeControl\x12I\n\nFlushCache\x12\x1c.pdserve.v1.NodeFlushRequest\x1a\x1d.pdserve.v1.NodeFlushResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,18 +38,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NODEFLUSHRESPONSE']._serialized_end=120
   _globals['_DECODEREQUEST']._serialized_start=123
   _globals['_DECODEREQUEST']._serialized_end=311
-  _globals['_NODEREF']._serialized_start=313
-  _globals['_NODEREF']._serialized_end=386
-  _globals['_PREFILLREQUEST']._serialized_start=389
-  _globals['_PREFILLREQUEST']._serialized_end=588
-  _globals['_KVDESTINATION']._serialized_start=591
-  _globals['_KVDESTINATION']._serialized_end=781
-  _globals['_PREFILLRESPONSE']._serialized_start=784
-  _globals['_PREFILLRESPONSE']._serialized_end=1003
-  _globals['_DECODENODE']._serialized_start=1005
-  _globals['_DECODENODE']._serialized_end=1086
-  _globals['_PREFILLNODE']._serialized_start=1088
-  _globals['_PREFILLNODE']._serialized_end=1169
-  _globals['_NODECONTROL']._serialized_start=1171
-  _globals['_NODECONTROL']._serialized_end=1259
+  _globals['_SESSIONCOMMAND']._serialized_start=313
+  _globals['_SESSIONCOMMAND']._serialized_end=401
+  _globals['_SESSIONSTART']._serialized_start=403
+  _globals['_SESSIONSTART']._serialized_end=499
+  _globals['_SESSIONBATCH']._serialized_start=501
+  _globals['_SESSIONBATCH']._serialized_end=557
+  _globals['_SESSIONEVENT']._serialized_start=560
+  _globals['_SESSIONEVENT']._serialized_end=692
+  _globals['_SESSIONEND']._serialized_start=694
+  _globals['_SESSIONEND']._serialized_end=758
+  _globals['_NODEREF']._serialized_start=760
+  _globals['_NODEREF']._serialized_end=833
+  _globals['_PREFILLREQUEST']._serialized_start=836
+  _globals['_PREFILLREQUEST']._serialized_end=1035
+  _globals['_KVDESTINATION']._serialized_start=1038
+  _globals['_KVDESTINATION']._serialized_end=1228
+  _globals['_PREFILLRESPONSE']._serialized_start=1231
+  _globals['_PREFILLRESPONSE']._serialized_end=1450
+  _globals['_DECODENODE']._serialized_start=1453
+  _globals['_DECODENODE']._serialized_end=1609
+  _globals['_PREFILLNODE']._serialized_start=1611
+  _globals['_PREFILLNODE']._serialized_end=1692
+  _globals['_NODECONTROL']._serialized_start=1694
+  _globals['_NODECONTROL']._serialized_end=1782
 # @@protoc_insertion_point(module_scope)

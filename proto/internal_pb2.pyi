@@ -33,6 +33,48 @@ class DecodeRequest(_message.Message):
     resume_offset: int
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., prefill: _Optional[_Union[NodeRef, _Mapping]] = ..., resume_offset: _Optional[int] = ...) -> None: ...
 
+class SessionCommand(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: SessionStart
+    cancel: str
+    def __init__(self, start: _Optional[_Union[SessionStart, _Mapping]] = ..., cancel: _Optional[str] = ...) -> None: ...
+
+class SessionStart(_message.Message):
+    __slots__ = ("request", "timeout_s")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request: DecodeRequest
+    timeout_s: float
+    def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class SessionBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[SessionEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[SessionEvent, _Mapping]]] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("request_id", "response", "end")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: _pdserve_pb2.GenerateResponse
+    end: SessionEnd
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[_pdserve_pb2.GenerateResponse, _Mapping]] = ..., end: _Optional[_Union[SessionEnd, _Mapping]] = ...) -> None: ...
+
+class SessionEnd(_message.Message):
+    __slots__ = ("code", "details", "failed_node")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_NODE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    failed_node: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., failed_node: _Optional[str] = ...) -> None: ...
+
 class NodeRef(_message.Message):
     __slots__ = ("node_id", "address", "tensor_parallel_size")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]

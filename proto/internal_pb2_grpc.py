@@ -42,6 +42,11 @@ class DecodeNodeStub:
                 request_serializer=proto_dot_internal__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.DecodeSession = channel.stream_stream(
+                '/pdserve.v1.DecodeNode/DecodeSession',
+                request_serializer=proto_dot_internal__pb2.SessionCommand.SerializeToString,
+                response_deserializer=proto_dot_internal__pb2.SessionBatch.FromString,
+                _registered_method=True)
 
 
 class DecodeNodeServicer:
@@ -58,6 +63,17 @@ class DecodeNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeSession(self, request_iterator, context):
+        """Many requests over one long-lived call, one per router and node: each
+        request's start and cancel go up as commands, and what the node's loop
+        has for all of them comes down as one batch (one engine step's messages,
+        usually). Each request's messages are Decode's, in order, then its end.
+        The call ending (either side) ends every request still on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -65,6 +81,11 @@ def add_DecodeNodeServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=proto_dot_internal__pb2.DecodeRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
+            ),
+            'DecodeSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeSession,
+                    request_deserializer=proto_dot_internal__pb2.SessionCommand.FromString,
+                    response_serializer=proto_dot_internal__pb2.SessionBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -96,6 +117,33 @@ class DecodeNode:
             '/pdserve.v1.DecodeNode/Decode',
             proto_dot_internal__pb2.DecodeRequest.SerializeToString,
             proto_dot_pdserve__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.DecodeNode/DecodeSession',
+            proto_dot_internal__pb2.SessionCommand.SerializeToString,
+            proto_dot_internal__pb2.SessionBatch.FromString,
             options,
             channel_credentials,
             insecure,
