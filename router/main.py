@@ -32,6 +32,7 @@ from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2
 from router.admin import AdminServicer
 from router.frontend import Frontend
 from router.metrics import RouterCollector
+from router.node_session import NodeStreams
 from router.policy import RoutingConfig, RoutingPolicy
 from router.routing import Routing
 from router.service import RouterServicer
@@ -128,6 +129,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=env("PDSERVE_NO_ACCESS_LOG") == "1",
         help="no INFO line per request [PDSERVE_NO_ACCESS_LOG=1]",
     )
+    p.add_argument(
+        "--node-streams",
+        type=NodeStreams,
+        choices=list(NodeStreams),
+        # A string: argparse converts it like a flag's value (a bad one is a usage error).
+        default=env("PDSERVE_NODE_STREAMS", NodeStreams.SESSION.value),
+        help="session: every request to a decode node over one DecodeSession call per node, "
+        "the node's messages batched per engine step; call: one Decode call per request "
+        "(what nodes of older releases serve; session falls back to it by itself) "
+        "[PDSERVE_NODE_STREAMS]",
+    )
     add_metrics_arguments(p)
     add_gc_arguments(p)
     add_routing_arguments(p)
@@ -208,7 +220,13 @@ async def serve(args: argparse.Namespace) -> int:
         route_config,
         remote_prefill=not args.no_remote_prefill,
     )
-    router = RouterServicer(frontend, routing, tls=tls, access_log=not args.no_access_log)
+    router = RouterServicer(
+        frontend,
+        routing,
+        tls=tls,
+        access_log=not args.no_access_log,
+        node_streams=args.node_streams,
+    )
 
     # Clients' mistakes get INVALID_ARGUMENT naming them, even those the servicer
     # never sees: oversized metadata, request bytes that do not parse (invalid UTF-8).

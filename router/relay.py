@@ -1,7 +1,9 @@
 """Reading a decode node's stream for the router: a silence watch, and coalescing.
 
 Life of one Decode stream here: a reader task takes the node's messages off the
-call as they come and queues them; the relay takes everything queued at once
+call as they come and queues them (a request on a DecodeSession needs no task:
+the session's reader hands its messages straight to that queue, see
+router/node_session.py); the relay takes everything queued at once
 and hands it on as ONE message (``merge``); a watch task wakes once a second
 and, when the stream has been silent that long, asks the node whether it is
 alive (``responsive``), failing the stream with UNAVAILABLE if it does not
@@ -39,6 +41,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 
 from proto import pdserve_pb2
+from router.node_session import SessionCall
 
 # A stream silent this long has its decode node probed.
 SILENCE_CHECK_S = 1.0
@@ -94,6 +97,18 @@ async def node_messages(
             ended = True
             arrived.set()
 
+    def deliver(item) -> None:
+        """A session's item, handed over by its reader (no task of ours in between)."""
+        nonlocal last, ended, error
+        if item is grpc.aio.EOF:
+            ended = True
+        elif isinstance(item, BaseException):
+            error, ended = item, True
+        else:
+            queued.append(item)
+            last = loop.time()
+        arrived.set()
+
     async def watch() -> None:
         nonlocal stalled
         while not ended:
@@ -106,10 +121,13 @@ async def node_messages(
                 call.cancel()
                 if reader is not None:
                     reader.cancel()
+                elif subscribed:
+                    deliver(grpc.aio.EOF)  # nothing more comes: the relay raises below
                 return
             await asyncio.sleep(silence_s)
 
     reader: asyncio.Future | None = None
+    subscribed = False
     watcher = asyncio.ensure_future(watch())
     try:
         try:
@@ -123,7 +141,12 @@ async def node_messages(
             return
         last = loop.time()
         yield first
-        reader = asyncio.ensure_future(read())
+        if isinstance(call, SessionCall) and call.on_session:
+            # The session's reader hands this request's messages straight over.
+            subscribed = True
+            call.subscribe(deliver)
+        else:
+            reader = asyncio.ensure_future(read())
         while True:
             if not queued:
                 if ended:

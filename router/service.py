@@ -18,6 +18,7 @@ from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from router.access_log import AccessEntry, log_access
 from router.frontend import Frontend
 from router.migration import Seam, StreamProgress, held_back, migratable
+from router.node_session import NodeSession, NodeStreams
 from router.policy import NoRoute
 from router.relay import node_messages
 from router.routing import Routing
@@ -52,12 +53,15 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         routing: Routing,
         tls: TLSConfig = NO_TLS,
         access_log: bool = True,
+        node_streams: NodeStreams = NodeStreams.SESSION,
     ) -> None:
         self.frontend = frontend
+        self.node_streams = node_streams
         self.access_log = access_log  # one INFO line per request (router/access_log.py)
         self.routing = routing
         self.tls = tls  # for the calls to nodes (Decode, and the admin API's NodeControl)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._sessions: dict[str, NodeSession] = {}  # by decode node address
         # Per node address: when its last liveness probe started, and the probe.
         self._probes: dict[str, tuple[float, asyncio.Future]] = {}
 
@@ -66,6 +70,14 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         if channel is None:
             channel = self._channels[address] = make_channel(address, self.tls, CLIENT_OPTIONS)
         return channel
+
+    def session(self, node) -> NodeSession:
+        """The router's DecodeSession with this decode node (router/node_session.py)."""
+        session = self._sessions.get(node.address)
+        if session is None:
+            channel = self.channel(node.address)
+            session = self._sessions[node.address] = NodeSession(channel, node.node_id)
+        return session
 
     async def Generate(
         self, request: pdserve_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -242,6 +254,8 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         return True
 
     async def close(self) -> None:
+        for session in self._sessions.values():
+            await session.close()
         for channel in self._channels.values():
             await channel.close()
 
@@ -283,12 +297,15 @@ class _Attempt:
             downstream.prefill.tensor_parallel_size = route.prefill.tensor_parallel_size
         dispatch = self.routing.dispatch(self.routed)
         self.channel = self.servicer.channel(route.decode.address)
-        call = internal_pb2_grpc.DecodeNodeStub(self.channel).Decode(
-            downstream,
-            timeout=None if self.deadline is None else max(0.0, self.deadline - time.monotonic()),
-        )
+        timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
         trace = self.trace
+        call = None
         try:
+            if self.servicer.node_streams is NodeStreams.SESSION:
+                call = await self.servicer.session(route.decode).start(downstream, timeout)
+            else:
+                stub = internal_pb2_grpc.DecodeNodeStub(self.channel)
+                call = stub.Decode(downstream, timeout=timeout)
             node = route.decode
             messages = node_messages(
                 call,
@@ -326,7 +343,8 @@ class _Attempt:
                 # it answers again or its heartbeat expires.
                 self.routing.inflight.failed(route.decode.node_id)
         finally:
-            call.cancel()  # a no-op once the stream ended; else the client left
+            if call is not None:
+                call.cancel()  # a no-op once the stream ended; else the client left
             self.routing.inflight.finish(dispatch)
 
     def decode_unreachable(self) -> bool:
