@@ -17,7 +17,11 @@ model is out of the picture, so what is measured is the router's own work:
   token rate one router core sustains.
 - ttft: sequential one-token requests, alternately through the router and
   straight to the fake node's Decode; the p50 difference is what the router
-  and its extra hop add to a request's time to first token. With
+  and its extra hop add to a request's time to first token. With HTTP among
+  ``--encodings`` the same request also goes to the router's OpenAI port,
+  streamed, from a bare HTTP/1.1 client (the server's side of the HTTP edge)
+  and from aiohttp (what `pdserve bench serve` adds on the client's side).
+  ``--compare-node-streams`` adds a router with the other ``--node-streams``. With
   ``--compare-tree DIR`` a second router runs from another checkout (the
   baseline, say) beside the first, on the same fake node, and the requests
   rotate among the three, so that both routers are measured under the same
@@ -54,10 +58,11 @@ async def fake_node(
     import grpc
 
     from common.cluster import Cluster, NodeInfo, NodeRole
+    from decode_node.session import DecodeSession
     from proto import internal_pb2_grpc, pdserve_pb2
 
-    class Servicer(internal_pb2_grpc.DecodeNodeServicer):
-        async def Decode(self, request, context):
+    class Worker:  # what DecodeWorker.decode streams, with no engine behind it
+        async def decode(self, request, deadline):
             n = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
             for i in range(n):
                 response = pdserve_pb2.GenerateResponse(request_id=request.request_id)
@@ -71,6 +76,16 @@ async def fake_node(
                 yield response
                 if interval_s:
                     await asyncio.sleep(interval_s)  # one engine step
+
+    class Servicer(internal_pb2_grpc.DecodeNodeServicer):
+        async def Decode(self, request, context):
+            async for response in Worker().decode(request, None):
+                yield response
+
+        async def DecodeSession(self, request_iterator, context):
+            # The real node's session (decode_node/session.py) around the fake worker.
+            async for batch in DecodeSession(Worker()).run(request_iterator):
+                yield batch
 
     server = grpc.aio.server()
     internal_pb2_grpc.add_DecodeNodeServicer_to_server(Servicer(), server)
@@ -147,8 +162,48 @@ def sweep(args, router_pid: int, node_pid: int, target: list[str], label: str, o
     return row
 
 
-async def ttft(args, routers: dict[str, str], node_address: str) -> dict:
-    """``routers``: label -> address (the router, and the one from --compare-tree)."""
+class RawHttp:
+    """A bare HTTP/1.1 client on one kept-alive connection (TCP_NODELAY): the
+    time to the first SSE event with no client library's own cost in it."""
+
+    def __init__(self, port: int, body: bytes) -> None:
+        self.port = port
+        head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        self.request = head.encode() + body
+        self.reader = self.writer = None
+
+    async def first_event(self) -> float:
+        import socket
+
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+            self.writer.get_extra_info("socket").setsockopt(
+                socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
+            )
+        start = time.perf_counter()
+        self.writer.write(self.request)
+        first, seen = None, b""
+        # A streamed response ends with [DONE] and the chunked encoding's last chunk.
+        while not (b"data: [DONE]" in seen and seen.endswith(b"0\r\n\r\n")):
+            chunk = await self.reader.read(65536)
+            if not chunk:
+                raise RuntimeError("the router closed the HTTP connection")
+            seen += chunk
+            if first is None and b"data: {" in seen:
+                first = time.perf_counter() - start
+        return first
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def ttft(
+    args, routers: dict[str, str], node_address: str, http_port: int | None = None
+) -> dict:
+    """``routers``: label -> address (the router, and the one from --compare-tree);
+    ``http_port``: the first router's OpenAI port, measured too (raw and aiohttp)."""
     import grpc
 
     from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
@@ -177,17 +232,41 @@ async def ttft(args, routers: dict[str, str], node_address: str) -> dict:
                 return time.perf_counter() - start
             raise RuntimeError("no response")
 
+        paths = {label: (lambda label=label: via_router(label)) for label in routers}
+        if http_port is not None:
+            import aiohttp
+
+            body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": True}
+            raw = RawHttp(http_port, json.dumps(body).encode())
+            session = aiohttp.ClientSession()
+            url = f"http://127.0.0.1:{http_port}/v1/completions"
+
+            async def via_aiohttp() -> float:  # as `pdserve bench serve` reads a stream
+                start = time.perf_counter()
+                first = None
+                async with session.post(url, json=body) as response:
+                    async for line in response.content:
+                        if first is None and line.startswith(b"data: {"):
+                            first = time.perf_counter() - start
+                return first
+
+            paths["router-http-raw"] = raw.first_event
+            paths["router-http-aiohttp"] = via_aiohttp
+        labels = [*paths]
         for i in range(20):  # warm every path (channels, caches)
-            for label in routers:
-                await via_router(label)
+            for label in labels:
+                await paths[label]()
             await direct(i)
-        r: dict[str, list[float]] = {label: [] for label in routers}
+        r: dict[str, list[float]] = {label: [] for label in labels}
         d = []
         for i in range(args.ttft_requests):
             # Rotate the order too: no path always runs right after another.
-            for label in [*routers][i % len(routers) :] + [*routers][: i % len(routers)]:
-                r[label].append(await via_router(label))
+            for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
+                r[label].append(await paths[label]())
             d.append(await direct(i))
+        if http_port is not None:
+            raw.close()
+            await session.close()
     for c in channels.values():
         await c.close()
     row = {
@@ -232,6 +311,17 @@ def main(argv: list[str] | None = None) -> dict:
         default=0.0,
         help="the fake node's time between a stream's tokens (0: as fast as it can)",
     )
+    p.add_argument(
+        "--node-streams",
+        default="session",
+        choices=["session", "call"],
+        help="the router's --node-streams (how it streams from the node)",
+    )
+    p.add_argument(
+        "--compare-node-streams",
+        action="store_true",
+        help="the TTFT part also runs a router with the other --node-streams beside the first",
+    )
     p.add_argument("--fake-node", nargs=5, metavar=("REDIS", "PORT", "MODEL_ID", "BLOCK", "MS"))
     args = p.parse_args(argv)
     if args.fake_node:
@@ -254,15 +344,18 @@ def main(argv: list[str] | None = None) -> dict:
                 )
             )
 
-            def router_cmd(port: int, http: list[str]) -> list[str]:
+            def router_cmd(port: int, http: list[str], streams: list[str]) -> list[str]:
                 cmd = [sys.executable, "-m", "pdserve.cli", "router", "--model", str(model_dir)]
                 cmd += ["--redis-url", redis.url, "--port", str(port), "--host", "127.0.0.1"]
-                cmd += ["--admin-port", str(free_port()), *http]
+                cmd += ["--admin-port", str(free_port()), *http, *streams]
                 return cmd + ["--skip-tokenizer-init", "--no-access-log", "--metrics-port", "0"]
 
             # The HTTP port only for the HTTP sweep (the TTFT part is gRPC, and needs no FastAPI).
-            serve_http = not args.ttft_only and "http" in args.encodings.split(",")
-            router = subprocess.Popen(router_cmd(port, ["--http-port", str(http)] * serve_http))
+            serve_http = "http" in args.encodings.split(",")
+            streams = ["--node-streams", args.node_streams]
+            router = subprocess.Popen(
+                router_cmd(port, ["--http-port", str(http)] * serve_http, streams)
+            )
             procs.append(router)
             address = f"127.0.0.1:{port}"
             routers = {"router": address}
@@ -271,12 +364,19 @@ def main(argv: list[str] | None = None) -> dict:
                 other = free_port()
                 path = [str(args.compare_tree.resolve()), os.environ.get("PYTHONPATH", "")]
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
-                cmd = router_cmd(other, [])
+                cmd = router_cmd(other, [], [])  # its own default (it may predate the flag)
                 procs.append(subprocess.Popen(cmd, cwd=args.compare_tree, env=env))
                 routers["compare-tree"] = f"127.0.0.1:{other}"
+            if args.compare_node_streams:
+                other = free_port()
+                mode = "call" if args.node_streams == "session" else "session"
+                procs.append(subprocess.Popen(router_cmd(other, [], ["--node-streams", mode])))
+                routers[f"router-{mode}"] = f"127.0.0.1:{other}"
             for a in routers.values():
                 _wait_routable(a)
-            results["ttft"] = asyncio.run(ttft(args, routers, f"127.0.0.1:{node_port}"))
+            results["ttft"] = asyncio.run(
+                ttft(args, routers, f"127.0.0.1:{node_port}", http if serve_http else None)
+            )
             if not args.ttft_only:
                 sweeps = []
                 out = Path(tmp) / "records"
