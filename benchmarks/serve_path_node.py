@@ -65,7 +65,6 @@ class GilProbe:
 
 def install(trace_path: str) -> None:
     import decode_node.main as decode_main
-    from decode_node.service import DecodeNodeServicer
     from decode_node.worker import DecodeWorker
     from engine.outputs import RequestOutput
 
@@ -113,13 +112,15 @@ def install(trace_path: str) -> None:
             threads = {"loop": threading.get_native_id(), "engine": engine._thread.native_id}
             Path(f"{trace_path}.threads.json").write_text(json.dumps(threads))
 
-    class TracedServicer(DecodeNodeServicer):
-        async def Decode(self, request, context):
+        async def decode(self, request, deadline):
+            # Stamped here, not in the servicer: a router's DecodeSession runs
+            # this too. "written": the gRPC write of a Decode call's first token
+            # returned; on a session, the message was queued for the session's batch.
             rid = request.request_id
             rec = records.setdefault(rid, {})
             rec["received"] = time.monotonic()
             try:
-                async for response in super().Decode(request, context):
+                async for response in super().decode(request, deadline):
                     first = "yielded" not in rec and any(d.token_ids for d in response.deltas)
                     if first:
                         rec["yielded"] = time.monotonic()
@@ -132,7 +133,6 @@ def install(trace_path: str) -> None:
                 trace.write(json.dumps({"tail": tail, **rec}) + "\n")
 
     decode_main.DecodeWorker = TracedWorker
-    decode_main.DecodeNodeServicer = TracedServicer
 
 
 # ------------------------------------------------------------------ processes
