@@ -98,17 +98,35 @@ def run_router(stamps_path: str, router_argv: list[str]) -> None:
     wrap(router.routing, "choose_route", "policy")
     wrap(Routing, "route", "routed")
     node_messages = service.node_messages
+    from router.node_session import NodeSession, SessionCall
+
+    session_start = NodeSession.start
+
+    async def stamped_start(self, *a, **k):
+        current.setdefault("called", STAMP())  # the request leaves for the node: its start
+        return await session_start(self, *a, **k)
+
+    NodeSession.start = stamped_start
+    session_read = SessionCall.read
+
+    async def stamped_session_read(self):
+        message = await session_read(self)
+        current.setdefault("first_read", STAMP())
+        return message
+
+    SessionCall.read = stamped_session_read
 
     def stamped_messages(call, *a, **k):
-        current["called"] = STAMP()
-        read = call.read
+        current.setdefault("called", STAMP())  # a Decode call made (--node-streams call)
+        if not isinstance(call, SessionCall):
+            read = call.read
 
-        async def stamped_read():
-            message = await read()
-            current.setdefault("first_read", STAMP())
-            return message
+            async def stamped_read():
+                message = await read()
+                current.setdefault("first_read", STAMP())
+                return message
 
-        call.read = stamped_read
+            call.read = stamped_read
         return node_messages(call, *a, **k)
 
     service.node_messages = stamped_messages
@@ -129,8 +147,10 @@ async def fake_node(redis_url: str, port: int, model_id: str, stamps_path: str) 
 
     stamps: list[tuple[str, float, float]] = []
 
-    class Servicer(internal_pb2_grpc.DecodeNodeServicer):
-        async def Decode(self, request, context):
+    from decode_node.session import DecodeSession
+
+    class Worker:  # one token at once, stamped: where the node's handler starts and ends
+        async def decode(self, request, deadline):
             start = STAMP()
             response = pdserve_pb2.GenerateResponse(request_id=request.request_id)
             response.deltas.add(index=0, text=" tok", token_ids=[100])
@@ -139,6 +159,15 @@ async def fake_node(redis_url: str, port: int, model_id: str, stamps_path: str) 
             response.final.usage.completion_tokens = 1
             stamps.append((request.request_id, start, STAMP()))
             yield response
+
+    class Servicer(internal_pb2_grpc.DecodeNodeServicer):
+        async def Decode(self, request, context):
+            async for response in Worker().decode(request, None):
+                yield response
+
+        async def DecodeSession(self, request_iterator, context):
+            async for batch in DecodeSession(Worker()).run(request_iterator):
+                yield batch
 
     server = grpc.aio.server()
     internal_pb2_grpc.add_DecodeNodeServicer_to_server(Servicer(), server)
@@ -203,8 +232,8 @@ SEGMENTS = [
     ("waiting for the read's reply", ("router", "read_start"), ("router", "read")),
     ("policy", ("router", "policy_start"), ("router", "policy")),
     ("handler -> decision", ("router", "enter"), ("router", "routed")),
-    ("decision -> Decode call made", ("router", "routed"), ("router", "called")),
-    ("call made -> node's handler", ("router", "called"), ("node", 1)),
+    ("decision -> request sent to the node", ("router", "routed"), ("router", "called")),
+    ("sent -> node's handler", ("router", "called"), ("node", 1)),
     ("node's handler -> its first message", ("node", 1), ("node", 2)),
     ("node's first message -> router reads it", ("node", 2), ("router", "first_read")),
     ("router reads it -> hands it on", ("router", "first_read"), ("router", "yield")),

@@ -173,8 +173,12 @@ class NodeSession:
         self._why = "its session was cancelled"  # what a cancelled session's requests are told
         self.supported: bool | None = None  # None: not known yet (no batch or answer so far)
 
-    async def start(self, request: internal_pb2.DecodeRequest, timeout: float | None):
-        """The request's stream: a SessionCall, or a Decode call where the node has no sessions."""
+    async def start(self, command: internal_pb2.SessionCommand, timeout: float | None):
+        """The stream of ``command.start.request``: a SessionCall, or a Decode call
+        where the node has no sessions. The request is built in the command
+        (``command.start.request``): putting a finished DecodeRequest into one
+        copies it, its prompt's ids included."""
+        request = command.start.request
         if self.supported is False:
             return self._stub.Decode(request, timeout=timeout)
         if self._call is None:
@@ -184,10 +188,9 @@ class NodeSession:
         self._calls[rid] = call
         if self.supported is None:
             self._deadlines[rid] = None if timeout is None else time.monotonic() + timeout
-        start = internal_pb2.SessionStart(request=request)
         if timeout is not None:
-            start.timeout_s = timeout
-        await self._write(internal_pb2.SessionCommand(start=start))
+            command.start.timeout_s = timeout
+        await self._write(command)
         return call
 
     async def close(self) -> None:

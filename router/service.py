@@ -283,14 +283,16 @@ class _Attempt:
 
     async def relay(self):
         route = self.routed.decision
-        downstream = internal_pb2.DecodeRequest(
-            # Unique downstream even when clients reuse ids: streams never cross.
-            request_id=uuid.uuid4().hex,
-            prompt_token_ids=self.parsed.prompt_token_ids,
-            sampling=self.progress.sampling(self.request.sampling),
-            cache_salt=self.parsed.cache_salt,
-            resume_offset=self.progress.resume_offset,
-        )
+        session = self.servicer.node_streams is NodeStreams.SESSION
+        command = internal_pb2.SessionCommand() if session else None
+        # On a session the request is built inside its start command (no copy).
+        downstream = command.start.request if session else internal_pb2.DecodeRequest()
+        # Unique downstream even when clients reuse ids: streams never cross.
+        downstream.request_id = uuid.uuid4().hex
+        downstream.prompt_token_ids.extend(self.parsed.prompt_token_ids)
+        downstream.sampling.CopyFrom(self.progress.sampling(self.request.sampling))
+        downstream.cache_salt = self.parsed.cache_salt
+        downstream.resume_offset = self.progress.resume_offset
         if route.prefill is not None:
             downstream.prefill.node_id = route.prefill.node_id
             downstream.prefill.address = route.prefill.address
@@ -301,8 +303,8 @@ class _Attempt:
         trace = self.trace
         call = None
         try:
-            if self.servicer.node_streams is NodeStreams.SESSION:
-                call = await self.servicer.session(route.decode).start(downstream, timeout)
+            if session:
+                call = await self.servicer.session(route.decode).start(command, timeout)
             else:
                 stub = internal_pb2_grpc.DecodeNodeStub(self.channel)
                 call = stub.Decode(downstream, timeout=timeout)

@@ -99,12 +99,14 @@ async def _session_with(node: Node):
         await server.stop(None)
 
 
-def _request(rid: str, kind: int = 0, tokens: int = 3) -> internal_pb2.DecodeRequest:
-    return internal_pb2.DecodeRequest(
-        request_id=rid,
-        prompt_token_ids=[kind, 5, 6],
-        sampling=pdserve_pb2.SamplingParams(max_tokens=tokens),
-    )
+def _request(rid: str, kind: int = 0, tokens: int = 3) -> internal_pb2.SessionCommand:
+    """The start command of a request (NodeSession.start takes the request built in it)."""
+    command = internal_pb2.SessionCommand()
+    request = command.start.request
+    request.request_id = rid
+    request.prompt_token_ids.extend([kind, 5, 6])
+    request.sampling.max_tokens = tokens
+    return command
 
 
 async def _tokens(call) -> list[int]:
