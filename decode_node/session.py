@@ -49,6 +49,8 @@ class DecodeSession:
         self, commands: AsyncIterator[internal_pb2.SessionCommand]
     ) -> AsyncIterator[internal_pb2.SessionBatch]:
         """The batches to send, until the router closes its side and every request ended."""
+        # An empty batch at once: the router writes nothing before it (router/node_session.py).
+        yield internal_pb2.SessionBatch()
         reader = asyncio.ensure_future(self._read(commands))
         try:
             while True:

@@ -13,9 +13,10 @@ each batch off the call and hands every event to its request.
 When the session's call ends under its requests (the node died, restarted or
 stopped), each of them fails with UNAVAILABLE, as its own call would have:
 the router retries or migrates it as usual, and the next request opens a new
-session. A node that does not serve DecodeSession (an older release) answers
-UNIMPLEMENTED once: its requests, those waiting included, then use Decode
-calls, the way a router did before sessions.
+session. Opening one waits for the node's first (empty) batch before anything
+is written. A node that does not serve DecodeSession (an older release)
+answers UNIMPLEMENTED instead: its requests, those waiting for that answer
+included, then use Decode calls, the way a router did before sessions.
 
 Why sessions: a request's start is one message on an open call instead of a
 new call (the router's hop to the node costs a fraction), and a node sends one
@@ -29,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import time
 from collections import deque
 
 import grpc
@@ -66,7 +66,6 @@ class SessionCall:
     __slots__ = (
         "_cancelled",
         "_ended",
-        "_fallback",
         "_items",
         "_session",
         "_sink",
@@ -81,12 +80,9 @@ class SessionCall:
         self._waiter: asyncio.Future | None = None
         self._ended = False  # its end (or the session's) arrived
         self._cancelled = False
-        self._fallback = None  # a Decode call, once the node turned out not to serve sessions
         self._sink = None  # subscribe()'s callback
 
     async def read(self):
-        if self._fallback is not None:
-            return await self._fallback.read()
         while not self._items:
             if self._cancelled:
                 raise asyncio.CancelledError
@@ -95,8 +91,6 @@ class SessionCall:
                 await self._waiter  # a cancel() cancels it: CancelledError, as a Decode call's read
             finally:
                 self._waiter = None
-            if self._fallback is not None:
-                return await self._fallback.read()
         item = self._items.popleft()
         if isinstance(item, BaseException):
             raise item
@@ -104,8 +98,6 @@ class SessionCall:
 
     def cancel(self) -> bool:
         """Abort the request on the node (a no-op once it ended), as a Decode call's cancel."""
-        if self._fallback is not None:
-            return self._fallback.cancel()
         if self._ended or self._cancelled:
             return False
         self._cancelled = True
@@ -113,18 +105,10 @@ class SessionCall:
         self._wake()
         return True
 
-    @property
-    def on_session(self) -> bool:
-        """False once it fell back to a Decode call of its own (read() that)."""
-        return self._fallback is None
-
     def subscribe(self, sink) -> None:
         """From now on hand each item (a response, then EOF or the error) to
         ``sink(item)`` as it arrives, instead of keeping it for read(): the
-        relay's own queue, one task wake less per message. A fallen-back call
-        has no such items: read() it."""
-        if self._fallback is not None:
-            raise RuntimeError("a request on a Decode call of its own is read, not subscribed")
+        relay's own queue, one task wake less per message."""
         self._sink = sink
         while self._items:
             sink(self._items.popleft())
@@ -140,13 +124,6 @@ class SessionCall:
     def _end(self, item) -> None:
         self._ended = True
         self._deliver(item)
-
-    def _use_call(self, timeout: float | None) -> None:
-        """The node has no sessions: this request goes on a Decode call of its own."""
-        if self._cancelled:
-            return
-        self._fallback = self._session._stub.Decode(self.request, timeout=timeout)
-        self._wake()
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -165,13 +142,13 @@ class NodeSession:
         self._stub = internal_pb2_grpc.DecodeNodeStub(channel)
         self._call = None
         self._reader: asyncio.Future | None = None
+        self._opening: asyncio.Future | None = None
+        self._open_error: grpc.aio.AioRpcError | None = None  # why the last open failed
         self._calls: dict[str, SessionCall] = {}
-        # Each request's deadline (time.monotonic()), kept until the node's support is known.
-        self._deadlines: dict[str, float | None] = {}
         self._write_lock = asyncio.Lock()  # grpc.aio takes one write at a time on a call
         self._cancels: set[asyncio.Future] = set()
         self._why = "its session was cancelled"  # what a cancelled session's requests are told
-        self.supported: bool | None = None  # None: not known yet (no batch or answer so far)
+        self.supported: bool | None = None  # None: not known yet (no session opened so far)
 
     async def start(self, command: internal_pb2.SessionCommand, timeout: float | None):
         """The stream of ``command.start.request``: a SessionCall, or a Decode call
@@ -179,15 +156,15 @@ class NodeSession:
         (``command.start.request``): putting a finished DecodeRequest into one
         copies it, its prompt's ids included."""
         request = command.start.request
+        if self._call is None and self.supported is not False:
+            await self._open()
         if self.supported is False:
             return self._stub.Decode(request, timeout=timeout)
-        if self._call is None:
-            self._open()
         call = SessionCall(self, request)
-        rid = request.request_id
-        self._calls[rid] = call
-        if self.supported is None:
-            self._deadlines[rid] = None if timeout is None else time.monotonic() + timeout
+        if self._call is None:  # the node did not answer: what its own call would have said
+            call._end(self._open_error or _lost(self.node_id, "no session"))
+            return call
+        self._calls[request.request_id] = call
         if timeout is not None:
             command.start.timeout_s = timeout
         await self._write(command)
@@ -200,8 +177,43 @@ class NodeSession:
         if self._reader is not None:
             await asyncio.gather(self._reader, return_exceptions=True)
 
-    def _open(self) -> None:
-        self._call = call = self._stub.DecodeSession()
+    async def _open(self) -> None:
+        """Open a session, once for every request that asks meanwhile."""
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self._handshake())
+            self._opening.add_done_callback(lambda _: setattr(self, "_opening", None))
+        await asyncio.shield(self._opening)
+
+    async def _handshake(self) -> None:
+        # The node's first batch is an empty one, sent at once: nothing is
+        # written before it arrives, because a command written while the node
+        # refuses the call (an older release: UNIMPLEMENTED) turns the call's
+        # status into the transport's INTERNAL and hides the refusal.
+        call = self._stub.DecodeSession()
+        try:
+            async with asyncio.timeout(WRITE_TIMEOUT_S):
+                hello = await call.read()
+        except TimeoutError:
+            call.cancel()
+            self._open_error = _lost(self.node_id, "did not open a session in time")
+            return
+        except grpc.aio.AioRpcError as e:
+            if e.code() is grpc.StatusCode.UNIMPLEMENTED:
+                logger.info(
+                    "decode node %s does not serve DecodeSession (an older release): "
+                    "one Decode call per request to it",
+                    self.node_id,
+                )
+                self.supported = False
+                return
+            self._open_error = _lost(self.node_id, e.details() or e.code().name)
+            return
+        if hello is grpc.aio.EOF:
+            self._open_error = _lost(self.node_id, "ended its session at once")
+            return
+        self.supported = True
+        self._open_error = None
+        self._call = call
         self._reader = asyncio.ensure_future(self._read(call))
 
     async def _write(self, command: internal_pb2.SessionCommand) -> None:
@@ -225,7 +237,6 @@ class NodeSession:
 
     def _cancel(self, rid: str) -> None:
         if self._calls.pop(rid, None) is not None and self._call is not None:
-            self._deadlines.pop(rid, None)
             command = internal_pb2.SessionCommand(cancel=rid)
             task = asyncio.ensure_future(self._write(command))
             self._cancels.add(task)  # held until written (the loop keeps weak references only)
@@ -235,9 +246,6 @@ class NodeSession:
         error: grpc.aio.AioRpcError | None = None
         try:
             while (batch := await session.read()) is not grpc.aio.EOF:
-                if self.supported is None:
-                    self.supported = True
-                    self._deadlines.clear()
                 for event in batch.events:
                     call = self._calls.get(event.request_id)
                     if call is None:
@@ -249,9 +257,6 @@ class NodeSession:
                         call._end(_ending(event.end))
             error = _lost(self.node_id, "ended the session")
         except grpc.aio.AioRpcError as e:
-            if e.code() is grpc.StatusCode.UNIMPLEMENTED and self.supported is None:
-                self._fall_back()
-                return
             error = _lost(self.node_id, e.details() or e.code().name)
         except asyncio.CancelledError:
             error = _lost(self.node_id, self._why)
@@ -260,24 +265,9 @@ class NodeSession:
             if self._call is session:
                 self._call = None
             calls, self._calls = self._calls, {}
-            self._deadlines.clear()
             if error is not None:
                 for call in calls.values():
                     call._end(error)
-
-    def _fall_back(self) -> None:
-        logger.info(
-            "decode node %s does not serve DecodeSession (an older release): "
-            "one Decode call per request to it",
-            self.node_id,
-        )
-        self.supported = False
-        now = time.monotonic()
-        for rid, call in self._calls.items():
-            deadline = self._deadlines.get(rid)
-            call._use_call(None if deadline is None else max(0.0, deadline - now))
-        self._calls.clear()
-        self._deadlines.clear()
 
 
 def _ending(end: internal_pb2.SessionEnd):

@@ -141,7 +141,7 @@ async def node_messages(
             return
         last = loop.time()
         yield first
-        if isinstance(call, SessionCall) and call.on_session:
+        if isinstance(call, SessionCall):
             # The session's reader hands this request's messages straight over.
             subscribed = True
             call.subscribe(deliver)

@@ -138,7 +138,12 @@ class TLSTerminator:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.server.close()
+        async def close() -> None:
+            self.server.close()
+
+        # On the loop's own thread: asyncio's Server is not thread-safe, and closing
+        # it from here raced a connection's own teardown (a TypeError in CI once).
+        asyncio.run_coroutine_threadsafe(close(), self.loop).result(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
 

@@ -137,8 +137,9 @@ def test_many_requests_share_one_call_and_a_step_is_one_batch():
             results = await asyncio.gather(*readers)
         assert results == [[100, 101, 102, 103]] * 8
         assert node.sessions_opened == 1
-        # 32 messages and 8 ends, released in 4 steps: far fewer batches than messages.
-        assert node.batches <= 8, node.batches
+        # 32 messages and 8 ends, released in 4 steps (and the opening empty
+        # batch): far fewer batches than messages.
+        assert node.batches <= 9, node.batches
         assert session.supported is True
 
     run(main())
