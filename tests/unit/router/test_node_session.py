@@ -206,54 +206,52 @@ def test_a_request_past_its_deadline_ends_with_deadline_exceeded():
 def test_a_lost_session_fails_its_requests_unavailable_and_the_next_reopens():
     async def main():
         port = free_port()
-        node = Node(Worker())
-        server = await _server(node, port)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            session = NodeSession(channel, "decode-0")
-            hung = await session.start(_request("h", kind=3), None)
-            await asyncio.sleep(0.1)
-            await server.stop(None)  # the node goes away under the request
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await _tokens(hung)
-            assert e.value.code() is grpc.StatusCode.UNAVAILABLE
-            assert "decode-0" in e.value.details()
-            node2 = Node(Worker())
-            server = await _server(node2, port)  # back, on the same address
-            for _ in range(50):  # the channel reconnects (its backoff is short)
-                call = await session.start(_request("again"), None)
-                try:
-                    assert await _tokens(call) == [100, 101, 102]
-                    break
-                except grpc.aio.AioRpcError as err:
-                    assert err.code() is grpc.StatusCode.UNAVAILABLE
-                    await asyncio.sleep(0.1)
-            else:
-                pytest.fail("no session after the node came back")
-            assert node2.sessions_opened == 1
-            await session.close()
-        await server.stop(None)
+        servers = [await _server(Node(Worker()), port)]
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                session = NodeSession(channel, "decode-0")
+                hung = await session.start(_request("h", kind=3), None)
+                await asyncio.sleep(0.1)
+                await servers[0].stop(None)  # the node goes away under the request
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await _tokens(hung)
+                assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+                assert "decode-0" in e.value.details()
+                node2 = Node(Worker())
+                servers.append(await _server(node2, port))  # back, on the same address
+                for _ in range(50):  # the channel reconnects (its backoff is short)
+                    call = await session.start(_request("again"), None)
+                    try:
+                        assert await _tokens(call) == [100, 101, 102]
+                        break
+                    except grpc.aio.AioRpcError as err:
+                        assert err.code() is grpc.StatusCode.UNAVAILABLE
+                        await asyncio.sleep(0.1)
+                else:
+                    pytest.fail("no session after the node came back")
+                assert node2.sessions_opened == 1
+                await session.close()
+        finally:
+            for server in servers:
+                await server.stop(None)
 
     run(main())
 
 
 def test_a_node_without_sessions_gets_decode_calls():
     async def main():
-        port = free_port()
         node = Node(Worker(), sessions=False)
-        server = await _server(node, port)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            session = NodeSession(channel, "decode-0")
-            # Both started before the node's answer is known: both fall back.
-            first = await session.start(_request("a"), 5.0)
-            second = await session.start(_request("b"), None)
+        async with _session_with(node) as session:
+            # Both waiting for the node's answer to the same open: both fall back.
+            first, second = await asyncio.gather(
+                session.start(_request("a"), 5.0), session.start(_request("b"), None)
+            )
             assert await _tokens(first) == [100, 101, 102]
             assert await _tokens(second) == [100, 101, 102]
             assert session.supported is False
             third = await session.start(_request("c"), None)
             assert not isinstance(third, SessionCall)  # straight to a Decode call
             assert await _tokens(third) == [100, 101, 102]
-            await session.close()
-        await server.stop(None)
         assert node.decode_calls == 3
 
     run(main())
