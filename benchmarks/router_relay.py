@@ -52,43 +52,61 @@ NODE_ID = "fake-decode-0"
 
 
 # --------------------------------------------------------------- the fake node
+class FakeWorker:
+    """What DecodeWorker.decode streams, with no engine behind it: max_tokens
+    one-token messages (16 unset), one per ``interval_s``, the last with its Final."""
+
+    def __init__(self, interval_s: float = 0.0) -> None:
+        self.interval_s = interval_s
+
+    async def decode(self, request, deadline):
+        from proto import pdserve_pb2
+
+        n = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
+        for i in range(n):
+            response = pdserve_pb2.GenerateResponse(request_id=request.request_id)
+            response.deltas.add(index=0, text=" tok", token_ids=[100 + i % 1000])
+            if i == n - 1:
+                response.final.completions.add(
+                    index=0, finish_reason=pdserve_pb2.FINISH_REASON_LENGTH
+                )
+                response.final.usage.prompt_tokens = len(request.prompt_token_ids)
+                response.final.usage.completion_tokens = n
+            yield response
+            if self.interval_s:
+                await asyncio.sleep(self.interval_s)  # one engine step
+
+
+def fake_servicer(worker):
+    """A DecodeNode servicer around ``worker`` (DecodeWorker.decode's contract):
+    Decode calls, and DecodeSession through the real node's session code."""
+    from decode_node.session import DecodeSession
+    from proto import internal_pb2_grpc
+
+    class Servicer(internal_pb2_grpc.DecodeNodeServicer):
+        async def Decode(self, request, context):
+            async for response in worker.decode(request, None):
+                yield response
+
+        async def DecodeSession(self, request_iterator, context):
+            async for batch in DecodeSession(worker).run(request_iterator):
+                yield batch
+
+    return Servicer()
+
+
 async def fake_node(
     redis_url: str, port: int, model_id: str, block_size: int, interval_s: float
 ) -> None:
     import grpc
 
     from common.cluster import Cluster, NodeInfo, NodeRole
-    from decode_node.session import DecodeSession
-    from proto import internal_pb2_grpc, pdserve_pb2
-
-    class Worker:  # what DecodeWorker.decode streams, with no engine behind it
-        async def decode(self, request, deadline):
-            n = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
-            for i in range(n):
-                response = pdserve_pb2.GenerateResponse(request_id=request.request_id)
-                response.deltas.add(index=0, text=" tok", token_ids=[100 + i % 1000])
-                if i == n - 1:
-                    response.final.completions.add(
-                        index=0, finish_reason=pdserve_pb2.FINISH_REASON_LENGTH
-                    )
-                    response.final.usage.prompt_tokens = len(request.prompt_token_ids)
-                    response.final.usage.completion_tokens = n
-                yield response
-                if interval_s:
-                    await asyncio.sleep(interval_s)  # one engine step
-
-    class Servicer(internal_pb2_grpc.DecodeNodeServicer):
-        async def Decode(self, request, context):
-            async for response in Worker().decode(request, None):
-                yield response
-
-        async def DecodeSession(self, request_iterator, context):
-            # The real node's session (decode_node/session.py) around the fake worker.
-            async for batch in DecodeSession(Worker()).run(request_iterator):
-                yield batch
+    from proto import internal_pb2_grpc
 
     server = grpc.aio.server()
-    internal_pb2_grpc.add_DecodeNodeServicer_to_server(Servicer(), server)
+    internal_pb2_grpc.add_DecodeNodeServicer_to_server(
+        fake_servicer(FakeWorker(interval_s)), server
+    )
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     cluster = Cluster.from_url(redis_url)

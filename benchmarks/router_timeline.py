@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import save_run
-from benchmarks.router_relay import _wait_routable
+from benchmarks.router_relay import FakeWorker, _wait_routable, fake_servicer
 from pdserve.redis_server import RedisServer, free_port
 
 NODE_ID = "fake-decode-0"
@@ -143,34 +143,20 @@ async def fake_node(redis_url: str, port: int, model_id: str, stamps_path: str) 
     import grpc
 
     from common.cluster import Cluster, NodeInfo, NodeRole
-    from proto import internal_pb2_grpc, pdserve_pb2
+    from proto import internal_pb2_grpc
 
     stamps: list[tuple[str, float, float]] = []
+    fake = FakeWorker()
 
-    from decode_node.session import DecodeSession
-
-    class Worker:  # one token at once, stamped: where the node's handler starts and ends
+    class Worker:  # router_relay's, stamped: where the node's handler starts and ends
         async def decode(self, request, deadline):
             start = STAMP()
-            response = pdserve_pb2.GenerateResponse(request_id=request.request_id)
-            response.deltas.add(index=0, text=" tok", token_ids=[100])
-            response.final.completions.add(index=0, finish_reason=pdserve_pb2.FINISH_REASON_LENGTH)
-            response.final.usage.prompt_tokens = len(request.prompt_token_ids)
-            response.final.usage.completion_tokens = 1
-            stamps.append((request.request_id, start, STAMP()))
-            yield response
-
-    class Servicer(internal_pb2_grpc.DecodeNodeServicer):
-        async def Decode(self, request, context):
-            async for response in Worker().decode(request, None):
+            async for response in fake.decode(request, deadline):  # one token (max_tokens=1)
+                stamps.append((request.request_id, start, STAMP()))
                 yield response
 
-        async def DecodeSession(self, request_iterator, context):
-            async for batch in DecodeSession(Worker()).run(request_iterator):
-                yield batch
-
     server = grpc.aio.server()
-    internal_pb2_grpc.add_DecodeNodeServicer_to_server(Servicer(), server)
+    internal_pb2_grpc.add_DecodeNodeServicer_to_server(fake_servicer(Worker()), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     cluster = Cluster.from_url(redis_url)
