@@ -43,7 +43,6 @@ class DecodeSession:
         self._outbox: list[internal_pb2.SessionEvent] = []
         self._ready = asyncio.Event()
         self._tasks: dict[str, asyncio.Task] = {}
-        self._commands_done = False
 
     async def run(
         self, commands: AsyncIterator[internal_pb2.SessionCommand]
@@ -66,7 +65,6 @@ class DecodeSession:
                 del self._outbox[:MAX_EVENTS_PER_BATCH]
                 yield internal_pb2.SessionBatch(events=events)
         finally:
-            reader.cancel()
             tasks = [reader, *self._tasks.values()]
             for task in tasks:
                 task.cancel()

@@ -283,10 +283,10 @@ class _Attempt:
 
     async def relay(self):
         route = self.routed.decision
-        session = self.servicer.node_streams is NodeStreams.SESSION
-        command = internal_pb2.SessionCommand() if session else None
+        on_session = self.servicer.node_streams is NodeStreams.SESSION
+        command = internal_pb2.SessionCommand() if on_session else None
         # On a session the request is built inside its start command (no copy).
-        downstream = command.start.request if session else internal_pb2.DecodeRequest()
+        downstream = command.start.request if on_session else internal_pb2.DecodeRequest()
         # Unique downstream even when clients reuse ids: streams never cross.
         downstream.request_id = uuid.uuid4().hex
         downstream.prompt_token_ids.extend(self.parsed.prompt_token_ids)
@@ -303,7 +303,7 @@ class _Attempt:
         trace = self.trace
         call = None
         try:
-            if session:
+            if on_session:
                 call = await self.servicer.session(route.decode).start(command, timeout)
             else:
                 stub = internal_pb2_grpc.DecodeNodeStub(self.channel)
