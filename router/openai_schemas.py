@@ -7,9 +7,9 @@ refused with 400 naming them, never silently dropped (docs/openai.md lists them)
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from proto import pdserve_pb2
 
@@ -112,7 +112,13 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Token ids first and strict, tried left to right: pydantic's default
+    # ("smart") union tries every member on every element, 1.4 ms for a
+    # 2,176-token prompt against 0.14 ms this way (a bool or "12" is no token id).
+    prompt: Annotated[
+        list[StrictInt] | str | list[str] | list[list[StrictInt]],
+        Field(union_mode="left_to_right"),
+    ]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -146,9 +152,10 @@ class CompletionRequest(_Sampling):
             if isinstance(p, str):
                 request.prompt = p
             else:
-                if any(not -(2**63) <= t < 2**63 for t in p):
-                    raise InvalidField("prompt", "prompt has a token id out of range")
-                request.token_ids.ids.extend(p)
+                try:  # protobuf refuses what int64 cannot hold (no Python loop here)
+                    request.token_ids.ids.extend(p)
+                except ValueError:
+                    raise InvalidField("prompt", "prompt has a token id out of range") from None
             out.append(request)
         return out
 
