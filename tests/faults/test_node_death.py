@@ -38,6 +38,7 @@ pytestmark = pytest.mark.timeout(900)
 TRANSFER_PAUSE_S = 2.0
 LEASE_S = 5.0
 STREAMS = 32
+TOKENS = 96  # each; the first streams are still running when the last gets its first token
 UNAVAILABLE_WITHIN_S = 5.0
 TTL_S = 3.0  # nodes' heartbeat TTL in this cluster
 
@@ -98,7 +99,7 @@ def kill_decode_under_load(cluster):
     streams = [
         Stream(
             cluster.router_address,
-            request(f"Stream {i}: count slowly.", max_tokens=160, ignore_eos=True),
+            request(f"Stream {i}: count slowly.", max_tokens=TOKENS, ignore_eos=True),
         )
         for i in range(STREAMS)
     ]
@@ -115,7 +116,7 @@ def kill_decode_under_load(cluster):
         assert o.code is grpc.StatusCode.UNAVAILABLE, (o.code, o.details)
         assert o.ended_at - killed <= UNAVAILABLE_WITHIN_S
     for o in ok:  # the others are unaffected
-        assert len(o.token_ids) == 160
+        assert len(o.token_ids) == TOKENS
         assert o.final.usage.decode_node == "decode-1"
     worst = max(o.ended_at - killed for o in failed)
     print(f"{len(failed)} streams on the killed node: UNAVAILABLE within {worst:.2f} s")
