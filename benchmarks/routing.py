@@ -174,26 +174,42 @@ def flush_all(admin: str, token: str | None = None) -> int:
     raise RuntimeError("the nodes' caches did not empty after FlushCache")
 
 
-def start_router(
-    cluster, policy: str, model: str, log_dir: str, extra: list[str]
-) -> tuple[subprocess.Popen, str]:
+def start_routers(
+    cluster, policies: list[str], model: str, log_dir: str, extra: list[str]
+) -> dict[str, tuple[subprocess.Popen, str]]:
+    """One router process per policy, all launched before any is waited for:
+    each spends seconds importing the engine's stack, and they overlap. On a
+    failure every one already launched is killed, not left behind."""
     from common.grpc_server import wait_serving
     from pdserve.redis_server import free_port
 
-    port, admin_port = free_port(), free_port()
-    log = open(Path(log_dir) / f"router-{policy}.log", "w")  # noqa: SIM115 - lives with the process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "router", "--model", model]
-        + ["--redis-url", cluster.redis_url, "--host", "127.0.0.1", "--port", str(port)]
-        + ["--admin-port", str(admin_port), "--routing-policy", policy, *extra],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    address = f"127.0.0.1:{port}"
-    if not wait_serving(address, 120, "pdserve.v1.Router"):
-        proc.kill()
-        raise RuntimeError(f"the {policy} router did not start (log: {log.name})")
-    return proc, address
+    launched: dict[str, tuple[subprocess.Popen, str, str]] = {}
+    try:
+        for policy in policies:
+            port, admin_port = free_port(), free_port()
+            log = Path(log_dir) / f"router-{policy}.log"
+            with open(log, "w") as out:  # the child keeps its own descriptor
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "pdserve.cli", "router", "--model", model]
+                    + ["--redis-url", cluster.redis_url, "--host", "127.0.0.1"]
+                    + ["--port", str(port), "--admin-port", str(admin_port)]
+                    + ["--routing-policy", policy, *extra],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            launched[policy] = (proc, f"127.0.0.1:{port}", str(log))
+        deadline = time.monotonic() + 120
+        for policy, (proc, address, log) in launched.items():
+            # In slices, so that a router that exits (a bad flag) fails at once.
+            while not wait_serving(address, 1.0, "pdserve.v1.Router"):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the {policy} router did not start (log: {log})")
+    except BaseException:
+        for proc, _, _ in launched.values():
+            proc.kill()
+            proc.wait(timeout=30)
+        raise
+    return {policy: (proc, address) for policy, (proc, address, _) in launched.items()}
 
 
 def run_workload(args: argparse.Namespace) -> dict[str, Any]:
@@ -230,7 +246,7 @@ def run_workload(args: argparse.Namespace) -> dict[str, Any]:
     )
     results: dict[str, Any] = {"model": args.shape or args.model, "logs": log_dir}
     with LocalCluster(spec) as cluster:
-        routers = {p: start_router(cluster, p, model, log_dir, router_args) for p in args.policies}
+        routers = start_routers(cluster, args.policies, model, log_dir, router_args)
         try:
             for policy in args.policies:
                 flushed = flush_all(cluster.admin_address)
