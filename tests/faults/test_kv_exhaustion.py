@@ -50,12 +50,12 @@ def test_preemption_under_kv_pressure_keeps_greedy_outputs_identical(cluster):
         return counters(cluster, "preemptions")["decode-0"]["preemptions"]
 
     start = preemptions()
-    alone = []
+    unpressured = []
     for i in range(0, len(PROMPTS), UNPRESSURED):  # a few at a time: never short of blocks
         group = [Stream(cluster.router_address, req(p)) for p in PROMPTS[i : i + UNPRESSURED]]
         for o in (s.result(600) for s in group):
             assert o.code is grpc.StatusCode.OK, o.details
-            alone.append(o.token_ids)
+            unpressured.append(o.token_ids)
     before = preemptions()
     assert before == start, "the unpressured reference runs were preempted"
 
@@ -64,7 +64,7 @@ def test_preemption_under_kv_pressure_keeps_greedy_outputs_identical(cluster):
     for i, o in enumerate(together):
         assert o.code is grpc.StatusCode.OK, (i, o.code, o.details)
         assert o.final.usage.prefill_node == "prefill-0"
-        assert o.token_ids == alone[i], f"request {i} changed under KV pressure"
+        assert o.token_ids == unpressured[i], f"request {i} changed under KV pressure"
     assert_idle(cluster, expect_nodes=2)
     preempted = preemptions() - before
     assert preempted > 0, "the decode node never ran short of blocks: the test proves nothing"
