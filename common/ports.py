@@ -36,9 +36,12 @@ class PortInUse(ValueError):
     line (configuration, not a crash)."""
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def _is_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
         # SO_REUSEADDR as servers set it: a port in TIME_WAIT is free to them,
         # a port someone listens on is not.
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -71,19 +74,38 @@ def _ephemeral_low() -> int:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on now, outside the ephemeral range when it can be."""
+    return free_port_block(1, host)
+
+
+def free_port_block(n: int, host: str = "127.0.0.1") -> int:
+    """The first of ``n`` consecutive ports nothing listens on now (`pdserve up
+    --metrics-port` takes such a block), below the ephemeral range when it can be."""
     low = _ephemeral_low()
     if low - LOWEST_PICKED_PORT >= 1000:
-        for _ in range(200):
-            port = random.randrange(LOWEST_PICKED_PORT, low)
-            if port not in _picked and _is_free(host, port):
-                _picked.add(port)
-                return port
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
-    _picked.add(port)
-    return port
+        base = _pick_block(n, host, LOWEST_PICKED_PORT, low)
+        if base is not None:
+            return base
+    if n == 1:  # no room below the range: the kernel's choice
+        with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        _picked.add(port)
+        return port
+    base = _pick_block(n, host, 20000, 60000)
+    if base is None:
+        raise RuntimeError(f"no {n} consecutive free ports on {host}")
+    return base
+
+
+def _pick_block(n: int, host: str, lo: int, hi: int) -> int | None:
+    """A random block of ``n`` ports in [lo, hi), none handed out before, all free."""
+    for _ in range(200):
+        base = random.randrange(lo, hi - n + 1)
+        block = range(base, base + n)
+        if _picked.isdisjoint(block) and all(_is_free(host, p) for p in block):
+            _picked.update(block)
+            return base
+    return None
 
 
 def taken(host: str, planned: Iterable[PlannedPort]) -> list[PlannedPort]:

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,25 +21,6 @@ ROUTER_LINE = re.compile(r"router listening on (\S+) \(admin API on (\S+)\)")
 SERVING_LINE = re.compile(r"(\S+) serving on (\S+) \(pid (\d+)(?:; metrics on (\S+))?\)")
 REDIS_LINE = re.compile(r"redis-server on (\S+) \(pid (\d+)\)")
 SUPERVISOR_LINE = re.compile(r"supervisor metrics on (\S+)")
-
-
-def free_port_block(n: int, host: str = "127.0.0.1") -> int:
-    """A first port of ``n`` consecutive free ones (for --metrics-port)."""
-    for _ in range(200):
-        base = random.randrange(20000, 60000 - n)
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 class UpProcess:

@@ -23,9 +23,10 @@ import urllib.request
 import grpc
 import pytest
 
+from common.ports import free_port_block
 from pdserve.redis_server import free_port
 from tests.faults.harness import Stream, assert_idle, request, run, wait_for, wait_idle
-from tests.pdserve_up import UpProcess, free_port_block
+from tests.pdserve_up import UpProcess
 
 pytestmark = pytest.mark.timeout(900)
 

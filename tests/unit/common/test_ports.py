@@ -38,3 +38,18 @@ def test_without_room_below_the_range_the_kernel_picks(monkeypatch):
     port = ports.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_a_block_is_free_below_the_range_and_shares_no_port_with_other_picks():
+    low = ports._ephemeral_low()
+    if low - ports.LOWEST_PICKED_PORT < 1000:
+        pytest.skip(f"this host's ephemeral range starts at {low}")
+    singles = {ports.free_port() for _ in range(50)}
+    base = ports.free_port_block(6)
+    block = set(range(base, base + 6))
+    assert block.isdisjoint(singles)
+    assert base >= ports.LOWEST_PICKED_PORT and base + 6 <= low
+    for port in block:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    assert ports.free_port() not in block
