@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 
 import pytest
 
@@ -79,3 +81,22 @@ def test_both_parts_run_and_write_a_record(demo_model_dir, tmp_path):
         assert 0 <= r["cached_tokens"] <= r["best_cached_tokens"] <= r["prompt_tokens"]
     # Turn 2 of each conversation extends turn 1: the bound is never zero here.
     assert w["cost"]["best_cached_tokens"] > 0
+
+
+def test_a_router_that_exits_fails_the_start_at_once_and_none_is_left(demo_model_dir, tmp_path):
+    """A bad flag: each router exits 2. The start fails within seconds, not after
+    its 120 s deadline, and nothing is left running. (The kill of routers still
+    alive when another fails is not reached here: every router gets the flag.)"""
+
+    class NoCluster:
+        redis_url = "redis://127.0.0.1:1/0"  # never reached: the flag is refused first
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="router did not start"):
+        routing.start_routers(
+            NoCluster(), ["random", "cost"], str(demo_model_dir), str(tmp_path), ["--no-such-flag"]
+        )
+    assert time.monotonic() - started < 60
+    assert "--no-such-flag" in (tmp_path / "router-random.log").read_text()
+    left = subprocess.run(["pgrep", "-f", "--", "--no-such-flag"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
