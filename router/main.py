@@ -41,6 +41,26 @@ logger = logging.getLogger(__name__)
 ROUTER_SERVICE = pdserve_pb2.DESCRIPTOR.services_by_name["Router"]
 ROUTER = ROUTER_SERVICE.full_name
 ADMIN = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+# Seconds the HTTP edge keeps an idle keep-alive connection open: above the 60 s idle
+# timeout load balancers and ingresses commonly use (AWS ALB's default, ingress-nginx's
+# upstream keep-alive), so that the proxy, not the server, closes an idle connection
+# first. A server that closes first races the proxy reusing that connection, and the
+# request sent on it is lost (connection reset / server disconnected). uvicorn's own
+# default, 5 s, loses them; a proxy that idles longer needs the flag above its timeout.
+HTTP_KEEP_ALIVE_S = 65
+
+
+def keep_alive_seconds(value: str) -> int:
+    """--http-keep-alive-s: whole seconds (uvicorn's timeout_keep_alive is an int), >= 1."""
+    try:
+        seconds = int(value)
+    except ValueError:
+        seconds = 0
+    if seconds < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number of seconds, at least 1, got {value!r}"
+        )
+    return seconds
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -122,6 +142,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=float(env("PDSERVE_DRAIN_TIMEOUT_S", "30")),
         help="on SIGTERM, seconds to let streams in flight finish [PDSERVE_DRAIN_TIMEOUT_S]",
+    )
+    p.add_argument(
+        "--http-keep-alive-s",
+        type=keep_alive_seconds,
+        # A string: argparse converts it like a flag's value (a bad one is a usage error).
+        default=env("PDSERVE_HTTP_KEEP_ALIVE_S") or str(HTTP_KEEP_ALIVE_S),
+        help="seconds the OpenAI HTTP API keeps an idle keep-alive connection open; keep "
+        "it above the idle timeout of any load balancer in front (default "
+        f"{HTTP_KEEP_ALIVE_S}, above the common 60 s) [PDSERVE_HTTP_KEEP_ALIVE_S]",
     )
     p.add_argument(
         "--no-access-log",
@@ -263,7 +292,9 @@ async def serve(args: argparse.Namespace) -> int:
         app = openai_api.build_app(
             router, public_auth[0] if public_auth else None, http_stats, config.max_model_len
         )
-        http = openai_api.make_server(app, args.host, args.http_port, tls, args.drain_timeout)
+        http = openai_api.make_server(
+            app, args.host, args.http_port, tls, args.drain_timeout, args.http_keep_alive_s
+        )
     # Metrics first: anything a launcher finds SERVING can be scraped.
     serve_metrics(args.metrics_port, args.host, collectors)
     await server.start()

@@ -429,9 +429,9 @@ class _Server(uvicorn.Server):
 
 
 def make_server(
-    app: FastAPI, host: str, port: int, tls: TLSConfig, drain_s: float
+    app: FastAPI, host: str, port: int, tls: TLSConfig, drain_s: float, keep_alive_s: int
 ) -> uvicorn.Server:
-    """The HTTP server with the gRPC port's TLS files (mTLS when --tls-client-ca)."""
+    """With the gRPC port's TLS files (mTLS: --tls-client-ca); keep_alive_s: router/main.py."""
     paths = dict(tls.paths)
     config = uvicorn.Config(
         app,
@@ -441,6 +441,7 @@ def make_server(
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=max(1, int(drain_s)),
+        timeout_keep_alive=keep_alive_s,
         ssl_certfile=paths.get("--tls-cert"),
         ssl_keyfile=paths.get("--tls-key"),
         ssl_ca_certs=paths.get("--tls-client-ca"),

@@ -79,6 +79,15 @@ class _Timer:
         self.out.latency_s = time.perf_counter() - self.start
 
 
+# A pooled connection idle longer than this is closed instead of reused (aiohttp checks
+# when it hands one out; its default is 15 s). Below the 5 s keep-alive timeout of
+# uvicorn-based servers (vLLM, pdserve's HTTP edge before --http-keep-alive-s): reusing
+# a connection just as the server closes it for idleness loses the request (connection
+# reset, server disconnected; aiohttp does not retry a POST), a failure that would be
+# charged to whichever server is measured. A new connection costs a handshake, no more.
+KEEPALIVE_S = 4.0
+
+
 class OpenAIBackend:
     def __init__(self, base_url: str, opts: SamplingOptions, api_key: str | None = None) -> None:
         import aiohttp
@@ -88,7 +97,9 @@ class OpenAIBackend:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # No connection cap: --max-concurrency is the only limit on requests in flight.
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            connector=aiohttp.TCPConnector(
+                limit=0, ttl_dns_cache=300, keepalive_timeout=KEEPALIVE_S
+            ),
             timeout=aiohttp.ClientTimeout(total=opts.timeout_s),
             headers=headers,
         )
