@@ -77,8 +77,17 @@ def add_engine_flags(parser: Any) -> None:
         action=argparse.BooleanOptionalAction,
         default=env_switch(engine_env_name("async_scheduling")),
         help="prepare step N+1 while the GPU runs step N (default: on with CUDA); "
-        "off gives a new request's first token about one decode step sooner and "
-        "costs throughput (docs/performance.md) [PDSERVE_ASYNC_SCHEDULING=1|0]",
+        "with --late-launch (the default) a new request's first token comes as soon "
+        "as with it off, which costs throughput (docs/performance.md) "
+        "[PDSERVE_ASYNC_SCHEDULING=1|0]",
+    )
+    parser.add_argument(
+        "--late-launch",
+        action=argparse.BooleanOptionalAction,
+        default=env_switch(engine_env_name("late_launch")),
+        help="with async scheduling, build the next step just before the GPU ends "
+        "the one in flight, so requests that arrived meanwhile join it (default: on) "
+        "[PDSERVE_LATE_LAUNCH=1|0]",
     )
     parser.add_argument(
         "--piecewise-cuda-graphs",
@@ -95,7 +104,7 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
     for flag in ("enforce_eager", "skip_tokenizer_init"):
         if getattr(args, flag, None):
             out[flag] = True
-    for switch in ("async_scheduling", "piecewise_cuda_graphs"):
+    for switch in ("async_scheduling", "late_launch", "piecewise_cuda_graphs"):
         if getattr(args, switch, None) is not None:
             out[switch] = getattr(args, switch)
     return out

@@ -48,6 +48,9 @@ class InFlightStep:
     prompt_logprobs: list[list[PromptTokenLogprob] | None] | None
     # The sampled ids on the device: the next step's inputs read them from here.
     sampled_device: torch.Tensor | None = None
+    # Recorded on the device's stream before the step's first work and after
+    # its last (timing events: StepClock learns device times from them).
+    began: torch.cuda.Event | None = None
     event: torch.cuda.Event | None = None
     # (sequence, sample index, position in token_ids) of each placeholder.
     placeholders: list[tuple[Sequence, int, int]] = field(default_factory=list)
@@ -60,15 +63,39 @@ class InFlightStep:
         samples: DeviceSamples | None,
         prompt_logprobs: list[list[PromptTokenLogprob] | None] | None,
         non_blocking: bool,
+        began: torch.cuda.Event | None = None,
     ) -> InFlightStep:
         step = cls(batch, sampling, samples, prompt_logprobs)
         if samples is not None:
             step.sampled_device = samples.token_ids
             samples.copy_to_host(non_blocking)
             if non_blocking and step.sampled_device.device.type == "cuda":
-                step.event = torch.cuda.Event()
+                step.began = began
+                step.event = torch.cuda.Event(enable_timing=began is not None)
                 step.event.record()
         return step
+
+    @staticmethod
+    def mark_begin(device: torch.device, non_blocking: bool) -> torch.cuda.Event | None:
+        """A timing event at the stream's current end, for a step about to be
+        built (async scheduling on CUDA only; elsewhere there is nothing to time)."""
+        if not non_blocking or device.type != "cuda":
+            return None
+        began = torch.cuda.Event(enable_timing=True)
+        began.record()
+        return began
+
+    def done(self) -> bool:
+        """Whether the device has finished the step (True where nothing can tell)."""
+        return self.event is None or self.event.query()
+
+    def device_seconds(self) -> float | None:
+        """The step's time on the device, from before its first work to after
+        its last (queued behind an earlier step: from that one's end); None
+        where it was not timed. Only after ``read``."""
+        if self.began is None or self.event is None:
+            return None
+        return self.began.elapsed_time(self.event) / 1e3
 
     def add_placeholders(self, appended: list[tuple[int, Sequence]]) -> None:
         """Record where ``Scheduler.advance`` put this step's placeholders; each

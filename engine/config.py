@@ -125,6 +125,11 @@ class EngineConfig:
     # (vLLM's name). None: on for CUDA, off elsewhere; True also works on a CPU
     # (the same code path, without the overlap), which is how CI covers it.
     async_scheduling: bool | None = None
+    # With async scheduling, a serving engine builds step N+1 as late as it can
+    # while still launching it before step N ends, so requests that arrived
+    # during N join N+1 instead of N+2 (engine/step_clock.py). LLM.generate
+    # never waits; off: N+1 is built right after N is launched.
+    late_launch: bool = True
     # vLLM's name: "module:Class" (or "module.Class") that every tensor-parallel
     # rank but rank 0 instantiates with its ModelRunner; rank 0 reaches it with
     # LLMEngine.call_workers (a node's KV transfer runs on every rank this way).
@@ -194,6 +199,7 @@ class EngineConfig:
             "enable_prefix_caching",
             "enable_chunked_prefill",
             "skip_tokenizer_init",
+            "late_launch",
         ):
             _require_bool(name, getattr(self, name))
         if self.async_scheduling is not None:

@@ -29,6 +29,11 @@ from engine.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# With no work, the thread checks for a stop this often.
+IDLE_POLL_S = 0.05
+# The longest a late launch waits between checks that the step in flight is
+# still running (a CUDA event query, microseconds).
+WAIT_SLICE_S = 0.002
 Sink = Callable[[RequestOutput | BaseException], None]
 
 
@@ -100,7 +105,19 @@ class EngineThread:
     def _run(self) -> None:
         engine = self.engine
         while not self._stopping:
-            self._run_commands(block=not engine.has_work())
+            if not engine.has_work():
+                self._run_commands(block=True)
+                continue
+            # Late launch: until the step in flight nears its end, take the
+            # requests that arrive (they join the next step). The wait is cut
+            # into short slices, each rechecking whether the device finished
+            # early (launch_delay is 0 then), so a step that ran faster than
+            # predicted leaves the device idle for at most one slice.
+            delay = engine.launch_delay()
+            if delay > 0:
+                self._run_commands(block=True, timeout=min(delay, WAIT_SLICE_S))
+                continue
+            self._run_commands(block=False)
             if self._stopping or not engine.has_work():
                 continue
             try:
@@ -140,9 +157,9 @@ class EngineThread:
                     del self._sinks[out.request_id]
                 sink(out)
 
-    def _run_commands(self, block: bool) -> None:
+    def _run_commands(self, block: bool, timeout: float = IDLE_POLL_S) -> None:
         try:
-            item = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+            item = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while item is not None:

@@ -42,6 +42,7 @@ from engine.parallel.handoff import Call
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus, TokenLogprobs
+from engine.step_clock import StepClock, StepKind
 from engine.tokenizer import load_tokenizer
 from engine.tp_workers import TPWorkers
 
@@ -123,6 +124,8 @@ class LLMEngine:
             if config.async_scheduling is not None
             else self.model_runner.device.type == "cuda"
         )
+        # Late launch: when to build the next step (None: as soon as possible).
+        self.step_clock = StepClock() if self.async_scheduling and config.late_launch else None
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> LLMEngine:
@@ -322,6 +325,7 @@ class LLMEngine:
         if outputs or not (self.scheduler.has_unfinished() or prev):
             self._in_flight = prev
             return outputs
+        began = time.monotonic()
         batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else ScheduledBatch()
         if batch.admitted:
             now = time.monotonic()
@@ -348,6 +352,10 @@ class LLMEngine:
             self._raise_if_a_rank_died(e)
             raise
         self.num_computed_tokens += batch.num_tokens
+        if self.step_clock is not None:
+            kind = StepKind(batch.num_tokens, batch.num_tokens > len(batch.seqs))
+            caught_up = prev is None or prev.done()
+            self.step_clock.launched(kind, began, time.monotonic(), caught_up)
         # The device runs `step` while the host reads and processes `prev`.
         if prev is not None:
             outputs.extend(self._finish_step(prev))
@@ -357,6 +365,18 @@ class LLMEngine:
         else:
             outputs.extend(self._finish_step(step))
         return outputs
+
+    def launch_delay(self) -> float:
+        """Seconds the next ``step`` should wait for the step in flight to near
+        its end (late launch, engine/step_clock.py; 0: step now), so requests
+        added meanwhile join the next step. The serving thread waits;
+        ``LLM.generate``, whose requests are all there at the start, does not."""
+        if self.step_clock is None or self._aborted or self._touched:
+            return 0.0
+        if (prev := self._in_flight) is None or prev.done():
+            return 0.0
+        prompt_rows = bool(self.scheduler.waiting) or prev.batch.num_tokens > len(prev.batch.seqs)
+        return self.step_clock.wait(time.monotonic(), prompt_rows)
 
     def _raise_if_a_rank_died(self, error: Exception) -> None:
         if self.tp_workers is not None:
@@ -370,7 +390,10 @@ class LLMEngine:
 
     def _finish_step(self, step: InFlightStep) -> list[RequestOutput]:
         """Read a launched step's samples, fill its placeholders, process outputs."""
+        was_done = step.done()
         host = step.read()
+        if self.step_clock is not None:
+            self.step_clock.read(step.device_seconds(), time.monotonic(), was_done)
         requests = self.requests
         op = self.output_processor
         news: dict[str, Request] = {}  # requests with something to report, in batch order

@@ -287,6 +287,7 @@ class ModelRunner:
         ``non_blocking``: copy the samples back without waiting (async scheduling);
         the caller reads them with ``InFlightStep.read``.
         """
+        began = InFlightStep.mark_begin(self.device, non_blocking)
         seqs = batch.seqs
         num_new = batch.num_new_tokens
         starts = [s.num_computed_tokens for s in seqs]
@@ -334,7 +335,7 @@ class ModelRunner:
                 prompt_logprobs = [[] if wants_prompt_logprobs(s) else None for s in seqs]
             logits = self.model.compute_logits(hidden[lo:hi])
             prompt_logprobs[row].extend(prompt_logprob_entries(seqs[row], start, logits))
-        return InFlightStep.start(batch, sampling, samples, prompt_logprobs, non_blocking)
+        return InFlightStep.start(batch, sampling, samples, prompt_logprobs, non_blocking, began)
 
     def _forward(
         self,

@@ -65,6 +65,17 @@ def test_async_scheduling_by_flag_or_variable():
     assert engine_kwargs(ns) == {"async_scheduling": False}  # the flag wins
 
 
+def test_late_launch_by_flag_or_variable():
+    ns, _ = parse_component("decode", ["--no-late-launch"], {})
+    assert engine_kwargs(ns) == {"late_launch": False}
+    ns, _ = parse_component("prefill", [], {"PDSERVE_LATE_LAUNCH": "0"})
+    assert engine_kwargs(ns) == {"late_launch": False}
+    ns, _ = parse_component("decode", ["--late-launch"], {"PDSERVE_LATE_LAUNCH": "0"})
+    assert engine_kwargs(ns) == {"late_launch": True}  # the flag wins
+    ns, _ = parse_component("decode", [], {})
+    assert "late_launch" not in engine_kwargs(ns)  # the engine's default (on)
+
+
 def test_piecewise_cuda_graphs_by_flag_or_variable():
     ns, _ = parse_component("decode", ["--piecewise-cuda-graphs"], {})
     assert engine_kwargs(ns) == {"piecewise_cuda_graphs": True}

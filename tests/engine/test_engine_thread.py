@@ -121,3 +121,46 @@ def test_first_outputs_are_handed_over_before_the_rest_of_their_step(tiny_engine
     # Later steps keep the engine's own order (nothing is fresh any more).
     later = [s for s in steps[steps.index(first_new) + 1 :] if len(s) == 2]
     assert later and all(s == "on" for s in later), steps
+
+
+def test_a_late_launch_waits_for_the_step_in_flight_and_serves_calls_meanwhile(
+    tiny_engine, monkeypatch
+):
+    """The thread's side of late launch (engine/step_clock.py). On a CPU every
+    step is done when launched, so the engine never asks for a wait: here its
+    ``launch_delay`` asks for one until the test lets go, and the thread must
+    run no step in that time but still serve calls (a request added then
+    joins the next step); after it, steps resume."""
+    hold = threading.Event()
+    asked: list[float] = []
+
+    def delay() -> float:
+        if not hold.is_set() and tiny_engine._in_flight is not None:
+            asked.append(0.05)
+            return 0.05
+        return 0.0
+
+    monkeypatch.setattr(tiny_engine, "launch_delay", delay)
+    thread = EngineThread(tiny_engine, name="engine-test").start()
+    steps: list[int] = []
+    thread.after_step.append(lambda outputs: steps.append(len(outputs)))
+    params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
+    try:
+        thread.add("a", lambda out: None, lambda e: e.add_request("a", [1, 2, 3], params))
+        deadline = threading.Event()
+        while not asked:
+            deadline.wait(0.001)
+        before = len(steps)
+        # Called during the wait: it runs at once, between two steps.
+        added = thread.add("b", lambda out: None, lambda e: e.add_request("b", [4, 5], params))
+        added.result(timeout=5)
+        assert thread.call(lambda e: len(e.requests)).result(timeout=5) == 2
+        deadline.wait(0.3)
+        assert len(steps) == before, "a step ran while the launch was held"
+        assert len(asked) >= 6  # the wait is sliced: each slice asked again
+        hold.set()
+        while thread.call(lambda e: e.has_unfinished_requests()).result(timeout=5):
+            deadline.wait(0.01)
+        assert len(steps) > before
+    finally:
+        thread.stop()
