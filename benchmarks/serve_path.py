@@ -17,6 +17,14 @@ interleaved round by round (engine, node, router, engine, ...):
   an asyncio loop (as benchmarks/online_ttft.py does);
 - node: one decode node process (local prefill) called directly over gRPC;
 - router: the same node behind a `pdserve router` process (--no-remote-prefill).
+- engine-early: the engine mode's engine with late launch switched off for the
+  sweep (engine/step_clock.py; the clock keeps counting): an A/B on one engine.
+  Both engine modes report the clock's launches, held launches and launches
+  the device had to wait for.
+
+``--dataset random``: ``--num-prompts`` prompts of ``--input-len`` random ids
+and no warm-up; the engine modes of a round get the same prompts and arrivals
+(the prefix cache emptied before each), the node and router modes their own.
 
 Both engines take the same flags (``--engine-args`` goes to both). The node
 is benchmarks/serve_path_node.py's: the real decode node with a timestamp at
@@ -59,9 +67,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import command_line, environment, summary_ms, write_record
 from benchmarks.serve_path_node import TAIL, Cluster, GilProbe, cpu_seconds, runq_seconds
 from engine.models.shapes import SHAPES, write_shape_dir
-from pdserve.bench.datasets import shared_prefix_requests
+from pdserve.bench.datasets import random_requests, shared_prefix_requests
 
-MODES = ("engine", "node", "router")
+# engine-early: the engine mode's engine with late launch off (engine/step_clock.py),
+# for an A/B on one engine, round by round.
+MODES = ("engine", "engine-early", "node", "router")
+ENGINE_MODES = ("engine", "engine-early")
 # (name, from, to): the hops of a first token, in order; the engine mode has no gRPC.
 HOPS = (
     ("to_node", "sent", "received"),
@@ -88,6 +99,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=64, help="per sweep")
     p.add_argument("--rounds", type=int, default=2, help="sweeps of each mode and rate")
     p.add_argument("--warmup-rounds", type=int, default=0, help="rounds first, not summarized")
+    p.add_argument(
+        "--dataset",
+        choices=["shared-prefix", "random"],
+        default="shared-prefix",
+        help="random: --num-prompts prompts of --input-len random ids, no warm-up",
+    )
+    p.add_argument("--input-len", type=int, default=1024, help="random dataset only")
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--prompts-per-group", type=int, default=16)
     p.add_argument("--system-len", type=int, default=512)
@@ -158,7 +176,7 @@ class Target:
             self.channel = grpc.aio.insecure_channel(address)
 
     def start(self, rid: str, prompt: list[int], rec: dict[str, float]):
-        if self.mode == "engine":
+        if self.mode in ENGINE_MODES:
             return via_engine(self.thread, rid, prompt, self.output_len, rec)
         from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 
@@ -194,8 +212,13 @@ async def sweep(target: Target, prompts: list[list[int]], rate: float, seed: int
 
 def workload(args, k: int) -> tuple[list[list[int]], list[list[int]]]:
     """Sweep k's prompts, and one warm-up prompt per group (its system prompt
-    and a question no measured prompt has)."""
+    and a question no measured prompt has); the random dataset has none."""
     vocab = SHAPES[args.shape]["vocab_size"]
+    if args.dataset == "random":
+        reqs = random_requests(
+            args.num_prompts, args.input_len, args.output_len, vocab, args.seed + 1000 * k
+        )
+        return [list(r.prompt) for r in reqs], []  # k: the round and rate (see one_sweep)
     reqs = shared_prefix_requests(
         args.groups,
         args.prompts_per_group,
@@ -262,10 +285,11 @@ def line(mode: str, s: dict[str, Any]) -> str:
     runq = ", ".join(f"{k} {v:.0f}" for k, v in s["runq_wait_us_per_token"].items())
     gil = s["gil_lag_us"]
     return (
-        f"{mode:6s} TTFT p50 {ttft['p50_ms']:6.1f} p90 {ttft['p90_ms']:6.1f} mean"
-        f" {ttft['mean_ms']:6.1f} | TPOT p50 {tpot['p50_ms']:5.1f} | hops mean/p50 ms: {hops}"
+        f"{mode:12s} TTFT p50 {ttft['p50_ms']:6.1f} p90 {ttft['p90_ms']:6.1f} mean"
+        f" {ttft['mean_ms']:6.1f} | TPOT p50 {tpot['p50_ms']:5.1f} p90 {tpot['p90_ms']:5.1f} | hops mean/p50 ms: {hops}"
         f" | CPU us/token: {cpu} | waiting for a CPU us/token: {runq} | GIL lag p50/p90 us {gil['p50']:.0f}/{gil['p90']:.0f}"
         + (f" | FAILED {s['failed']}" if s["failed"] else "")
+        + (f" | launches {late}" if (late := s.get("late_launch")) else "")
     )
 
 
@@ -274,11 +298,40 @@ def lag_summary(lags: list[float]) -> dict[str, float]:
     return {"count": len(lags), "p50": percentile(lags, 0.5), "p90": percentile(lags, 0.9)}
 
 
-async def one_sweep(args, mode: str, targets, cluster, thread, local_lags, k: int, rate: float):
+class LateLaunchWindow:
+    """Late launch on or off for one engine-mode sweep (the engine's step clock
+    keeps learning and counting either way), and its counts over the sweep."""
+
+    NAMES = ("num_launches", "num_late_launches", "num_idle_launches")
+
+    def __init__(self, engine, late: bool) -> None:
+        self.clock = getattr(engine, "step_clock", None) if engine is not None else None
+        if self.clock is not None:
+            self.clock.enabled = late
+            self.start = {n: getattr(self.clock, n) for n in self.NAMES}
+
+    def counts(self) -> dict[str, int] | None:
+        if self.clock is None:
+            return None  # no clock: late launch is off in the config, or no CUDA
+        return {n: getattr(self.clock, n) - self.start[n] for n in self.NAMES}
+
+
+async def one_sweep(
+    args, mode: str, targets, cluster, thread, local_lags, k: int, rnd: int, rate: float
+):
     """Sweep k: warm its groups, send its prompts at ``rate``, join the node's timestamps."""
+    if args.dataset == "random" and mode in ENGINE_MODES:
+        # The engine modes of a round get the same prompts and arrivals (a
+        # paired A/B), the engine forgetting the last mode's prompts first;
+        # the node and router modes get prompts of their own, never cached.
+        k = -1 - (rnd * len(args.request_rate) + args.request_rate.index(rate))
+        await asyncio.wrap_future(targets[mode].thread.call(lambda e: e.reset_prefix_cache()))
     prompts, warm = workload(args, k)
-    await sweep(targets[mode], warm, float("inf"), args.seed, f"w{k}")
-    if mode == "engine":
+    if warm:
+        await sweep(targets[mode], warm, float("inf"), args.seed, f"w{k}")
+    engine = targets[mode].thread.engine if mode in ENGINE_MODES else None
+    clock = LateLaunchWindow(engine, mode == "engine")
+    if mode in ENGINE_MODES:
         pid = os.getpid()
         threads = {"loop": (pid, threading.get_native_id()), "engine": (pid, thread.native_id)}
     else:
@@ -286,7 +339,7 @@ async def one_sweep(args, mode: str, targets, cluster, thread, local_lags, k: in
     cpu0 = {name: cpu_seconds(*ids) for name, ids in threads.items()}
     runq0 = {name: runq_seconds(*ids) for name, ids in threads.items() if ids[1]}
     start = time.monotonic()
-    records = await sweep(targets[mode], prompts, rate, args.seed + k, f"s{k}")
+    records = await sweep(targets[mode], prompts, rate, args.seed + k, f"s{k}-{mode}")
     end = time.monotonic()
     tokens = max(1, sum(r.get("tokens", 0) for r in records))
     cpu = {name: (cpu_seconds(*ids) - cpu0[name]) * 1e6 / tokens for name, ids in threads.items()}
@@ -294,7 +347,7 @@ async def one_sweep(args, mode: str, targets, cluster, thread, local_lags, k: in
     await asyncio.sleep(
         1.2
     )  # the node writes a stream's trace as it ends, its GIL lags each second
-    if mode == "engine":
+    if mode in ENGINE_MODES:
         lags = [x for t, second in local_lags if start + 1 <= t <= end + 1 for x in second]
     else:
         lags = cluster.gil_lags(start + 1, end + 1)
@@ -308,6 +361,7 @@ async def one_sweep(args, mode: str, targets, cluster, thread, local_lags, k: in
         "cpu_us_per_token": cpu,
         "runq_wait_us_per_token": runq,
         "gil_lag_us": lag_summary(lags),
+        **({"late_launch": clock.counts()} if mode in ENGINE_MODES else {}),
     }
 
 
@@ -326,14 +380,15 @@ async def run(args, model_dir: Path, logs: Path) -> list[dict[str, Any]]:
             cluster = Cluster(model_dir, flags, logs, env)
             for mode, port in (("node", cluster.node_port), ("router", cluster.router_port)):
                 targets[mode] = Target(mode, args.output_len, address=f"127.0.0.1:{port}")
-        if "engine" in args.modes:
+        if set(ENGINE_MODES) & set(args.modes):
             if args.torch_threads:
                 import torch
 
                 torch.set_num_threads(args.torch_threads)
             llm = LLM(str(model_dir), **engine_kwargs_of(flags))
             thread = EngineThread(llm.llm_engine, name="engine-bench").start()
-            targets["engine"] = Target("engine", args.output_len, thread=thread)
+            for mode in ENGINE_MODES:
+                targets[mode] = Target(mode, args.output_len, thread=thread)
             GilProbe(lambda lags: local_lags.append((time.monotonic(), lags)))
         if cluster is not None:
             ready = targets["router"]
@@ -346,7 +401,9 @@ async def run(args, model_dir: Path, logs: Path) -> list[dict[str, Any]]:
             for rate in args.request_rate:
                 for mode in args.modes:
                     native = thread._thread if thread is not None else None
-                    s = await one_sweep(args, mode, targets, cluster, native, local_lags, k, rate)
+                    s = await one_sweep(
+                        args, mode, targets, cluster, native, local_lags, k, rnd, rate
+                    )
                     sweeps.append({"round": rnd, "warmup": rnd < args.warmup_rounds, **s})
                     print(f"round {rnd} rate {rate:g} {line(mode, s)}", flush=True)
                     k += 1
