@@ -38,6 +38,18 @@ ENGINE_FLAGS: dict[str, type] = {
 }
 
 
+# Engine options that are on/off switches (--x / --no-x; unset: the engine decides).
+ENGINE_SWITCHES: dict[str, str] = {
+    "async_scheduling": "prepare step N+1 while the GPU runs step N (default: on with CUDA); "
+    "with --late-launch (the default) a new request's first token comes as soon as with "
+    "it off, which costs throughput (docs/performance.md)",
+    "late_launch": "with async scheduling, build the next step just before the GPU ends "
+    "the one in flight, so requests that arrived meanwhile join it (default: on)",
+    "piecewise_cuda_graphs": "steps with prefill rows replay CUDA graphs of the layers' "
+    "dense parts, attention eager between them (CUDA, one rank, triton backend; default on)",
+}
+
+
 # Engine options read PDSERVE_<OPTION>, except the block size: the router has
 # always read PDSERVE_BLOCK_SIZE, and sharing its names (that one,
 # PDSERVE_SERVED_MODEL_NAME, PDSERVE_MAX_MODEL_LEN) lets one setting (a
@@ -72,31 +84,14 @@ def add_engine_flags(parser: Any) -> None:
         help="no tokenizer: token ids in, token ids out (dummy-weight models) "
         "[PDSERVE_SKIP_TOKENIZER_INIT=1]",
     )
-    parser.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=env_switch(engine_env_name("async_scheduling")),
-        help="prepare step N+1 while the GPU runs step N (default: on with CUDA); "
-        "with --late-launch (the default) a new request's first token comes as soon "
-        "as with it off, which costs throughput (docs/performance.md) "
-        "[PDSERVE_ASYNC_SCHEDULING=1|0]",
-    )
-    parser.add_argument(
-        "--late-launch",
-        action=argparse.BooleanOptionalAction,
-        default=env_switch(engine_env_name("late_launch")),
-        help="with async scheduling, build the next step just before the GPU ends "
-        "the one in flight, so requests that arrived meanwhile join it (default: on) "
-        "[PDSERVE_LATE_LAUNCH=1|0]",
-    )
-    parser.add_argument(
-        "--piecewise-cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=env_switch(engine_env_name("piecewise_cuda_graphs")),
-        help="steps with prefill rows replay CUDA graphs of the layers' dense parts, "
-        "attention eager between them (CUDA, one rank, triton backend; default on) "
-        "[PDSERVE_PIECEWISE_CUDA_GRAPHS=1|0]",
-    )
+    for name, help_text in ENGINE_SWITCHES.items():
+        var = engine_env_name(name)
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            action=argparse.BooleanOptionalAction,
+            default=env_switch(var),
+            help=f"{help_text} [{var}=1|0]",
+        )
 
 
 def engine_kwargs(args: Any) -> dict[str, Any]:
@@ -104,7 +99,7 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
     for flag in ("enforce_eager", "skip_tokenizer_init"):
         if getattr(args, flag, None):
             out[flag] = True
-    for switch in ("async_scheduling", "late_launch", "piecewise_cuda_graphs"):
+    for switch in ENGINE_SWITCHES:
         if getattr(args, switch, None) is not None:
             out[switch] = getattr(args, switch)
     return out
