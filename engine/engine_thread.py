@@ -108,19 +108,20 @@ class EngineThread:
             if not engine.has_work():
                 self._run_commands(block=True)
                 continue
-            # Late launch: until the step in flight nears its end, take the
-            # requests that arrive (they join the next step). The wait is cut
-            # into short slices, each rechecking whether the device finished
-            # early (launch_delay is 0 then), so a step that ran faster than
-            # predicted leaves the device idle for at most one slice.
-            delay = engine.launch_delay()
-            if delay > 0:
-                self._run_commands(block=True, timeout=min(delay, WAIT_SLICE_S))
-                continue
-            self._run_commands(block=False)
-            if self._stopping or not engine.has_work():
-                continue
             try:
+                # Late launch: until the step in flight nears its end, take the
+                # requests that arrive (they join the next step). The wait is cut
+                # into short slices, each rechecking whether the device finished
+                # early (launch_delay is 0 then), so a step that ran faster than
+                # predicted leaves the device idle for at most one slice. (Its
+                # check is a CUDA event query: a device fault can surface there.)
+                delay = engine.launch_delay()
+                if delay > 0:
+                    self._run_commands(block=True, timeout=min(delay, WAIT_SLICE_S))
+                    continue
+                self._run_commands(block=False)
+                if self._stopping or not engine.has_work():
+                    continue
                 outputs = engine.step()
             except BaseException as e:  # the engine's state is unknown: stop serving
                 logger.exception("engine step failed; the node stops serving")

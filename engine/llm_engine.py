@@ -327,6 +327,7 @@ class LLMEngine:
             return outputs
         began = time.monotonic()
         batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else ScheduledBatch()
+        scheduled_s = time.monotonic() - began
         if batch.admitted:
             now = time.monotonic()
             for seq in batch.admitted:
@@ -346,6 +347,8 @@ class LLMEngine:
             if batch.preempted:
                 return outputs  # memory was reclaimed; the next step admits again
             raise RuntimeError("the scheduler could not schedule any pending sequence")
+        # The launch's host time leaves out a wait for `prev` above (penalties).
+        began = time.monotonic() - scheduled_s
         try:
             step = self.model_runner.launch(batch, prev, non_blocking=self.async_scheduling)
         except Exception as e:
@@ -353,9 +356,8 @@ class LLMEngine:
             raise
         self.num_computed_tokens += batch.num_tokens
         if self.step_clock is not None:
-            kind = StepKind(batch.num_tokens, batch.num_tokens > len(batch.seqs))
-            caught_up = prev is None or prev.done()
-            self.step_clock.launched(kind, began, time.monotonic(), caught_up)
+            kind = StepKind.of(batch.num_tokens, len(batch.seqs))
+            self.step_clock.launched(kind, began, time.monotonic(), prev is None or prev.done())
         # The device runs `step` while the host reads and processes `prev`.
         if prev is not None:
             outputs.extend(self._finish_step(prev))
@@ -367,10 +369,8 @@ class LLMEngine:
         return outputs
 
     def launch_delay(self) -> float:
-        """Seconds the next ``step`` should wait for the step in flight to near
-        its end (late launch, engine/step_clock.py; 0: step now), so requests
-        added meanwhile join the next step. The serving thread waits;
-        ``LLM.generate``, whose requests are all there at the start, does not."""
+        """Seconds the next ``step`` should wait for the step in flight to near its
+        end, so requests added meanwhile join it (engine/step_clock.py); 0: now."""
         if self.step_clock is None or self._aborted or self._touched:
             return 0.0
         if (prev := self._in_flight) is None or prev.done():

@@ -80,6 +80,11 @@ class StepKind:
     num_tokens: int
     has_prompt_rows: bool
 
+    @classmethod
+    def of(cls, num_tokens: int, num_seqs: int) -> StepKind:
+        """A step of ``num_seqs`` rows: more tokens than rows means prompt rows."""
+        return cls(num_tokens, num_tokens > num_seqs)
+
 
 @dataclass(slots=True)
 class _Launched:
@@ -116,7 +121,9 @@ class StepClock:
     # Shrinks on every held decode launch the device had to wait for, and
     # recovers slowly: the clock backs off when its waits were too long.
     backoff: float = 1.0
-    _waited: bool = False
+    # The last wait asked for (None: none since the last launch): whether it
+    # was for a step with prompt rows.
+    _waited_for: bool | None = None
 
     def launched(self, kind: StepKind, began: float, returned: float, caught_up: bool) -> None:
         """A step was scheduled and launched between host times ``began`` and
@@ -124,8 +131,8 @@ class StepClock:
         every step before it."""
         self.launch_times[kind.has_prompt_rows].append(returned - began)
         self.num_launches += 1
-        waited, self._waited = self._waited, False
-        if waited:
+        waited_for, self._waited_for = self._waited_for, None
+        if waited_for is not None:
             self.num_late_launches += 1
         # Fully queued while the device still ran the step before: its measured
         # time is the device's own. Otherwise the device caught up with the
@@ -134,11 +141,11 @@ class StepClock:
         busy = bool(self.pending) and not caught_up
         if self.pending and caught_up:
             self.num_idle_launches += 1
-            # A held decode step the device caught up with: the wait was too
-            # long, hold later launches less. (A step with prompt rows may be
-            # one a request turned it into during the wait, at the price of
-            # its longer build: that is the trade, not a wrong prediction.)
-            if waited and not kind.has_prompt_rows:
+            # A held step the device caught up with: the wait was too long,
+            # hold later launches less. Not when the hold was for a decode step
+            # and a request arrived during it: the longer build of the step it
+            # became is the price of that request joining it, not a wrong guess.
+            if waited_for == kind.has_prompt_rows:
                 self.backoff *= BACKOFF
         elif busy:
             self.backoff = min(1.0, self.backoff * RECOVERY)
@@ -160,7 +167,9 @@ class StepClock:
                 self.ratios.append(device_s / step.predicted_s)
             self.lines[step.kind.has_prompt_rows].add(step.kind.num_tokens, device_s)
         self.due_end = None
-        if self.pending:
+        if not self.pending:
+            self._waited_for = None  # nothing in flight: the next launch is not held
+        else:
             # The next one started when this one ended: now, when the host
             # waited for it; some time before now, when it was already done
             # (then its own launch is the earliest it can have started).
@@ -198,5 +207,5 @@ class StepClock:
         wait = self.due_end - self.lead(prompt_rows) - now
         if wait < MIN_WAIT_S:
             return 0.0
-        self._waited = True
+        self._waited_for = prompt_rows
         return wait

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -128,39 +129,44 @@ def test_a_late_launch_waits_for_the_step_in_flight_and_serves_calls_meanwhile(
 ):
     """The thread's side of late launch (engine/step_clock.py). On a CPU every
     step is done when launched, so the engine never asks for a wait: here its
-    ``launch_delay`` asks for one until the test lets go, and the thread must
-    run no step in that time but still serve calls (a request added then
-    joins the next step); after it, steps resume."""
+    ``launch_delay`` asks for 50 ms until the test lets go. The thread must run
+    no step in that time, ask again every slice (2 ms), still serve calls, and
+    a request added then must be in the first step launched after it."""
     hold = threading.Event()
     asked: list[float] = []
 
     def delay() -> float:
         if not hold.is_set() and tiny_engine._in_flight is not None:
-            asked.append(0.05)
+            asked.append(time.monotonic())
             return 0.05
         return 0.0
 
     monkeypatch.setattr(tiny_engine, "launch_delay", delay)
     thread = EngineThread(tiny_engine, name="engine-test").start()
-    steps: list[int] = []
-    thread.after_step.append(lambda outputs: steps.append(len(outputs)))
+    steps: list[set[str]] = []  # per step: the requests with output in it
+    thread.after_step.append(lambda outputs: steps.append({o.request_id for o in outputs}))
     params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
+    pause = threading.Event()
     try:
         thread.add("a", lambda out: None, lambda e: e.add_request("a", [1, 2, 3], params))
-        deadline = threading.Event()
         while not asked:
-            deadline.wait(0.001)
+            pause.wait(0.001)
         before = len(steps)
         # Called during the wait: it runs at once, between two steps.
         added = thread.add("b", lambda out: None, lambda e: e.add_request("b", [4, 5], params))
         added.result(timeout=5)
-        assert thread.call(lambda e: len(e.requests)).result(timeout=5) == 2
-        deadline.wait(0.3)
+        assert thread.call(lambda e: {"a", "b"} <= e.requests.keys()).result(timeout=5)
+        start = time.monotonic()
+        pause.wait(0.3)
         assert len(steps) == before, "a step ran while the launch was held"
-        assert len(asked) >= 6  # the wait is sliced: each slice asked again
+        # Sliced: about one ask per 2 ms (a 50 ms wait would ask 6 times).
+        assert sum(start <= t <= start + 0.3 for t in asked) >= 50
         hold.set()
         while thread.call(lambda e: e.has_unfinished_requests()).result(timeout=5):
-            deadline.wait(0.01)
-        assert len(steps) > before
+            pause.wait(0.01)
     finally:
         thread.stop()
+    # The first step after the hold was launched with "b" in it; its output is
+    # read one step later (async scheduling), so it is in the second step's.
+    after = steps[before:]
+    assert "b" not in after[0] and "b" in after[1], after[:3]

@@ -89,38 +89,61 @@ def test_overshooting_predictions_scale_later_ones_down():
     assert clock.due_end - t < 0.006
 
 
-def test_a_launch_the_device_caught_up_with_backs_off_if_held_and_is_not_learned():
+def test_a_launch_the_device_caught_up_with_is_not_learned():
     clock = StepClock()
     t = feed(clock, DECODE, 0.010, 3 * MIN_SAMPLES, 0.0)
     samples = len(clock.lines[False].samples)
-    # Not held by the clock (a host-bound step): counted, no backoff.
-    clock.launched(DECODE, t, t + 0.001, caught_up=True)
+    # Not held (a host-bound build): counted, not learned, no backoff.
+    clock.launched(DECODE, t, t + 0.012, caught_up=True)
+    clock.read(0.010, t + 0.012, was_done=True)  # the step before: learned
     assert (clock.num_idle_launches, clock.backoff) == (1, 1.0)
-    clock.read(0.010, t + 0.010, was_done=True)
-    clock.read(0.010, t + 0.011, was_done=False)
-    assert len(clock.lines[False].samples) == samples + 1  # the read before it: learned
-    t = feed(clock, DECODE, 0.010, 3 * MIN_SAMPLES, t + 0.011)
-    samples = len(clock.lines[False].samples)
-    # Held, and the device finished while it was being built: the wait was too long.
+    assert len(clock.lines[False].samples) == samples + 1
+    clock.launched(DECODE, t + 0.013, t + 0.014, caught_up=False)
+    clock.read(0.030, t + 0.030, was_done=False)  # its time includes the host's build
+    assert len(clock.lines[False].samples) == samples + 1
+    assert clock.lines[False].predict(64) == pytest.approx(0.010)
+
+
+def test_a_held_launch_the_device_caught_up_with_backs_off_later_holds():
+    clock = StepClock()
+    t = feed(clock, DECODE, 0.010, 3 * MIN_SAMPLES, 0.0)
     assert clock.wait(t, False) > 0
-    clock.launched(DECODE, t + 0.011, t + 0.012, caught_up=True)
-    assert clock.num_idle_launches == 2
+    clock.launched(DECODE, t + 0.011, t + 0.012, caught_up=True)  # held too long
+    assert (clock.num_late_launches, clock.num_idle_launches) == (1, 1)
     assert clock.backoff == pytest.approx(0.8)
-    # A held launch that a request turned into a prefill step: no backoff.
     clock.read(0.010, t + 0.012, was_done=True)
-    assert clock.wait(t + 0.012, True) > 0
-    clock.launched(StepKind(300, True), t + 0.020, t + 0.030, caught_up=True)
-    assert (clock.num_idle_launches, clock.backoff) == (3, pytest.approx(0.8))
-    clock.read(0.010, t + 0.030, was_done=True)
-    clock.read(0.010, t + 0.011, was_done=True)
-    clock.read(0.030, t + 0.040, was_done=False)  # its time includes the host's building
-    assert len(clock.lines[False].samples) == samples + 1  # only the first was learned
-    # The due end of the next steady step is 0.8 of its prediction; busy
-    # launches then give the backoff back.
-    t = feed(clock, DECODE, 0.010, 1, t + 0.040)
+    # The next steady step's due end is 0.8 of its prediction; launches the
+    # device did not catch up with give the backoff back.
+    t = feed(clock, DECODE, 0.010, 1, t + 0.012)
     assert clock.due_end == pytest.approx(t + 0.010 * clock.backoff)
     t = feed(clock, DECODE, 0.010, 20, t)
     assert clock.backoff == pytest.approx(1.0)
+
+
+def test_a_hold_for_a_decode_step_that_a_request_turned_into_a_prefill_does_not_back_off():
+    clock = StepClock()
+    t = feed(clock, DECODE, 0.010, 3 * MIN_SAMPLES, 0.0)
+    assert clock.wait(t, False) > 0  # no request waiting: held for a decode step
+    clock.launched(StepKind(300, True), t + 0.008, t + 0.012, caught_up=True)
+    assert (clock.num_idle_launches, clock.backoff) == (1, 1.0)
+    clock.read(0.010, t + 0.012, was_done=True)
+    # Held for a step with prompt rows (a request was waiting, or a prefill
+    # node, whose steps all have them) and still caught up: that backs off.
+    prefill = StepKind(300, True)
+    t = feed(clock, prefill, 0.010, 3 * MIN_SAMPLES, t + 0.012)
+    assert clock.wait(t, True) > 0
+    clock.launched(prefill, t + 0.011, t + 0.012, caught_up=True)
+    assert clock.backoff == pytest.approx(0.8)
+
+
+def test_nothing_in_flight_forgets_a_wait():
+    clock = StepClock()
+    t = feed(clock, DECODE, 0.010, 3 * MIN_SAMPLES, 0.0)
+    assert clock.wait(t, False) > 0
+    clock.read(0.010, t + 0.010, was_done=False)  # the engine went idle instead
+    clock.launched(DECODE, t + 60.0, t + 60.001, caught_up=True)  # a minute later
+    assert clock.num_late_launches == 0
+    assert clock.due_end == pytest.approx(t + 60.0 + 0.010)  # from its own launch
 
 
 def test_waits_are_counted_once_per_launch_and_never_with_two_in_flight():
