@@ -70,5 +70,6 @@ async def serve(args: argparse.Namespace) -> int:
         thread=node.thread,
         info=info,
         counters=worker.stats.counters,
+        histograms=worker.stats.histograms,
         close=worker.close,
     )

@@ -1,9 +1,12 @@
-"""A decode node's counters, published with each heartbeat (NodeInfo names)."""
+"""A decode node's counters, published with each heartbeat (NodeInfo names), and
+its histograms (exported on /metrics only)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.metrics.histogram import Histogram
+from common.metrics.phases import PhaseHistograms
 from common.reliability import AbortCounters
 
 
@@ -20,6 +23,11 @@ class DecodeStats:
     leases_expired: int = 0
     rejected: int = 0  # refused for lack of room (RESOURCE_EXHAUSTED)
     aborts: AbortCounters = field(default_factory=AbortCounters)
+    # Per request this node prefilled itself: its queue and prefill time here.
+    phases: PhaseHistograms = field(default_factory=PhaseHistograms)
+
+    def histograms(self) -> dict[str, Histogram]:
+        return self.phases.histograms()
 
     def counters(self) -> dict[str, int]:
         return {

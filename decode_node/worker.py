@@ -37,6 +37,7 @@ import grpc
 
 from common.grpc_server import CLIENT_OPTIONS
 from common.kv_transfer import TransferError
+from common.metrics.phases import PromptPhases
 from common.reliability import (
     FaultDelays,
     FaultPoint,
@@ -158,6 +159,7 @@ class DecodeWorker:
                 )
                 self.stats.local_prefills += 1
             state = StreamState()
+            timed = remote  # a remote prefill's phases came in its reply
             async for out in stream:
                 self._stages[rid] = Stage.DECODE
                 if (
@@ -166,6 +168,11 @@ class DecodeWorker:
                     and not usage.timing.decode_first_output_ms
                 ):
                     usage.timing.decode_first_output_ms = (time.monotonic() - replied) * 1e3
+                if not timed and (phases := PromptPhases.of(out.metrics)) is not None:
+                    timed = True
+                    self.stats.phases.observe(phases)
+                    usage.timing.prefill_queue_ms = phases.queue_s * 1e3
+                    usage.timing.prefill_compute_ms = phases.prefill_s * 1e3
                 usage.cached_tokens = out.num_cached_tokens
                 for resp in output_to_responses(out, rid, state, usage):
                     yield resp

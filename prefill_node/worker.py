@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from common.kv_transfer import Destination, KVSender, TransferReport, TransferTicket
 from common.metrics.histogram import KV_BANDWIDTH_BUCKETS, KV_TRANSFER_BUCKETS, Histogram
+from common.metrics.phases import PhaseHistograms, PromptPhases
 from common.reliability import (
     AbortCounters,
     FaultDelays,
@@ -80,6 +81,8 @@ class PrefillStats:
     # Per transfer: seconds its chunks spent on the wire (summed), bytes/s over that.
     transfer_s: Histogram = field(default_factory=lambda: Histogram(KV_TRANSFER_BUCKETS))
     bandwidth: Histogram = field(default_factory=lambda: Histogram(KV_BANDWIDTH_BUCKETS))
+    # Per Prefill call: its prompt's queue and prefill time here.
+    phases: PhaseHistograms = field(default_factory=PhaseHistograms)
 
     def transferred(self, num_bytes: int, seconds: float) -> None:
         self.transfers += 1
@@ -90,7 +93,11 @@ class PrefillStats:
             self.bandwidth.observe(num_bytes / seconds)
 
     def histograms(self) -> dict[str, Histogram]:
-        return {"kv_transfer_seconds": self.transfer_s, "kv_transfer_bandwidth": self.bandwidth}
+        return {
+            "kv_transfer_seconds": self.transfer_s,
+            "kv_transfer_bandwidth": self.bandwidth,
+            **self.phases.histograms(),
+        }
 
     def counters(self) -> dict[str, int]:
         return {
@@ -212,13 +219,13 @@ class PrefillWorker:
             # included), so that it follows all of the request's segments.
             self.engine.call(lambda e: self._finish(e, rid, target, dest.reservation_id))
         self.stats.transferred(report.num_bytes, report.wire_s)
-        m = out.metrics
-        scheduled = m.first_scheduled_time or m.arrival_time
+        phases = PromptPhases.of(out.metrics) or PromptPhases(0.0, 0.0)
+        self.stats.phases.observe(phases)
         resp = internal_pb2.PrefillResponse(
             first_token_id=first,
             cached_tokens=out.num_cached_tokens,
-            queue_ms=(scheduled - m.arrival_time) * 1e3,
-            compute_ms=((m.first_token_time or scheduled) - scheduled) * 1e3,
+            queue_ms=phases.queue_s * 1e3,
+            compute_ms=phases.prefill_s * 1e3,
             transfer_ms=report.exposed_s * 1e3,
             transfer_bytes=report.num_bytes,
             kv_checksum=report.digest,

@@ -91,6 +91,14 @@ HISTOGRAMS: dict[str, tuple[str, str]] = {
         "pdserve_kv_transfer_bandwidth_bytes_per_second",
         "Per KV transfer sent: bytes over the seconds its chunks spent on the wire.",
     ),
+    "request_queue_seconds": (
+        "pdserve_request_queue_time_seconds",
+        "Per prompt computed on this node: received by the engine to first admitted into a batch.",
+    ),
+    "request_prefill_seconds": (
+        "pdserve_request_prefill_time_seconds",
+        "Per prompt computed on this node: first admitted into a batch to its first token sampled.",
+    ),
 }
 
 

@@ -24,9 +24,11 @@ from common.metrics.histogram import (
     Histogram,
 )
 from common.metrics.node import COUNTERS, HISTOGRAMS, NodeCollector
+from common.metrics.phases import PromptPhases
 from common.metrics.server import make_registry, plan_metrics_ports, serve_metrics
 from decode_node.worker import DecodeStats
 from engine.engine_stats import EngineStats
+from engine.outputs import RequestMetrics
 from pdserve.redis_server import free_port
 from prefill_node.worker import PrefillStats
 from router.inflight import InflightTracker
@@ -242,6 +244,35 @@ def test_decode_node_exports_its_counters():
     assert value(s, "pdserve_kv_late_transfers_total", **labels) == 1
     assert value(s, "pdserve_kv_transfer_bytes_total", **labels) == 4096
     assert value(s, "pdserve_kv_checksum_mismatches_total", **labels) == 0
+
+
+@pytest.mark.parametrize("stats", [PrefillStats(), DecodeStats()])
+def test_a_computed_prompts_queue_and_prefill_time_are_exported(stats):
+    # Received at 10.0, admitted at 10.25, first token at 10.3 (engine stamps).
+    phases = PromptPhases.of(RequestMetrics(10.0, 10.3, None, first_scheduled_time=10.25))
+    assert phases.queue_s == pytest.approx(0.25) and phases.prefill_s == pytest.approx(0.05)
+    stats.phases.observe(phases)
+    stats.phases.observe(PromptPhases(0.0, 2.0))
+    assert set(stats.histograms()) <= set(HISTOGRAMS)
+    engine = SimpleNamespace(stats=engine_stats(), alive=True)
+    s = scrape(NodeCollector(node_info(), engine, None, stats.counters, stats.histograms))
+    queue, prefill = "pdserve_request_queue_time_seconds", "pdserve_request_prefill_time_seconds"
+    assert value(s, queue + "_count") == 2 and value(s, queue + "_sum") == pytest.approx(0.25)
+    assert value(s, queue + "_bucket", le="0.005") == 1  # the one that waited 0
+    assert value(s, queue + "_bucket", le="0.3") == 2
+    assert value(s, prefill + "_sum") == pytest.approx(2.05)
+    assert (
+        value(s, prefill + "_bucket", le="0.06") == 1
+        and value(s, prefill + "_bucket", le="2.5") == 2
+    )
+
+
+def test_no_phases_before_the_first_token_and_none_negative():
+    assert PromptPhases.of(RequestMetrics(1.0, None, None, first_scheduled_time=1.1)) is None
+    # Never stamped as scheduled (a prompt committed with its KV already there):
+    # no queue of its own, all prefill.
+    p = PromptPhases.of(RequestMetrics(1.0, 1.5, None))
+    assert (p.queue_s, p.prefill_s) == (0.0, 0.5)
 
 
 # -------------------------------------------------------------------- server

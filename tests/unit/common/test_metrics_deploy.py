@@ -60,7 +60,7 @@ def expositions() -> dict[str, str]:
         "prefill": NodeCollector(
             node_info(), engine, heartbeat, prefill.counters, prefill.histograms
         ),
-        "decode": NodeCollector(decode_info, engine, heartbeat, decode.counters),
+        "decode": NodeCollector(decode_info, engine, heartbeat, decode.counters, decode.histograms),
         "gc": GcCollector(GcPauses(), {"role": "decode", "node": "d-1"}),
     }
     return {k: generate_latest(make_registry([c])).decode() for k, c in collectors.items()}
