@@ -46,6 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import command_line, environment, write_record
+from benchmarks.http_first_token import HttpPaths
 from pdserve.redis_server import RedisServer, free_port
 
 NODE_ID = "fake-decode-0"
@@ -180,48 +181,12 @@ def sweep(args, router_pid: int, node_pid: int, target: list[str], label: str, o
     return row
 
 
-class RawHttp:
-    """A bare HTTP/1.1 client on one kept-alive connection (TCP_NODELAY): the
-    time to the first SSE event with no client library's own cost in it."""
-
-    def __init__(self, port: int, body: bytes) -> None:
-        self.port = port
-        head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-        self.request = head.encode() + body
-        self.reader = self.writer = None
-
-    async def first_event(self) -> float:
-        import socket
-
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
-            self.writer.get_extra_info("socket").setsockopt(
-                socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
-            )
-        start = time.perf_counter()
-        self.writer.write(self.request)
-        first, seen = None, b""
-        # A streamed response ends with [DONE] and the chunked encoding's last chunk.
-        while not (b"data: [DONE]" in seen and seen.endswith(b"0\r\n\r\n")):
-            chunk = await self.reader.read(65536)
-            if not chunk:
-                raise RuntimeError("the router closed the HTTP connection")
-            seen += chunk
-            if first is None and b"data: {" in seen:
-                first = time.perf_counter() - start
-        return first
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-
 async def ttft(
     args, routers: dict[str, str], node_address: str, http_port: int | None = None
 ) -> dict:
     """``routers``: label -> address (the router, and the one from --compare-tree);
-    ``http_port``: the first router's OpenAI port, measured too (raw and aiohttp)."""
+    ``http_port``: the first router's OpenAI port, measured too (raw, aiohttp and the
+    load generator's client)."""
     import grpc
 
     from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
@@ -252,24 +217,8 @@ async def ttft(
 
         paths = {label: (lambda label=label: via_router(label)) for label in routers}
         if http_port is not None:
-            import aiohttp
-
-            body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": True}
-            raw = RawHttp(http_port, json.dumps(body).encode())
-            session = aiohttp.ClientSession()
-            url = f"http://127.0.0.1:{http_port}/v1/completions"
-
-            async def via_aiohttp() -> float:  # as `pdserve bench serve` reads a stream
-                start = time.perf_counter()
-                first = None
-                async with session.post(url, json=body) as response:
-                    async for line in response.content:
-                        if first is None and line.startswith(b"data: {"):
-                            first = time.perf_counter() - start
-                return first
-
-            paths["router-http-raw"] = raw.first_event
-            paths["router-http-aiohttp"] = via_aiohttp
+            http = HttpPaths(http_port, prompt)
+            paths.update(http.paths)
         labels = [*paths]
         for i in range(20):  # warm every path (channels, caches)
             for label in labels:
@@ -283,8 +232,7 @@ async def ttft(
                 r[label].append(await paths[label]())
             d.append(await direct(i))
         if http_port is not None:
-            raw.close()
-            await session.close()
+            await http.close()
     for c in channels.values():
         await c.close()
     row = {

@@ -17,7 +17,6 @@ Poisson arrivals left against their schedule at 2,000 req/s.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import socket
 import subprocess
@@ -27,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common.event_loop import add_event_loop_argument
+from common.event_loop import run as run_on_loop
 from pdserve.redis_server import free_port
 
 FAKE = Path(__file__).resolve().parent / "serve_fake_server.py"
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-concurrency", type=int, default=512)
     p.add_argument("--core", type=int, default=0, help="the generator's core")
     p.add_argument("--result-dir", type=Path, default=None)
+    # The generator's loop (pdserve bench serve's --event-loop): an A/B of the two.
+    add_event_loop_argument(p)
     args = p.parse_args(argv)
 
     cores = sorted(os.sched_getaffinity(0))
@@ -72,10 +75,11 @@ def main(argv: list[str] | None = None) -> dict:
                 + ["--random-input-len", "16", "--random-output-len", str(args.output_len)]
                 + ["--num-prompts", str(args.num_prompts), "--request-rate", rate, "--no-plot"]
                 + ["--max-concurrency", str(args.max_concurrency), "--no-progress"]
+                + ["--event-loop", args.event_loop]
                 + (["--result-dir", str(args.result_dir)] if args.result_dir else [])
             )
             cpu0, wall0 = time.process_time(), time.perf_counter()
-            result = asyncio.run(sweep(bench))
+            result = run_on_loop(lambda: sweep(bench), bench.event_loop)
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
             (m,) = result["rates"]
             out[rate] = {
@@ -84,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "generator_cpu_s": cpu,
                 "generator_cpu_share": cpu / wall,
                 "requests_per_cpu_s": m.completed / cpu,
+                "event_loop": bench.event_loop,
             }
             print(
                 f"rate {rate}: {m.request_throughput:,.0f} req/s wall, generator CPU "

@@ -60,6 +60,22 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
     raise RuntimeError(f"{url} did not answer in {timeout_s:.0f} s")
 
 
+def scrape_args(url: str | None) -> list[str]:
+    """``--scrape-metrics URL`` where the server's /metrics answers (each rate's
+    record then holds the server's queue and prefill time: vLLM's and a pdserve
+    node's histograms); nothing where it does not, so a missing endpoint costs
+    only that split, not the sweep."""
+    if url is None:
+        return []
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            if r.status == 200:
+                return ["--scrape-metrics", url]
+    except OSError as e:
+        log(f"{url}: {e}; sweeping without the server's histograms")
+    return []
+
+
 def bench(args, label: str, target: list[str], workload: str, out: Path, seed: int = 0) -> None:
     """One sweep. ``seed``: the prompts' (each rate adds its index); a second
     sweep on the same cluster takes another, or it would find the first sweep's
@@ -117,14 +133,17 @@ def run_pdserve(args, out: Path) -> None:
     )
     log("starting pdserve (1 decode node, local prefill)")
     with LocalCluster(spec) as cluster:
+        (decode,) = [c for c in cluster.components if c.name.startswith("decode")]
+        scrape = scrape_args(decode.metrics_url)
         for workload in args.workloads:
             if has_http:
                 url = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{http_port}"]
+                url += scrape
                 bench(args, "pdserve-http", url, workload, out)
             else:
                 log("pdserve's router has no --http-port yet: HTTP sweep skipped")
             if args.grpc:
-                grpc = ["--backend", "grpc", "--address", cluster.router_address]
+                grpc = ["--backend", "grpc", "--address", cluster.router_address, *scrape]
                 bench(args, "pdserve-grpc", grpc, workload, out, seed=1000)
 
 
@@ -156,6 +175,7 @@ def run_vllm(args, out: Path) -> None:
             f"http://127.0.0.1:{port}",
             "--model",
             "dummy",
+            *scrape_args(f"http://127.0.0.1:{port}/metrics"),
         ]
         for workload in args.workloads:
             bench(args, "vllm", target, workload, out)
@@ -194,6 +214,23 @@ def gc_pauses(log_dir: Path) -> dict:
     return found
 
 
+def server_phases(rate: dict) -> dict[str, float] | None:
+    """A rate's server-side queue and prefill time, mean and p90 in ms, from the
+    histograms its record scraped (vLLM's ``vllm:request_*_time_seconds``, a
+    pdserve node's ``pdserve_request_*_time_seconds``); None without them. With
+    several series of a phase (nodes, labels): the one that observed the most."""
+    out = {}
+    for series in (rate.get("server_histograms") or {}).values():
+        for key, s in series.items():
+            for phase in ("queue", "prefill"):
+                named = f"request_{phase}_time_seconds" in key.split("{")[0]
+                if named and s["count"] > out.get(f"{phase}_n", 0):
+                    out[f"{phase}_n"] = s["count"]
+                    out[f"{phase}_mean_ms"] = s["mean"]
+                    out[f"{phase}_p90_ms"] = s["p90"]
+    return out or None
+
+
 def summarize(out: Path, workloads: list[str], compiled: dict[str, list[str]]) -> dict:
     """Plots per workload and the issue's two targets, from the records."""
     from pdserve.bench.plot import plot_records
@@ -215,6 +252,9 @@ def summarize(out: Path, workloads: list[str], compiled: dict[str, list[str]]) -
                 k: {str(x["request_rate"]): x["ttft_ms"]["p50"] for x in v} for k, v in per.items()
             }
         summary[f"{workload}_failed"] = {k: sum(x["failed"] for x in v) for k, v in per.items()}
+        summary[f"{workload}_server_phases"] = {
+            k: {str(x["request_rate"]): server_phases(x) for x in v} for k, v in per.items()
+        }
     summary["triton_compiled_during_sweeps"] = compiled
     if (out / "logs-pdserve").is_dir():
         summary["pdserve_gc"] = gc_pauses(out / "logs-pdserve")

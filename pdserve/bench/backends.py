@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdserve.bench.datasets import BenchRequest
+from pdserve.bench.http_stream import StreamingClient
 
 
 class BackendKind(enum.Enum):
@@ -41,6 +42,10 @@ class RequestResult:
     output_ids: list[int] = field(default_factory=list)  # when the server gives them
     cached_tokens: int = 0
     text: str = ""
+    # Where the server says its first token went (pdserve over gRPC: Usage.timing),
+    # on the node that computed the prompt: queued, then prefilled. None: not said.
+    server_queue_s: float | None = None
+    server_prefill_s: float | None = None
 
 
 class Backend(Protocol):
@@ -79,30 +84,73 @@ class _Timer:
         self.out.latency_s = time.perf_counter() - self.start
 
 
-# A pooled connection idle longer than this is closed instead of reused (aiohttp checks
-# when it hands one out; its default is 15 s). Below the 5 s keep-alive timeout of
-# uvicorn-based servers (vLLM, pdserve's HTTP edge before --http-keep-alive-s): reusing
-# a connection just as the server closes it for idleness loses the request (connection
-# reset, server disconnected; aiohttp does not retry a POST), a failure that would be
-# charged to whichever server is measured. A new connection costs a handshake, no more.
+# A pooled connection idle longer than this is closed instead of reused (checked when
+# one is handed out). Below the 5 s keep-alive timeout of uvicorn-based servers (vLLM,
+# pdserve's HTTP edge before --http-keep-alive-s): reusing a connection just as the
+# server closes it for idleness loses the request (connection reset; a POST is not
+# retried), a failure that would be charged to whichever server is measured. A new
+# connection costs a handshake, no more.
 KEEPALIVE_S = 4.0
+
+
+# json.loads without its per-call type checks and encoding detection (one call per
+# streamed token: the generator's largest cost per chunk).
+_decode = json.JSONDecoder().decode
+
+
+class _SSEReader:
+    """The events of one streamed completion, fed as whole lines: SSE puts one
+    event per ``data: ...`` line, with blank lines and comments between."""
+
+    __slots__ = ("chunks", "done", "finished", "out", "timer", "usage")
+
+    def __init__(self, out: RequestResult, timer: _Timer) -> None:
+        self.out, self.timer = out, timer
+        self.chunks = 0
+        self.usage: dict | None = None
+        self.done = False  # data: [DONE] came
+        self.finished = False  # [DONE] or an error event: later lines are ignored
+
+    def feed(self, lines: list[bytes]) -> None:
+        """Called where the lines arrive (pdserve/bench/http_stream.py), so the
+        chunk times are those of their arrival."""
+        if self.finished:
+            return
+        out = self.out
+        for raw in lines:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                self.timer.end()
+                self.done = self.finished = True
+                return
+            obj = _decode(data.decode())
+            if "error" in obj:
+                out.error = str(obj["error"])[:200]
+                self.finished = True
+                return
+            if obj.get("usage"):
+                self.usage = obj["usage"]
+            if choices := obj.get("choices"):
+                # Any chunk with a choice is output, its text empty or not (vllm
+                # bench serve's rule): a server without a tokenizer (dummy
+                # weights) streams empty texts.
+                self.timer.chunk()
+                self.chunks += 1
+                for choice in choices:
+                    out.text += choice.get("text") or ""
+                    out.output_ids.extend(choice.get("token_ids") or ())
 
 
 class OpenAIBackend:
     def __init__(self, base_url: str, opts: SamplingOptions, api_key: str | None = None) -> None:
-        import aiohttp
-
-        self.url = base_url.rstrip("/") + "/v1/completions"
         self.opts = opts
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # No connection cap: --max-concurrency is the only limit on requests in flight.
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(
-                limit=0, ttl_dns_cache=300, keepalive_timeout=KEEPALIVE_S
-            ),
-            timeout=aiohttp.ClientTimeout(total=opts.timeout_s),
-            headers=headers,
-        )
+        # One connection per request in flight, kept alive: --max-concurrency is the
+        # only limit on requests in flight.
+        self.client = StreamingClient(base_url, headers, opts.timeout_s, KEEPALIVE_S)
 
     def body(self, req: BenchRequest) -> dict:
         body = {
@@ -123,45 +171,24 @@ class OpenAIBackend:
     async def send(self, req: BenchRequest) -> RequestResult:
         out = RequestResult(prompt_len=req.prompt_len)
         timer = _Timer(out)
-        chunks = 0
-        usage = None
+        sse = _SSEReader(out, timer)
         try:
-            async with self.session.post(self.url, json=self.body(req)) as resp:
-                if resp.status != 200:
-                    out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                    return out
-                done = False
-                # SSE: one event per "data: ..." line; blank lines and comments between.
-                async for raw in resp.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        done = True
-                        break
-                    obj = json.loads(data)
-                    if "error" in obj:
-                        out.error = str(obj["error"])[:200]
-                        return out
-                    if obj.get("usage"):
-                        usage = obj["usage"]
-                    if choices := obj.get("choices"):
-                        # Any chunk with a choice is output, its text empty or
-                        # not (vllm bench serve's rule): a server without a
-                        # tokenizer (dummy weights) streams empty texts.
-                        timer.chunk()
-                        chunks += 1
-                        for choice in choices:
-                            out.text += choice.get("text") or ""
-                            out.output_ids.extend(choice.get("token_ids") or ())
-                timer.end()
-                if not done:
-                    out.error = "the stream ended without data: [DONE]"
-                    return out
+            body = json.dumps(self.body(req)).encode()
+            resp = await self.client.post("/v1/completions", body, "application/json", sse.feed)
         except Exception as e:  # every failure is counted and listed, none dropped
             out.error = f"{type(e).__name__}: {e}"[:200]
             return out
+        if resp.status != 200:
+            text = resp.error_body.decode(errors="replace")
+            out.error = f"HTTP {resp.status}: {text}"[:200]
+            return out
+        if out.error:  # an error event in the stream
+            return out
+        if not sse.done:
+            timer.end()
+            out.error = "the stream ended without data: [DONE]"
+            return out
+        usage, chunks = sse.usage, sse.chunks
         if usage:
             out.output_tokens = int(usage.get("completion_tokens") or 0)
             out.prompt_len = int(usage.get("prompt_tokens") or out.prompt_len)
@@ -176,7 +203,7 @@ class OpenAIBackend:
         return out
 
     async def close(self) -> None:
-        await self.session.close()
+        await self.client.close()
 
 
 class GrpcBackend:
@@ -234,6 +261,9 @@ class GrpcBackend:
         out.output_tokens = final.usage.completion_tokens
         out.prompt_len = final.usage.prompt_tokens or out.prompt_len
         out.cached_tokens = final.usage.cached_tokens
+        if final.usage.HasField("timing"):
+            out.server_queue_s = final.usage.timing.prefill_queue_ms / 1e3
+            out.server_prefill_s = final.usage.timing.prefill_compute_ms / 1e3
         out.success = out.output_tokens > 0
         if not out.success:
             out.error = "no output tokens"

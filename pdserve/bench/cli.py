@@ -12,11 +12,12 @@ load generator, HTTP client and matplotlib load when a command runs.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import sys
 from pathlib import Path
 
+from common.event_loop import add_event_loop_argument
+from common.event_loop import run as run_on_loop
 from pdserve.bench.backends import BackendKind
 from pdserve.bench.datasets import DatasetKind, PromptFormat
 
@@ -94,8 +95,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--num-warmups", type=int, default=0, help="requests sent first, not counted")
     lo.add_argument("--seed", type=int, default=0)
     lo.add_argument("--slo", default="", help="goodput objective, e.g. ttft:500,tpot:50 (ms)")
+    # The generator's own loop: uvloop where installed, as the servers run. Every
+    # stream's chunks are parsed on this one loop, so its CPU per chunk bounds the
+    # rate the generator can keep to its schedule (docs/performance.md).
+    add_event_loop_argument(lo)
 
     o = p.add_argument_group("output")
+    o.add_argument(
+        "--scrape-metrics",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a Prometheus endpoint (repeatable) read before and after each rate: every "
+        "histogram's count, mean, p50 and p90 over the rate go in the record, e.g. the "
+        "server's queue and prefill time (pdserve/bench/scrape.py)",
+    )
     o.add_argument("--result-dir", type=Path, default=None, help="default benchmarks/results")
     o.add_argument("--no-plot", action="store_true")
     o.add_argument("--no-progress", action="store_true")
@@ -189,6 +203,7 @@ async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict
     from pdserve.bench.loadgen import run_rate, warm_up
     from pdserve.bench.metrics import compute, parse_slo
     from pdserve.bench.report import DEFAULT_RESULT_DIR, table, write_record
+    from pdserve.bench.scrape import Scraper
 
     slo = parse_slo(args.slo) if args.slo else None
     # Each rate (and the warm-up) gets prompts of its own seed: with the same
@@ -196,6 +211,7 @@ async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict
     # (A jsonl file's prompts are the same at every rate.)
     datasets = [build_dataset(args, args.seed + i) for i in range(len(args.request_rate))]
     label = args.label or args.backend.value
+    scraper = await Scraper.start(args.scrape_metrics) if args.scrape_metrics else None
     backend = make_backend(args)
     rates = []
     try:
@@ -205,6 +221,7 @@ async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict
             if bad:
                 print(f"warm-up: {len(bad)} of {len(warm)} failed: {bad[0]}", file=sys.stderr)
         for rate, dataset in zip(args.request_rate, datasets, strict=True):
+            before = await scraper.snapshot() if scraper else None
             bar = tqdm(
                 total=dataset.total_requests,
                 desc=f"rate {rate:g}",
@@ -227,9 +244,14 @@ async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict
                 "send_lag_mean_ms": run.send_lag_mean_ms,
                 "send_lag_max_ms": run.send_lag_max_ms,
             }
+            if scraper:
+                extra["server_histograms"] = await scraper.since(before)
+                print(scraper.lines(extra["server_histograms"]), flush=True)
             rates.append((m, extra))
     finally:
         await backend.close()
+        if scraper:
+            await scraper.close()
     params = {
         k: (v.value if hasattr(v, "value") else str(v) if isinstance(v, Path) else v)
         for k, v in vars(args).items()
@@ -250,7 +272,7 @@ async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict
 
 
 def cmd_serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    out = asyncio.run(sweep(args, argv))
+    out = run_on_loop(lambda: sweep(args, argv), args.event_loop)
     # Exit 1 when nothing succeeded: a sweep of failures is not a figure.
     return 0 if any(m.completed for m in out["rates"]) else 1
 

@@ -92,6 +92,10 @@ class RateMetrics:
     # Per user: 1 / mean TPOT, the decode speed one request sees.
     output_tokens_per_s_per_user: float = float("nan")
     cached_tokens: int = 0
+    # The server's own split of the first token (pdserve over gRPC), over the
+    # requests that reported it: queue, then prefill, on the node that computed it.
+    server_queue_ms: dict[str, float] | None = None
+    server_prefill_ms: dict[str, float] | None = None
     errors: dict[str, int] = field(default_factory=dict)  # message -> count
     failures: list[dict] = field(default_factory=list)  # the first few, in full
 
@@ -114,6 +118,8 @@ def compute(
     in_tokens = sum(r.prompt_len for r in ok)
     good = sum(meets_slo(r, slo) for r in ok) if slo else None
     tpot = summary_ms(tpots)
+    queued = [r.server_queue_s for r in ok if r.server_queue_s is not None]
+    prefilled = [r.server_prefill_s for r in ok if r.server_prefill_s is not None]
     return RateMetrics(
         request_rate=request_rate,
         duration_s=duration_s,
@@ -132,6 +138,8 @@ def compute(
         max_concurrency=max_concurrency,
         output_tokens_per_s_per_user=1e3 / tpot["mean"] if tpots else float("nan"),
         cached_tokens=sum(r.cached_tokens for r in ok),
+        server_queue_ms=summary_ms(queued) if queued else None,
+        server_prefill_ms=summary_ms(prefilled) if prefilled else None,
         errors=dict(Counter(r.error for r in bad).most_common()),
         failures=[
             {"error": r.error, "prompt_len": r.prompt_len, "start_s": r.start_s}

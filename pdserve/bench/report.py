@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import platform
@@ -42,7 +43,11 @@ def table(m: RateMetrics, slo_text: str = "") -> str:
         ("TPOT", m.tpot_ms),
         ("ITL", m.itl_ms),
         ("E2E", m.e2el_ms),
+        ("server queue", m.server_queue_ms),
+        ("server prefill", m.server_prefill_ms),
     ):
+        if s is None:  # not reported by this server
+            continue
         rows.append(
             (
                 f"{name} ms mean / p50 / p90 / p99",
@@ -111,12 +116,22 @@ def write_record(
             "python": platform.python_version(),
             "host": platform.node(),
             "pdserve_revision": git_revision(),
+            "event_loop": _event_loop_name(),
         },
         "parameters": parameters,
         "rates": [{**asdict(m), **extra} for m, extra in rates],
     }
     path.write_text(json.dumps(_json_safe(record), indent=2) + "\n")
     return path
+
+
+def _event_loop_name() -> str | None:
+    """The generator's event loop (``uvloop`` or ``asyncio``), None outside one."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    return type(loop).__module__.split(".")[0]
 
 
 def load_record(path: Path) -> dict[str, Any]:

@@ -205,3 +205,38 @@ def test_each_rate_gets_its_own_prompts_so_no_rate_feeds_the_next_ones_cache():
     systems = {tuple(r.prompt[:32]) for r in a.requests}
     assert len(systems) == 2 and not systems & {tuple(r.prompt[:32]) for r in b.requests}
     assert build_dataset(args, 0).requests[0].prompt == a.requests[0].prompt  # seeded
+
+
+def test_the_side_by_side_summary_reads_either_servers_phase_histograms():
+    from benchmarks.serve_side_by_side import server_phases
+
+    def s(count, mean, p90):
+        return {"count": count, "mean": mean, "p50": mean, "p90": p90, "unit": "ms"}
+
+    vllm = {
+        "server_histograms": {
+            "http://v/metrics": {
+                'vllm:request_queue_time_seconds{engine="0",model_name="dummy"}': s(96, 40, 90),
+                'vllm:request_prefill_time_seconds{engine="0",model_name="dummy"}': s(96, 30, 60),
+                'vllm:e2e_request_latency_seconds{engine="0",model_name="dummy"}': s(96, 900, 1e3),
+            }
+        }
+    }
+    assert server_phases(vllm) == {
+        "queue_n": 96, "queue_mean_ms": 40, "queue_p90_ms": 90,
+        "prefill_n": 96, "prefill_mean_ms": 30, "prefill_p90_ms": 60,
+    }  # fmt: skip
+    # Two pdserve nodes: the one that computed most of the prompts speaks.
+    pdserve = {
+        "server_histograms": {
+            "http://d/metrics": {
+                'pdserve_request_prefill_time_seconds{node="d0",role="decode"}': s(90, 20, 50)
+            },
+            "http://p/metrics": {
+                'pdserve_request_prefill_time_seconds{node="p0",role="prefill"}': s(6, 80, 99)
+            },
+        }
+    }
+    assert server_phases(pdserve) == {"prefill_n": 90, "prefill_mean_ms": 20, "prefill_p90_ms": 50}
+    assert server_phases({}) is None
+    assert server_phases({"server_histograms": {"http://x": {"error": "lost"}}}) is None

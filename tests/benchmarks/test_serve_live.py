@@ -82,13 +82,37 @@ def _check_sweep(tmp_path, label: str) -> None:
 
 
 def test_grpc_sweep_writes_records_and_a_plot(cluster, demo_model_dir, tmp_path):
+    nodes = [c for c in cluster.components if c.name.startswith(("prefill", "decode"))]
+    scrape = [arg for c in nodes for arg in ("--scrape-metrics", c.metrics_url)]
     code = pdserve_main(
         ["bench", "serve", "--backend", "grpc", "--address", cluster.router_address]
         + ["--label", "grpc", "--model-dir", str(demo_model_dir), "--result-dir", str(tmp_path)]
         + SWEEP
+        + scrape
     )
     assert code == 0
     _check_sweep(tmp_path, "grpc")
+    (path,) = tmp_path.glob("serve-grpc-random-*.json")
+    for r in json.loads(path.read_text())["rates"]:
+        # The node that computed each prompt says where its first token went
+        # (Usage.timing), and that fits inside the TTFT the client saw.
+        queue, prefill = r["server_queue_ms"], r["server_prefill_ms"]
+        assert queue["p50"] >= 0 and prefill["p50"] > 0
+        assert queue["mean"] + prefill["mean"] <= r["ttft_ms"]["mean"]
+        # Each node's /metrics over this rate only: every prompt was computed
+        # once, by the decode node itself or by the prefill node.
+        observed = r["server_histograms"]
+        assert sorted(observed) == sorted(c.metrics_url for c in nodes)
+        prefill_series = [
+            s
+            for series in observed.values()
+            for key, s in series.items()
+            if key.startswith("pdserve_request_prefill_time_seconds{")
+        ]
+        assert sum(s["count"] for s in prefill_series) == 6, observed
+        # The histograms and the replies' timing are the same observations.
+        weighted = sum(s["count"] * s["mean"] for s in prefill_series) / 6
+        assert weighted == pytest.approx(prefill["mean"], rel=1e-6)
 
 
 @pytest.mark.skipif(
