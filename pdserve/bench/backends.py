@@ -111,11 +111,12 @@ class _SSEReader:
         self.done = False  # data: [DONE] came
         self.finished = False  # [DONE] or an error event: later lines are ignored
 
-    def feed(self, lines: list[bytes]) -> None:
+    def feed(self, lines: list[bytes]) -> bool:
         """Called where the lines arrive (pdserve/bench/http_stream.py), so the
-        chunk times are those of their arrival."""
+        chunk times are those of their arrival. True once the stream has said all
+        it will (``data: [DONE]`` or an error event): the request ends there."""
         if self.finished:
-            return
+            return True
         out = self.out
         for raw in lines:
             line = raw.strip()
@@ -125,12 +126,12 @@ class _SSEReader:
             if data == b"[DONE]":
                 self.timer.end()
                 self.done = self.finished = True
-                return
+                return True
             obj = _decode(data.decode())
             if "error" in obj:
                 out.error = str(obj["error"])[:200]
                 self.finished = True
-                return
+                return True
             if obj.get("usage"):
                 self.usage = obj["usage"]
             if choices := obj.get("choices"):
@@ -142,6 +143,7 @@ class _SSEReader:
                 for choice in choices:
                     out.text += choice.get("text") or ""
                     out.output_ids.extend(choice.get("token_ids") or ())
+        return False
 
 
 class OpenAIBackend:

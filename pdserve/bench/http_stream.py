@@ -13,16 +13,24 @@ later.
 What it speaks: ``POST`` with a body of known length; responses with
 ``Transfer-Encoding: chunked`` (servers streaming Server-Sent Events: uvicorn,
 aiohttp), ``Content-Length`` or neither (the body ends with the connection);
-1xx interim responses skipped; ``http`` and ``https`` (the system's trust
-store). Connections are kept alive and reused, never one idle for longer than
-``keepalive_s`` (a server closing an idle connection as it is reused would
-lose the request: POSTs are not retried).
+1xx interim responses skipped, 204 and 304 without a body; ``http`` and
+``https`` (the system's trust store). Connections are kept alive and reused,
+never one idle for longer than ``keepalive_s`` (a server closing an idle
+connection as it is reused would lose the request: POSTs are not retried).
+
+A caller may stop early: its sink returns True once it has what it wants (the
+stream's ``data: [DONE]``), and the request is answered then, as aiohttp's
+reader was left at that line; the connection reads the rest of the response
+on its own and goes back to the pool when the response ends, or is closed if
+it fails or does not end within ``keepalive_s``. What follows the stop never
+decides the request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import re
 import ssl
 import time
 from collections.abc import Callable
@@ -33,18 +41,15 @@ from urllib.parse import urlsplit
 MAX_ERROR_BODY = 4096
 # A response head larger than this is not HTTP we understand.
 MAX_HEAD = 65536
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_DIGITS = re.compile(rb"[0-9]{1,19}")
 
-LineSink = Callable[[list[bytes]], None]
+# Complete lines of a 200 response's body; True: the caller has what it wants.
+LineSink = Callable[[list[bytes]], bool]
 
 
 class ProtocolError(Exception):
     """The server's bytes are not an HTTP/1.1 response."""
-
-
-class _Body(enum.Enum):
-    CHUNKED = "chunked"
-    LENGTH = "content-length"
-    UNTIL_CLOSE = "until-close"
 
 
 class _State(enum.Enum):
@@ -55,7 +60,7 @@ class _State(enum.Enum):
     TRAILER = 5
     LENGTH_DATA = 6
     UNTIL_CLOSE = 7
-    DONE = 8
+    DONE = 8  # no response being read: idle, ended, failed or closed
 
 
 @dataclass(slots=True)
@@ -66,34 +71,39 @@ class Response:
 
 
 class _Connection(asyncio.Protocol):
-    """One kept-alive connection; one request at a time."""
+    """One kept-alive connection; one request at a time. ``release`` puts it back
+    in its client's pool (once per response that ended cleanly), ``forget``
+    drops it from the client's books once it is closed."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, release: Callable[[_Connection], None], forget: Callable[[_Connection], None]
+    ) -> None:
+        self._release, self._forget = release, forget
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
-        self._buf = b""
         self._state = _State.DONE
+        self._reusable = True
         self._done: asyncio.Future[Response] | None = None
         self._sink: LineSink | None = None
+        self._stopped = False  # the sink said stop: the caller was answered
+        self._response: Response | None = None
+        self._buf = b""
         self._pending = b""  # a line's start, its end not received yet
         # Body bytes parsed from one read, handed over together when it is parsed
         # (one split and one call of the sink per read, not per chunk: a server
         # streaming tokens sends one chunk per token, and a read often holds many).
         self._pieces: list[bytes] = []
-        self._response: Response | None = None
         self._remaining = 0
-        self._reusable = True
         self._received = 0
 
     # ------------------------------------------------------------- requests
     def request(self, raw: bytes, sink: LineSink) -> asyncio.Future[Response]:
-        loop = asyncio.get_running_loop()
-        self._done = loop.create_future()
-        self._sink, self._pending, self._buf = sink, b"", b""
+        self._done = asyncio.get_running_loop().create_future()
+        self._sink, self._stopped, self._response = sink, False, None
+        self._buf = self._pending = b""
         self._pieces.clear()
-        self._state, self._response, self._received = _State.HEAD, None, 0
-        self._reusable = True
+        self._state, self._reusable, self._received = _State.HEAD, True, 0
         self.transport.write(raw)
         return self._done
 
@@ -101,7 +111,14 @@ class _Connection(asyncio.Protocol):
     def reusable(self) -> bool:
         return not self.closed and self._reusable and self._state is _State.DONE
 
+    def abandon(self, request: asyncio.Future[Response]) -> None:
+        """The caller gave up on ``request`` (timeout, cancellation): close the
+        connection unless that response had ended (it may serve another one by now)."""
+        if self._done is request and self._state is not _State.DONE:
+            self.close()
+
     def close(self) -> None:
+        self._state, self._reusable, self._sink = _State.DONE, False, None
         if not self.closed:
             self.closed = True
             if self.transport is not None:
@@ -113,34 +130,44 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self._state is _State.UNTIL_CLOSE and self._done is not None:
+        self._forget(self)
+        if self._state is _State.UNTIL_CLOSE and exc is None:
             try:
-                self._finish_lines()
+                self._finish_lines()  # the body ended with the connection
             except Exception as e:  # the sink's
                 self._fail(e)
                 return
             self._complete()
-        elif self._done is not None and not self._done.done():
+        elif self._state is not _State.DONE:
             where = "before answering" if not self._received else "mid-response"
-            self._done.set_exception(
-                ConnectionError(f"the server closed the connection {where}") if exc is None else exc
-            )
+            self._fail(exc or ConnectionError(f"the server closed the connection {where}"))
+        self._state, self._sink = _State.DONE, None
 
     def data_received(self, data: bytes) -> None:
-        if self._done is None or self._done.done():
-            return  # nothing asked: a server talking out of turn is ignored
+        if self._state is _State.DONE:
+            # Nothing asked: a server talking out of turn cannot be trusted with the next.
+            self.close()
+            return
         self._received += len(data)
         self._buf += data
         try:
             self._parse()
-        except (ProtocolError, ValueError) as e:
-            self._fail(ProtocolError(f"bad HTTP response: {e}"))
-        except Exception as e:  # the sink's: it ends this request, never the loop's callback
+        except ProtocolError as e:
             self._fail(e)
+            return
+        except Exception as e:  # the sink's, as raised: never the loop's callback's
+            self._fail(e)
+            return
+        if self._stopped and not self._done.done():
+            self._done.set_result(self._response)
 
-    def _fail(self, error: Exception) -> None:
-        self._reusable = False
-        if not self._done.done():
+    def expire(self, request: asyncio.Future[Response]) -> None:
+        """A response read on after the caller stopped early that has not ended by now."""
+        if self._done is request and self._state is not _State.DONE:
+            self.close()
+
+    def _fail(self, error: BaseException) -> None:
+        if self._done is not None and not self._done.done():
             self._done.set_exception(error)
         self.close()
 
@@ -160,14 +187,18 @@ class _Connection(asyncio.Protocol):
             elif state is _State.CHUNK_SIZE:
                 end = buf.find(b"\r\n", pos)
                 if end < 0:
+                    if len(buf) - pos > MAX_HEAD:
+                        raise ProtocolError("chunk size line over 64 KiB")
                     break
-                size = int(buf[pos:end].split(b";", 1)[0].strip(), 16)
+                size = buf[pos:end].split(b";", 1)[0].strip()
+                if not _HEX.fullmatch(size):
+                    raise ProtocolError(f"chunk size {size[:20]!r}")
                 pos = end + 2
-                self._remaining = size
-                self._state = _State.CHUNK_DATA if size else _State.TRAILER
+                self._remaining = int(size, 16)
+                self._state = _State.CHUNK_DATA if self._remaining else _State.TRAILER
             elif state is _State.CHUNK_DATA or state is _State.LENGTH_DATA:
                 take = min(self._remaining, len(buf) - pos)
-                if take <= 0 and self._remaining:
+                if not take:
                     break
                 self._pieces.append(buf[pos : pos + take])
                 pos += take
@@ -198,9 +229,9 @@ class _Connection(asyncio.Protocol):
                 self._pieces.append(buf[pos:])
                 pos = len(buf)
                 break
-            else:  # DONE
-                if pos < len(buf):  # bytes past the message: a server that over-sent
-                    self._reusable = False
+            else:  # DONE: the message ended; anything past it is a server over-sending
+                if pos < len(buf):
+                    self.close()
                     pos = len(buf)
                 break
         self._buf = buf[pos:]
@@ -209,11 +240,15 @@ class _Connection(asyncio.Protocol):
     def _head(self, head: bytes) -> None:
         lines = head.split(b"\r\n")
         parts = lines[0].split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+        if (
+            len(parts) < 2
+            or not parts[0].startswith(b"HTTP/1.")
+            or not (len(parts[1]) == 3 and parts[1].isdigit())
+        ):
             raise ProtocolError(f"status line {lines[0][:80]!r}")
         status = int(parts[1])
         if 100 <= status < 200:
-            return  # an interim response: the real one follows (state stays HEAD)
+            return  # an interim response: the real one follows (the state stays HEAD)
         headers: dict[bytes, bytes] = {}
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
@@ -224,10 +259,15 @@ class _Connection(asyncio.Protocol):
             parts[0] != b"HTTP/1.0" or b"keep-alive" in connection
         )
         self._response = Response(status)
-        if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
+        if status in (204, 304):  # never a body, whatever the headers say
+            self._complete()
+        elif b"chunked" in headers.get(b"transfer-encoding", b"").lower():
             self._state = _State.CHUNK_SIZE
         elif b"content-length" in headers:
-            self._remaining = int(headers[b"content-length"])
+            length = headers[b"content-length"]
+            if not _DIGITS.fullmatch(length):
+                raise ProtocolError(f"Content-Length {length[:20]!r}")
+            self._remaining = int(length)
             self._state = _State.LENGTH_DATA
             if not self._remaining:
                 self._complete()
@@ -247,22 +287,28 @@ class _Connection(asyncio.Protocol):
             if room > 0:
                 response.error_body += data[:room]
             return
+        if self._stopped:
+            return  # read only to reuse the connection
         lines = (self._pending + data).split(b"\n")
         self._pending = lines.pop()
-        if lines:
-            self._sink(lines)
+        if lines and self._sink(lines):
+            self._stopped = True
 
     def _finish_lines(self) -> None:
         self._body()
-        if self._pending and self._response is not None and self._response.status == 200:
+        if self._pending and not self._stopped and self._response.status == 200:
             self._sink([self._pending])
         self._pending = b""
 
     def _complete(self) -> None:
-        self._state = _State.DONE
+        self._state, self._sink = _State.DONE, None
         self.idle_since = time.monotonic()
-        if self._done is not None and not self._done.done():
+        if not self._done.done():
             self._done.set_result(self._response)
+        if self._reusable and not self.closed:
+            self._release(self)
+        else:
+            self.close()
 
 
 class StreamingClient:
@@ -280,6 +326,11 @@ class StreamingClient:
             raise ValueError(
                 f"--base-url must be http://HOST[:PORT] or https://..., got {base_url!r}"
             )
+        if url.username or url.password or url.query or url.fragment:
+            raise ValueError(
+                f"--base-url {base_url!r}: no credentials, query or fragment "
+                "(a key goes in --api-key)"
+            )
         self.host = url.hostname
         self.port = url.port or (443 if url.scheme == "https" else 80)
         self.prefix = url.path.rstrip("/")
@@ -295,11 +346,11 @@ class StreamingClient:
         self._open: set[_Connection] = set()
 
     async def post(self, path: str, body: bytes, content_type: str, sink: LineSink) -> Response:
-        """Sends the request and returns when its response has ended; a 200's body
-        goes to ``sink`` in complete lines (ending b"\\n" taken off; the last line
-        too, when the body does not end with one). Raises TimeoutError after
-        ``timeout_s``, ConnectionError / OSError / ProtocolError on a lost or bad
-        connection."""
+        """Sends the request and returns when its response has ended or the sink
+        said stop; a 200's body goes to ``sink`` in complete lines (ending b"\\n"
+        taken off; the last line too, when the body does not end with one).
+        Raises TimeoutError after ``timeout_s``; ConnectionError, OSError or
+        ProtocolError on a lost or bad connection; what the sink raised."""
         raw = (
             f"POST {self.prefix}{path} HTTP/1.1\r\n".encode("latin-1")
             + self._head
@@ -308,39 +359,42 @@ class StreamingClient:
             )
             + body
         )
-        conn = None
+        conn = request = None
         try:
             async with asyncio.timeout(self.timeout_s):
                 conn = await self._acquire()
-                response = await conn.request(raw, sink)
+                request = conn.request(raw, sink)
+                response = await request
         except BaseException:
-            if conn is not None:
+            if request is not None:
+                conn.abandon(request)
+            elif conn is not None:
                 conn.close()
-                self._open.discard(conn)
             raise
-        if conn.reusable:
-            self._idle.append(conn)
-        else:
-            conn.close()
-            self._open.discard(conn)
+        if not conn.reusable and not conn.closed:
+            # Answered early: the rest of the response has this long to end.
+            asyncio.get_running_loop().call_later(self.keepalive_s, conn.expire, request)
         return response
 
     async def _acquire(self) -> _Connection:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and now - conn.idle_since < self.keepalive_s:
+            if conn.reusable and now - conn.idle_since < self.keepalive_s:
                 return conn
             conn.close()
-            self._open.discard(conn)
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(_Connection, self.host, self.port, ssl=self.ssl)
+        _, conn = await loop.create_connection(
+            lambda: _Connection(self._idle.append, self._open.discard),
+            self.host,
+            self.port,
+            ssl=self.ssl,
+        )
         self._open.add(conn)
         return conn
 
     async def close(self) -> None:
         for conn in list(self._open):
             conn.close()
-        self._open.clear()
         self._idle.clear()
         await asyncio.sleep(0)  # let the transports' close callbacks run
