@@ -219,8 +219,11 @@ class PrefillWorker:
             # included), so that it follows all of the request's segments.
             self.engine.call(lambda e: self._finish(e, rid, target, dest.reservation_id))
         self.stats.transferred(report.num_bytes, report.wire_s)
-        phases = PromptPhases.of(out.metrics) or PromptPhases(0.0, 0.0)
-        self.stats.phases.observe(phases)
+        phases = PromptPhases.of(out.metrics)
+        if phases is not None:  # always, with a first token; never a made-up zero
+            self.stats.phases.observe(phases)
+        else:
+            phases = PromptPhases(0.0, 0.0)
         resp = internal_pb2.PrefillResponse(
             first_token_id=first,
             cached_tokens=out.num_cached_tokens,

@@ -102,22 +102,21 @@ class _SSEReader:
     """The events of one streamed completion, fed as whole lines: SSE puts one
     event per ``data: ...`` line, with blank lines and comments between."""
 
-    __slots__ = ("chunks", "done", "finished", "out", "timer", "usage")
+    __slots__ = ("chunks", "done", "out", "timer", "usage")
 
     def __init__(self, out: RequestResult, timer: _Timer) -> None:
         self.out, self.timer = out, timer
         self.chunks = 0
         self.usage: dict | None = None
         self.done = False  # data: [DONE] came
-        self.finished = False  # [DONE] or an error event: later lines are ignored
 
     def feed(self, lines: list[bytes]) -> bool:
         """Called where the lines arrive (pdserve/bench/http_stream.py), so the
         chunk times are those of their arrival. True once the stream has said all
         it will (``data: [DONE]`` or an error event): the request ends there."""
-        if self.finished:
-            return True
         out = self.out
+        if self.done or out.error:  # the stream has ended: later lines are ignored
+            return True
         for raw in lines:
             line = raw.strip()
             if not line.startswith(b"data:"):
@@ -125,12 +124,11 @@ class _SSEReader:
             data = line[5:].strip()
             if data == b"[DONE]":
                 self.timer.end()
-                self.done = self.finished = True
+                self.done = True
                 return True
             obj = _decode(data.decode())
             if "error" in obj:
                 out.error = str(obj["error"])[:200]
-                self.finished = True
                 return True
             if obj.get("usage"):
                 self.usage = obj["usage"]

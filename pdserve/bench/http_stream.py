@@ -52,6 +52,15 @@ class ProtocolError(Exception):
     """The server's bytes are not an HTTP/1.1 response."""
 
 
+def _find_end(buf: bytes, pos: int, sep: bytes, what: str) -> int:
+    """Where ``sep`` ends the piece of ``buf`` starting at ``pos`` (-1: not here
+    yet); a piece that runs past MAX_HEAD without one is not HTTP we understand."""
+    end = buf.find(sep, pos)
+    if end < 0 and len(buf) - pos > MAX_HEAD:
+        raise ProtocolError(f"{what} over 64 KiB")
+    return end
+
+
 class _State(enum.Enum):
     HEAD = 1  # status line and headers
     CHUNK_SIZE = 2
@@ -152,10 +161,7 @@ class _Connection(asyncio.Protocol):
         self._buf += data
         try:
             self._parse()
-        except ProtocolError as e:
-            self._fail(e)
-            return
-        except Exception as e:  # the sink's, as raised: never the loop's callback's
+        except Exception as e:  # a ProtocolError, or the sink's own as raised: never the loop's
             self._fail(e)
             return
         if self._stopped and not self._done.done():
@@ -177,18 +183,14 @@ class _Connection(asyncio.Protocol):
         while True:
             state = self._state
             if state is _State.HEAD:
-                end = buf.find(b"\r\n\r\n", pos)
+                end = _find_end(buf, pos, b"\r\n\r\n", "response head")
                 if end < 0:
-                    if len(buf) - pos > MAX_HEAD:
-                        raise ProtocolError("response head over 64 KiB")
                     break
                 self._head(buf[pos:end])
                 pos = end + 4
             elif state is _State.CHUNK_SIZE:
-                end = buf.find(b"\r\n", pos)
+                end = _find_end(buf, pos, b"\r\n", "chunk size line")
                 if end < 0:
-                    if len(buf) - pos > MAX_HEAD:
-                        raise ProtocolError("chunk size line over 64 KiB")
                     break
                 size = buf[pos:end].split(b";", 1)[0].strip()
                 if not _HEX.fullmatch(size):

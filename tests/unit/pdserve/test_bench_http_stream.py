@@ -5,6 +5,7 @@ cut anywhere, lengths, errors, interim responses, closes, keep-alive."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -44,6 +45,16 @@ SSE = chunked(b'data: {"a": 1}\n\n', b'data: {"b": 2}\n\ndata: [DO', b"NE]\n\n")
 SSE_LINES = [b'data: {"a": 1}', b"", b'data: {"b": 2}', b"", b"data: [DONE]", b""]
 
 
+@contextlib.asynccontextmanager
+async def raw_server(handler):
+    """A loopback server running ``handler(reader, writer)`` per connection; its URL."""
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
 class Server:
     """Answers each request (read up to its body's end) with ``reply(n)``'s bytes,
     written ``step`` bytes at a time; counts connections and requests."""
@@ -78,12 +89,11 @@ class Server:
         writer.close()
 
     async def __aenter__(self) -> str:
-        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
-        port = self.server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
+        self._running = raw_server(self.handle)
+        return await self._running.__aenter__()
 
     async def __aexit__(self, *exc) -> None:
-        self.server.close()
+        await self._running.__aexit__(*exc)
 
 
 async def post(client: StreamingClient, body: bytes = b"{}"):
@@ -213,15 +223,13 @@ def test_a_silent_server_times_out_and_a_failing_sink_fails_only_its_request():
         raise KeyError("the sink's own error")
 
     async def go():
-        server = await asyncio.start_server(silent, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        client = StreamingClient(url, timeout_s=0.3)
-        try:
-            with pytest.raises(TimeoutError):
-                await post(client)
-        finally:
-            await client.close()
-            server.close()
+        async with raw_server(silent) as url:
+            client = StreamingClient(url, timeout_s=0.3)
+            try:
+                with pytest.raises(TimeoutError):
+                    await post(client)
+            finally:
+                await client.close()
         async with Server(lambda n: SSE) as url:
             client = StreamingClient(url)
             try:
@@ -287,20 +295,18 @@ def test_a_sink_that_stops_is_answered_at_once_and_the_rest_only_reuses_the_conn
         return resp.status, got, time.perf_counter() - start
 
     async def go():
-        srv = await asyncio.start_server(server, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
-        client = StreamingClient(url, keepalive_s=0.3)
-        try:
-            late = await one(client, "late end")
-            await asyncio.sleep(0.2)  # the end came: the connection is back in the pool
-            reused = len(client._open)
-            after = await one(client, "drop")
-            stalled = await one(client, "stall")
-            await asyncio.sleep(0.5)  # past keepalive_s: the stalled one is closed
-            return late, reused, after, stalled, len(client._open)
-        finally:
-            await client.close()
-            srv.close()
+        async with raw_server(server) as url:
+            client = StreamingClient(url, keepalive_s=0.3)
+            try:
+                late = await one(client, "late end")
+                await asyncio.sleep(0.2)  # the end came: the connection is back in the pool
+                reused = len(client._open)
+                after = await one(client, "drop")
+                stalled = await one(client, "stall")
+                await asyncio.sleep(0.5)  # past keepalive_s: the stalled one is closed
+                return late, reused, after, stalled, len(client._open)
+            finally:
+                await client.close()
 
     late, reused, after, stalled, still_open = run(go(), loop)
     for status, got, seconds in (late, after, stalled):
@@ -318,16 +324,14 @@ def test_the_sink_is_not_fed_after_its_request_failed_and_its_errors_are_its_own
         writer.close()
 
     async def go():
-        srv = await asyncio.start_server(partial, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
-        client = StreamingClient(url, timeout_s=0.3)
-        try:
-            with pytest.raises(TimeoutError):
-                await client.post("/x", b"", "application/json", calls.append)
-            await asyncio.sleep(0.1)  # the close runs its callbacks
-        finally:
-            await client.close()
-            srv.close()
+        async with raw_server(partial) as url:
+            client = StreamingClient(url, timeout_s=0.3)
+            try:
+                with pytest.raises(TimeoutError):
+                    await client.post("/x", b"", "application/json", calls.append)
+                await asyncio.sleep(0.1)  # the close runs its callbacks
+            finally:
+                await client.close()
         async with Server(lambda n: SSE) as url:
             client = StreamingClient(url)
             try:
@@ -364,16 +368,14 @@ def test_the_backend_keeps_the_streams_own_end_and_error():
             await asyncio.sleep(hold)
             writer.close()
 
-        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
-        backend = OpenAIBackend(url, SamplingOptions(timeout_s=5))
-        try:
-            start = time.perf_counter()
-            out = await backend.send(BenchRequest([1, 2], 2, 1))
-            return out, time.perf_counter() - start
-        finally:
-            await backend.close()
-            srv.close()
+        async with raw_server(serve) as url:
+            backend = OpenAIBackend(url, SamplingOptions(timeout_s=5))
+            try:
+                start = time.perf_counter()
+                out = await backend.send(BenchRequest([1, 2], 2, 1))
+                return out, time.perf_counter() - start
+            finally:
+                await backend.close()
 
     failed, seconds = asyncio.run(go(error_then_stall, 3))
     assert not failed.success and "engine died" in failed.error and seconds < 1
