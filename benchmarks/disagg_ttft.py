@@ -15,7 +15,9 @@ new each time (no prefix-cache hits). Reports median TTFTs (router minus direct
 is the router's and its extra hop's cost; direct over local the
 disaggregation's), and the breakdown the nodes report: prefill queue, prefill
 compute, the KV transfer left after the prompt's last layer, and the decode
-node's time from the prefill reply to its first message.
+node's time from the prefill reply to its first message; and the direct path
+hop by hop: the decode node's admission, its Prefill call (the prefill node's
+time, and the hop both ways), the reply to the first message.
 """
 
 from __future__ import annotations
@@ -117,16 +119,27 @@ def run(args: argparse.Namespace, stream_layers: int) -> dict[str, Any]:
             if i < args.warmup:
                 continue
             assert remote[1].usage.prefill_node == "prefill-0" and not local[1].usage.prefill_node
-            t = remote[1].usage.timing
+            t, lt = remote[1].usage.timing, local[1].usage.timing
             rows.append(
                 {
                     "router_ttft_ms": via_router[0],
                     "direct_ttft_ms": remote[0],
                     "local_ttft_ms": local[0],
+                    "decode_admit_ms": t.decode_admit_ms,
+                    "prefill_call_ms": t.prefill_call_ms,
+                    "prefill_node_ms": t.prefill_node_ms,
                     "prefill_queue_ms": t.prefill_queue_ms,
                     "prefill_compute_ms": t.prefill_compute_ms,
                     "kv_transfer_ms": t.kv_transfer_ms,
+                    # The prefill node's own handling: its time less the engine's and the wire's.
+                    "prefill_node_other_ms": t.prefill_node_ms
+                    - t.prefill_queue_ms
+                    - t.prefill_compute_ms
+                    - t.kv_transfer_ms,
+                    "prefill_hop_ms": t.prefill_call_ms - t.prefill_node_ms,
                     "decode_first_output_ms": t.decode_first_output_ms,
+                    "local_queue_ms": lt.prefill_queue_ms,
+                    "local_compute_ms": lt.prefill_compute_ms,
                     "router_reported_ttft_ms": via_router[1].usage.time_to_first_token_ms,
                 }
             )
@@ -169,7 +182,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"  breakdown p50: prefill queue {s['median_prefill_queue_ms']:.2f} ms, compute "
             f"{s['median_prefill_compute_ms']:.2f} ms, KV left after the last layer "
             f"{s['median_kv_transfer_ms']:.2f} ms ({100 * s['transfer_share_of_ttft']:.1f}% of "
-            f"TTFT), decode first output {s['median_decode_first_output_ms']:.2f} ms",
+            f"TTFT), decode first output {s['median_decode_first_output_ms']:.2f} ms\n"
+            f"  direct path p50: decode node admit {s['median_decode_admit_ms']:.2f} ms, Prefill "
+            f"call {s['median_prefill_call_ms']:.2f} ms = prefill node "
+            f"{s['median_prefill_node_ms']:.2f} ms (of which not queue, compute or KV "
+            f"{s['median_prefill_node_other_ms']:.2f}) + hop {s['median_prefill_hop_ms']:.2f} ms, "
+            f"reply to first message {s['median_decode_first_output_ms']:.2f} ms\n"
+            f"  local prefill p50: queue {s['median_local_queue_ms']:.2f} ms, compute "
+            f"{s['median_local_compute_ms']:.2f} ms",
             flush=True,
         )
     model = args.shape or args.model

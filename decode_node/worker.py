@@ -121,6 +121,7 @@ class DecodeWorker:
     async def decode(
         self, req: internal_pb2.DecodeRequest, deadline: float | None
     ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        arrived = time.monotonic()
         rid = req.request_id
         params = sampling_params_from_proto(req.sampling)
         params.resume_offset = req.resume_offset  # a migrated stream's seeded draws
@@ -145,11 +146,13 @@ class DecodeWorker:
                     raise NoCapacity(f"decode node {self.node_id} has no room for this request now")
                 usage.prefill_node = req.prefill.node_id
                 self._stages[rid] = Stage.PREFILL
-                reply = await self._remote_prefill(req, reservation, deadline)
-                replied = time.monotonic()
+                reply, replied = await self._remote_prefill(
+                    req, reservation, deadline, usage, arrived
+                )
                 usage.timing.prefill_queue_ms = reply.queue_ms
                 usage.timing.prefill_compute_ms = reply.compute_ms
                 usage.timing.kv_transfer_ms = reply.transfer_ms
+                usage.timing.prefill_node_ms = reply.node_ms
                 self.stats.remote_prefills += 1
             else:
                 await asyncio.wrap_future(
@@ -197,8 +200,15 @@ class DecodeWorker:
         engine.add_request(rid, prompt, params)
 
     async def _remote_prefill(
-        self, req: internal_pb2.DecodeRequest, reservation: Reservation, deadline: float | None
-    ) -> internal_pb2.PrefillResponse:
+        self,
+        req: internal_pb2.DecodeRequest,
+        reservation: Reservation,
+        deadline: float | None,
+        usage: pdserve_pb2.Usage,
+        arrived: float,
+    ) -> tuple[internal_pb2.PrefillResponse, float]:
+        """The Prefill call and the KV's landing; returns the reply and when it
+        came (time.monotonic()). ``usage.timing`` gets the call's own times."""
         peer = req.prefill.node_id
         peer_tp = max(1, req.prefill.tensor_parallel_size)
         landing = self.landing
@@ -235,7 +245,11 @@ class DecodeWorker:
         end = lease_end if deadline is None else min(deadline, lease_end)
         try:
             try:
-                resp = await stub.Prefill(prefill_req, timeout=max(0.0, end - time.monotonic()))
+                sent = time.monotonic()
+                usage.timing.decode_admit_ms = (sent - arrived) * 1e3
+                resp = await stub.Prefill(prefill_req, timeout=max(0.0, end - sent))
+                replied = time.monotonic()
+                usage.timing.prefill_call_ms = (replied - sent) * 1e3
             except grpc.aio.AioRpcError as e:
                 if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED and end == deadline:
                     raise  # the client's own deadline: no retry
@@ -275,7 +289,7 @@ class DecodeWorker:
                     )
                 )
             )
-            return resp
+            return resp, replied
         finally:
             landing.close(reservation_id)
 

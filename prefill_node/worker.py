@@ -158,6 +158,7 @@ class PrefillWorker:
     async def prefill(
         self, req: internal_pb2.PrefillRequest, deadline: float | None
     ) -> internal_pb2.PrefillResponse:
+        start = time.monotonic()  # the reply's node_ms: all of this node's part
         rid = req.request_id
         ids = list(req.prompt_token_ids)
         dest = req.destination
@@ -174,7 +175,6 @@ class PrefillWorker:
         if req.cache_salt:
             prompt["cache_salt"] = req.cache_salt
         stream = RequestStream()
-        start = time.monotonic()
         sending = False
         ticket: TransferTicket | None = None
         try:
@@ -233,9 +233,9 @@ class PrefillWorker:
             transfer_bytes=report.num_bytes,
             kv_checksum=report.digest,
         )
-        logger.debug("prefill %s took %.1f ms", rid, (time.monotonic() - start) * 1e3)
         if out.outputs[0].logprobs:
             resp.first_logprobs.CopyFrom(token_logprobs_to_proto(first, out.outputs[0].logprobs[0]))
+        resp.node_ms = (time.monotonic() - start) * 1e3
         return resp
 
     async def _computed(self, stream: RequestStream, transfer: asyncio.Future):

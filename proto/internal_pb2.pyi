@@ -122,7 +122,7 @@ class KVDestination(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., channel_epoch: _Optional[int] = ..., reservation_id: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprobs", "cached_tokens", "queue_ms", "compute_ms", "transfer_ms", "transfer_bytes", "kv_checksum")
+    __slots__ = ("first_token_id", "first_logprobs", "cached_tokens", "queue_ms", "compute_ms", "transfer_ms", "transfer_bytes", "kv_checksum", "node_ms")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class PrefillResponse(_message.Message):
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    NODE_MS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprobs: _pdserve_pb2.TokenLogprobs
     cached_tokens: int
@@ -139,4 +140,5 @@ class PrefillResponse(_message.Message):
     transfer_ms: float
     transfer_bytes: int
     kv_checksum: bytes
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_pdserve_pb2.TokenLogprobs, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., kv_checksum: _Optional[bytes] = ...) -> None: ...
+    node_ms: float
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_pdserve_pb2.TokenLogprobs, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., kv_checksum: _Optional[bytes] = ..., node_ms: _Optional[float] = ...) -> None: ...
