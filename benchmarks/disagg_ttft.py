@@ -106,7 +106,14 @@ def run(args: argparse.Namespace, stream_layers: int) -> dict[str, Any]:
                 req.prefill.CopyFrom(prefill_ref)
             return first_token_ms(decode.Decode(req, timeout=600))
 
+        def pause() -> None:
+            # Each path's GPU starts from the same idle (clocks, power), not
+            # from another path's prefill just before.
+            if args.pause_ms:
+                time.sleep(args.pause_ms / 1e3)
+
         for i in range(args.warmup + args.requests):
+            pause()
             via_router = first_token_ms(
                 router.Generate(
                     pdserve_pb2.GenerateRequest(
@@ -115,7 +122,10 @@ def run(args: argparse.Namespace, stream_layers: int) -> dict[str, Any]:
                     timeout=600,
                 )
             )
-            remote, local = direct(True), direct(False)
+            pause()
+            remote = direct(True)
+            pause()
+            local = direct(False)
             if i < args.warmup:
                 continue
             assert remote[1].usage.prefill_node == "prefill-0" and not local[1].usage.prefill_node
@@ -167,6 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--pause-ms", type=float, default=0.0, help="idle time before each request, ms")
     p.add_argument("--out-dir", type=Path)
     args = p.parse_args(argv)
     results = []

@@ -218,7 +218,9 @@ def server_phases(rate: dict) -> dict[str, float] | None:
     """A rate's server-side queue and prefill time, mean and p90 in ms, from the
     histograms its record scraped (vLLM's ``vllm:request_*_time_seconds``, a
     pdserve node's ``pdserve_request_*_time_seconds``); None without them. With
-    several series of a phase (nodes, labels): the one that observed the most."""
+    several series of a phase (nodes, labels): the one that observed the most.
+    The p90 is an estimate within its bucket, whose upper bound comes with it
+    (``*_p90_at_most_ms``): vLLM's first buckets are 300 ms wide."""
     out = {}
     for series in (rate.get("server_histograms") or {}).values():
         for key, s in series.items():
@@ -228,6 +230,8 @@ def server_phases(rate: dict) -> dict[str, float] | None:
                     out[f"{phase}_n"] = s["count"]
                     out[f"{phase}_mean_ms"] = s["mean"]
                     out[f"{phase}_p90_ms"] = s["p90"]
+                    if "p90_bucket" in s:
+                        out[f"{phase}_p90_at_most_ms"] = s["p90_bucket"][1]
     return out or None
 
 

@@ -7,8 +7,11 @@ say it on /metrics: vLLM as ``vllm:request_queue_time_seconds`` and
 (docs/metrics.md). ``--scrape-metrics URL`` reads every histogram there before
 and after each rate, so each rate's record holds what the server observed
 during that rate only: count, mean, and p50 / p90 estimated from the buckets
-the way Prometheus's ``histogram_quantile`` does (linear within a bucket, so
-no finer than the server's buckets).
+the way Prometheus's ``histogram_quantile`` does (linear within a bucket), each
+with the bounds of the bucket it fell in: an estimate is no finer than that
+bucket. vLLM's queue-time buckets start at (0, 300 ms], so a queue of
+microseconds reads as a p50 of 150 ms there; the bounds and the exact mean say
+what the estimate cannot.
 """
 
 from __future__ import annotations
@@ -78,9 +81,24 @@ def quantile(buckets: list[tuple[float, float]], q: float) -> float:
     return lower_bound
 
 
+def quantile_bucket(buckets: list[tuple[float, float]], q: float) -> tuple[float, float]:
+    """The bounds (lower, upper] of the bucket the q-quantile falls in ((last
+    finite bound, inf) for +Inf); (nan, nan) without observations."""
+    if not buckets or buckets[-1][1] <= 0:
+        return (float("nan"), float("nan"))
+    rank = q * buckets[-1][1]
+    lower = 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            return (lower, bound)
+        lower = bound
+    return (lower, math.inf)
+
+
 def delta(before: Snapshot, after: Snapshot) -> dict[str, dict[str, float]]:
     """What each series observed between the two snapshots (series with none left
-    out): count, mean, p50, p90; in ms for ``*_seconds`` series."""
+    out): count, mean, p50, p90 and the bucket each fell in (``p50_bucket``,
+    ``p90_bucket``: [lower, upper]); in ms for ``*_seconds`` series."""
     out = {}
     for key, a in after.items():
         b = before.get(key)
@@ -96,6 +114,8 @@ def delta(before: Snapshot, after: Snapshot) -> dict[str, dict[str, float]]:
             "mean": total / count * scale,
             "p50": quantile(buckets, 0.5) * scale,
             "p90": quantile(buckets, 0.9) * scale,
+            "p50_bucket": [b * scale for b in quantile_bucket(buckets, 0.5)],
+            "p90_bucket": [b * scale for b in quantile_bucket(buckets, 0.9)],
             "unit": "ms" if scale != 1.0 else "",
         }
     return out
@@ -174,10 +194,18 @@ class Scraper:
             for key, s in series.items():
                 if any(p in key for p in PRINTED):
                     rows.append(
-                        f"server {key}: n {s['count']:.0f}, mean / p50 / p90 "
-                        f"{s['mean']:.1f} / {s['p50']:.1f} / {s['p90']:.1f} {s['unit']}"
+                        f"server {key}: n {s['count']:.0f}, mean {s['mean']:.1f}, "
+                        f"p50 {s['p50']:.1f} {_bucket(s.get('p50_bucket'))}, "
+                        f"p90 {s['p90']:.1f} {_bucket(s.get('p90_bucket'))} {s['unit']}"
                     )
         return "\n".join(rows) or "server: no queue or prefill histogram observed anything"
 
     async def close(self) -> None:
         await self.session.close()
+
+
+def _bucket(bounds: list[float] | None) -> str:
+    """A quantile's bucket as printed: how fine the estimate beside it can be."""
+    if not bounds:
+        return ""
+    return f"in ({bounds[0]:g}, {bounds[1]:g}]"

@@ -211,7 +211,11 @@ def test_the_side_by_side_summary_reads_either_servers_phase_histograms():
     from benchmarks.serve_side_by_side import server_phases
 
     def s(count, mean, p90):
-        return {"count": count, "mean": mean, "p50": mean, "p90": p90, "unit": "ms"}
+        bucket = [0.0, 300.0] if p90 < 300 else [300.0, 500.0]
+        return {
+            "count": count, "mean": mean, "p50": mean, "p90": p90, "unit": "ms",
+            "p50_bucket": bucket, "p90_bucket": bucket,
+        }  # fmt: skip
 
     vllm = {
         "server_histograms": {
@@ -223,8 +227,9 @@ def test_the_side_by_side_summary_reads_either_servers_phase_histograms():
         }
     }
     assert server_phases(vllm) == {
-        "queue_n": 96, "queue_mean_ms": 40, "queue_p90_ms": 90,
+        "queue_n": 96, "queue_mean_ms": 40, "queue_p90_ms": 90, "queue_p90_at_most_ms": 300,
         "prefill_n": 96, "prefill_mean_ms": 30, "prefill_p90_ms": 60,
+        "prefill_p90_at_most_ms": 300,
     }  # fmt: skip
     # Two pdserve nodes: the one that computed most of the prompts speaks.
     pdserve = {
@@ -237,6 +242,8 @@ def test_the_side_by_side_summary_reads_either_servers_phase_histograms():
             },
         }
     }
-    assert server_phases(pdserve) == {"prefill_n": 90, "prefill_mean_ms": 20, "prefill_p90_ms": 50}
+    assert server_phases(pdserve) == {
+        "prefill_n": 90, "prefill_mean_ms": 20, "prefill_p90_ms": 50, "prefill_p90_at_most_ms": 300
+    }  # fmt: skip
     assert server_phases({}) is None
     assert server_phases({"server_histograms": {"http://x": {"error": "lost"}}}) is None

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 
 from common.ports import free_port
-from pdserve.bench.scrape import Scraper, delta, parse, quantile
+from pdserve.bench.scrape import Scraper, delta, parse, quantile, quantile_bucket
 
 BUCKETS = (0.01, 0.02, 0.05, 0.1)
 
@@ -54,6 +54,9 @@ def test_a_rate_sees_only_what_was_observed_during_it(endpoint):
     assert q["p50"] == pytest.approx(10 + 10 * 2.5 / 3)
     # Rank 4.5 falls in (50, 100] ms, which holds the fifth: 50 + 50 * 0.5.
     assert q["p90"] == pytest.approx(75)
+    assert q["p50_bucket"] == pytest.approx([10, 20]) and q["p90_bucket"] == pytest.approx(
+        [50, 100]
+    )
     t = observed["demo_tokens"]
     assert t["count"] == 1 and t["mean"] == 50 and t["unit"] == ""
 
@@ -75,6 +78,31 @@ def test_quantile_follows_histogram_quantile():
     assert quantile(buckets, 0.6) == pytest.approx(0.2 + 0.8 * 0.5)  # rank 3 in (0.2, 1]
     assert quantile(buckets, 0.95) == 1.0  # in +Inf: the last finite bound
     assert math.isnan(quantile([(0.1, 0.0), (math.inf, 0.0)], 0.5))
+
+
+def test_quantile_bucket_bounds_the_estimate():
+    buckets = [(0.1, 2.0), (0.2, 2.0), (1.0, 4.0), (math.inf, 5.0)]
+    assert quantile_bucket(buckets, 0.2) == (0.0, 0.1)
+    assert quantile_bucket(buckets, 0.6) == (0.2, 1.0)
+    assert quantile_bucket(buckets, 0.95) == (1.0, math.inf)
+    assert all(math.isnan(b) for b in quantile_bucket([(0.1, 0.0), (math.inf, 0.0)], 0.5))
+
+
+def test_a_coarse_bucket_is_printed_with_its_bounds():
+    # vLLM's queue-time histogram: microsecond queues all land in (0, 0.3] s, so
+    # the interpolated p50 (150 ms) is an artefact; the line shows the bucket.
+    text = (
+        "# TYPE vllm:request_queue_time_seconds histogram\n"
+        'vllm:request_queue_time_seconds_bucket{le="0.3"} 10\n'
+        'vllm:request_queue_time_seconds_bucket{le="+Inf"} 10\n'
+        "vllm:request_queue_time_seconds_count 10\n"
+        "vllm:request_queue_time_seconds_sum 0.0001\n"
+    )
+    observed = {"http://x/metrics": delta({}, parse(text))}
+    line = Scraper.lines(observed)
+    assert (
+        "mean 0.0" in line and "p50 150.0 in (0, 300]" in line and "p90 270.0 in (0, 300]" in line
+    )
 
 
 def test_an_endpoint_that_cannot_be_read_stops_the_run_before_any_load():
