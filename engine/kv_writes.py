@@ -8,8 +8,10 @@ each layer's KV of that step is written.
 (its blocks are allocated, each sequence's ``num_computed_tokens`` is still the
 step's start, ``batch.num_new_tokens`` its count). It returns None when nothing
 in the step interests it -- the step then runs as usual, CUDA graphs included --
-or a ``LayerDone`` callback: the model then runs eagerly and calls
-``layer_done(i)`` right after layer i was issued. On a CPU layer i has been
+or a ``LayerDone`` callback: the step then replays no whole-model CUDA graph
+(it runs eagerly, or on piecewise graphs, engine/piecewise_graphs.py, which call
+it between their pieces) and ``layer_done(i)`` is called right after layer i
+was issued. On a CPU layer i has been
 computed by then; on a GPU its kernels are queued on the current stream, so
 whatever the callback queues on that stream (a gather, an event) is ordered
 after layer i's KV writes and before layer i + 1's work.

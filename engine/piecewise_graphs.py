@@ -27,7 +27,7 @@ GEMM algorithm for ``n`` rows than for ``T`` (a greedy run splits only at
 near-ties).
 
 One graph memory pool serves all pieces of all sizes (captured largest first;
-pieces replay in capture order). Off by default (``piecewise_cuda_graphs``);
+pieces replay in capture order). On by default (``piecewise_cuda_graphs``);
 single-rank only (with tensor parallelism every rank would have to pad alike).
 """
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -162,9 +163,14 @@ class PiecewiseGraphs:
     def can_run(self, inputs: ModelInputs) -> bool:
         return 0 < inputs.meta.num_tokens <= self.max_tokens
 
-    def run(self, inputs: ModelInputs) -> torch.Tensor:
+    def run(
+        self, inputs: ModelInputs, after_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
         """The step's hidden states after the final norm, [T, hidden] (a view of a
-        static buffer: the next step overwrites it)."""
+        static buffer: the next step overwrites it). ``after_layer(i)`` (a KV
+        observer, engine/kv_writes.py) runs once layer i is issued, as in an eager
+        step: after the piece that ends it (its o_proj and MLP), so its KV is
+        written whichever backend stores it."""
         meta = inputs.meta
         t = meta.num_tokens
         n = next(s for s in self.sizes if s >= t)
@@ -183,4 +189,6 @@ class PiecewiseGraphs:
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.attend(q, k, v, meta, out=out)
             graphs[i + 1].replay()
+            if after_layer is not None:
+                after_layer(i)
         return self.hidden[:t]

@@ -126,3 +126,65 @@ def test_greedy_outputs_equal_with_and_without_piecewise_graphs(model_dir, async
     ours, calls = run_greedy(model_dir, True, **kw)
     assert calls > 10
     assert ours == ref
+
+
+@torch.inference_mode()
+def test_a_streamed_prefill_keeps_its_piecewise_graphs_and_sees_each_layer_written(model_dir):
+    """A prefill node's KV observer (engine/kv_writes.py) no longer forces eager
+    steps: a step of up to 512 tokens replays its pieces and the hook runs after
+    the piece that ends each layer, in order, once per layer, with that layer's
+    KV already written (what the hook queues on the stream sees it)."""
+    from engine.kv_blocks import gather_blocks
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            device="cuda",
+            attention_backend="triton",
+            max_model_len=1024,
+            num_kvcache_blocks=256,
+            max_num_seqs=16,
+            max_num_batched_tokens=512,
+            piecewise_cuda_graphs=True,
+            async_scheduling=False,
+        )
+    )
+    runner = engine.model_runner
+    assert runner.piecewise is not None
+    replays = []
+    real_run = runner.piecewise.run
+    runner.piecewise.run = lambda inputs, after_layer=None: (
+        replays.append(after_layer is not None) or real_run(inputs, after_layer)
+    )
+    seen: list[tuple[int, torch.Tensor]] = []
+    blocks: list[int] = []
+
+    class Observer:
+        def begin_step(self, batch):
+            blocks[:] = batch.seqs[0].block_table
+            return lambda i: seen.append((i, gather_blocks(runner.kv_cache, blocks, (i, i + 1))))
+
+    engine.observe_kv_writes(Observer())
+    prompt = [RNG.randrange(1, 10000) for _ in range(300)]
+    # hold_kv: the blocks stay the request's after it finishes, as on a prefill node.
+    engine.add_request(
+        "r", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), hold_kv=True
+    )
+    while engine.has_work():
+        engine.step()
+    torch.cuda.synchronize()
+    num_layers = runner.kv_cache.shape[1]
+    assert replays and replays[0] is True  # the prefill step replayed pieces, hook attached
+    assert [i for i, _ in seen] == list(range(num_layers))
+    assert engine.take_held("r") is not None and len(blocks) == -(-300 // runner.block_size)
+    for i, snapshot in seen:
+        # What the hook's gather read equals the layer's final KV: it was written.
+        torch.testing.assert_close(snapshot, gather_blocks(runner.kv_cache, blocks, (i, i + 1)))
+        assert snapshot.abs().sum() > 0
+    engine.release_held("r")
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
