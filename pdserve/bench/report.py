@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import platform
 import shlex
 import subprocess
@@ -62,16 +63,31 @@ def table(m: RateMetrics, slo_text: str = "") -> str:
 
 
 def git_revision() -> str | None:
-    """The checkout's short commit, recorded with every benchmark result."""
+    """The checkout's short commit, recorded with every benchmark result, with
+    "+dirty" when tracked files differ from it. ``PDSERVE_REVISION`` overrides
+    it: a copy of the tree run elsewhere (a GPU host) may carry a stale .git."""
+    if named := os.environ.get("PDSERVE_REVISION"):
+        return named
+    here = Path(__file__).parent
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
             capture_output=True,
             text=True,
-            cwd=Path(__file__).parent,
+            cwd=here,
             timeout=5,
         )
-        return out.stdout.strip() or None
+        revision = out.stdout.strip()
+        if not revision:
+            return None
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=here,
+            timeout=5,
+        )
+        return revision + "+dirty" if status.stdout.strip() else revision
     except (OSError, subprocess.SubprocessError):
         return None
 

@@ -53,3 +53,13 @@ def test_prepare_failure_exits_1_with_the_reason(monkeypatch, capsys):
 def test_prepare_when_present_says_so(demo_model_dir, capsys):
     assert cli.main(["model", "prepare", "--out", str(demo_model_dir)]) == 0
     assert "already prepared" in capsys.readouterr().out
+
+
+def test_a_record_names_the_revision_it_was_given_or_its_checkouts(monkeypatch):
+    from pdserve.bench.report import git_revision
+
+    monkeypatch.setenv("PDSERVE_REVISION", "abc1234")
+    assert git_revision() == "abc1234"  # a GPU host's copy may carry a stale .git
+    monkeypatch.delenv("PDSERVE_REVISION")
+    revision = git_revision()
+    assert revision is None or revision.split("+")[0].isalnum()
