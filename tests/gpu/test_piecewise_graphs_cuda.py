@@ -96,9 +96,9 @@ def run_greedy(model_dir, piecewise: bool, **kw):
         assert runner.piecewise is not None
         inner = runner.piecewise.run
 
-        def counted(inputs):
+        def counted(inputs, after_layer=None):
             calls[0] += 1
-            return inner(inputs)
+            return inner(inputs, after_layer)
 
         runner.piecewise.run = counted
     else:
