@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -220,7 +221,8 @@ def server_phases(rate: dict) -> dict[str, float] | None:
     pdserve node's ``pdserve_request_*_time_seconds``); None without them. With
     several series of a phase (nodes, labels): the one that observed the most.
     The p90 is an estimate within its bucket, whose upper bound comes with it
-    (``*_p90_at_most_ms``): vLLM's first buckets are 300 ms wide."""
+    (``*_p90_at_most_ms``, None past the last bucket): vLLM's first bucket is
+    (0, 300 ms]."""
     out = {}
     for series in (rate.get("server_histograms") or {}).values():
         for key, s in series.items():
@@ -231,7 +233,10 @@ def server_phases(rate: dict) -> dict[str, float] | None:
                     out[f"{phase}_mean_ms"] = s["mean"]
                     out[f"{phase}_p90_ms"] = s["p90"]
                     if "p90_bucket" in s:
-                        out[f"{phase}_p90_at_most_ms"] = s["p90_bucket"][1]
+                        # Past the last bucket there is no bound (a record writes inf as "inf").
+                        upper = s["p90_bucket"][1]
+                        bounded = isinstance(upper, (int, float)) and math.isfinite(upper)
+                        out[f"{phase}_p90_at_most_ms"] = upper if bounded else None
     return out or None
 
 

@@ -14,7 +14,8 @@ it between their pieces) and ``layer_done(i)`` is called right after layer i
 was issued. On a CPU layer i has been
 computed by then; on a GPU its kernels are queued on the current stream, so
 whatever the callback queues on that stream (a gather, an event) is ordered
-after layer i's KV writes and before layer i + 1's work.
+after layer i's KV writes and before layer i + 1's attention (on piecewise
+graphs the piece before it also ran layer i + 1's projection and KV store).
 
 With tensor parallelism rank 0's observer sees the batch; an observer on
 another rank is asked with ``batch=None`` (it learnt what the step holds from

@@ -320,8 +320,9 @@ class ModelRunner:
         # A step whose KV someone streams layer by layer never replays a whole-
         # model graph (it would hide the layers); piecewise graphs call the hook
         # between their pieces, so a prefill node's steps of up to 512 tokens
-        # keep them (eager, an 8B step of 512 tokens is bound by the host:
-        # 22.8 ms against 13.4 on two H100s, docs/performance.md).
+        # keep them (eager, an 8B step of 512 tokens is bound by the host: a
+        # prefill node took 22.8-30.0 ms where a decode node's piecewise graphs
+        # took 13.4-13.8, two H100s, docs/performance.md).
         after_layer = self.kv_observer.begin_step(batch) if self.kv_observer else None
         hidden, logits_of = self._forward(plan, patch, prev, after_layer)
         samples = None

@@ -169,8 +169,9 @@ class PiecewiseGraphs:
         """The step's hidden states after the final norm, [T, hidden] (a view of a
         static buffer: the next step overwrites it). ``after_layer(i)`` (a KV
         observer, engine/kv_writes.py) runs once layer i is issued, as in an eager
-        step: after the piece that ends it (its o_proj and MLP), so its KV is
-        written whichever backend stores it."""
+        step: after the piece that ends it (its o_proj and MLP, which also runs
+        layer i + 1's projection and KV store), so layer i's KV is written
+        whichever backend stores it."""
         meta = inputs.meta
         t = meta.num_tokens
         n = next(s for s in self.sizes if s >= t)

@@ -65,7 +65,8 @@ def table(m: RateMetrics, slo_text: str = "") -> str:
 def git_revision() -> str | None:
     """The checkout's short commit, recorded with every benchmark result, with
     "+dirty" when tracked files differ from it. ``PDSERVE_REVISION`` overrides
-    it: a copy of the tree run elsewhere (a GPU host) may carry a stale .git."""
+    it, taken as given (unchecked): a copy of the tree run elsewhere (a GPU
+    host) may carry a stale .git."""
     if named := os.environ.get("PDSERVE_REVISION"):
         return named
     here = Path(__file__).parent
@@ -87,6 +88,8 @@ def git_revision() -> str | None:
             cwd=here,
             timeout=5,
         )
+        if status.returncode != 0:
+            return revision + "+unknown"  # cannot tell whether the tree is clean
         return revision + "+dirty" if status.stdout.strip() else revision
     except (OSError, subprocess.SubprocessError):
         return None

@@ -114,8 +114,8 @@ def delta(before: Snapshot, after: Snapshot) -> dict[str, dict[str, float]]:
             "mean": total / count * scale,
             "p50": quantile(buckets, 0.5) * scale,
             "p90": quantile(buckets, 0.9) * scale,
-            "p50_bucket": [b * scale for b in quantile_bucket(buckets, 0.5)],
-            "p90_bucket": [b * scale for b in quantile_bucket(buckets, 0.9)],
+            "p50_bucket": [bound * scale for bound in quantile_bucket(buckets, 0.5)],
+            "p90_bucket": [bound * scale for bound in quantile_bucket(buckets, 0.9)],
             "unit": "ms" if scale != 1.0 else "",
         }
     return out
@@ -193,10 +193,11 @@ class Scraper:
                 continue
             for key, s in series.items():
                 if any(p in key for p in PRINTED):
+                    u = f" {s['unit']}" if s["unit"] else ""
                     rows.append(
-                        f"server {key}: n {s['count']:.0f}, mean {s['mean']:.1f}, "
-                        f"p50 {s['p50']:.1f} {_bucket(s.get('p50_bucket'))}, "
-                        f"p90 {s['p90']:.1f} {_bucket(s.get('p90_bucket'))} {s['unit']}"
+                        f"server {key}: n {s['count']:.0f}, mean {s['mean']:.1f}{u}, "
+                        f"p50 {s['p50']:.1f}{u}{_bucket(s.get('p50_bucket'))}, "
+                        f"p90 {s['p90']:.1f}{u}{_bucket(s.get('p90_bucket'))}"
                     )
         return "\n".join(rows) or "server: no queue or prefill histogram observed anything"
 
@@ -208,4 +209,4 @@ def _bucket(bounds: list[float] | None) -> str:
     """A quantile's bucket as printed: how fine the estimate beside it can be."""
     if not bounds:
         return ""
-    return f"in ({bounds[0]:g}, {bounds[1]:g}]"
+    return f" in ({bounds[0]:g}, {bounds[1]:g}]"

@@ -245,5 +245,9 @@ def test_the_side_by_side_summary_reads_either_servers_phase_histograms():
     assert server_phases(pdserve) == {
         "prefill_n": 90, "prefill_mean_ms": 20, "prefill_p90_ms": 50, "prefill_p90_at_most_ms": 300
     }  # fmt: skip
+    # A p90 past the last bucket has no bound (the record holds "inf" there).
+    beyond = s(4, 900, 1e3) | {"p90_bucket": [500.0, "inf"]}
+    open_ended = {"server_histograms": {"http://v": {"vllm:request_queue_time_seconds": beyond}}}
+    assert server_phases(open_ended)["queue_p90_at_most_ms"] is None
     assert server_phases({}) is None
     assert server_phases({"server_histograms": {"http://x": {"error": "lost"}}}) is None

@@ -5,7 +5,8 @@ Run on a host with two GPUs: ``python -m pytest tests/gpu -m multi_gpu``.
 The prefill node streams one layer per chunk (the default) and prefills in
 256-token chunks, so a long prompt streams step by step; both nodes checksum
 every chunk (``--verify-kv``). The prefill node runs async scheduling (on by
-default on CUDA) and eager prefill steps; the decode node keeps its CUDA graphs.
+default on CUDA) and piecewise CUDA graphs for its 256-token steps, the streaming
+hook between their pieces; the decode node keeps its CUDA graphs.
 """
 
 from __future__ import annotations

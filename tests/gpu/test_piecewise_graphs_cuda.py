@@ -160,12 +160,19 @@ def test_a_streamed_prefill_keeps_its_piecewise_graphs_and_sees_each_layer_writt
         replays.append(after_layer is not None) or real_run(inputs, after_layer)
     )
     seen: list[tuple[int, torch.Tensor]] = []
+    ahead: dict[int, torch.Tensor] = {}  # at hook(i), layer i + 2 (its piece not yet run)
     blocks: list[int] = []
+    num_layers = runner.kv_cache.shape[1]
+
+    def hook(i: int) -> None:
+        seen.append((i, gather_blocks(runner.kv_cache, blocks, (i, i + 1))))
+        if i + 2 < num_layers:
+            ahead[i + 2] = gather_blocks(runner.kv_cache, blocks, (i + 2, i + 3))
 
     class Observer:
         def begin_step(self, batch):
             blocks[:] = batch.seqs[0].block_table
-            return lambda i: seen.append((i, gather_blocks(runner.kv_cache, blocks, (i, i + 1))))
+            return hook
 
     engine.observe_kv_writes(Observer())
     prompt = [RNG.randrange(1, 10000) for _ in range(300)]
@@ -176,7 +183,6 @@ def test_a_streamed_prefill_keeps_its_piecewise_graphs_and_sees_each_layer_writt
     while engine.has_work():
         engine.step()
     torch.cuda.synchronize()
-    num_layers = runner.kv_cache.shape[1]
     assert replays and replays[0] is True  # the prefill step replayed pieces, hook attached
     assert [i for i, _ in seen] == list(range(num_layers))
     assert engine.take_held("r") is not None and len(blocks) == -(-300 // runner.block_size)
@@ -184,6 +190,9 @@ def test_a_streamed_prefill_keeps_its_piecewise_graphs_and_sees_each_layer_writt
         # What the hook's gather read equals the layer's final KV: it was written.
         torch.testing.assert_close(snapshot, gather_blocks(runner.kv_cache, blocks, (i, i + 1)))
         assert snapshot.abs().sum() > 0
+    # Hook by hook, not all at the end: two layers on, the KV was not written yet.
+    for layer, early in ahead.items():
+        assert not torch.equal(early, gather_blocks(runner.kv_cache, blocks, (layer, layer + 1)))
     engine.release_held("r")
     del engine
     gc.collect()

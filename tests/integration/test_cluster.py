@@ -129,6 +129,13 @@ def test_sixteen_concurrent_streams_match_the_offline_engine(cluster, offline):
         assert final.usage.prompt_tokens > 0
         assert final.usage.prefill_node.startswith("prefill-")  # prefilled remotely
         assert final.usage.decode_node.startswith("decode-")
+        # The disaggregated path hop by hop: the decode node's admission, its
+        # Prefill call, and within it the prefill node's part, which holds the
+        # prompt's queue and compute.
+        t = final.usage.timing
+        assert t.decode_admit_ms > 0 and t.decode_first_output_ms > 0
+        assert t.prefill_call_ms >= t.prefill_node_ms > 0
+        assert t.prefill_node_ms >= t.prefill_queue_ms + t.prefill_compute_ms
     # Both decode nodes and both prefill nodes took work.
     assert {r[2].usage.decode_node for r in results} == {"decode-0", "decode-1"}
     assert {r[2].usage.prefill_node for r in results} == {"prefill-0", "prefill-1"}

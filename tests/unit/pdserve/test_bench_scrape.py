@@ -101,7 +101,9 @@ def test_a_coarse_bucket_is_printed_with_its_bounds():
     observed = {"http://x/metrics": delta({}, parse(text))}
     line = Scraper.lines(observed)
     assert (
-        "mean 0.0" in line and "p50 150.0 in (0, 300]" in line and "p90 270.0 in (0, 300]" in line
+        "mean 0.0 ms" in line
+        and "p50 150.0 ms in (0, 300]" in line
+        and "p90 270.0 ms in (0, 300]" in line
     )
 
 
