@@ -69,25 +69,17 @@ def git_revision() -> str | None:
     host) may carry a stale .git."""
     if named := os.environ.get("PDSERVE_REVISION"):
         return named
-    here = Path(__file__).parent
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=here,
-            timeout=5,
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5
         )
-        revision = out.stdout.strip()
+
+    try:
+        revision = git("rev-parse", "--short", "HEAD").stdout.strip()
         if not revision:
             return None
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            cwd=here,
-            timeout=5,
-        )
+        status = git("status", "--porcelain", "--untracked-files=no")
         if status.returncode != 0:
             return revision + "+unknown"  # cannot tell whether the tree is clean
         return revision + "+dirty" if status.stdout.strip() else revision

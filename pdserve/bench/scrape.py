@@ -60,39 +60,45 @@ def parse(text: str) -> Snapshot:
     return {k: Series(sorted(v["buckets"]), v["count"], v["sum"]) for k, v in out.items()}
 
 
-def quantile(buckets: list[tuple[float, float]], q: float) -> float:
-    """``histogram_quantile``: the q-quantile from cumulative bucket counts, linear
-    within the bucket it falls in (from 0 for the first); the last finite bound
-    when it falls in +Inf; nan without observations."""
+def _locate(
+    buckets: list[tuple[float, float]], q: float
+) -> tuple[float, float, float, float, float] | None:
+    """Where the q-quantile falls: (lower bound, count up to it, upper bound,
+    count up to that, the quantile's rank) of its bucket; None without
+    observations."""
     if not buckets or buckets[-1][1] <= 0:
-        return float("nan")
+        return None
     rank = q * buckets[-1][1]
     lower_bound, lower_count = 0.0, 0.0
     for bound, count in buckets:
         if count >= rank:
-            if math.isinf(bound):
-                return lower_bound
-            if count == lower_count:
-                return bound
-            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (
-                count - lower_count
-            )
+            return lower_bound, lower_count, bound, count, rank
         lower_bound, lower_count = bound, count
-    return lower_bound
+    return lower_bound, lower_count, math.inf, lower_count, rank
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """``histogram_quantile``: the q-quantile from cumulative bucket counts, linear
+    within the bucket it falls in (from 0 for the first); the last finite bound
+    when it falls in +Inf; nan without observations."""
+    found = _locate(buckets, q)
+    if found is None:
+        return float("nan")
+    lower_bound, lower_count, bound, count, rank = found
+    if math.isinf(bound):
+        return lower_bound
+    if count == lower_count:
+        return bound
+    return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
 
 
 def quantile_bucket(buckets: list[tuple[float, float]], q: float) -> tuple[float, float]:
     """The bounds (lower, upper] of the bucket the q-quantile falls in ((last
     finite bound, inf) for +Inf); (nan, nan) without observations."""
-    if not buckets or buckets[-1][1] <= 0:
+    found = _locate(buckets, q)
+    if found is None:
         return (float("nan"), float("nan"))
-    rank = q * buckets[-1][1]
-    lower = 0.0
-    for bound, count in buckets:
-        if count >= rank:
-            return (lower, bound)
-        lower = bound
-    return (lower, math.inf)
+    return (found[0], found[2])
 
 
 def delta(before: Snapshot, after: Snapshot) -> dict[str, dict[str, float]]:
