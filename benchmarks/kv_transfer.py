@@ -18,7 +18,12 @@ after the last layer -- the whole-request transfer):
   processes, in the same run (the baseline), and the same bytes as one
   message per layer, all posted at once (what chunking costs the wire itself);
 - wire: the chunks' time on the wire (the sender's own measure: CUDA events on
-  a GPU, send to completion on a CPU), summed; its ratio to raw;
+  a GPU, send to completion on a CPU), summed; its ratio to raw. Measured twice:
+  with every chunk queued at once and no compute (on a GPU the sender's thread
+  posts one send at a time and the stream waits for each post, so this is
+  the host's posting rate as much as the wire's), and under the forward, where
+  each send is posted before its layers ran and starts when they are done
+  (the wire as a request sees it);
 - exposed: from the last layer's end (host-observed) to the last chunk
   scattered on the decode side: what of the transfer a request still waits
   for after its prefill, with the prefill side's own figure beside it;
@@ -97,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             bare, busy = sender["runs"][(tokens, lpc, False)], sender["runs"][(tokens, lpc, True)]
             landed = receiver["landed"]
             wire = med(r["wire_s"] for r in bare)
+            wire_busy = med(r["wire_s"] for r in busy)
             row = {
                 "tokens": tokens,
                 "layers_per_chunk": lpc,
@@ -105,6 +111,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "raw_per_layer_ms": raw["per_layer_seconds"] * 1e3,
                 "wire_ms": wire * 1e3,
                 "wire_vs_raw": raw["seconds"] / wire,
+                "wire_under_forward_ms": wire_busy * 1e3,
+                "wire_under_forward_vs_raw": raw["seconds"] / wire_busy,
                 "end_to_end_ms": med(landed[r["rid"]] - r["start"] for r in bare) * 1e3,
                 # Without compute: the engine thread's own share (gathers, queueing).
                 "engine_gather_ms": med(r["forward_s"] for r in bare) * 1e3,
@@ -118,6 +126,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{'whole' if lpc == 0 else f'{lpc} layer(s)'}/chunk: raw {row['raw_ms']:.3f} ms "
                 f"({row['raw_per_layer_ms']:.3f} as a message per layer), "
                 f"wire {row['wire_ms']:.3f} ms ({100 * row['wire_vs_raw']:.0f}% of raw), "
+                f"under the forward {row['wire_under_forward_ms']:.3f} ms "
+                f"({100 * row['wire_under_forward_vs_raw']:.0f}%), "
                 f"gather+wire+scatter {row['end_to_end_ms']:.3f} ms; exposed after the last "
                 f"layer {row['exposed_ms']:.3f} ms (sender {row['exposed_sender_ms']:.3f}); "
                 f"forward {row['forward_ms']:.1f} ms",
