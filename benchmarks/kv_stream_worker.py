@@ -196,6 +196,7 @@ def _prefill(a, port, cache, sizes, g, device, acks) -> dict:
                     _sync(cuda)
                     start = time.monotonic()
                     layer_done = streamer.begin_step(ScheduledBatch([seq], [tokens]))
+                    done = None
                     for n in range(g["layers"]):
                         if computing:
                             layer()
@@ -203,10 +204,15 @@ def _prefill(a, port, cache, sizes, g, device, acks) -> dict:
                                 if cuda:
                                     done = torch.cuda.Event()
                                     done.record()
-                                    done.synchronize()  # the host sees the last layer end
-                                last_layer_at = time.monotonic()
+                                else:
+                                    last_layer_at = time.monotonic()
+                        # As in the engine: the hook runs once the layer is
+                        # queued (on a GPU, before it ran).
                         layer_done(n)
-                    if not computing:
+                    if done is not None:
+                        done.synchronize()  # the host sees the last layer end
+                        last_layer_at = time.monotonic()
+                    elif not computing:
                         last_layer_at = time.monotonic()
                     report = ticket.done.result(timeout=300)
                     streamer.finish(f"r{rid}", dest, rid)
