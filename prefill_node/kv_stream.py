@@ -9,7 +9,8 @@ earlier step: one ``StepSegment`` per request. Each rank then sends its own KV
 heads of them (``_emit``): per decode rank it pairs with (pairing.py), one
 segment whose header names the global head range; a step's segments for one
 decode rank form a group, whose headers are queued on the sender at once,
-before layer 0 runs. Then, as each group of ``layers_per_chunk`` layers is
+when layer 0 has been issued (not before: the step's launch is not to wait
+for the sender's thread). Then, as each group of ``layers_per_chunk`` layers is
 done (``layer_done``), their KV of those blocks and heads is gathered into a
 fresh buffer -- on the engine's stream, right behind the layers, so the blocks
 may be reused by any later step -- and queued as one chunk; the sender's thread
@@ -240,8 +241,28 @@ class KVStreamer:
         return plan
 
     def _emit(self, plan: list[StepSegment]) -> LayerDone:
-        """Queue this rank's groups for the step's segments; the returned hook
-        queues their chunks as the layers finish."""
+        """The hook that queues this rank's groups for the step's segments (at
+        its first call) and their chunks as the layers finish.
+
+        Nothing is queued before the forward is: a step starts with the device
+        idle, waiting for the host to launch its first layer, and the sender's
+        thread posting headers meanwhile would hold the GIL the engine thread
+        is launching with. At the first layer's hook the host is ahead of the
+        device by that layer, and the headers still leave before any chunk
+        (they go first on the sender's queue)."""
+        due: dict[int, list] | None = None
+
+        def layer_done(layer: int) -> None:
+            nonlocal due
+            if due is None:
+                due = self._open(plan)
+            self._layer_done(due.pop(layer, ()))
+
+        return layer_done
+
+    def _open(self, plan: list[StepSegment]) -> dict[int, list]:
+        """Queue the step's groups on the sender; layer -> the chunks whose last
+        layer it is, in wire order."""
         groups: dict[tuple[Destination, int], list] = defaultdict(list)
         for seg in plan:
             ticket = self._ticket_for(seg)
@@ -263,7 +284,6 @@ class KVStreamer:
                 )
                 segment = OutgoingSegment(header, ticket, seg.final)
                 groups[seg.dest, pair.receiver].append((segment, idx))
-        # layer -> the chunks whose last layer it is, in wire order.
         due: dict[int, list] = defaultdict(list)
         for (dest, receiver), members in groups.items():
             group = self.sender.open_group(dest, [s for s, _ in members], receiver)
@@ -272,7 +292,7 @@ class KVStreamer:
                 segment, idx = members[i]
                 last = segment.final and desc.layer_end == headers[i].layer_end
                 due[desc.layer_end - 1].append((group, segment, desc, idx, last))
-        return lambda layer: self._layer_done(due.pop(layer, ()))
+        return due
 
     def _layer_done(self, chunks) -> None:
         if not chunks:

@@ -5,7 +5,7 @@ a tensor-parallel prefill node runs one sender per rank, each sending its own
 KV heads to the decode ranks that need them (pairing.py).
 
 Each link sends what is queued on it, in queue order, which is the wire order
-(protocol.py): a step's group of headers when the step is launched, each chunk
+(protocol.py): a step's group of headers once its first layer is issued, each chunk
 as soon as its layers ran (on a GPU: after the event recorded behind them),
 and a request's end header after its last chunk. Groups are all or nothing: a
 group whose requests are all gone (cancelled, failed, past their deadline)
