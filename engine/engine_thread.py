@@ -16,6 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
@@ -34,6 +35,13 @@ IDLE_POLL_S = 0.05
 # The longest a late launch waits between checks that the step in flight is
 # still running (a CUDA event query, microseconds).
 WAIT_SLICE_S = 0.002
+# After handing over outputs that needed no forward pass (a committed remote
+# prefill's first token), the thread sleeps this long before its next step, so
+# the loop it woke takes the GIL and sends them first: the next step's launch
+# would otherwise hold the GIL for its whole host work (a decode step's: about
+# half a millisecond on an H100) while the first token waits. The device runs
+# the step in flight meanwhile, if there is one.
+HANDOFF_S = 0.0002
 Sink = Callable[[RequestOutput | BaseException], None]
 
 
@@ -122,6 +130,7 @@ class EngineThread:
                 self._run_commands(block=False)
                 if self._stopping or not engine.has_work():
                     continue
+                handoff = engine.has_outputs_pending()
                 outputs = engine.step()
             except BaseException as e:  # the engine's state is unknown: stop serving
                 logger.exception("engine step failed; the node stops serving")
@@ -139,6 +148,8 @@ class EngineThread:
                 except Exception:
                     logger.exception("after-step hook failed")
             self.stats = engine.stats()
+            if handoff and outputs:
+                time.sleep(HANDOFF_S)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their sinks. Requests' first outputs go first:

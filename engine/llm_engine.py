@@ -368,10 +368,16 @@ class LLMEngine:
             outputs.extend(self._finish_step(step))
         return outputs
 
+    def has_outputs_pending(self) -> bool:
+        """Whether the next ``step`` returns outputs that need no forward pass
+        (committed remote prefills' first tokens, aborted requests') without
+        launching one."""
+        return bool(self._aborted or self._touched)
+
     def launch_delay(self) -> float:
         """Seconds the next ``step`` should wait for the step in flight to near its
         end, so requests added meanwhile join it (engine/step_clock.py); 0: now."""
-        if self.step_clock is None or self._aborted or self._touched:
+        if self.step_clock is None or self.has_outputs_pending():
             return 0.0
         if (prev := self._in_flight) is None or prev.done():
             return 0.0
