@@ -30,7 +30,6 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from functools import partial
 
 from common.kv_transfer import Destination, KVSender, TransferReport, TransferTicket
 from common.metrics.histogram import KV_BANDWIDTH_BUCKETS, KV_TRANSFER_BUCKETS, Histogram
@@ -177,7 +176,6 @@ class PrefillWorker:
             prompt["cache_salt"] = req.cache_salt
         stream = RequestStream()
         sending = False
-        sent = False
         ticket: TransferTicket | None = None
         try:
             self._check_destination(len(ids), dest)
@@ -201,7 +199,6 @@ class PrefillWorker:
             except Exception:
                 self.stats.transfers_failed += 1
                 raise
-            sent = True
         except NoCapacity:
             raise  # refused before anything was queued
         except ValueError:
@@ -220,19 +217,7 @@ class PrefillWorker:
             # Exactly one end header per Prefill, queued on the engine thread
             # behind whatever the request queued (an admission still pending
             # included), so that it follows all of the request's segments.
-            # After a transfer that went out, in the loop's next turn: by then
-            # the reply below is built and handed to gRPC, and the engine
-            # thread freeing the blocks and the sender posting the end header
-            # (neither of which the decode node waits for) do not take the GIL
-            # from it meanwhile.
-            finish = partial(
-                self.engine.call,
-                partial(self._finish, rid=rid, target=target, reservation_id=dest.reservation_id),
-            )
-            if sent:
-                asyncio.get_running_loop().call_soon(finish)
-            else:
-                finish()
+            self.engine.call(lambda e: self._finish(e, rid, target, dest.reservation_id))
         self.stats.transferred(report.num_bytes, report.wire_s)
         phases = PromptPhases.of(out.metrics)
         if phases is not None:  # always, with a first token; never a made-up zero
