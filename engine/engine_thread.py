@@ -35,8 +35,9 @@ IDLE_POLL_S = 0.05
 # The longest a late launch waits between checks that the step in flight is
 # still running (a CUDA event query, microseconds).
 WAIT_SLICE_S = 0.002
-# After handing over outputs that needed no forward pass (a committed remote
-# prefill's first token), the thread sleeps this long before its next step, so
+# After handing over requests' first outputs from a step that launched no
+# forward pass (a committed remote prefill's first token: the step only
+# reported it), the thread sleeps this long before its next step, so
 # the loop it woke takes the GIL and sends them first: the next step's launch
 # would otherwise hold the GIL for its whole host work (a decode step's: about
 # half a millisecond on an H100) while the first token waits. The device runs
@@ -61,6 +62,8 @@ class EngineThread:
         # Called on the engine thread after every step with that step's outputs.
         self.after_step: list[Callable[[list[RequestOutput]], None]] = []
         self.stats: EngineStats = engine.stats()
+        # Times the thread let the loops take the GIL first (``HANDOFF_S``).
+        self.handoffs = 0
         self.error: BaseException | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -130,8 +133,12 @@ class EngineThread:
                 self._run_commands(block=False)
                 if self._stopping or not engine.has_work():
                     continue
-                handoff = engine.has_outputs_pending()
+                computed = engine.num_computed_tokens
                 outputs = engine.step()
+                # Requests' first outputs from a step that launched nothing.
+                handoff = engine.num_computed_tokens == computed and any(
+                    out.request_id in self._fresh for out in outputs
+                )
             except BaseException as e:  # the engine's state is unknown: stop serving
                 logger.exception("engine step failed; the node stops serving")
                 self.error = e
@@ -148,7 +155,8 @@ class EngineThread:
                 except Exception:
                     logger.exception("after-step hook failed")
             self.stats = engine.stats()
-            if handoff and outputs:
+            if handoff:
+                self.handoffs += 1
                 time.sleep(HANDOFF_S)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -369,9 +369,9 @@ class LLMEngine:
         return outputs
 
     def has_outputs_pending(self) -> bool:
-        """Whether the next ``step`` returns outputs that need no forward pass
-        (committed remote prefills' first tokens, aborted requests') without
-        launching one."""
+        """Whether requests changed between steps (committed remote prefills,
+        aborts): the next ``step`` reports on them first, and launches nothing
+        if any of them has an output to report."""
         return bool(self._aborted or self._touched)
 
     def launch_delay(self) -> float:

@@ -8,9 +8,10 @@ step every block that is left -- skipping those the decode node already holds
 earlier step: one ``StepSegment`` per request. Each rank then sends its own KV
 heads of them (``_emit``): per decode rank it pairs with (pairing.py), one
 segment whose header names the global head range; a step's segments for one
-decode rank form a group, whose headers are queued on the sender at once,
-when layer 0 has been issued (not before: the step's launch is not to wait
-for the sender's thread). Then, as each group of ``layers_per_chunk`` layers is
+decode rank form a group, prepared before the step is launched and whose
+headers are queued on the sender at once -- on a GPU when layer 0 has been
+issued (not before: the step's launch is not to wait for the sender's
+thread). Then, as each group of ``layers_per_chunk`` layers is
 done (``layer_done``), their KV of those blocks and heads is gathered into a
 fresh buffer -- on the engine's stream, right behind the layers, so the blocks
 may be reused by any later step -- and queued as one chunk; the sender's thread
@@ -241,29 +242,36 @@ class KVStreamer:
         return plan
 
     def _emit(self, plan: list[StepSegment]) -> LayerDone:
-        """The hook that queues this rank's groups for the step's segments (at
-        its first call) and their chunks as the layers finish.
+        """Prepare this rank's groups for the step's segments (everything that
+        can fail, before the step is launched) and return the hook that queues
+        them on the sender and then their chunks as the layers finish.
 
-        Nothing is queued before the forward is: a step starts with the device
-        idle, waiting for the host to launch its first layer, and the sender's
-        thread posting headers meanwhile would hold the GIL the engine thread
-        is launching with. At the first layer's hook the host is ahead of the
-        device by that layer, and the headers still leave before any chunk
-        (they go first on the sender's queue)."""
-        due: dict[int, list] | None = None
+        On a GPU the groups are queued at the hook's first call, not before:
+        the step starts with the device idle, waiting for the host to launch
+        its first layer, and the sender's thread posting headers meanwhile
+        would hold the GIL the engine thread is launching with. At the first
+        layer's hook the host is ahead of the device by that layer, and the
+        headers still go first on the sender's queue. On a CPU (torch lets go
+        of the GIL while a layer computes) they are queued at once."""
+        groups, due = self._prepare(plan)
+        pending = groups
+        if not self.kv_cache.is_cuda:
+            self._post(pending)
+            pending = []
 
         def layer_done(layer: int) -> None:
-            nonlocal due
-            if due is None:
-                due = self._open(plan)
+            nonlocal pending
+            if pending:
+                self._post(pending)
+                pending = []
             self._layer_done(due.pop(layer, ()))
 
         return layer_done
 
-    def _open(self, plan: list[StepSegment]) -> dict[int, list]:
-        """Queue the step's groups on the sender; layer -> the chunks whose last
-        layer it is, in wire order."""
-        groups: dict[tuple[Destination, int], list] = defaultdict(list)
+    def _prepare(self, plan: list[StepSegment]) -> tuple[list, dict[int, list]]:
+        """The step's groups, prepared on the sender but not queued, and layer ->
+        the chunks whose last layer it is, in wire order."""
+        members_of: dict[tuple[Destination, int], list] = defaultdict(list)
         for seg in plan:
             ticket = self._ticket_for(seg)
             if ticket is None or not ticket.alive:
@@ -283,16 +291,22 @@ class KVStreamer:
                     self.unit_bytes,
                 )
                 segment = OutgoingSegment(header, ticket, seg.final)
-                groups[seg.dest, pair.receiver].append((segment, idx))
+                members_of[seg.dest, pair.receiver].append((segment, idx))
+        groups = []
         due: dict[int, list] = defaultdict(list)
-        for (dest, receiver), members in groups.items():
-            group = self.sender.open_group(dest, [s for s, _ in members], receiver)
+        for (dest, receiver), members in members_of.items():
+            group = self.sender.prepare_group(dest, [s for s, _ in members], receiver)
+            groups.append(group)
             headers = [s.header for s, _ in members]
             for i, desc in wire_order(headers):
                 segment, idx = members[i]
                 last = segment.final and desc.layer_end == headers[i].layer_end
                 due[desc.layer_end - 1].append((group, segment, desc, idx, last))
-        return due
+        return groups, due
+
+    def _post(self, groups: list) -> None:
+        for group in groups:
+            self.sender.post_group(group)
 
     def _layer_done(self, chunks) -> None:
         if not chunks:

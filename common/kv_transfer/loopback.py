@@ -40,9 +40,19 @@ class LoopbackSender:
     def open_group(
         self, dest: Destination, segments: list[OutgoingSegment], receiver_rank: int = 0
     ) -> _Group:
+        group = self.prepare_group(dest, segments, receiver_rank)
+        self.post_group(group)
+        return group
+
+    def prepare_group(
+        self, dest: Destination, segments: list[OutgoingSegment], receiver_rank: int = 0
+    ) -> _Group:
         for i, s in enumerate(segments):
             s.header = s.header.with_group(len(segments), i)
-        return _Group(segments, self.sink.on_group(PEER, [s.header for s in segments]))
+        return _Group(segments, [])
+
+    def post_group(self, group: _Group) -> None:
+        group.contexts = self.sink.on_group(PEER, [s.header for s in group.segments])
 
     def send_chunk(
         self,

@@ -344,13 +344,26 @@ class KVSender:
     ) -> _Group:
         """Queue a group's headers (numbered here) for one of the destination's
         ranks; its chunks follow with ``send_chunk``."""
+        group = self.prepare_group(dest, segments, receiver_rank)
+        self.post_group(group)
+        return group
+
+    def prepare_group(
+        self, dest: Destination, segments: list[OutgoingSegment], receiver_rank: int = 0
+    ) -> _Group:
+        """``open_group`` without the queueing: everything that can fail (the
+        link's thread is started here), so that ``post_group`` cannot."""
         n = len(segments)
         for i, s in enumerate(segments):
             s.header = s.header.with_group(n, i)
         group = _Group(dest, segments, len(wire_order([s.header for s in segments])))
         group.receiver_rank = receiver_rank
-        self._link(dest.node_id, receiver_rank).queue.put(group)
+        self._link(dest.node_id, receiver_rank)
         return group
+
+    def post_group(self, group: _Group) -> None:
+        """Queue a prepared group's headers; its chunks follow with ``send_chunk``."""
+        self._links[group.dest.node_id, group.receiver_rank].queue.put(group)
 
     def send_chunk(
         self,

@@ -170,3 +170,38 @@ def test_a_late_launch_waits_for_the_step_in_flight_and_serves_calls_meanwhile(
     # read one step later (async scheduling), so it is in the second step's.
     after = steps[before:]
     assert "b" not in after[0] and "b" in after[1], after[:3]
+
+
+def test_a_committed_prefills_first_token_lets_the_loop_go_first(tiny_engine):
+    """The first output of a committed remote prefill comes from a step that
+    launches nothing: the thread then sleeps HANDOFF_S so the loop sends it
+    before the next launch. Steps that launch (a local prefill's first token,
+    every decode) never do."""
+    thread = EngineThread(tiny_engine, name="engine-test").start()
+    params = SamplingParams(
+        max_tokens=4, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA
+    )
+    try:
+        got: dict[str, list[int]] = {"local": [], "remote": []}
+
+        def sink_for(rid: str):
+            def sink(out) -> None:
+                if getattr(out, "outputs", None):
+                    got[rid].extend(out.outputs[0].token_ids)
+
+            return sink
+
+        thread.add("local", sink_for("local"), lambda e: e.add_request("local", [1, 2, 3], params))
+        while len(got["local"]) < 4:
+            time.sleep(0.001)
+        assert thread.handoffs == 0
+        thread.add(
+            "remote", sink_for("remote"), lambda e: e.reserve_request("remote", [4, 5, 6], params)
+        ).result(timeout=5)
+        thread.call(lambda e: e.commit_request("remote", 7)).result(timeout=5)
+        while len(got["remote"]) < 4:
+            time.sleep(0.001)
+    finally:
+        thread.stop()
+    assert got["remote"][0] == 7  # the prefill node's token, reported as it came
+    assert thread.handoffs == 1
