@@ -19,7 +19,7 @@ from common.kv_transfer.checksum import checksum
 from common.kv_transfer.coverage import Coverage
 from common.kv_transfer.protocol import ChunkDesc, SegmentHeader
 from common.kv_transfer.receiver import KVSink
-from common.kv_transfer.ticket import Destination, OutgoingSegment
+from common.kv_transfer.ticket import Destination, OutgoingSegment, number_group
 from engine.kv_blocks import block_index, kv_unit_bytes
 
 PEER = "loopback"
@@ -37,18 +37,10 @@ class LoopbackSender:
     def __init__(self, sink: KVSink) -> None:
         self.sink = sink
 
-    def open_group(
-        self, dest: Destination, segments: list[OutgoingSegment], receiver_rank: int = 0
-    ) -> _Group:
-        group = self.prepare_group(dest, segments, receiver_rank)
-        self.post_group(group)
-        return group
-
     def prepare_group(
         self, dest: Destination, segments: list[OutgoingSegment], receiver_rank: int = 0
     ) -> _Group:
-        for i, s in enumerate(segments):
-            s.header = s.header.with_group(len(segments), i)
+        number_group(segments)
         return _Group(segments, [])
 
     def post_group(self, group: _Group) -> None:

@@ -47,7 +47,7 @@ from common.kv_transfer.channel import (
 )
 from common.kv_transfer.checksum import checksum
 from common.kv_transfer.protocol import ChunkDesc, SegmentHeader, wire_order
-from common.kv_transfer.ticket import Destination, OutgoingSegment
+from common.kv_transfer.ticket import Destination, OutgoingSegment, number_group
 from common.reliability import FaultDelays, FaultPoint
 
 logger = logging.getLogger(__name__)
@@ -353,9 +353,7 @@ class KVSender:
     ) -> _Group:
         """``open_group`` without the queueing: everything that can fail (the
         link's thread is started here), so that ``post_group`` cannot."""
-        n = len(segments)
-        for i, s in enumerate(segments):
-            s.header = s.header.with_group(n, i)
+        number_group(segments)
         group = _Group(dest, segments, len(wire_order([s.header for s in segments])))
         group.receiver_rank = receiver_rank
         self._link(dest.node_id, receiver_rank)

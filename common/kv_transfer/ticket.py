@@ -96,3 +96,9 @@ class OutgoingSegment:
     header: SegmentHeader
     ticket: TransferTicket | None  # None for an end header
     final: bool = False  # the request's last segment (its prompt's last step)
+
+
+def number_group(segments: list[OutgoingSegment]) -> None:
+    """Number a group's headers in place (protocol.py: the first says how many)."""
+    for i, s in enumerate(segments):
+        s.header = s.header.with_group(len(segments), i)
