@@ -368,16 +368,10 @@ class LLMEngine:
             outputs.extend(self._finish_step(step))
         return outputs
 
-    def has_outputs_pending(self) -> bool:
-        """Whether requests changed between steps (committed remote prefills,
-        aborts): the next ``step`` reports on them first, and launches nothing
-        if any of them has an output to report."""
-        return bool(self._aborted or self._touched)
-
     def launch_delay(self) -> float:
         """Seconds the next ``step`` should wait for the step in flight to near its
         end, so requests added meanwhile join it (engine/step_clock.py); 0: now."""
-        if self.step_clock is None or self.has_outputs_pending():
+        if self.step_clock is None or self._aborted or self._touched:
             return 0.0
         if (prev := self._in_flight) is None or prev.done():
             return 0.0
