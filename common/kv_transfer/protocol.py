@@ -16,8 +16,9 @@ header order, then chunk 1 of every segment, and so on. The receiver derives
 the same order and every size from the headers alone, so it posts all of the
 group's receives as soon as the k-th header arrived: the sender emits the
 headers once the step's first layer is issued and chunk c only after its
-layers ran, so the receives are posted while layer 0 computes. Groups never interleave: a group's headers
-go out only after every chunk of the group before it.
+layers ran, so the receives are posted while layer 0 computes. Groups never
+interleave: a group's headers go out only after every chunk of the group
+before it.
 
 An *end* header (flag END, no blocks, no chunks, a group of its own) closes a
 reservation's stream on one pair channel: each sending rank of the prefill node
