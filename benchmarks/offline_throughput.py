@@ -79,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="pdserve's async scheduling (auto: on for CUDA)",
     )
     p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each engine's timed run, run a second workload (seed + 1, so no prefix "
+        "hits) under torch.profiler: device kernels by kind (benchmarks/kernel_profile.py)",
+    )
+    p.add_argument(
         "--out-dir", type=Path, help="where the JSON record goes (default benchmarks/results)"
     )
     return p.parse_args(argv)
@@ -106,7 +112,7 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[
     return prompts, outputs
 
 
-def run_pdserve(model_dir: Path, args, prompts, out_lens) -> dict[str, Any]:
+def run_pdserve(model_dir: Path, args, prompts, out_lens, profile_work=None) -> dict[str, Any]:
     from engine import LLM, SamplingParams
 
     llm = LLM(
@@ -141,7 +147,18 @@ def run_pdserve(model_dir: Path, args, prompts, out_lens) -> dict[str, Any]:
         raise RuntimeError(f"pdserve produced {produced} tokens, expected {sum(out_lens)}")
     runner = llm.llm_engine.model_runner
     stats = llm.llm_engine.stats()
+    profiled = None
+    if profile_work is not None:
+        p_prompts, p_lens = profile_work
+        p_params = [
+            SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
+            for n in p_lens
+        ]
+        from benchmarks.kernel_profile import profile_kernels
+
+        _, profiled = profile_kernels(lambda: llm.generate(p_prompts, p_params, use_tqdm=False))
     return {
+        "profile": profiled,
         "output_tokens": produced,
         "elapsed_s": elapsed,
         "output_tok_per_s": produced / elapsed,
@@ -215,6 +232,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     resolve_defaults(args, on_gpu)
+    if args.profile and not on_gpu:
+        raise SystemExit("--profile traces CUDA kernels: it needs a GPU (--device cuda)")
     with tempfile.TemporaryDirectory() as tmp:
         if args.config:
             model_dir = Path(tmp)
@@ -232,7 +251,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"output {args.min_output_len}-{args.max_output_len} tokens, shape {shape}",
             flush=True,
         )
-        ours = run_pdserve(model_dir, args, prompts, out_lens)
+        profile_work = None
+        if args.profile:
+            profile_work = make_workload(
+                argparse.Namespace(**{**vars(args), "seed": args.seed + 1}), arch.vocab_size
+            )
+        ours = run_pdserve(model_dir, args, prompts, out_lens, profile_work)
         print(
             f"pdserve ({ours['attention_backend']}, {ours['dtype']}, {ours['device']}): "
             f"{ours['output_tokens']} tokens in {ours['elapsed_s']:.2f} s = "
@@ -258,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            peer = run_vllm(model_dir, args, prompts, out_lens)
+            peer = run_vllm(model_dir, args, prompts, out_lens, profile_work)
             results["vllm"] = peer
             results["ratio_vs_vllm"] = ours["output_tok_per_s"] / peer["output_tok_per_s"]
             print(
@@ -266,6 +290,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{results['ratio_vs_vllm']:.2f}x",
                 flush=True,
             )
+        if args.profile:
+            from benchmarks.kernel_profile import print_summary
+
+            for name, res in results.items():
+                if isinstance(res, dict) and res.get("profile"):
+                    print_summary(f"{name}, profiled run", res["profile"])
     return save_run("offline_throughput", args, results, argv)
 
 

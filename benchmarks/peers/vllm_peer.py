@@ -10,6 +10,7 @@ The argument translation is plain Python so a CPU test checks it without vLLM.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,13 @@ def workload(
     return tokens_prompts, params
 
 
-def run_vllm(model_dir: Path, args, prompts, out_lens) -> dict[str, Any]:
+def run_vllm(model_dir: Path, args, prompts, out_lens, profile_work=None) -> dict[str, Any]:
+    """The timed run; with ``profile_work`` (prompts, output lengths) a second run
+    under the kernel profiler. The profiler sees only its own process's kernels,
+    so then vLLM's engine core runs in this process (its timed run too: the
+    record says ``in_process``)."""
+    if profile_work is not None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         import vllm
         from vllm import LLM, SamplingParams
@@ -78,7 +85,16 @@ def run_vllm(model_dir: Path, args, prompts, out_lens) -> dict[str, Any]:
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     if produced != sum(out_lens):
         raise RuntimeError(f"vLLM produced {produced} tokens, expected {sum(out_lens)}")
+    profiled = None
+    if profile_work is not None:
+        from benchmarks.kernel_profile import profile_kernels
+
+        p_prompts, p_kwargs = workload(*profile_work, args)
+        p_params = [SamplingParams(**kw) for kw in p_kwargs]
+        _, profiled = profile_kernels(lambda: llm.generate(p_prompts, p_params, use_tqdm=False))
     return {
+        "in_process": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
+        "profile": profiled,
         "version": vllm.__version__,
         "output_tokens": produced,
         "elapsed_s": elapsed,
