@@ -77,8 +77,9 @@ def compile_rope_qk(has_norm, store_kv):
     strides = ["stride_q_tok", "stride_q_head", "stride_k_tok", "stride_k_head"]
     strides += ["stride_v_tok", "stride_v_head", "stride_cache_slot", "stride_cache_head"]
     sig |= dict.fromkeys(strides, "i32") | {"eps": "fp32"}
-    const = dict(NUM_Q_HEADS=16, HEAD_DIM=128, HALF=64, HAS_NORM=has_norm, STORE_KV=store_kv)
-    compile_for_hopper(fk._rope_qk_kernel, sig, const, num_warps=2)
+    const = dict(NUM_Q_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, HB=8)
+    const |= dict(HAS_NORM=has_norm, STORE_KV=store_kv)
+    compile_for_hopper(fk._rope_qk_kernel, sig, const, num_warps=4)
 
 
 def compile_decode_attention(num_splits):
