@@ -25,6 +25,7 @@ after it on the same stream.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,7 +37,7 @@ from engine.scheduler import ScheduledBatch
 from engine.sequence import PLACEHOLDER, Sequence
 from engine.step_inputs import HostInputs
 
-__all__ = ["PLACEHOLDER", "InFlightStep", "patch_indices"]
+__all__ = ["PLACEHOLDER", "IdleLog", "InFlightStep", "patch_indices"]
 
 
 @dataclass(slots=True)
@@ -52,6 +53,9 @@ class InFlightStep:
     # its last (timing events: StepClock learns device times from them).
     began: torch.cuda.Event | None = None
     event: torch.cuda.Event | None = None
+    # The end event of the step this one was queued behind (timed steps only):
+    # from it to ``began`` the device waited for this step's host work.
+    after: torch.cuda.Event | None = None
     # (sequence, sample index, position in token_ids) of each placeholder.
     placeholders: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
@@ -64,6 +68,7 @@ class InFlightStep:
         prompt_logprobs: list[list[PromptTokenLogprob] | None] | None,
         non_blocking: bool,
         began: torch.cuda.Event | None = None,
+        after: torch.cuda.Event | None = None,
     ) -> InFlightStep:
         step = cls(batch, sampling, samples, prompt_logprobs)
         if samples is not None:
@@ -71,6 +76,7 @@ class InFlightStep:
             samples.copy_to_host(non_blocking)
             if non_blocking and step.sampled_device.device.type == "cuda":
                 step.began = began
+                step.after = after if began is not None else None
                 step.event = torch.cuda.Event(enable_timing=began is not None)
                 step.event.record()
         return step
@@ -96,6 +102,15 @@ class InFlightStep:
         if self.began is None or self.event is None:
             return None
         return self.began.elapsed_time(self.event) / 1e3
+
+    def idle_seconds(self) -> float | None:
+        """How long the device sat idle between the end of the step this one was
+        queued behind and this step's first work: the host was late with it (its
+        scheduling, input building or launch took longer than the step before
+        ran). None where not timed or not queued behind a step. Only after ``read``."""
+        if self.after is None or self.began is None:
+            return None
+        return max(0.0, self.after.elapsed_time(self.began) / 1e3)
 
     def add_placeholders(self, appended: list[tuple[int, Sequence]]) -> None:
         """Record where ``Scheduler.advance`` put this step's placeholders; each
@@ -134,6 +149,26 @@ class InFlightStep:
                 logprobs[i] = host.logprobs[j]
         prompt_logprobs = self.prompt_logprobs or [None] * num
         return StepOutput(sampled, logprobs, prompt_logprobs)
+
+
+@dataclass(slots=True)
+class IdleLog:
+    """Per step queued behind another: (whether it had prompt rows, the device's
+    idle seconds before it). The engine appends as it reads steps; a node drains
+    it after every step into its histograms (common/metrics/steps.py). Bounded, so
+    an engine nobody drains (``LLM.generate``) keeps only the latest."""
+
+    entries: deque[tuple[bool, float]] = field(default_factory=lambda: deque(maxlen=4096))
+
+    def observe(self, step: InFlightStep) -> None:
+        idle = step.idle_seconds()
+        if idle is not None:
+            self.entries.append((step.batch.num_tokens > len(step.batch.seqs), idle))
+
+    def take(self) -> list[tuple[bool, float]]:
+        taken = list(self.entries)
+        self.entries.clear()
+        return taken
 
 
 def patch_indices(

@@ -287,7 +287,6 @@ class ModelRunner:
         ``non_blocking``: copy the samples back without waiting (async scheduling);
         the caller reads them with ``InFlightStep.read``.
         """
-        began = InFlightStep.mark_begin(self.device, non_blocking)
         seqs = batch.seqs
         num_new = batch.num_new_tokens
         starts = [s.num_computed_tokens for s in seqs]
@@ -323,6 +322,10 @@ class ModelRunner:
         # keep them (eager, an 8B step of 512 tokens is bound by the host: a
         # prefill node took 22.8-30.0 ms where a decode node's piecewise graphs
         # took 13.4-13.8, two H100s, docs/performance.md).
+        # Marked just before the step's first device work (not before the host
+        # built its inputs): the device's wait for this step's host work then
+        # shows as the gap from the step before (InFlightStep.idle_seconds).
+        began = InFlightStep.mark_begin(self.device, non_blocking)
         after_layer = self.kv_observer.begin_step(batch) if self.kv_observer else None
         hidden, logits_of = self._forward(plan, patch, prev, after_layer)
         samples = None
@@ -339,7 +342,10 @@ class ModelRunner:
                 prompt_logprobs = [[] if wants_prompt_logprobs(s) else None for s in seqs]
             logits = self.model.compute_logits(hidden[lo:hi])
             prompt_logprobs[row].extend(prompt_logprob_entries(seqs[row], start, logits))
-        return InFlightStep.start(batch, sampling, samples, prompt_logprobs, non_blocking, began)
+        after = prev.event if prev is not None else None
+        return InFlightStep.start(
+            batch, sampling, samples, prompt_logprobs, non_blocking, began, after
+        )
 
     def _forward(
         self,

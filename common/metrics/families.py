@@ -39,11 +39,25 @@ def labelled_counter(
 
 
 def histogram(name: str, doc: str, labels: Mapping[str, str], hist: Histogram) -> Metric:
-    snap = hist.snapshot()
     family = HistogramMetricFamily(name, doc, labels=list(labels))
+    _add_histogram(family, list(labels.values()), hist)
+    return family
+
+
+def labelled_histogram(
+    name: str, doc: str, labels: Mapping[str, str], key: str, hists: Mapping[str, Histogram]
+) -> Metric:
+    """One histogram per value of the label ``key`` (plus the constant ``labels``)."""
+    family = HistogramMetricFamily(name, doc, labels=[*labels, key])
+    for k, hist in hists.items():
+        _add_histogram(family, [*labels.values(), k], hist)
+    return family
+
+
+def _add_histogram(family: HistogramMetricFamily, values: list[str], hist: Histogram) -> None:
+    snap = hist.snapshot()
     family.add_metric(
-        list(labels.values()),
+        values,
         buckets=[(floatToGoString(bound), n) for bound, n in snap.buckets],
         sum_value=snap.sum,
     )
-    return family

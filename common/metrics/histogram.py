@@ -32,6 +32,11 @@ E2E_BUCKETS = (
     0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0,
     30.0, 45.0, 60.0, 120.0, 240.0, 480.0, 960.0,
 )  # fmt: skip
+# The device's wait for an engine step's host work: zero (a few microseconds
+# of event resolution) while the host keeps ahead, milliseconds when it is late.
+STEP_IDLE_BUCKETS = (
+    0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5,
+)  # fmt: skip
 # One request's KV push: a few blocks over NVLink (sub-ms) to a long prompt
 # over gloo on a busy CPU (seconds); the transfer timeout is 30 s.
 KV_TRANSFER_BUCKETS = (

@@ -22,8 +22,15 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from common.metrics.families import counter, gauge, histogram, labelled_counter
+from common.metrics.families import (
+    counter,
+    gauge,
+    histogram,
+    labelled_counter,
+    labelled_histogram,
+)
 from common.metrics.histogram import Histogram
+from common.metrics.steps import StepIdleHistograms
 from common.reliability import Stage
 
 ABORT_STAGES = tuple(stage.value for stage in Stage)
@@ -110,12 +117,14 @@ class NodeCollector(Collector):
         heartbeat: Heartbeat | None = None,
         counters: Callable[[], dict[str, int]] | None = None,
         histograms: Callable[[], dict[str, Histogram]] | None = None,
+        step_idle: StepIdleHistograms | None = None,
     ) -> None:
         self.info = info
         self.engine = engine
         self.heartbeat = heartbeat
         self.counters = counters
         self.histograms = histograms
+        self.step_idle = step_idle
         self.labels = {"role": info.role.value, "node": info.node_id}
 
     def collect(self) -> Iterator[Metric]:
@@ -159,6 +168,16 @@ class NodeCollector(Collector):
             for key, hist in self.histograms().items():
                 name, doc = HISTOGRAMS[key]
                 yield histogram(name, doc, labels, hist)
+        if self.step_idle is not None:
+            yield labelled_histogram(
+                "pdserve_engine_idle_before_step_seconds",
+                "Per engine step queued behind another (CUDA): seconds the device sat idle "
+                "between that step's end and this one's first work, waiting for the host; "
+                "by step kind (prompt: with prompt rows; decode: decodes only).",
+                labels,
+                "step",
+                self.step_idle.by_step_kind(),
+            )
         if self.heartbeat is not None:
             hb = self.heartbeat
             yield counter(

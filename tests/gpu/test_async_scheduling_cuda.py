@@ -113,3 +113,35 @@ def test_preemption_under_a_small_pool_completes_everything(model_dir):
     )
     assert stats.num_preemptions > 0
     assert got == sync
+
+
+def test_idle_before_a_step_is_the_hosts_delay(model_dir):
+    """``InFlightStep.idle_seconds``: a host that waits 30 ms between steps leaves
+    the device idle about that long before each (its steps take a few ms); a
+    host that does not wait leaves it idle far less. Decode steps are logged as
+    such; the first step (queued behind nothing) is not logged."""
+    import time
+
+    llm = make(model_dir, True, late_launch=False)
+    engine = llm.llm_engine
+    for i, prompt in enumerate(PROMPTS[:4]):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+    engine.step()  # the prompts: behind nothing
+    for _ in range(3):
+        engine.step()  # warm the decode graphs
+    engine.idle_log.take()
+    for _ in range(6):
+        engine.step()
+    fast = engine.idle_log.take()
+    for _ in range(6):
+        time.sleep(0.03)
+        engine.step()
+    slow = engine.idle_log.take()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(fast) >= 5 and len(slow) >= 5
+    assert all(not has_prompt_rows for has_prompt_rows, _ in fast + slow)
+    assert all(s >= 0 for _, s in fast + slow)
+    slow_s = sorted(s for _, s in slow)
+    assert slow_s[len(slow_s) // 2] >= 0.02, slow
+    assert sorted(s for _, s in fast)[len(fast) // 2] < 0.01, fast

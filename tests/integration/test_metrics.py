@@ -100,6 +100,9 @@ def test_every_process_serves_metrics_on_its_own_port(cluster):
             role = c.name.split("-")[0]
             assert value(samples, "pdserve_node_info", role=role, node=c.name) == 1
             assert value(samples, "pdserve_engine_alive") == 1
+            # Exported from the start; a CPU engine measures no step (CUDA events).
+            idle = "pdserve_engine_idle_before_step_seconds_count"
+            assert value(samples, idle, step="prompt") == value(samples, idle, step="decode") == 0
         # Start-up's heap is frozen (--gc-freeze): torch, the model, grpc.
         assert value(samples, "pdserve_gc_frozen_objects") > 10_000, c.name
 

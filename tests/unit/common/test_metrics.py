@@ -19,6 +19,7 @@ from common.metrics.histogram import (
     E2E_BUCKETS,
     KV_BANDWIDTH_BUCKETS,
     KV_TRANSFER_BUCKETS,
+    STEP_IDLE_BUCKETS,
     TOKEN_LATENCY_BUCKETS,
     TTFT_BUCKETS,
     Histogram,
@@ -26,7 +27,9 @@ from common.metrics.histogram import (
 from common.metrics.node import COUNTERS, HISTOGRAMS, NodeCollector
 from common.metrics.phases import PromptPhases
 from common.metrics.server import make_registry, plan_metrics_ports, serve_metrics
+from common.metrics.steps import StepIdleHistograms
 from decode_node.worker import DecodeStats
+from engine.async_step import IdleLog, InFlightStep
 from engine.engine_stats import EngineStats
 from engine.outputs import RequestMetrics
 from pdserve.redis_server import free_port
@@ -89,7 +92,14 @@ def test_histogram_rejects_bad_bounds(bounds):
 
 @pytest.mark.parametrize(
     "buckets",
-    [TTFT_BUCKETS, TOKEN_LATENCY_BUCKETS, E2E_BUCKETS, KV_TRANSFER_BUCKETS, KV_BANDWIDTH_BUCKETS],
+    [
+        TTFT_BUCKETS,
+        TOKEN_LATENCY_BUCKETS,
+        E2E_BUCKETS,
+        KV_TRANSFER_BUCKETS,
+        KV_BANDWIDTH_BUCKETS,
+        STEP_IDLE_BUCKETS,
+    ],
 )
 def test_bucket_sets_are_valid(buckets):
     Histogram(buckets)
@@ -265,6 +275,48 @@ def test_a_computed_prompts_queue_and_prefill_time_are_exported(stats):
         value(s, prefill + "_bucket", le="0.06") == 1
         and value(s, prefill + "_bucket", le="2.5") == 2
     )
+
+
+def test_device_idle_before_steps_is_exported_by_step_kind():
+    """The engine's idle log, drained into the node's histograms, comes out as one
+    family labelled by step kind, and `pdserve bench serve --scrape-metrics`
+    reads both series."""
+    from pdserve.bench.scrape import parse
+
+    log = IdleLog()
+    log.entries.extend([(True, 0.012), (False, 0.0), (False, 0.0003), (True, 0.004)])
+    step_idle = StepIdleHistograms()
+    step_idle.drain(log)
+    assert not log.entries  # taken
+    step_idle.drain(log)  # nothing new: nothing observed twice
+    engine = SimpleNamespace(stats=engine_stats(), alive=True)
+    collector = NodeCollector(node_info(), engine, step_idle=step_idle)
+    s = scrape(collector)
+    name = "pdserve_engine_idle_before_step_seconds"
+    assert value(s, name + "_count", step="prompt") == 2
+    assert value(s, name + "_sum", step="prompt") == pytest.approx(0.016)
+    assert value(s, name + "_bucket", step="prompt", le="0.005") == 1
+    assert value(s, name + "_count", step="decode") == 2
+    assert value(s, name + "_bucket", step="decode", le="0.0001") == 1
+    from prometheus_client import generate_latest
+
+    series = parse(generate_latest(make_registry([collector])).decode())
+    assert {k for k in series if k.startswith(name)} == {
+        f'{name}{{node="{node_info().node_id}",role="prefill",step="decode"}}',
+        f'{name}{{node="{node_info().node_id}",role="prefill",step="prompt"}}',
+    }
+
+
+def test_idle_log_is_bounded_and_skips_untimed_steps():
+    from engine.scheduler import ScheduledBatch
+
+    log = IdleLog()
+    cpu_step = InFlightStep(ScheduledBatch(), [], None, None)  # no CUDA events
+    assert cpu_step.idle_seconds() is None
+    log.observe(cpu_step)
+    assert log.take() == []
+    log.entries.extend((False, 0.0) for _ in range(5000))
+    assert len(log.take()) == 4096 and log.take() == []
 
 
 def test_no_phases_before_the_first_token_and_none_negative():
