@@ -24,7 +24,7 @@ from common.metrics.gc import GcCollector
 from common.metrics.histogram import Histogram
 from common.metrics.node import NodeCollector
 from common.metrics.server import serve_metrics
-from common.metrics.steps import StepIdleHistograms
+from common.metrics.steps import StepHistograms
 from common.node_flags import default_host, engine_kwargs
 from common.ports import PlannedPort, check_free, listen
 from common.progress_log import log_progress
@@ -128,12 +128,10 @@ async def run_node(
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     cluster = Cluster.from_url(args.redis_url, redis_options_from_args(args), ttl_s=args.node_ttl)
     await check_redis(cluster.redis, args.redis_url)  # refused credentials: stop here
-    step_idle = StepIdleHistograms()
-    # On the engine thread, which owns the engine's idle log.
-    thread.after_step.append(lambda _outputs: step_idle.drain(thread.engine.idle_log))
-    metrics = NodeCollector(
-        info, thread, counters=counters, histograms=histograms, step_idle=step_idle
-    )
+    steps = StepHistograms()
+    # On the engine thread, which owns the engine's step log.
+    thread.after_step.append(lambda _outputs: steps.drain(thread.engine.step_log))
+    metrics = NodeCollector(info, thread, counters=counters, histograms=histograms, steps=steps)
     gc_pauses = GcPauses()  # installed once serving (below)
     serve_metrics(args.metrics_port, args.host, [metrics, GcCollector(gc_pauses, metrics.labels)])
     server = grpc.aio.server(options=SERVER_OPTIONS)

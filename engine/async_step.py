@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ from engine.scheduler import ScheduledBatch
 from engine.sequence import PLACEHOLDER, Sequence
 from engine.step_inputs import HostInputs
 
-__all__ = ["PLACEHOLDER", "IdleLog", "InFlightStep", "patch_indices"]
+__all__ = ["PLACEHOLDER", "InFlightStep", "StepLog", "StepRecord", "patch_indices"]
 
 
 @dataclass(slots=True)
@@ -151,21 +152,30 @@ class InFlightStep:
         return StepOutput(sampled, logprobs, prompt_logprobs)
 
 
-@dataclass(slots=True)
-class IdleLog:
-    """Per step queued behind another: (whether it had prompt rows, the device's
-    idle seconds before it). The engine appends as it reads steps; a node drains
-    it after every step into its histograms (common/metrics/steps.py). Bounded, so
-    an engine nobody drains (``LLM.generate``) keeps only the latest."""
+class StepRecord(NamedTuple):
+    """One step as read: its tokens, whether it had prompt rows, and the device's
+    idle seconds before it (None where not measured: CPU, or not queued behind
+    a step)."""
 
-    entries: deque[tuple[bool, float]] = field(default_factory=lambda: deque(maxlen=4096))
+    num_tokens: int
+    has_prompt_rows: bool
+    idle_s: float | None
+
+
+@dataclass(slots=True)
+class StepLog:
+    """Every step the engine read, in order. A node drains it after every step
+    into its histograms (common/metrics/steps.py). Bounded, so an engine nobody
+    drains (``LLM.generate``) keeps only the latest."""
+
+    entries: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=4096))
 
     def observe(self, step: InFlightStep) -> None:
-        idle = step.idle_seconds()
-        if idle is not None:
-            self.entries.append((step.batch.num_tokens > len(step.batch.seqs), idle))
+        batch = step.batch
+        tokens, rows = batch.num_tokens, len(batch.seqs)
+        self.entries.append(StepRecord(tokens, tokens > rows, step.idle_seconds()))
 
-    def take(self) -> list[tuple[bool, float]]:
+    def take(self) -> list[StepRecord]:
         taken = list(self.entries)
         self.entries.clear()
         return taken

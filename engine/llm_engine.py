@@ -27,7 +27,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
-from engine.async_step import IdleLog, InFlightStep
+from engine.async_step import InFlightStep, StepLog
 from engine.block_hash import MAX_CACHED_HASHERS, HasherCache
 from engine.block_manager import BlockManager, CacheEvents
 from engine.config import EngineConfig
@@ -123,7 +123,7 @@ class LLMEngine:
         self.async_scheduling = on_cuda if asked is None else asked
         # Late launch: when to build the next step (None: as soon as possible).
         self.step_clock = StepClock() if self.async_scheduling and config.late_launch else None
-        self.idle_log = IdleLog()  # the device's wait for each step's host work
+        self.step_log = StepLog()  # tokens and the device's wait for host work, per step
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> LLMEngine:
@@ -390,7 +390,7 @@ class LLMEngine:
         """Read a launched step's samples, fill its placeholders, process outputs."""
         was_done = step.done()
         host = step.read()
-        self.idle_log.observe(step)
+        self.step_log.observe(step)
         if self.step_clock is not None:
             self.step_clock.read(step.device_seconds(), time.monotonic(), was_done)
         requests = self.requests

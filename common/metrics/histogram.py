@@ -37,6 +37,10 @@ E2E_BUCKETS = (
 STEP_IDLE_BUCKETS = (
     0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5,
 )  # fmt: skip
+# Tokens in one engine step: a few decodes to a full chunked-prefill budget.
+STEP_TOKEN_BUCKETS = (
+    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
+)  # fmt: skip
 # One request's KV push: a few blocks over NVLink (sub-ms) to a long prompt
 # over gloo on a busy CPU (seconds); the transfer timeout is 30 s.
 KV_TRANSFER_BUCKETS = (

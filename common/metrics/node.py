@@ -30,7 +30,7 @@ from common.metrics.families import (
     labelled_histogram,
 )
 from common.metrics.histogram import Histogram
-from common.metrics.steps import StepIdleHistograms
+from common.metrics.steps import StepHistograms
 from common.reliability import Stage
 
 ABORT_STAGES = tuple(stage.value for stage in Stage)
@@ -117,14 +117,14 @@ class NodeCollector(Collector):
         heartbeat: Heartbeat | None = None,
         counters: Callable[[], dict[str, int]] | None = None,
         histograms: Callable[[], dict[str, Histogram]] | None = None,
-        step_idle: StepIdleHistograms | None = None,
+        steps: StepHistograms | None = None,
     ) -> None:
         self.info = info
         self.engine = engine
         self.heartbeat = heartbeat
         self.counters = counters
         self.histograms = histograms
-        self.step_idle = step_idle
+        self.steps = steps
         self.labels = {"role": info.role.value, "node": info.node_id}
 
     def collect(self) -> Iterator[Metric]:
@@ -168,7 +168,13 @@ class NodeCollector(Collector):
             for key, hist in self.histograms().items():
                 name, doc = HISTOGRAMS[key]
                 yield histogram(name, doc, labels, hist)
-        if self.step_idle is not None:
+        if self.steps is not None:
+            yield histogram(
+                "pdserve_engine_step_tokens",
+                "Per engine step: tokens it ran (prompt chunks and decodes).",
+                labels,
+                self.steps.tokens,
+            )
             yield labelled_histogram(
                 "pdserve_engine_idle_before_step_seconds",
                 "Per engine step queued behind another (CUDA): seconds the device sat idle "
@@ -176,7 +182,7 @@ class NodeCollector(Collector):
                 "by step kind (prompt: with prompt rows; decode: decodes only).",
                 labels,
                 "step",
-                self.step_idle.by_step_kind(),
+                self.steps.idle_by_step_kind(),
             )
         if self.heartbeat is not None:
             hb = self.heartbeat

@@ -128,7 +128,7 @@ def delta(before: Snapshot, after: Snapshot) -> dict[str, dict[str, float]]:
 
 
 # Histograms a line is printed for after each rate (all are in the record).
-PRINTED = ("queue_time", "prefill_time", "idle_before_step")
+PRINTED = ("queue_time", "prefill_time", "idle_before_step", "step_tokens")
 
 
 class Scraper:

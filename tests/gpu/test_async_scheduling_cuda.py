@@ -118,8 +118,8 @@ def test_preemption_under_a_small_pool_completes_everything(model_dir):
 def test_idle_before_a_step_is_the_hosts_delay(model_dir):
     """``InFlightStep.idle_seconds``: a host that waits 30 ms between steps leaves
     the device idle about that long before each (its steps take a few ms); a
-    host that does not wait leaves it idle far less. Decode steps are logged as
-    such; the first step (queued behind nothing) is not logged."""
+    host that does not wait leaves it idle far less. The step log has every
+    step's tokens and kind; the first step (queued behind nothing) has no idle."""
     import time
 
     llm = make(model_dir, True, late_launch=False)
@@ -129,19 +129,21 @@ def test_idle_before_a_step_is_the_hosts_delay(model_dir):
     engine.step()  # the prompts: behind nothing
     for _ in range(3):
         engine.step()  # warm the decode graphs
-    engine.idle_log.take()
+    first = engine.step_log.take()
+    assert first[0].has_prompt_rows and first[0].idle_s is None
+    assert first[0].num_tokens == sum(map(len, PROMPTS[:4]))
     for _ in range(6):
         engine.step()
-    fast = engine.idle_log.take()
+    fast = [r for r in engine.step_log.take() if r.idle_s is not None]
     for _ in range(6):
         time.sleep(0.03)
         engine.step()
-    slow = engine.idle_log.take()
+    slow = [r for r in engine.step_log.take() if r.idle_s is not None]
     while engine.has_unfinished_requests():
         engine.step()
     assert len(fast) >= 5 and len(slow) >= 5
-    assert all(not has_prompt_rows for has_prompt_rows, _ in fast + slow)
-    assert all(s >= 0 for _, s in fast + slow)
-    slow_s = sorted(s for _, s in slow)
+    assert all(not r.has_prompt_rows and r.num_tokens == 4 for r in fast + slow)
+    assert all(r.idle_s >= 0 for r in fast + slow)
+    slow_s = sorted(r.idle_s for r in slow)
     assert slow_s[len(slow_s) // 2] >= 0.02, slow
-    assert sorted(s for _, s in fast)[len(fast) // 2] < 0.01, fast
+    assert sorted(r.idle_s for r in fast)[len(fast) // 2] < 0.01, fast

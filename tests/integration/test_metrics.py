@@ -100,7 +100,7 @@ def test_every_process_serves_metrics_on_its_own_port(cluster):
             role = c.name.split("-")[0]
             assert value(samples, "pdserve_node_info", role=role, node=c.name) == 1
             assert value(samples, "pdserve_engine_alive") == 1
-            # Exported from the start; a CPU engine measures no step (CUDA events).
+            # Exported from the start; a CPU engine measures no idle (CUDA events).
             idle = "pdserve_engine_idle_before_step_seconds_count"
             assert value(samples, idle, step="prompt") == value(samples, idle, step="decode") == 0
         # Start-up's heap is frozen (--gc-freeze): torch, the model, grpc.
@@ -151,6 +151,14 @@ def test_kv_transfer_seen_from_both_ends(cluster, traffic):
         assert value(s, "pdserve_redis_errors_total", op="heartbeat") == 0
         assert value(s, "pdserve_heartbeats_total") > 0
     assert value(d, "pdserve_kv_late_transfers_total") == 0
+    # Every prompt's tokens went through the prefill node's steps (less the
+    # cached ones); the decode node's steps ran the generated tokens.
+    computed = value(p, "pdserve_prefix_cache_queried_tokens_total") - value(
+        p, "pdserve_prefix_cache_hit_tokens_total"
+    )
+    assert value(p, "pdserve_engine_step_tokens_sum") == computed
+    assert value(p, "pdserve_engine_step_tokens_count") >= 1
+    assert value(d, "pdserve_engine_step_tokens_count") >= 1
     # The second prompt reused the first's blocks on the prefill node.
     assert value(p, "pdserve_prefix_cache_hit_tokens_total") > 0
     assert value(p, "pdserve_prefix_cache_queried_tokens_total") >= value(

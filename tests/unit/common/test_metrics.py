@@ -20,6 +20,7 @@ from common.metrics.histogram import (
     KV_BANDWIDTH_BUCKETS,
     KV_TRANSFER_BUCKETS,
     STEP_IDLE_BUCKETS,
+    STEP_TOKEN_BUCKETS,
     TOKEN_LATENCY_BUCKETS,
     TTFT_BUCKETS,
     Histogram,
@@ -27,9 +28,9 @@ from common.metrics.histogram import (
 from common.metrics.node import COUNTERS, HISTOGRAMS, NodeCollector
 from common.metrics.phases import PromptPhases
 from common.metrics.server import make_registry, plan_metrics_ports, serve_metrics
-from common.metrics.steps import StepIdleHistograms
+from common.metrics.steps import StepHistograms
 from decode_node.worker import DecodeStats
-from engine.async_step import IdleLog, InFlightStep
+from engine.async_step import InFlightStep, StepLog, StepRecord
 from engine.engine_stats import EngineStats
 from engine.outputs import RequestMetrics
 from pdserve.redis_server import free_port
@@ -99,6 +100,7 @@ def test_histogram_rejects_bad_bounds(bounds):
         KV_TRANSFER_BUCKETS,
         KV_BANDWIDTH_BUCKETS,
         STEP_IDLE_BUCKETS,
+        STEP_TOKEN_BUCKETS,
     ],
 )
 def test_bucket_sets_are_valid(buckets):
@@ -277,45 +279,62 @@ def test_a_computed_prompts_queue_and_prefill_time_are_exported(stats):
     )
 
 
-def test_device_idle_before_steps_is_exported_by_step_kind():
-    """The engine's idle log, drained into the node's histograms, comes out as one
-    family labelled by step kind, and `pdserve bench serve --scrape-metrics`
-    reads both series."""
-    from pdserve.bench.scrape import parse
-
-    log = IdleLog()
-    log.entries.extend([(True, 0.012), (False, 0.0), (False, 0.0003), (True, 0.004)])
-    step_idle = StepIdleHistograms()
-    step_idle.drain(log)
-    assert not log.entries  # taken
-    step_idle.drain(log)  # nothing new: nothing observed twice
-    engine = SimpleNamespace(stats=engine_stats(), alive=True)
-    collector = NodeCollector(node_info(), engine, step_idle=step_idle)
-    s = scrape(collector)
-    name = "pdserve_engine_idle_before_step_seconds"
-    assert value(s, name + "_count", step="prompt") == 2
-    assert value(s, name + "_sum", step="prompt") == pytest.approx(0.016)
-    assert value(s, name + "_bucket", step="prompt", le="0.005") == 1
-    assert value(s, name + "_count", step="decode") == 2
-    assert value(s, name + "_bucket", step="decode", le="0.0001") == 1
+def test_step_sizes_and_device_idle_are_exported():
+    """The engine's step log, drained into the node's histograms: tokens per step,
+    and the device's idle before each step as one family labelled by step kind
+    (unmeasured steps counted in the first only); `pdserve bench serve
+    --scrape-metrics` reads every series."""
     from prometheus_client import generate_latest
 
+    from pdserve.bench.scrape import parse
+
+    log = StepLog()
+    log.entries.extend(
+        [
+            StepRecord(1090, True, 0.012),
+            StepRecord(64, False, 0.0),
+            StepRecord(64, False, 0.0003),
+            StepRecord(2048, True, 0.004),
+            StepRecord(5, True, None),  # queued behind nothing: no idle figure
+        ]
+    )
+    steps = StepHistograms()
+    steps.drain(log)
+    assert not log.entries  # taken
+    steps.drain(log)  # nothing new: nothing observed twice
+    engine = SimpleNamespace(stats=engine_stats(), alive=True)
+    collector = NodeCollector(node_info(), engine, steps=steps)
+    s = scrape(collector)
+    tokens = "pdserve_engine_step_tokens"
+    assert value(s, tokens + "_count") == 5 and value(s, tokens + "_sum") == 3271
+    assert value(s, tokens + "_bucket", le="64.0") == 3
+    assert value(s, tokens + "_bucket", le="2048.0") == 5
+    idle = "pdserve_engine_idle_before_step_seconds"
+    assert value(s, idle + "_count", step="prompt") == 2
+    assert value(s, idle + "_sum", step="prompt") == pytest.approx(0.016)
+    assert value(s, idle + "_bucket", step="prompt", le="0.005") == 1
+    assert value(s, idle + "_count", step="decode") == 2
+    assert value(s, idle + "_bucket", step="decode", le="0.0001") == 1
     series = parse(generate_latest(make_registry([collector])).decode())
-    assert {k for k in series if k.startswith(name)} == {
-        f'{name}{{node="{node_info().node_id}",role="prefill",step="decode"}}',
-        f'{name}{{node="{node_info().node_id}",role="prefill",step="prompt"}}',
+    labels = f'node="{node_info().node_id}",role="prefill"'
+    assert {k for k in series if k.startswith("pdserve_engine_")} == {
+        f"{tokens}{{{labels}}}",
+        f'{idle}{{{labels},step="decode"}}',
+        f'{idle}{{{labels},step="prompt"}}',
     }
 
 
-def test_idle_log_is_bounded_and_skips_untimed_steps():
+def test_step_log_is_bounded_and_has_no_idle_for_untimed_steps():
     from engine.scheduler import ScheduledBatch
 
-    log = IdleLog()
-    cpu_step = InFlightStep(ScheduledBatch(), [], None, None)  # no CUDA events
+    log = StepLog()
+    batch = ScheduledBatch(num_new_tokens=[7, 1])
+    batch.seqs.extend([object(), object()])  # only counted
+    cpu_step = InFlightStep(batch, [], None, None)  # no CUDA events
     assert cpu_step.idle_seconds() is None
     log.observe(cpu_step)
-    assert log.take() == []
-    log.entries.extend((False, 0.0) for _ in range(5000))
+    assert log.take() == [StepRecord(8, True, None)]
+    log.entries.extend(StepRecord(1, False, 0.0) for _ in range(5000))
     assert len(log.take()) == 4096 and log.take() == []
 
 
