@@ -69,15 +69,18 @@ class InFlightStep:
         prompt_logprobs: list[list[PromptTokenLogprob] | None] | None,
         non_blocking: bool,
         began: torch.cuda.Event | None = None,
-        after: torch.cuda.Event | None = None,
+        behind: InFlightStep | None = None,
     ) -> InFlightStep:
+        """``behind``: the step in flight this one was queued after (its end event
+        is where this one's idle wait starts)."""
         step = cls(batch, sampling, samples, prompt_logprobs)
         if samples is not None:
             step.sampled_device = samples.token_ids
             samples.copy_to_host(non_blocking)
             if non_blocking and step.sampled_device.device.type == "cuda":
                 step.began = began
-                step.after = after if began is not None else None
+                if began is not None and behind is not None:
+                    step.after = behind.event
                 step.event = torch.cuda.Event(enable_timing=began is not None)
                 step.event.record()
         return step

@@ -322,9 +322,7 @@ class ModelRunner:
         # keep them (eager, an 8B step of 512 tokens is bound by the host: a
         # prefill node took 22.8-30.0 ms where a decode node's piecewise graphs
         # took 13.4-13.8, two H100s, docs/performance.md).
-        # Marked just before the step's first device work (not before the host
-        # built its inputs): the device's wait for this step's host work then
-        # shows as the gap from the step before (InFlightStep.idle_seconds).
+        # At the first device work, after the input build (InFlightStep.idle_seconds).
         began = InFlightStep.mark_begin(self.device, non_blocking)
         after_layer = self.kv_observer.begin_step(batch) if self.kv_observer else None
         hidden, logits_of = self._forward(plan, patch, prev, after_layer)
@@ -342,10 +340,8 @@ class ModelRunner:
                 prompt_logprobs = [[] if wants_prompt_logprobs(s) else None for s in seqs]
             logits = self.model.compute_logits(hidden[lo:hi])
             prompt_logprobs[row].extend(prompt_logprob_entries(seqs[row], start, logits))
-        after = prev.event if prev is not None else None
-        return InFlightStep.start(
-            batch, sampling, samples, prompt_logprobs, non_blocking, began, after
-        )
+        start = InFlightStep.start
+        return start(batch, sampling, samples, prompt_logprobs, non_blocking, began, prev)
 
     def _forward(
         self,
