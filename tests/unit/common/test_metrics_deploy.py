@@ -20,6 +20,7 @@ from common.gc_heap import GcPauses
 from common.metrics.gc import GcCollector
 from common.metrics.node import NodeCollector
 from common.metrics.server import make_registry
+from common.metrics.steps import StepHistograms
 from decode_node.worker import DecodeStats
 from pdserve.supervisor import Health, Role, Watch
 from pdserve.supervisor_metrics import SupervisorCollector
@@ -57,10 +58,13 @@ def expositions() -> dict[str, str]:
     collectors = {
         "supervisor": SupervisorCollector(supervisor),
         "router": RouterCollector(routing),
+        # As run_node builds them (common/node.py): with the engine's step histograms.
         "prefill": NodeCollector(
-            node_info(), engine, heartbeat, prefill.counters, prefill.histograms
+            node_info(), engine, heartbeat, prefill.counters, prefill.histograms, StepHistograms()
         ),
-        "decode": NodeCollector(decode_info, engine, heartbeat, decode.counters, decode.histograms),
+        "decode": NodeCollector(
+            decode_info, engine, heartbeat, decode.counters, decode.histograms, StepHistograms()
+        ),
         "gc": GcCollector(GcPauses(), {"role": "decode", "node": "d-1"}),
     }
     return {k: generate_latest(make_registry([c])).decode() for k, c in collectors.items()}
@@ -94,7 +98,8 @@ def test_metric_names_follow_conventions():
             if f.type == "counter":
                 assert all(s.name.endswith("_total") for s in f.samples), f.name
             if f.type == "histogram":
-                assert f.name.endswith(("_seconds", "_bytes_per_second")), f.name
+                # A unit in the name: time, bandwidth, or tokens (a step's size).
+                assert f.name.endswith(("_seconds", "_bytes_per_second", "_tokens")), f.name
 
 
 def test_every_metric_is_documented():
