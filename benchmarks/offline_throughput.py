@@ -135,10 +135,14 @@ def run_pdserve(model_dir: Path, args, prompts, out_lens, profile_work=None) -> 
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
     )
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    params = [
-        SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
-        for n in out_lens
-    ]
+
+    def params_for(lens: list[int]) -> list[SamplingParams]:
+        return [
+            SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
+            for n in lens
+        ]
+
+    params = params_for(out_lens)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -150,10 +154,7 @@ def run_pdserve(model_dir: Path, args, prompts, out_lens, profile_work=None) -> 
     profiled = None
     if profile_work is not None:
         p_prompts, p_lens = profile_work
-        p_params = [
-            SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
-            for n in p_lens
-        ]
+        p_params = params_for(p_lens)
         from benchmarks.kernel_profile import profile_kernels
 
         _, profiled = profile_kernels(lambda: llm.generate(p_prompts, p_params, use_tqdm=False))

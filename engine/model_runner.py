@@ -316,14 +316,14 @@ class ModelRunner:
         # The previous step's samples that this step's inputs still lack.
         patch = patch_indices(host, seqs, prev)
         plan.patched = patch is not None
+        # At the first device work, after the input build (InFlightStep.idle_seconds).
+        began = InFlightStep.mark_begin(self.device, non_blocking)
         # A step whose KV someone streams layer by layer never replays a whole-
         # model graph (it would hide the layers); piecewise graphs call the hook
         # between their pieces, so a prefill node's steps of up to 512 tokens
         # keep them (eager, an 8B step of 512 tokens is bound by the host: a
         # prefill node took 22.8-30.0 ms where a decode node's piecewise graphs
         # took 13.4-13.8, two H100s, docs/performance.md).
-        # At the first device work, after the input build (InFlightStep.idle_seconds).
-        began = InFlightStep.mark_begin(self.device, non_blocking)
         after_layer = self.kv_observer.begin_step(batch) if self.kv_observer else None
         hidden, logits_of = self._forward(plan, patch, prev, after_layer)
         samples = None

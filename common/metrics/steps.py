@@ -41,8 +41,11 @@ class StepHistograms:
             return
         self.tokens.observe_many(r.num_tokens for r in records)
         for hist, prompt_rows in ((self.idle_prompt, True), (self.idle_decode, False)):
-            idle = [r.idle_s for r in records if r.has_prompt_rows is prompt_rows]
-            idle = [s for s in idle if s is not None]
+            idle = [
+                r.idle_s
+                for r in records
+                if r.has_prompt_rows is prompt_rows and r.idle_s is not None
+            ]
             if idle:
                 hist.observe_many(idle)
 
