@@ -59,6 +59,10 @@ CASES = [
     ([1, 9, 64], [100, 0, 7], 4, 4, 64, 32),
     ([12, 3], [50, 0], 6, 2, 128, 256),
     ([70], [130], 8, 8, 64, 64),
+    # Three query tiles beside one-tile sequences (the tiles counted down from
+    # the grid's longest: the others' high tiles return at once), prefixes that
+    # are not whole key tiles (the unmasked loop stops short of the diagonal).
+    ([130, 3, 64], [0, 45, 96], 4, 2, 64, 16),
 ]
 
 

@@ -8,7 +8,8 @@ Cache layout (see backend.py): ``k_cache``/``v_cache`` are
 Prefill reads every key, the new ones included, from the cache (the store
 kernel runs first), so one code path serves fresh prompts, chunks and prompts
 with a prefix-cache hit. ``_prefill_kernel`` gives each program one query tile
-and head and walks the whole context; a short query over a long context (a
+and head and walks the whole context (the longest tiles started first, the
+causal mask only on the diagonal tiles); a short query over a long context (a
 prompt mostly served from the prefix cache) leaves most SMs idle that way, and
 ``prefill_attention(num_splits >= 1)`` hands it to triton_prefill_split.py,
 which packs a KV head's query heads into one tile, cuts the context into chunks
@@ -107,9 +108,13 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.program_id(2)
+    # Grid (heads, sequences, query tiles), the tiles last and counted down: the
+    # GPU starts programs in grid order, so the causal triangle's long tiles (the
+    # last rows walk the whole context) all start first and its short ones fill
+    # the last wave, instead of one sequence's long tiles ending the launch.
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    m_block = tl.num_programs(2) - 1 - tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if m_block * BLOCK_M >= q_len:
@@ -135,7 +140,27 @@ def _prefill_kernel(
     qk_scale = scale * 1.44269504  # softmax in base 2
     end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
     bt = block_tables_ptr + seq * stride_bt
-    for start_n in range(0, end, BLOCK_N):
+    # Every row of the tile sees the keys up to prefix_len + m_block * BLOCK_M:
+    # the whole key tiles below that need neither the causal nor the length mask,
+    # and a row's maximum is finite from the first one on (key 0 is always
+    # visible). Only the tiles along the diagonal take the masked loop below.
+    # Per row the same tiles in the same order as one masked loop: the same bits.
+    full_end = (prefix_len + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        blocks = tl.load(bt + offs_n // BLOCK_SIZE)
+        slots = blocks.to(tl.int64) * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot
+        kv_off = slots[:, None] + kv_head * stride_cache_head + offs_d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    for start_n in range(full_end, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         blocks = tl.load(bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
@@ -205,7 +230,7 @@ def prefill_attention(
     cfg = dict(PREFILL_CONFIG if max_query_len > 32 else PREFILL_CONFIG_SHORT)
     cfg.update(config or {})
     block_m = cfg["BLOCK_M"]
-    grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
+    grid = (num_heads, num_seqs, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         q,
         k_cache,
