@@ -80,12 +80,16 @@ def scrape_args(url: str | None) -> list[str]:
 def bench(args, label: str, target: list[str], workload: str, out: Path, seed: int = 0) -> None:
     """One sweep. ``seed``: the prompts' (each rate adds its index); a second
     sweep on the same cluster takes another, or it would find the first sweep's
-    prompts in the prefix cache (the gRPC sweeps before 2026-11-25 did)."""
+    prompts in the prefix cache (the gRPC sweeps before 2026-11-25 did). The
+    arrivals are seed 0's in every sweep: with 256 prompts a rate, another
+    draw of Poisson gaps moves goodput near the knee by more than the systems
+    differ (the gRPC sweeps before 2026-11-27 had their own)."""
     rates = args.rates[workload]
     cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--label", label, *target]
     cmd += [*WORKLOADS[workload], "--num-prompts", str(args.num_prompts), "--ignore-eos"]
     cmd += ["--model-dir", str(args.model_dir), "--request-rate", *rates, "--slo", SLO]
-    cmd += ["--num-warmups", "8", "--seed", str(seed), "--result-dir", str(out), "--no-progress"]
+    cmd += ["--num-warmups", "8", "--seed", str(seed), "--arrival-seed", "0"]
+    cmd += ["--result-dir", str(out), "--no-progress"]
     cmd += ["--timeout", "120"]
     # Leave time to stop the servers and write the plots before the device's limit.
     timeout = min(args.sweep_timeout, args.deadline - time.monotonic() - 45)

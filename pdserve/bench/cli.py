@@ -93,7 +93,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     lo.add_argument("--max-concurrency", type=_positive, default=None)
     lo.add_argument("--num-warmups", type=int, default=0, help="requests sent first, not counted")
-    lo.add_argument("--seed", type=int, default=0)
+    lo.add_argument("--seed", type=int, default=0, help="prompts (each rate adds its index)")
+    lo.add_argument(
+        "--arrival-seed",
+        type=int,
+        default=None,
+        help="arrival gaps (default --seed): the same arrivals with other prompts, "
+        "for a second sweep on a server whose prefix cache holds the first's",
+    )
     lo.add_argument("--slo", default="", help="goodput objective, e.g. ttft:500,tpot:50 (ms)")
     # The generator's own loop: uvloop where installed, as the servers run. Every
     # stream's chunks are parsed on this one loop, so its CPU per chunk bounds the
@@ -126,6 +133,11 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     plot.add_argument("records", nargs="+", type=Path)
     plot.add_argument("--out", type=Path, default=Path("serve.png"))
     plot.set_defaults(func=cmd_plot)
+
+
+def arrival_seed(args: argparse.Namespace) -> int:
+    """The seed of the arrival gaps: ``--arrival-seed``, else ``--seed``."""
+    return args.seed if args.arrival_seed is None else args.arrival_seed
 
 
 def build_dataset(args: argparse.Namespace, seed: int):
@@ -234,7 +246,7 @@ async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict
                 rate,
                 args.burstiness,
                 args.max_concurrency,
-                args.seed,
+                arrival_seed(args),
                 on_done=lambda _r, bar=bar: bar.update(),
             )
             bar.close()

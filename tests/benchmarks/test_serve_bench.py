@@ -5,6 +5,7 @@ record and the plot."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import statistics
@@ -205,6 +206,33 @@ def test_each_rate_gets_its_own_prompts_so_no_rate_feeds_the_next_ones_cache():
     systems = {tuple(r.prompt[:32]) for r in a.requests}
     assert len(systems) == 2 and not systems & {tuple(r.prompt[:32]) for r in b.requests}
     assert build_dataset(args, 0).requests[0].prompt == a.requests[0].prompt  # seeded
+
+
+def test_arrival_seed_draws_the_gaps_apart_from_the_prompts(tmp_path, monkeypatch):
+    """A second sweep on the same server takes other prompts (``--seed``) and, with
+    ``--arrival-seed``, the first sweep's arrivals: the gaps run_rate draws."""
+    import pdserve.bench.loadgen as loadgen
+
+    seen = []
+    real = loadgen.run_rate
+
+    async def recording(backend, dataset, rate, burstiness, max_concurrency, seed, on_done):
+        seen.append((seed, [r.prompt for r in dataset.requests]))
+        return await real(backend, dataset, rate, burstiness, max_concurrency, seed, on_done)
+
+    monkeypatch.setattr(loadgen, "run_rate", recording)
+    with FakeServer(Script(ttft_s=0.001, itl_s=0.001)) as server:
+        for extra in ([], ["--seed", "7", "--arrival-seed", "0"], ["--seed", "7"]):
+            pdserve_main(
+                ["bench", "serve", "--base-url", server.base_url, "--no-progress"]
+                + ["--random-input-len", "8", "--random-output-len", "2", "--num-prompts", "4"]
+                + ["--request-rate", "100", "--result-dir", str(tmp_path), "--no-plot", *extra]
+            )
+    (s0, p0), (s1, p1), (s2, p2) = seen
+    assert (s0, s1, s2) == (0, 0, 7)
+    assert p1 == p2 and p0 != p1  # prompts follow --seed alone
+    first = lambda s: list(itertools.islice(arrival_gaps(100.0, 1.0, s), 4))  # noqa: E731
+    assert first(s0) == first(s1) != first(s2)
 
 
 def test_the_side_by_side_summary_reads_either_servers_phase_histograms():
