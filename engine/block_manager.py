@@ -137,9 +137,11 @@ class BlockManager:
             parent = block_hash
         return hits
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the sequence's newly computed full blocks in the prefix cache."""
-        num_full = seq.num_computed_tokens // self.block_size
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Register the sequence's newly full blocks in the prefix cache: those
+        within its first ``num_tokens`` tokens (default: those computed)."""
+        upto = seq.num_computed_tokens if num_tokens is None else num_tokens
+        num_full = upto // self.block_size
         if (
             not self.enable_prefix_caching
             or seq.hasher is None

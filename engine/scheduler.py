@@ -12,6 +12,15 @@ Order within a step:
    each starting from its verified prefix-cache hit. None are admitted in a
    step that had to preempt: memory is short, admitting more would thrash.
 
+A prompt's blocks join the prefix cache when they are scheduled, not when the
+step has run: a prompt admitted later in the same step hits the blocks an
+earlier one computes in it (every attention backend writes a layer's new keys
+and values for the whole batch before any row attends), so prompts that share
+a system prompt and arrive together compute it once. Any later reader runs
+after the step on the device. Decode rows wait for the step: under async
+scheduling their last token is still a placeholder when the next step is
+planned.
+
 When the KV pool cannot hold a running sequence's next tokens, the most
 recently admitted sequence not yet scheduled this step is preempted: its blocks
 are freed (cached ones stay in the prefix cache, so the recompute mostly hits)
@@ -196,6 +205,8 @@ class Scheduler:
             num_new_tokens.append(num_new)
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
+            if num_tokens - computed > 1:  # a prompt chunk (a decode row's token may be unread)
+                self.block_manager.cache_full_blocks(seq, computed + num_new)
 
         if not batch.preempted:
             budget = self._admit_waiting(batch, budget)
@@ -265,6 +276,8 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             batch.admitted.append(seq)
             budget -= num_new
+            # Prompts admitted after it in this step may hit these blocks.
+            bm.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
         return budget
 
     # --------------------------------------------------------------- update

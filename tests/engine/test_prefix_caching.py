@@ -62,6 +62,26 @@ def test_caching_on_and_off_agree_and_really_hit(demo_model_dir, demo_tokenizer,
     assert_idle(llm)
 
 
+def test_prompts_sent_together_compute_their_shared_prefix_once(
+    demo_model_dir, demo_tokenizer, uncached_outputs
+):
+    """On an empty cache, prompts admitted in one step hit the blocks the first of
+    them computes in that very step, and read them as computed (outputs as uncached)."""
+    llm = LLM(str(demo_model_dir), max_model_len=1024, device="cpu", kvcache_block_size=16)
+    prompts = shared_prefix_prompts(demo_tokenizer)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == uncached_outputs
+    shared = len(demo_tokenizer.encode(prompts[0][: prompts[0].index(QUESTIONS[0])]))
+    assert outs[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens >= (shared // 16) * 16 >= 48 for o in outs[1:])
+    # One step's budget takes every prompt: all were admitted in the first step,
+    # so only blocks computed in that same step could be hit.
+    assert (
+        sum(len(o.prompt_token_ids) for o in outs) <= llm.llm_engine.config.max_num_batched_tokens
+    )
+    assert_idle(llm)
+
+
 def pressured_llm(demo_model_dir, demo_tokenizer, caching: bool) -> LLM:
     """A pool that admits three prompts at once but cannot hold them once they grow."""
     lens = [len(demo_tokenizer.encode(p)) for p in shared_prefix_prompts(demo_tokenizer)]

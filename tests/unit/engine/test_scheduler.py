@@ -155,6 +155,53 @@ def test_prefix_hit_is_reported_once_at_first_admission():
     assert sched.stats.prefix_cache_queried_tokens == 20 + 18
 
 
+def test_prompts_admitted_together_share_the_blocks_the_first_computes():
+    sched = make()
+    a = make_seq(list(range(10)), BS)
+    b = make_seq(list(range(8)) + [7, 7, 7], BS)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    # b hits a's two full blocks in the step that computes them: 3 tokens, not 11.
+    assert scheduled(batch) == {a.seq_id: 10, b.seq_id: 3}
+    assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
+    assert sched.stats.prefix_cache_hit_tokens == 8
+    sched.update(batch, [1, 1])
+    sched.block_manager.check_invariants()
+
+
+def test_a_prompt_chunk_offers_only_the_blocks_it_completes():
+    sched = make(budget=8)
+    a = make_seq(list(range(12)), BS)
+    sched.add(a)
+    assert scheduled(step(sched)) == {a.seq_id: 8}
+    b = make_seq(list(range(12)) + [5, 5, 5], BS)
+    sched.add(b)
+    # a's last chunk completes its third block; b, admitted after it in the same
+    # step, hits all three and computes its own three tokens.
+    assert scheduled(step(sched)) == {a.seq_id: 4, b.seq_id: 3}
+    assert b.num_cached_tokens == 12 and b.block_table[:3] == a.block_table[:3]
+
+
+def test_a_decode_row_joins_the_cache_only_once_its_token_is_read():
+    """Async scheduling: the next step is planned while the last sampled token is
+    still a placeholder; the block it completes must not be hashed with it."""
+    sched = make()
+    a = make_seq(list(range(7)), BS)
+    sched.add(a)
+    first = sched.schedule()
+    ((_, pos),) = [(i, s.token_ids.index(-1)) for i, s in sched.advance(first)]
+    second = sched.schedule()  # a's decode row computes position 7, a placeholder
+    assert scheduled(second) == {a.seq_id: 1}
+    assert a.num_cached_blocks == 1  # block 1 ends with the placeholder: not yet
+    a.token_ids[pos] = 42  # the first step is read
+    sched.advance(second)
+    assert a.num_cached_blocks == 2
+    c = make_seq([0, 1, 2, 3, 4, 5, 6, 42, 9], BS)
+    sched.add(c)
+    assert scheduled(sched.schedule())[c.seq_id] == 1  # both blocks hit, with the real token
+
+
 def test_no_progress_is_impossible_when_pool_fits_max_len():
     # A pool exactly the size of one max-length sequence serves many sequences in turn.
     sched = make(num_blocks=4, max_seqs=4, caching=False, max_len=16)
