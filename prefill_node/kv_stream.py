@@ -26,8 +26,10 @@ same segments. ``finish`` ends a reservation's stream on every rank the same way
 
 Chunked prefill: a long prompt streams chunk by chunk; a block cut by a chunk
 boundary goes with the chunk that fills it. Prefix hits on this node need no
-case of their own: those blocks hold their KV already and go with the first
-segment.
+case of their own: they go with the first segment, and each layer's chunk is
+gathered behind that layer, so a hit on blocks another prompt computes in the
+same step (the scheduler offers a prompt's blocks when it plans the step) is
+read once that layer has written them.
 """
 
 from __future__ import annotations
