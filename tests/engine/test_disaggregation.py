@@ -226,6 +226,58 @@ def test_prefix_hits_on_either_node_shrink_or_reuse_the_stream(
     assert_idle(prefill_llm)
 
 
+def test_prompts_in_one_prefill_step_share_and_stream_their_prefix(
+    prefill_llm, decode_llm, demo_tokenizer
+):
+    """Two prompts admitted in one prefill step: the second hits the blocks the
+    first computes in that step (the scheduler offers them when it plans it), and
+    its stream still carries them as computed (each layer's chunk is gathered
+    behind the layer): both decode as they do on one node."""
+    p, d = prefill_llm.llm_engine, decode_llm.llm_engine
+    prefix = demo_tokenizer.encode("Two readers ask the same librarian at the same time. " * 3)
+    prompts = {"same-1": prefix + [42, 7], "same-2": prefix + [43, 9, 11]}
+    params = SamplingParams(temperature=0, max_tokens=8)
+    landing = LoopbackLanding(d.model_runner)
+    streamer = KVStreamer(p.model_runner.kv_cache, 16, LoopbackSender(landing), 1)
+    p.observe_kv_writes(streamer)
+    tickets, firsts = {}, {}
+    try:
+        for request_id, ids in prompts.items():
+            rid = next(_reservation_ids)
+            res = d.reserve_request(request_id, ids, params)
+            assert res is not None and res.first_block == 0  # the decode node has no prefix
+            landing.expect(rid, res.block_ids, res.first_block)
+            p.add_request(request_id, ids, prefill_params(params), hold_kv=True)
+            deadline = time.monotonic() + 60
+            ticket = streamer.open(request_id, DEST, rid, 0, len(res.block_ids), deadline, True)
+            tickets[request_id] = (rid, ticket)
+        while p.has_work():
+            for out in p.step():
+                if out.finished:
+                    firsts[out.request_id] = out
+        for request_id, (rid, ticket) in tickets.items():
+            report = ticket.done.result(timeout=0)
+            assert landing.landed(rid) and report.digest == chain(landing.digests[rid])
+            streamer.finish(request_id, DEST, rid)
+            p.release_held(request_id)
+    finally:
+        p.observe_kv_writes(None)
+    assert firsts["same-1"].num_cached_tokens == 0
+    assert firsts["same-2"].num_cached_tokens == len(prefix) // 16 * 16 >= 32
+    for request_id, first in firsts.items():
+        d.commit_request(request_id, first.outputs[0].token_ids[0], None, cached_tokens=0)
+    outs = {}
+    while d.has_work():
+        for out in d.step():
+            if out.finished:
+                outs[out.request_id] = out
+    for request_id, ids in prompts.items():
+        (single,) = decode_llm.generate([ids], params)
+        assert outs[request_id].outputs[0].token_ids == single.outputs[0].token_ids
+    assert_idle(decode_llm)
+    assert_idle(prefill_llm)
+
+
 def test_aborts_free_reserved_and_held_blocks(prefill_llm, decode_llm, demo_tokenizer):
     p, d = prefill_llm.llm_engine, decode_llm.llm_engine
     ids = demo_tokenizer.encode("Abort me before my KV arrives, please.")
