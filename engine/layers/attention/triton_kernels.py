@@ -144,7 +144,12 @@ def _prefill_kernel(
     # the whole key tiles below that need neither the causal nor the length mask,
     # and a row's maximum is finite from the first one on (key 0 is always
     # visible). Only the tiles along the diagonal take the masked loop below.
-    # Per row the same tiles in the same order as one masked loop: the same bits.
+    # Per row the same tiles in the same order as one masked loop, but not quite
+    # the same bits on a GPU: without the select, the compiler fuses the scale
+    # into the exponent's subtraction (one rounding fewer), so outputs move by
+    # up to 2 bf16 units in the last place (0.5-2e-3 on an H200; the CPU
+    # interpreter gives the same bits), and a row's bits now depend on which
+    # query tile it falls in (the tile's first row sets the split).
     full_end = (prefix_len + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)

@@ -174,7 +174,10 @@ def test_a_prompt_chunk_offers_only_the_blocks_it_completes():
     sched = make(budget=8)
     a = make_seq(list(range(12)), BS)
     sched.add(a)
-    assert scheduled(step(sched)) == {a.seq_id: 8}
+    batch = sched.schedule()
+    assert scheduled(batch) == {a.seq_id: 8}
+    assert a.num_cached_blocks == 2  # the chunk's two blocks, not the prompt's third
+    sched.update(batch, [None])
     b = make_seq(list(range(12)) + [5, 5, 5], BS)
     sched.add(b)
     # a's last chunk completes its third block; b, admitted after it in the same
