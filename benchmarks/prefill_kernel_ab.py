@@ -1,322 +1,201 @@
-"""A/B of the Triton prefill-attention kernel on one GPU, at a mixed step's shapes
-(Llama-3.1-8B attention: 32 query heads, 8 KV heads of 128; 16-token pages).
+"""The Triton prefill-attention kernel at a mixed step's shapes, on one GPU, against
+another tree's kernel (Llama-3.1-8B attention: 32 query heads, 8 KV heads of 128;
+16-token pages).
 
-What chose f75d30d (docs/performance.md, "Prefill attention and same-step prefix
-sharing"): ``prefill_old`` is the engine's ``_prefill_kernel`` of the tree it runs
-in -- run it in 0214bdd's tree for the kernel as it was -- and ``_prefill2`` the
-variant: the causal mask only on the diagonal key tiles and, with ``lpt``, the
-longest query tiles launched first. For each case it times the decode kernel, the
-prefill kernel, both in turn (as a mixed step runs them) and both on two streams,
-and sweeps the variant's tiles, warps and stages, recording the largest difference
-of its output from the engine kernel's (``*_maxdiff``). A diagnostic: every figure is a kernel time between
-CUDA events (median of 7 repeats of 64 launches), not a serving or offline run.
+Both kernels are the engines' own: this tree's ``prefill_attention`` and, with
+``--baseline-tree DIR``, the ``triton_kernels.py`` of another checkout (loaded
+under another module name; its imports resolve to this tree, so the rest of the
+attention package must be the same in both). What chose f75d30d runs as
 
-    PYTHONPATH=$PWD python benchmarks/prefill_kernel_ab.py   # writes $OUT/mixattn.json
+    git worktree add /tmp/base 0214bdd   # or: git archive 0214bdd | tar -x -C /tmp/base
+    python benchmarks/prefill_kernel_ab.py --baseline-tree /tmp/base
+
+For each case it times the decode kernel, the prefill kernel, both in turn (as
+a mixed step runs them) and both on two streams, the baseline's prefill kernel
+and both in turn with it, and records the largest difference between the two
+kernels' outputs (``maxdiff``, unrounded: bf16 units in the last place are
+1e-3 here); ``--sweep`` also times this tree's kernel in 16 tile / warp /
+stage configurations. A diagnostic: every figure is a kernel time between CUDA
+events (median of 7 repeats of 64 launches), not a serving or offline run.
 """
 
+from __future__ import annotations
+
+import argparse
+import importlib.util
 import itertools
-import json
-import os
+import random
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import save_run
 from engine.layers.attention import triton_decode as td
 from engine.layers.attention import triton_kernels as tk
 
-
-@triton.jit
-def _prefill2(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    out_ptr,
-    block_tables_ptr,
-    query_start_loc_ptr,
-    seq_lens_ptr,
-    scale,
-    stride_q_tok,
-    stride_q_head,
-    stride_o_tok,
-    stride_o_head,
-    stride_cache_block,
-    stride_cache_slot,
-    stride_cache_head,
-    stride_bt,
-    GROUP: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    LPT: tl.constexpr,
-):
-    if LPT:
-        head = tl.program_id(0)
-        seq = tl.program_id(1)
-        m_block = tl.num_programs(2) - 1 - tl.program_id(2)
-    else:
-        m_block = tl.program_id(0)
-        head = tl.program_id(1)
-        seq = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if m_block * BLOCK_M >= q_len:
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    prefix_len = seq_len - q_len
-    kv_head = head // GROUP
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    m_mask = offs_m < q_len
-    q = tl.load(
-        q_ptr + (q_start + offs_m)[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
-        mask=m_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    q_pos = prefix_len + offs_m
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    qk_scale = scale * 1.44269504
-    end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
-    # Every row of the tile sees keys 0 .. prefix_len + m_block * BLOCK_M: whole tiles below need no mask.
-    full_end = ((prefix_len + m_block * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
-    bt = block_tables_ptr + seq * stride_bt
-    for start_n in range(0, full_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        blocks = tl.load(bt + offs_n // BLOCK_SIZE)
-        slots = blocks.to(tl.int64) * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot
-        kv_off = slots[:, None] + kv_head * stride_cache_head + offs_d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    for start_n in range(full_end, end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        blocks = tl.load(bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
-        slots = blocks.to(tl.int64) * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot
-        kv_off = slots[:, None] + kv_head * stride_cache_head + offs_d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
-        causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        qk = tl.where(causal, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(
-        out_ptr
-        + (q_start + offs_m)[:, None] * stride_o_tok
-        + head * stride_o_head
-        + offs_d[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & d_mask[None, :],
-    )
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+NUM_BLOCKS = 40000
+# name: (decode rows, prompt lengths, prefix-cache hit per prompt)
+CASES = {
+    "127dec+2x1024": (127, [1024, 1024], 0),
+    "127dec+1x1024": (127, [1024], 0),
+    "64dec+1x1024": (64, [1024], 0),
+    "192dec+3x1024": (192, [1024, 1024, 1024], 0),
+    "96dec+2x1024": (96, [1024, 1024], 0),
+    "0dec+8x1024": (0, [1024] * 8, 0),
+    "127dec+1x1024@1024": (127, [1024], 1024),
+    "16dec+1x2048": (16, [2048], 0),
+}
+SWEEP = [
+    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
+    for m, n, w, s in itertools.product((64, 128), (32, 64), (4, 8), (2, 3))
+    if not (m == 128 and w == 4)
+]
 
 
-def prefill2(q, kc, vc, out, bt, qsl, sl, max_q, scale, BM, BN, warps, stages, lpt):
-    _, H, D = q.shape
-    ns = sl.shape[0]
-    bs, KH = kc.shape[1], kc.shape[2]
-    mb = triton.cdiv(max_q, BM)
-    grid = (H, ns, mb) if lpt else (mb, H, ns)
-    _prefill2[grid](
-        q,
-        kc,
-        vc,
-        out,
-        bt,
-        qsl,
-        sl,
+def load_kernels(tree: Path):
+    """``tree``'s engine/layers/attention/triton_kernels.py as a module of its own."""
+    path = tree / "engine" / "layers" / "attention" / "triton_kernels.py"
+    if not path.is_file():
+        raise SystemExit(f"--baseline-tree: no {path}")
+    spec = importlib.util.spec_from_file_location("baseline_triton_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def kernel_us(fn, iters: int = 64, reps: int = 7) -> float:
+    """Median over ``reps`` of the mean time of ``iters`` launches back to back, µs."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def make_case(num_decodes: int, prompts: list[int], prefix: int, device: torch.device) -> dict:
+    rng = random.Random(1)
+    seq_lens = [rng.randint(1024, 1151) for _ in range(num_decodes)]
+    seq_lens += [prefix + p for p in prompts]
+    query_lens = [1] * num_decodes + prompts
+    width = triton.cdiv(max(seq_lens), PAGE)
+    blocks = torch.randperm(NUM_BLOCKS, device=device)[: len(seq_lens) * width]
+    return {
+        "q": torch.randn(sum(query_lens), HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16),
+        "block_tables": blocks.view(len(seq_lens), width).int(),
+        "query_start_loc": torch.tensor(
+            [0, *itertools.accumulate(query_lens)], device=device, dtype=torch.int32
+        ),
+        "seq_lens": torch.tensor(seq_lens, device=device, dtype=torch.int32),
+        "max_query_len": max(prompts),
+    }
+
+
+def run_case(name: str, spec: tuple, caches, baseline, sweep: bool, side: torch.cuda.Stream):
+    k_cache, v_cache = caches
+    device, scale = k_cache.device, HEAD_DIM**-0.5
+    num_decodes = spec[0]
+    c = make_case(*spec, device)
+    q, d = c["q"], num_decodes
+    out, base_out = torch.empty_like(q), torch.empty_like(q)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    max_decode_len = int(c["seq_lens"][:d].max()) if d else 1
+    splits = td.decode_num_splits(d, KV_HEADS, max_decode_len, sms) if d else 0
+    prompt_args = (
+        c["block_tables"][d:],
+        c["query_start_loc"][d:] - d,
+        c["seq_lens"][d:],
+        c["max_query_len"],
         scale,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        kc.stride(0),
-        kc.stride(1),
-        kc.stride(2),
-        bt.stride(0),
-        GROUP=H // KH,
-        BLOCK_SIZE=bs,
-        HEAD_DIM=D,
-        BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_M=BM,
-        BLOCK_N=BN,
-        LPT=lpt,
-        num_warps=warps,
-        num_stages=stages,
     )
 
+    def decode():
+        if d:
+            td.decode_attention(
+                q[:d], k_cache, v_cache, out[:d], c["block_tables"][:d], c["seq_lens"][:d],
+                scale, splits,
+            )  # fmt: skip
 
-def main() -> None:
+    def prefill(module=tk, o=out, config=None):
+        module.prefill_attention(q[d:], k_cache, v_cache, o[d:], *prompt_args, config=config)
+
+    def both():
+        decode()
+        prefill()
+
+    def two_streams():
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            decode()
+        prefill()
+        main.wait_stream(side)
+
+    row = {
+        "decode_us": kernel_us(decode) if d else 0.0,
+        "prefill_us": kernel_us(prefill),
+        "both_us": kernel_us(both),
+        "two_streams_us": kernel_us(two_streams),
+    }
+    if baseline is not None:
+        row["baseline_prefill_us"] = kernel_us(lambda: prefill(baseline, base_out))
+        row["baseline_both_us"] = kernel_us(lambda: (decode(), prefill(baseline, base_out)))
+        prefill()
+        prefill(baseline, base_out)
+        row["maxdiff"] = float((out[d:].float() - base_out[d:].float()).abs().max())
+        row["identical"] = bool(torch.equal(out[d:], base_out[d:]))
+    if sweep:
+        row["sweep_us"] = {}
+        for config in SWEEP:
+            key = "{BLOCK_M}x{BLOCK_N}_{num_warps}w{num_stages}s".format(**config)
+            row["sweep_us"][key] = kernel_us(lambda cfg=config: prefill(config=cfg), 32, 5)
+    # Times rounded, the difference in full (rounded it reads 0.0 for 2 bf16 ulps).
+    shown = {k: round(v, 1) if k.endswith("_us") else v for k, v in row.items() if k != "sweep_us"}
+    print(name, shown, flush=True)
+    if sweep:
+        top = sorted(row["sweep_us"].items(), key=lambda kv: kv[1])[:4]
+        print("   fastest configurations:", [(k, round(v, 1)) for k, v in top], flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--baseline-tree", type=Path, help="another checkout whose kernel to time")
+    p.add_argument("--sweep", action="store_true", help="also sweep this tree's launch configs")
+    p.add_argument("--cases", nargs="*", choices=list(CASES), default=list(CASES))
+    p.add_argument("--out-dir", type=Path, default=None)
+    args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("prefill_kernel_ab.py needs a CUDA GPU")
-    dev = torch.device("cuda")
+    baseline = load_kernels(args.baseline_tree) if args.baseline_tree else None
+    device = torch.device("cuda")
     torch.manual_seed(0)
-    H, KH, D, BS = 32, 8, 128, 16
-    NB = 40000
-    kc = torch.randn(NB, BS, KH, D, device=dev, dtype=torch.bfloat16)
-    vc = torch.randn(NB, BS, KH, D, device=dev, dtype=torch.bfloat16)
-    scale = D**-0.5
-
-    def case(n_dec, prompts, prefix=0):
-        import random
-
-        rng = random.Random(1)
-        dec_lens = [rng.randint(1024, 1151) for _ in range(n_dec)]
-        seq_lens = dec_lens + [prefix + p for p in prompts]
-        qlens = [1] * n_dec + list(prompts)
-        maxb = triton.cdiv(max(seq_lens), BS)
-        perm = (
-            torch.randperm(NB, device=dev)[: len(seq_lens) * maxb].view(len(seq_lens), maxb).int()
-        )
-        T = sum(qlens)
-        q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
-        qsl = torch.tensor([0] + list(itertools.accumulate(qlens)), device=dev, dtype=torch.int32)
-        sl = torch.tensor(seq_lens, device=dev, dtype=torch.int32)
-        return dict(q=q, bt=perm, qsl=qsl, sl=sl, d=n_dec, maxq=max(prompts) if prompts else 1, T=T)
-
-    def timeit(fn, iters=64, reps=7):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            a = torch.cuda.Event(enable_timing=True)
-            b = torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(iters):
-                fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b) * 1e3 / iters)
-        return statistics.median(ts)
-
+    shape = (NUM_BLOCKS, PAGE, KV_HEADS, HEAD_DIM)
+    caches = tuple(torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(2))
     side = torch.cuda.Stream()
-    res = {}
-    CASES = {
-        "127dec+2x1024": (127, [1024, 1024]),
-        "127dec+1x1024": (127, [1024]),
-        "64dec+1x1024": (64, [1024]),
-        "192dec+3x1024": (192, [1024, 1024, 1024]),
-        "96dec+2x1024": (96, [1024, 1024]),
-        "0dec+8x1024": (0, [1024] * 8),
-        "127dec+1x1024@1024": (127, [1024], 1024),
-        "16dec+1x2048": (16, [2048]),
+    rows = {
+        name: run_case(name, CASES[name], caches, baseline, args.sweep, side) for name in args.cases
     }
-    for name, spec in CASES.items():
-        c = case(*spec)
-        d = c["d"]
-        q = c["q"]
-        out = torch.empty_like(q)
-        out2 = torch.empty_like(q)
-        splits = (
-            td.decode_num_splits(
-                d,
-                KH,
-                int(c["sl"][:d].max()) if d else 1,
-                torch.cuda.get_device_properties(dev).multi_processor_count,
-            )
-            if d
-            else 0
-        )
-        bt_d, sl_d = c["bt"][:d], c["sl"][:d]
-        bt_p, sl_p = c["bt"][d:], c["sl"][d:]
-        qsl_p = c["qsl"][d:] - d
-
-        def dec():
-            if d:
-                td.decode_attention(q[:d], kc, vc, out[:d], bt_d, sl_d, scale, splits)
-
-        def pre_old(o=out):
-            tk.prefill_attention(q[d:], kc, vc, o[d:], bt_p, qsl_p, sl_p, c["maxq"], scale)
-
-        def seq_old():
-            dec()
-            pre_old()
-
-        def streams(pre):
-            def f():
-                main = torch.cuda.current_stream()
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
-                    dec()
-                pre()
-                main.wait_stream(side)
-
-            return f
-
-        r = {
-            "decode": timeit(dec) if d else 0.0,
-            "prefill_old": timeit(pre_old),
-            "seq_old": timeit(seq_old),
-            "streams_old": timeit(streams(pre_old)),
-        }
-        pre_old(out)  # reference
-        ref = out[d:].clone()
-        best = None
-        for BM, BN, w, st, lpt in itertools.product(
-            (64, 128), (32, 64), (4, 8), (2, 3), (False, True)
-        ):
-            if BM == 128 and w == 4:
-                continue
-
-            def fn(BM=BM, BN=BN, w=w, st=st, lpt=lpt):
-                return prefill2(
-                    q[d:], kc, vc, out2[d:], bt_p, qsl_p, sl_p, c["maxq"], scale, BM, BN, w, st, lpt
-                )
-
-            try:
-                t = timeit(fn, iters=32, reps=5)
-            except Exception:
-                continue
-            key = f"p2_{BM}_{BN}_{w}w{st}s{'_lpt' if lpt else ''}"
-            r[key] = t
-            if best is None or t < best[1]:
-                best = (key, t, fn)
-            if (BM, BN, w, st) == (64, 32, 4, 2):
-                fn()
-                r[key + "_maxdiff"] = float((out2[d:] - ref).abs().max())
-        r["best_p2"] = best[0]
-        best[2]()
-        r["best_p2_maxdiff"] = float((out2[d:].float() - ref.float()).abs().max())
-        r["streams_best"] = timeit(streams(best[2]))
-        r["seq_best"] = timeit(lambda: (dec(), best[2]()))
-        res[name] = r
-        print(
-            name,
-            {
-                # Differences in full: rounded like the times they read as 0.0.
-                k: (v if k.endswith("maxdiff") else round(v, 1) if isinstance(v, float) else v)
-                for k, v in r.items()
-                if not k.startswith("p2_") or k.endswith("maxdiff")
-            },
-            flush=True,
-        )
-        top = sorted(
-            ((v, k) for k, v in r.items() if k.startswith("p2_") and not k.endswith("maxdiff"))
-        )[:5]
-        print("   top prefill2:", [(k, round(v, 1)) for v, k in top], flush=True)
-    with open(os.environ.get("OUT", ".") + "/mixattn.json", "w") as f:
-        json.dump(res, f, indent=1)
+    if baseline is not None:
+        ratios = [r["prefill_us"] / r["baseline_prefill_us"] for r in rows.values()]
+        geomean = statistics.geometric_mean(ratios)
+        print(f"prefill kernel time against the baseline's, geometric mean: {geomean:.3f}x")
+        rows["geomean_prefill_ratio"] = geomean
+    return save_run("prefill_kernel_ab", args, rows, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(0 if main() else 1)

@@ -83,6 +83,63 @@ def store_kv(
     )
 
 
+@triton.jit
+def _attend_key_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    start_n,
+    end,
+    bt,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_head,
+    offs_d,
+    d_mask,
+    qk_scale,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One key tile of ``_prefill_kernel``'s online softmax: (acc, m_i, l_i) after
+    keys ``start_n`` .. ``start_n + BLOCK_N``. ``MASKED``: the tile crosses the
+    causal diagonal or the context's end (keys at ``end`` and past it, and those
+    after a row's own position, are hidden); without it every key is visible to
+    every row, and no select stands between the scaled scores and the exponent."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_mask = offs_n < end
+        blocks = tl.load(bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+    else:
+        blocks = tl.load(bt + offs_n // BLOCK_SIZE)
+        kv_mask = d_mask[None, :]
+    slots = blocks.to(tl.int64) * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot
+    kv_off = slots[:, None] + kv_head * stride_cache_head + offs_d[None, :]
+    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        qk = tl.where(causal, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # Rows with nothing visible yet keep m = -inf; guard the exponent.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_sub = m_new
+    p = tl.math.exp2(qk - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
 @step_jit(ints=("stride_bt",), pointers=("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"))
 def _prefill_kernel(
     q_ptr,
@@ -152,39 +209,17 @@ def _prefill_kernel(
     # query tile it falls in (the tile's first row sets the split).
     full_end = (prefix_len + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        blocks = tl.load(bt + offs_n // BLOCK_SIZE)
-        slots = blocks.to(tl.int64) * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot
-        kv_off = slots[:, None] + kv_head * stride_cache_head + offs_d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        acc, m_i, l_i = _attend_key_tile(
+            acc, m_i, l_i, q, q_pos, start_n, end, bt, k_cache_ptr, v_cache_ptr,
+            kv_head, offs_d, d_mask, qk_scale, stride_cache_block, stride_cache_slot,
+            stride_cache_head, BLOCK_SIZE, BLOCK_N, MASKED=False,
+        )  # fmt: skip
     for start_n in range(full_end, end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        blocks = tl.load(bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
-        slots = blocks.to(tl.int64) * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot
-        kv_off = slots[:, None] + kv_head * stride_cache_head + offs_d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
-        causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        qk = tl.where(causal, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # Rows with nothing visible yet keep m = -inf; guard the exponent.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        acc, m_i, l_i = _attend_key_tile(
+            acc, m_i, l_i, q, q_pos, start_n, end, bt, k_cache_ptr, v_cache_ptr,
+            kv_head, offs_d, d_mask, qk_scale, stride_cache_block, stride_cache_slot,
+            stride_cache_head, BLOCK_SIZE, BLOCK_N, MASKED=True,
+        )  # fmt: skip
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr
