@@ -78,6 +78,7 @@ class GcPauses:
     seconds: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     # Full collections only: the ones that can stall a stream.
     full_pauses: Histogram = field(default_factory=lambda: Histogram(GC_PAUSE_BUCKETS))
+    longest_s: float = 0.0  # of any generation
     _started: float = 0.0
     _installed: bool = False
 
@@ -102,6 +103,7 @@ class GcPauses:
         generation = info["generation"]
         self.collections[generation] += 1
         self.seconds[generation] += pause
+        self.longest_s = max(self.longest_s, pause)
         if generation == 2:
             self.full_pauses.observe(pause)
         if pause >= self.warn_s:

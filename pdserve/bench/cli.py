@@ -255,6 +255,8 @@ async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict
             extra = {
                 "send_lag_mean_ms": run.send_lag_mean_ms,
                 "send_lag_max_ms": run.send_lag_max_ms,
+                "generator_gc_full_collections": run.gc_full_collections,
+                "generator_gc_longest_pause_ms": run.gc_longest_pause_ms,
             }
             if scraper:
                 extra["server_histograms"] = await scraper.since(before)

@@ -119,6 +119,8 @@ def test_a_sweep_writes_one_entry_per_rate_and_plots_two_systems(tmp_path):
     assert all(r["completed"] == 20 and r["failed"] == 0 for r in rec["rates"])
     assert all(r["total_input_tokens"] == 20 * 16 for r in rec["rates"])
     assert rec["rates"][0]["goodput"] is None  # no --slo
+    assert all(r["generator_gc_full_collections"] >= 0 for r in rec["rates"])
+    assert all(r["generator_gc_longest_pause_ms"] >= 0.0 for r in rec["rates"])
     # 20 Poisson arrivals at 50 req/s take about 0.4 s; at inf far less.
     assert rec["rates"][0]["duration_s"] > rec["rates"][2]["duration_s"]
     out = tmp_path / "both.png"
@@ -148,6 +150,38 @@ def test_multi_turn_sends_every_turn_with_the_reply_in_the_history():
     nxt = w.next_turn(BenchRequest([1, 2], 2, 4, conversation=0, turn=0), [7, 8])
     assert nxt.prompt == [1, 2, 7, 8, *w.messages[0][1]]
     assert w.next_turn(BenchRequest([], 0, 4, conversation=0, turn=2), []) is None
+
+
+def test_a_rate_runs_with_the_generators_heap_frozen_and_counts_its_collections():
+    """What is alive when a rate starts (here a heap of 50,000 lists standing for
+    the datasets and imports) is frozen out of the collector's walk while the
+    rate runs, and unfrozen after; full collections during the rate are counted
+    in the result (one forced per finished request here)."""
+    import gc
+
+    heap = [[i] for i in range(50_000)]
+    frozen_during = []
+
+    def on_done(_result):
+        frozen_during.append(gc.get_freeze_count())
+        gc.collect()  # a full collection in the middle of the rate
+
+    dataset = Dataset(DatasetKind.RANDOM, [BenchRequest([1, 2, 3], 3, 2) for _ in range(3)])
+
+    async def go():
+        with FakeServer(Script(ttft_s=0.001, itl_s=0.001)) as server:
+            backend = OpenAIBackend(server.base_url, SamplingOptions())
+            try:
+                return await run_rate(backend, dataset, 200.0, on_done=on_done)
+            finally:
+                await backend.close()
+
+    run = asyncio.run(go())
+    assert all(r.success for r in run.results)
+    assert len(frozen_during) == 3 and min(frozen_during) > len(heap)
+    assert gc.get_freeze_count() == 0
+    assert run.gc_full_collections == 3
+    assert run.gc_longest_pause_ms > 0.0
 
 
 def test_arrivals_are_poisson_at_the_rate_and_burstiness_keeps_the_mean():
