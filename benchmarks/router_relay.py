@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -46,25 +48,50 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import command_line, environment, write_record
-from benchmarks.http_first_token import HttpPaths
+from benchmarks.http_first_token import HttpPaths, RawHttp
 from pdserve.redis_server import RedisServer, free_port
 
 NODE_ID = "fake-decode-0"
+# The probe's pace (--probe): few enough requests that it adds little load.
+PROBE_GAP_S = 0.1
 
 
 # --------------------------------------------------------------- the fake node
+class StepClock:
+    """Ticks shared by every stream of the fake node: each stream's next token
+    waits for the next tick, so all of them leave in the same loop turn, as an
+    engine step hands its outputs over together (and a DecodeSession sends them
+    as one message)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._next: asyncio.Future | None = None
+
+    async def tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._next is None or self._next.done():
+            self._next = loop.create_future()
+            loop.call_later(self.interval_s, self._next.set_result, None)
+        await asyncio.shield(self._next)
+
+
 class FakeWorker:
     """What DecodeWorker.decode streams, with no engine behind it: max_tokens
-    one-token messages (16 unset), one per ``interval_s``, the last with its Final."""
+    one-token messages (16 unset), one per ``interval_s``, the last with its Final;
+    with ``lockstep`` every stream's tokens leave together on a StepClock's ticks
+    (the first one too: a request joins the next step)."""
 
-    def __init__(self, interval_s: float = 0.0) -> None:
+    def __init__(self, interval_s: float = 0.0, lockstep: bool = False) -> None:
         self.interval_s = interval_s
+        self.clock = StepClock(interval_s) if lockstep and interval_s > 0 else None
 
     async def decode(self, request, deadline):
         from proto import pdserve_pb2
 
         n = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
         for i in range(n):
+            if self.clock is not None:
+                await self.clock.tick()
             response = pdserve_pb2.GenerateResponse(request_id=request.request_id)
             response.deltas.add(index=0, text=" tok", token_ids=[100 + i % 1000])
             if i == n - 1:
@@ -74,7 +101,7 @@ class FakeWorker:
                 response.final.usage.prompt_tokens = len(request.prompt_token_ids)
                 response.final.usage.completion_tokens = n
             yield response
-            if self.interval_s:
+            if self.interval_s and self.clock is None:
                 await asyncio.sleep(self.interval_s)  # one engine step
 
 
@@ -97,7 +124,7 @@ def fake_servicer(worker):
 
 
 async def fake_node(
-    redis_url: str, port: int, model_id: str, block_size: int, interval_s: float
+    redis_url: str, port: int, model_id: str, block_size: int, interval_s: float, lockstep: bool
 ) -> None:
     import grpc
 
@@ -106,7 +133,7 @@ async def fake_node(
 
     server = grpc.aio.server()
     internal_pb2_grpc.add_DecodeNodeServicer_to_server(
-        fake_servicer(FakeWorker(interval_s)), server
+        fake_servicer(FakeWorker(interval_s, lockstep)), server
     )
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
@@ -133,7 +160,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def sweep(args, router_pid: int, node_pid: int, target: list[str], label: str, out: Path) -> dict:
+def sweep(
+    args,
+    router_pid: int,
+    node_pid: int,
+    target: list[str],
+    label: str,
+    out: Path,
+    probe_at: tuple[str, int] | None = None,
+) -> dict:
     cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--label", label, *target]
     cmd += ["--dataset", "random", "--random-input-len", str(args.input_len)]
     cmd += ["--random-output-len", str(args.output_len), "--ignore-eos"]
@@ -141,10 +176,22 @@ def sweep(args, router_pid: int, node_pid: int, target: list[str], label: str, o
     cmd += ["--max-concurrency", str(args.max_concurrency), "--request-rate", args.request_rate]
     cmd += ["--result-dir", str(out), "--no-plot", "--no-progress", "--num-warmups", "16"]
     before = set(out.glob("*.json"))
+    probe = None
+    if probe_at is not None:
+        address, http_port = probe_at
+        probe = subprocess.Popen(
+            [sys.executable, __file__, "--probe-run", address, str(http_port)]
+            + ["--input-len", str(args.input_len)],
+            stdout=subprocess.PIPE,
+        )
     cpu0, node0 = cpu_seconds(router_pid), cpu_seconds(node_pid)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     cpu = cpu_seconds(router_pid) - cpu0
     node_cpu = cpu_seconds(node_pid) - node0
+    probed = None
+    if probe is not None:
+        probe.send_signal(signal.SIGTERM)
+        probed = json.loads(probe.communicate(timeout=60)[0])
     (path,) = set(out.glob("*.json")) - before
     (rate,) = json.loads(path.read_text())["rates"]
     if rate["failed"]:
@@ -166,19 +213,77 @@ def sweep(args, router_pid: int, node_pid: int, target: list[str], label: str, o
         "fake_node_cpu_us_per_token": node_cpu / tokens * 1e6,
         # With --token-interval-ms and a --request-rate: the client's first-token
         # wait under that load, router's event loop busy with the other streams.
+        "ttft_mean_ms": rate["ttft_ms"]["mean"],
         "ttft_p50_ms": rate["ttft_ms"]["p50"],
         "ttft_p90_ms": rate["ttft_ms"]["p90"],
     }
+    if probed is not None:
+        # The probe's own client is idle: what it sees is the router's edge under load.
+        for path, times in probed.items():
+            row[f"probe_{path}_ttft_mean_ms"] = statistics.fmean(times) * 1e3
+            row[f"probe_{path}_ttft_p50_ms"] = statistics.median(times) * 1e3
+        row["probe_requests_per_path"] = min(len(t) for t in probed.values())
+        row["probe_http_minus_grpc_mean_ms"] = (
+            row["probe_http_ttft_mean_ms"] - row["probe_grpc_ttft_mean_ms"]
+        )
     print(
         f"{label:5s}: {requests} streams x {args.output_len} tokens; router CPU {cpu:.2f} s = "
         f"{row['router_cpu_us_per_token']:.1f} us/token, {row['router_cpu_us_per_request']:.0f} "
         f"us/request -> {row['tokens_per_router_cpu_second']:,.0f} tokens per router CPU-second "
         f"(wall {rate['output_throughput']:,.0f} tok/s); the fake node (a bare gRPC stream) "
-        f"{row['fake_node_cpu_us_per_token']:.1f} us/token; TTFT p50 {row['ttft_p50_ms']:.2f} ms, "
+        f"{row['fake_node_cpu_us_per_token']:.1f} us/token; TTFT mean {row['ttft_mean_ms']:.2f} ms, "
+        f"p50 {row['ttft_p50_ms']:.2f} ms, "
         f"p90 {row['ttft_p90_ms']:.2f} ms",
         flush=True,
     )
+    if probed is not None:
+        print(
+            f"{label:5s}: probe ({row['probe_requests_per_path']} one-token requests a path, "
+            f"beside the load): TTFT mean over HTTP {row['probe_http_ttft_mean_ms']:.2f} ms, "
+            f"over gRPC {row['probe_grpc_ttft_mean_ms']:.2f} ms, HTTP minus gRPC "
+            f"{row['probe_http_minus_grpc_mean_ms']:+.2f} ms",
+            flush=True,
+        )
     return row
+
+
+async def probe_run(address: str, http_port: int, input_len: int) -> dict[str, list[float]]:
+    """Until SIGTERM: one one-token request every PROBE_GAP_S, over the router's
+    gRPC port and its HTTP port (a bare client) in turn; their times to the first
+    token, from a client that nothing else loads."""
+    import grpc
+
+    from proto import pdserve_pb2, pdserve_pb2_grpc
+
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    prompt = list(range(1, input_len + 1))
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": True}
+    raw = RawHttp(http_port, json.dumps(body).encode())
+    request = pdserve_pb2.GenerateRequest(
+        sampling=pdserve_pb2.SamplingParams(max_tokens=1, temperature=0.0)
+    )
+    request.token_ids.ids.extend(prompt)
+    times: dict[str, list[float]] = {"http": [], "grpc": []}
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pdserve_pb2_grpc.RouterStub(channel)
+
+        async def via_grpc() -> float:
+            start = time.perf_counter()
+            async for _ in stub.Generate(request):
+                return time.perf_counter() - start
+            raise RuntimeError("no response")
+
+        paths = {"http": raw.first_event, "grpc": via_grpc}
+        i = 0
+        while not stop.is_set():
+            label = ("http", "grpc")[i % 2]
+            times[label].append(await paths[label]())
+            i += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), PROBE_GAP_S)
+    raw.close()
+    return times
 
 
 async def ttft(
@@ -278,6 +383,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="the fake node's time between a stream's tokens (0: as fast as it can)",
     )
     p.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="the fake node sends every stream's next token on the same tick of "
+        "--token-interval-ms, as an engine step does (default: each stream on its own clock)",
+    )
+    p.add_argument(
         "--node-streams",
         default="session",
         choices=["session", "call"],
@@ -288,11 +399,25 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="the TTFT part also runs a router with the other --node-streams beside the first",
     )
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="during each load sweep, a client of its own times one-token requests over "
+        "HTTP and gRPC in turn (the router's edge under load, without the load "
+        "generator's client in the figure); needs http among --encodings",
+    )
     p.add_argument("--fake-node", nargs=5, metavar=("REDIS", "PORT", "MODEL_ID", "BLOCK", "MS"))
+    p.add_argument("--probe-run", nargs=2, metavar=("ADDRESS", "HTTP_PORT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.probe_run:
+        address, http_port = args.probe_run
+        print(json.dumps(asyncio.run(probe_run(address, int(http_port), args.input_len))))
+        return {}
+    if args.probe and "http" not in args.encodings.split(","):
+        p.error("--probe needs http among --encodings (it times the router's HTTP port)")
     if args.fake_node:
         url, port, model_id, block, ms = args.fake_node
-        asyncio.run(fake_node(url, int(port), model_id, int(block), float(ms) / 1e3))
+        asyncio.run(fake_node(url, int(port), model_id, int(block), float(ms) / 1e3, args.lockstep))
         return {}
     from engine.models.shapes import write_shape_dir
 
@@ -307,6 +432,7 @@ def main(argv: list[str] | None = None) -> dict:
                 subprocess.Popen(
                     [sys.executable, __file__, "--fake-node", redis.url, str(node_port)]
                     + [model_dir.name, "16", str(args.token_interval_ms)]
+                    + ["--lockstep"] * args.lockstep
                 )
             )
 
@@ -353,7 +479,8 @@ def main(argv: list[str] | None = None) -> dict:
                         if enc == "grpc"
                         else ["--backend", "openai", "--base-url", f"http://127.0.0.1:{http}"]
                     )
-                    sweeps.append(sweep(args, router.pid, procs[0].pid, target, enc, out))
+                    probe_at = (address, http) if args.probe else None
+                    sweeps.append(sweep(args, router.pid, procs[0].pid, target, enc, out, probe_at))
                 results["load"] = sweeps
         finally:
             for proc in procs:
