@@ -77,7 +77,15 @@ def scrape_args(url: str | None) -> list[str]:
     return []
 
 
-def bench(args, label: str, target: list[str], workload: str, out: Path, seed: int = 0) -> None:
+def bench(
+    args,
+    label: str,
+    target: list[str],
+    workload: str,
+    out: Path,
+    seed: int = 0,
+    probe_at: tuple[str, int] | None = None,
+) -> None:
     """One sweep. ``seed``: the prompts' (each rate adds its index); a second
     sweep on the same cluster takes another, or it would find the first sweep's
     prompts in the prefix cache (the gRPC sweeps before 2026-11-25 did). The
@@ -98,10 +106,26 @@ def bench(args, label: str, target: list[str], workload: str, out: Path, seed: i
         return
     log(f"{label} {workload}: rates {' '.join(rates)}")
     before = triton_cache_entries()
+    probe = None
+    if probe_at is not None:  # router_relay.py's probe: a client nothing else loads
+        probe = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("router_relay.py")), "--probe-run"]
+            + [probe_at[0], str(probe_at[1]), "--input-len", "1024"],
+            stdout=subprocess.PIPE,
+        )
     try:
         subprocess.run(cmd, check=False, timeout=timeout)
     except subprocess.TimeoutExpired:
         log(f"{label} {workload}: sweep timed out after {timeout:.0f} s (record lost)")
+    if probe is not None:
+        probe.send_signal(signal.SIGTERM)
+        times = json.loads(probe.communicate(timeout=60)[0])
+        (out / f"probe-{label}-{workload}.json").write_text(json.dumps(times) + "\n")
+        means = {k: 1e3 * sum(v) / len(v) for k, v in times.items() if v}
+        log(
+            f"{label} {workload}: probe beside the sweep, one-token requests, TTFT mean "
+            + ", ".join(f"{k} {m:.2f} ms (n {len(times[k])})" for k, m in means.items())
+        )
     # A kernel compiled while requests wait stalls the server for a second or so:
     # name what the sweep made a server compile (the first sweep on a fresh host).
     compiled = sorted(p.name for p in triton_cache_entries() - before)
@@ -144,7 +168,8 @@ def run_pdserve(args, out: Path) -> None:
             if has_http:
                 url = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{http_port}"]
                 url += scrape
-                bench(args, "pdserve-http", url, workload, out)
+                probe_at = (cluster.router_address, http_port) if args.probe else None
+                bench(args, "pdserve-http", url, workload, out, probe_at=probe_at)
             else:
                 log("pdserve's router has no --http-port yet: HTTP sweep skipped")
             if args.grpc:
@@ -302,6 +327,12 @@ def main(argv: list[str] | None = None) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="pdserve's gRPC sweep too, on prompts of its own (--no-grpc: HTTP only)",
+    )
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="beside pdserve's HTTP sweep, a client of its own times one-token requests "
+        "over the router's HTTP and gRPC ports in turn (router_relay.py's probe)",
     )
     p.add_argument("--vllm-args", default="--gpu-memory-utilization 0.9 --max-num-seqs 256")
     args = p.parse_args(argv)
