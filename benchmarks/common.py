@@ -77,8 +77,10 @@ def save_run(name: str, args: Any, results: Any, argv: list[str] | None) -> dict
 
 
 # ----------------------------------------------------------------- GPU timing
-def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
-    """Median wall time of ``fn`` on the GPU in ms (CUDA events around each call)."""
+def cuda_time_ms(fn, warmup: int = 3, iters: int = 20, batch: int = 1) -> float:
+    """Median wall time of ``fn`` on the GPU in ms (CUDA events around each call;
+    with ``batch`` > 1 around that many calls back to back, divided: for kernels
+    short enough that the host's launch gap would show between two events)."""
     import torch
 
     for _ in range(warmup):
@@ -88,10 +90,11 @@ def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(batch):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / batch)
     times.sort()
     return times[len(times) // 2]
 

@@ -34,7 +34,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import save_run
+from benchmarks.common import cuda_time_ms, save_run
 from engine.layers.attention import triton_decode as td
 from engine.layers.attention import triton_kernels as tk
 
@@ -71,19 +71,7 @@ def load_kernels(tree: Path):
 
 def kernel_us(fn, iters: int = 64, reps: int = 7) -> float:
     """Median over ``reps`` of the mean time of ``iters`` launches back to back, µs."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(times)
+    return cuda_time_ms(fn, warmup=3, iters=reps, batch=iters) * 1e3
 
 
 def make_case(num_decodes: int, prompts: list[int], prefix: int, device: torch.device) -> dict:
