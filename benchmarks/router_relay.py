@@ -52,8 +52,12 @@ from benchmarks.http_first_token import HttpPaths, RawHttp
 from pdserve.redis_server import RedisServer, free_port
 
 NODE_ID = "fake-decode-0"
-# The probe's pace (--probe): few enough requests that it adds little load.
+# The probe (--probe): a pause this long after each of its requests, few enough
+# that it adds little load; no request waits longer than PROBE_REQUEST_S; it
+# is given PROBE_STOP_S to print its samples once told to stop.
 PROBE_GAP_S = 0.1
+PROBE_REQUEST_S = 30.0
+PROBE_STOP_S = 60.0
 
 
 # --------------------------------------------------------------- the fake node
@@ -176,22 +180,15 @@ def sweep(
     cmd += ["--max-concurrency", str(args.max_concurrency), "--request-rate", args.request_rate]
     cmd += ["--result-dir", str(out), "--no-plot", "--no-progress", "--num-warmups", "16"]
     before = set(out.glob("*.json"))
-    probe = None
-    if probe_at is not None:
-        address, http_port = probe_at
-        probe = subprocess.Popen(
-            [sys.executable, __file__, "--probe-run", address, str(http_port)]
-            + ["--input-len", str(args.input_len)],
-            stdout=subprocess.PIPE,
-        )
+    probe = start_probe(*probe_at, args.input_len) if probe_at is not None else None
     cpu0, node0 = cpu_seconds(router_pid), cpu_seconds(node_pid)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    try:
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    finally:
+        ended = time.time()
+        samples = stop_probe(probe) if probe is not None else None
     cpu = cpu_seconds(router_pid) - cpu0
     node_cpu = cpu_seconds(node_pid) - node0
-    probed = None
-    if probe is not None:
-        probe.send_signal(signal.SIGTERM)
-        probed = json.loads(probe.communicate(timeout=60)[0])
     (path,) = set(out.glob("*.json")) - before
     (rate,) = json.loads(path.read_text())["rates"]
     if rate["failed"]:
@@ -217,15 +214,11 @@ def sweep(
         "ttft_p50_ms": rate["ttft_ms"]["p50"],
         "ttft_p90_ms": rate["ttft_ms"]["p90"],
     }
-    if probed is not None:
-        # The probe's own client is idle: what it sees is the router's edge under load.
-        for path, times in probed.items():
-            row[f"probe_{path}_ttft_mean_ms"] = statistics.fmean(times) * 1e3
-            row[f"probe_{path}_ttft_p50_ms"] = statistics.median(times) * 1e3
-        row["probe_requests_per_path"] = min(len(t) for t in probed.values())
-        row["probe_http_minus_grpc_mean_ms"] = (
-            row["probe_http_ttft_mean_ms"] - row["probe_grpc_ttft_mean_ms"]
-        )
+    if samples is not None:
+        # The rate's own window: the sweep exits right after its one rate ends.
+        row |= probe_figures(samples, (ended - rate["duration_s"], ended))
+        # Its requests ran through the router too: the CPU above includes them.
+        row["router_cpu_includes_probe"] = True
     print(
         f"{label:5s}: {requests} streams x {args.output_len} tokens; router CPU {cpu:.2f} s = "
         f"{row['router_cpu_us_per_token']:.1f} us/token, {row['router_cpu_us_per_request']:.0f} "
@@ -236,21 +229,66 @@ def sweep(
         f"p90 {row['ttft_p90_ms']:.2f} ms",
         flush=True,
     )
-    if probed is not None:
+    if "probe_http_minus_grpc_mean_ms" in row:
         print(
-            f"{label:5s}: probe ({row['probe_requests_per_path']} one-token requests a path, "
-            f"beside the load): TTFT mean over HTTP {row['probe_http_ttft_mean_ms']:.2f} ms, "
-            f"over gRPC {row['probe_grpc_ttft_mean_ms']:.2f} ms, HTTP minus gRPC "
+            f"{label:5s}: probe ({row['probe_http_n']} HTTP and {row['probe_grpc_n']} gRPC "
+            f"one-token requests while the rate ran, {row['probe_failed']} failed): TTFT mean "
+            f"over HTTP {row['probe_http_ttft_mean_ms']:.2f} ms, over gRPC "
+            f"{row['probe_grpc_ttft_mean_ms']:.2f} ms, HTTP minus gRPC "
             f"{row['probe_http_minus_grpc_mean_ms']:+.2f} ms",
             flush=True,
         )
     return row
 
 
-async def probe_run(address: str, http_port: int, input_len: int) -> dict[str, list[float]]:
-    """Until SIGTERM: one one-token request every PROBE_GAP_S, over the router's
-    gRPC port and its HTTP port (a bare client) in turn; their times to the first
-    token, from a client that nothing else loads."""
+def start_probe(address: str, http_port: int, input_len: int) -> subprocess.Popen:
+    """The probe (``probe_run``) in a process of its own, until ``stop_probe``."""
+    return subprocess.Popen(
+        [sys.executable, __file__, "--probe-run", address, str(http_port)]
+        + ["--input-len", str(input_len)],
+        stdout=subprocess.PIPE,
+    )
+
+
+def stop_probe(probe: subprocess.Popen) -> dict | None:
+    """Its samples (``probe_run``'s JSON), or None when it failed or would not stop."""
+    probe.send_signal(signal.SIGTERM)
+    try:
+        out, _ = probe.communicate(timeout=PROBE_STOP_S)
+    except subprocess.TimeoutExpired:
+        probe.kill()
+        probe.communicate()
+        return None
+    try:
+        return json.loads(out)
+    except ValueError:  # it died before printing (its error is on stderr)
+        return None
+
+
+def probe_figures(samples: dict, window: tuple[float, float]) -> dict:
+    """TTFT mean and p50 per path of the probe's requests that started inside
+    ``window`` (wall-clock seconds): those before the load began or after it
+    ended are left out."""
+    lo, hi = window
+    row: dict = {"probe_failed": samples["failed"]}
+    for path in ("http", "grpc"):
+        times = [s for t, s in samples[path] if lo <= t <= hi]
+        row[f"probe_{path}_n"] = len(times)
+        if times:
+            row[f"probe_{path}_ttft_mean_ms"] = statistics.fmean(times) * 1e3
+            row[f"probe_{path}_ttft_p50_ms"] = statistics.median(times) * 1e3
+    if row["probe_http_n"] and row["probe_grpc_n"]:
+        row["probe_http_minus_grpc_mean_ms"] = (
+            row["probe_http_ttft_mean_ms"] - row["probe_grpc_ttft_mean_ms"]
+        )
+    return row
+
+
+async def probe_run(address: str, http_port: int, input_len: int) -> dict:
+    """Until SIGTERM: one-token requests over the router's gRPC port and its HTTP
+    port (a bare client) in turn, PROBE_GAP_S apart (a pause after each); their
+    times to the first token, from a client that nothing else loads, as
+    {"http": [[wall-clock start, seconds], ...], "grpc": [...], "failed": n}."""
     import grpc
 
     from proto import pdserve_pb2, pdserve_pb2_grpc
@@ -264,7 +302,7 @@ async def probe_run(address: str, http_port: int, input_len: int) -> dict[str, l
         sampling=pdserve_pb2.SamplingParams(max_tokens=1, temperature=0.0)
     )
     request.token_ids.ids.extend(prompt)
-    times: dict[str, list[float]] = {"http": [], "grpc": []}
+    samples: dict = {"http": [], "grpc": [], "failed": 0}
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pdserve_pb2_grpc.RouterStub(channel)
 
@@ -278,12 +316,23 @@ async def probe_run(address: str, http_port: int, input_len: int) -> dict[str, l
         i = 0
         while not stop.is_set():
             label = ("http", "grpc")[i % 2]
-            times[label].append(await paths[label]())
             i += 1
+            started = time.time()
+            try:
+                seconds = await asyncio.wait_for(paths[label](), PROBE_REQUEST_S)
+            except Exception:  # a refusal, a reset, a timeout: counted, the probe goes on
+                seconds = None
+            if seconds is None:
+                samples["failed"] += 1
+                if label == "http":  # its connection may be in any state now: a new one
+                    raw.close()
+                    raw = RawHttp(http_port, json.dumps(body).encode())
+            else:
+                samples[label].append([started, seconds])
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), PROBE_GAP_S)
     raw.close()
-    return times
+    return samples
 
 
 async def ttft(

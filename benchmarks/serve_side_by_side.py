@@ -106,26 +106,29 @@ def bench(
         return
     log(f"{label} {workload}: rates {' '.join(rates)}")
     before = triton_cache_entries()
-    probe = None
-    if probe_at is not None:  # router_relay.py's probe: a client nothing else loads
-        probe = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("router_relay.py")), "--probe-run"]
-            + [probe_at[0], str(probe_at[1]), "--input-len", "1024"],
-            stdout=subprocess.PIPE,
-        )
+    from benchmarks.router_relay import probe_figures, start_probe, stop_probe
+
+    # router_relay.py's probe: a client nothing else loads, beside the sweep.
+    probe = start_probe(*probe_at, 1024) if probe_at is not None else None
+    records = set(out.glob(f"serve-{label}-{workload}-*.json"))
     try:
         subprocess.run(cmd, check=False, timeout=timeout)
     except subprocess.TimeoutExpired:
         log(f"{label} {workload}: sweep timed out after {timeout:.0f} s (record lost)")
-    if probe is not None:
-        probe.send_signal(signal.SIGTERM)
-        times = json.loads(probe.communicate(timeout=60)[0])
-        (out / f"probe-{label}-{workload}.json").write_text(json.dumps(times) + "\n")
-        means = {k: 1e3 * sum(v) / len(v) for k, v in times.items() if v}
-        log(
-            f"{label} {workload}: probe beside the sweep, one-token requests, TTFT mean "
-            + ", ".join(f"{k} {m:.2f} ms (n {len(times[k])})" for k, m in means.items())
+    finally:
+        ended = time.time()
+        samples = stop_probe(probe) if probe is not None else None
+    new = sorted(set(out.glob(f"serve-{label}-{workload}-*.json")) - records)
+    if probe is not None and samples is None:
+        log(f"{label} {workload}: the probe failed (its error is above)")
+    elif samples is not None and new:
+        # The rates' window: the sweep exits right after its last rate ends.
+        ran = sum(r["duration_s"] for r in json.loads(new[-1].read_text())["rates"])
+        figures = probe_figures(samples, (ended - ran, ended))
+        new[-1].with_name("probe-" + new[-1].name).write_text(
+            json.dumps({"figures": figures, "samples": samples}) + "\n"
         )
+        log(f"{label} {workload}: probe while the rates ran: {figures}")
     # A kernel compiled while requests wait stalls the server for a second or so:
     # name what the sweep made a server compile (the first sweep on a fresh host).
     compiled = sorted(p.name for p in triton_cache_entries() - before)
