@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -48,16 +46,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import command_line, environment, write_record
-from benchmarks.http_first_token import HttpPaths, RawHttp
+from benchmarks.http_first_token import HttpPaths
+from benchmarks.router_probe import probe_figures, probe_line, start_probe, stop_probe
 from pdserve.redis_server import RedisServer, free_port
 
 NODE_ID = "fake-decode-0"
-# The probe (--probe): a pause this long after each of its requests, few enough
-# that it adds little load; no request waits longer than PROBE_REQUEST_S; it
-# is given PROBE_STOP_S to print its samples once told to stop.
-PROBE_GAP_S = 0.1
-PROBE_REQUEST_S = 30.0
-PROBE_STOP_S = 60.0
 
 
 # --------------------------------------------------------------- the fake node
@@ -214,10 +207,9 @@ def sweep(
         "ttft_p50_ms": rate["ttft_ms"]["p50"],
         "ttft_p90_ms": rate["ttft_ms"]["p90"],
     }
-    if samples is not None:
-        # The rate's own window: the sweep exits right after its one rate ends.
+    if samples is not None:  # the rate's window (the sweep exits when it ends); the CPU
+        # above includes the probe's requests, which ran through the router too.
         row |= probe_figures(samples, (ended - rate["duration_s"], ended))
-        # Its requests ran through the router too: the CPU above includes them.
         row["router_cpu_includes_probe"] = True
     print(
         f"{label:5s}: {requests} streams x {args.output_len} tokens; router CPU {cpu:.2f} s = "
@@ -230,109 +222,8 @@ def sweep(
         flush=True,
     )
     if "probe_http_minus_grpc_mean_ms" in row:
-        print(
-            f"{label:5s}: probe ({row['probe_http_n']} HTTP and {row['probe_grpc_n']} gRPC "
-            f"one-token requests while the rate ran, {row['probe_failed']} failed): TTFT mean "
-            f"over HTTP {row['probe_http_ttft_mean_ms']:.2f} ms, over gRPC "
-            f"{row['probe_grpc_ttft_mean_ms']:.2f} ms, HTTP minus gRPC "
-            f"{row['probe_http_minus_grpc_mean_ms']:+.2f} ms",
-            flush=True,
-        )
+        print(f"{label:5s}: {probe_line(row)}", flush=True)
     return row
-
-
-def start_probe(address: str, http_port: int, input_len: int) -> subprocess.Popen:
-    """The probe (``probe_run``) in a process of its own, until ``stop_probe``."""
-    return subprocess.Popen(
-        [sys.executable, __file__, "--probe-run", address, str(http_port)]
-        + ["--input-len", str(input_len)],
-        stdout=subprocess.PIPE,
-    )
-
-
-def stop_probe(probe: subprocess.Popen) -> dict | None:
-    """Its samples (``probe_run``'s JSON), or None when it failed or would not stop."""
-    probe.send_signal(signal.SIGTERM)
-    try:
-        out, _ = probe.communicate(timeout=PROBE_STOP_S)
-    except subprocess.TimeoutExpired:
-        probe.kill()
-        probe.communicate()
-        return None
-    try:
-        return json.loads(out)
-    except ValueError:  # it died before printing (its error is on stderr)
-        return None
-
-
-def probe_figures(samples: dict, window: tuple[float, float]) -> dict:
-    """TTFT mean and p50 per path of the probe's requests that started inside
-    ``window`` (wall-clock seconds): those before the load began or after it
-    ended are left out."""
-    lo, hi = window
-    row: dict = {"probe_failed": samples["failed"]}
-    for path in ("http", "grpc"):
-        times = [s for t, s in samples[path] if lo <= t <= hi]
-        row[f"probe_{path}_n"] = len(times)
-        if times:
-            row[f"probe_{path}_ttft_mean_ms"] = statistics.fmean(times) * 1e3
-            row[f"probe_{path}_ttft_p50_ms"] = statistics.median(times) * 1e3
-    if row["probe_http_n"] and row["probe_grpc_n"]:
-        row["probe_http_minus_grpc_mean_ms"] = (
-            row["probe_http_ttft_mean_ms"] - row["probe_grpc_ttft_mean_ms"]
-        )
-    return row
-
-
-async def probe_run(address: str, http_port: int, input_len: int) -> dict:
-    """Until SIGTERM: one-token requests over the router's gRPC port and its HTTP
-    port (a bare client) in turn, PROBE_GAP_S apart (a pause after each); their
-    times to the first token, from a client that nothing else loads, as
-    {"http": [[wall-clock start, seconds], ...], "grpc": [...], "failed": n}."""
-    import grpc
-
-    from proto import pdserve_pb2, pdserve_pb2_grpc
-
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    prompt = list(range(1, input_len + 1))
-    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": True}
-    raw = RawHttp(http_port, json.dumps(body).encode())
-    request = pdserve_pb2.GenerateRequest(
-        sampling=pdserve_pb2.SamplingParams(max_tokens=1, temperature=0.0)
-    )
-    request.token_ids.ids.extend(prompt)
-    samples: dict = {"http": [], "grpc": [], "failed": 0}
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pdserve_pb2_grpc.RouterStub(channel)
-
-        async def via_grpc() -> float:
-            start = time.perf_counter()
-            async for _ in stub.Generate(request):
-                return time.perf_counter() - start
-            raise RuntimeError("no response")
-
-        paths = {"http": raw.first_event, "grpc": via_grpc}
-        i = 0
-        while not stop.is_set():
-            label = ("http", "grpc")[i % 2]
-            i += 1
-            started = time.time()
-            try:
-                seconds = await asyncio.wait_for(paths[label](), PROBE_REQUEST_S)
-            except Exception:  # a refusal, a reset, a timeout: counted, the probe goes on
-                seconds = None
-            if seconds is None:
-                samples["failed"] += 1
-                if label == "http":  # its connection may be in any state now: a new one
-                    raw.close()
-                    raw = RawHttp(http_port, json.dumps(body).encode())
-            else:
-                samples[label].append([started, seconds])
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), PROBE_GAP_S)
-    raw.close()
-    return samples
 
 
 async def ttft(
@@ -434,8 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--lockstep",
         action="store_true",
-        help="the fake node sends every stream's next token on the same tick of "
-        "--token-interval-ms, as an engine step does (default: each stream on its own clock)",
+        help="the fake node sends all streams' tokens on one tick, as an engine step does",
     )
     p.add_argument(
         "--node-streams",
@@ -451,17 +341,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--probe",
         action="store_true",
-        help="during each load sweep, a client of its own times one-token requests over "
-        "HTTP and gRPC in turn (the router's edge under load, without the load "
-        "generator's client in the figure); needs http among --encodings",
+        help="beside each load sweep, router_probe.py (needs http among --encodings)",
     )
     p.add_argument("--fake-node", nargs=5, metavar=("REDIS", "PORT", "MODEL_ID", "BLOCK", "MS"))
-    p.add_argument("--probe-run", nargs=2, metavar=("ADDRESS", "HTTP_PORT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.probe_run:
-        address, http_port = args.probe_run
-        print(json.dumps(asyncio.run(probe_run(address, int(http_port), args.input_len))))
-        return {}
     if args.probe and "http" not in args.encodings.split(","):
         p.error("--probe needs http among --encodings (it times the router's HTTP port)")
     if args.fake_node:

@@ -106,9 +106,9 @@ def bench(
         return
     log(f"{label} {workload}: rates {' '.join(rates)}")
     before = triton_cache_entries()
-    from benchmarks.router_relay import probe_figures, start_probe, stop_probe
+    from benchmarks.router_probe import probe_figures, start_probe, stop_probe
 
-    # router_relay.py's probe: a client nothing else loads, beside the sweep.
+    # router_probe.py: a client nothing else loads, beside the sweep.
     probe = start_probe(*probe_at, 1024) if probe_at is not None else None
     records = set(out.glob(f"serve-{label}-{workload}-*.json"))
     try:
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
         "--probe",
         action="store_true",
         help="beside pdserve's HTTP sweep, a client of its own times one-token requests "
-        "over the router's HTTP and gRPC ports in turn (router_relay.py's probe)",
+        "over the router's HTTP and gRPC ports in turn (router_probe.py)",
     )
     p.add_argument("--vllm-args", default="--gpu-memory-utilization 0.9 --max-num-seqs 256")
     args = p.parse_args(argv)
