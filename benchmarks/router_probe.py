@@ -2,7 +2,7 @@
 client) and its gRPC port in turn, from a process that nothing else loads, so
 that what it times is the router's edge under the load and not the load
 generator's own client. ``router_relay.py --probe`` and ``serve_side_by_side.py
---probe`` run it beside their sweeps:
+--probe`` run it beside their sweeps (``Probe``):
 
     python benchmarks/router_probe.py ADDRESS HTTP_PORT [--input-len N]
 
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.http_first_token import RawHttp
 
-# The probe (--probe): a pause this long after each of its requests, few enough
+# The probe: a pause this long after each of its requests, few enough
 # that it adds little load; no request waits longer than PROBE_REQUEST_S; it
 # is given PROBE_STOP_S to print its samples once told to stop.
 PROBE_GAP_S = 0.1
@@ -34,27 +34,37 @@ PROBE_REQUEST_S = 30.0
 PROBE_STOP_S = 60.0
 
 
-def start_probe(address: str, http_port: int, input_len: int) -> subprocess.Popen:
-    """The probe (``probe_run``) in a process of its own, until ``stop_probe``."""
-    return subprocess.Popen(
-        [sys.executable, __file__, address, str(http_port)] + ["--input-len", str(input_len)],
-        stdout=subprocess.PIPE,
-    )
+class Probe:
+    """``probe_run`` in a process of its own while a ``with`` block runs (a
+    sweep): on the way out it is stopped and its samples read (``samples`` is
+    None when it failed or would not stop; its error is on stderr)."""
 
+    def __init__(self, address: str, http_port: int, input_len: int) -> None:
+        self.command = [sys.executable, __file__, address, str(http_port)]
+        self.command += ["--input-len", str(input_len)]
+        self.samples: dict | None = None
+        self.ended = 0.0
 
-def stop_probe(probe: subprocess.Popen) -> dict | None:
-    """Its samples (``probe_run``'s JSON), or None when it failed or would not stop."""
-    probe.send_signal(signal.SIGTERM)
-    try:
-        out, _ = probe.communicate(timeout=PROBE_STOP_S)
-    except subprocess.TimeoutExpired:
-        probe.kill()
-        probe.communicate()
-        return None
-    try:
-        return json.loads(out)
-    except ValueError:  # it died before printing (its error is on stderr)
-        return None
+    def __enter__(self) -> Probe:
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.ended = time.time()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=PROBE_STOP_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            return
+        with contextlib.suppress(ValueError):  # it died before printing
+            self.samples = json.loads(out)
+
+    def figures(self, ran_s: float) -> dict:
+        """``probe_figures`` over the last ``ran_s`` seconds of the block (the
+        sweep's rates: a sweep exits as soon as its last rate ends)."""
+        return probe_figures(self.samples, (self.ended - ran_s, self.ended))
 
 
 def probe_figures(samples: dict, window: tuple[float, float]) -> dict:
@@ -62,7 +72,7 @@ def probe_figures(samples: dict, window: tuple[float, float]) -> dict:
     ``window`` (wall-clock seconds): those before the load began or after it
     ended are left out."""
     lo, hi = window
-    row: dict = {"probe_failed": samples["failed"]}
+    row: dict = {"probe_failed": sum(lo <= t <= hi for t in samples["failed"])}
     for path in ("http", "grpc"):
         times = [s for t, s in samples[path] if lo <= t <= hi]
         row[f"probe_{path}_n"] = len(times)
@@ -80,7 +90,7 @@ async def probe_run(address: str, http_port: int, input_len: int) -> dict:
     """Until SIGTERM: one-token requests over the router's gRPC port and its HTTP
     port (a bare client) in turn, PROBE_GAP_S apart (a pause after each); their
     times to the first token, from a client that nothing else loads, as
-    {"http": [[wall-clock start, seconds], ...], "grpc": [...], "failed": n}."""
+    {"http": [[wall-clock start, seconds], ...], "grpc": [...], "failed": [start, ...]}."""
     import grpc
 
     from proto import pdserve_pb2, pdserve_pb2_grpc
@@ -88,13 +98,13 @@ async def probe_run(address: str, http_port: int, input_len: int) -> dict:
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     prompt = list(range(1, input_len + 1))
-    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": True}
-    raw = RawHttp(http_port, json.dumps(body).encode())
+    body = json.dumps({"prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": True})
+    raw = RawHttp(http_port, body.encode())
     request = pdserve_pb2.GenerateRequest(
         sampling=pdserve_pb2.SamplingParams(max_tokens=1, temperature=0.0)
     )
     request.token_ids.ids.extend(prompt)
-    samples: dict = {"http": [], "grpc": [], "failed": 0}
+    samples: dict = {"http": [], "grpc": [], "failed": []}
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pdserve_pb2_grpc.RouterStub(channel)
 
@@ -115,10 +125,10 @@ async def probe_run(address: str, http_port: int, input_len: int) -> dict:
             except Exception:  # a refusal, a reset, a timeout: counted, the probe goes on
                 seconds = None
             if seconds is None:
-                samples["failed"] += 1
+                samples["failed"].append(started)
                 if label == "http":  # its connection may be in any state now: a new one
                     raw.close()
-                    raw = RawHttp(http_port, json.dumps(body).encode())
+                    raw = RawHttp(http_port, body.encode())
             else:
                 samples[label].append([started, seconds])
             with contextlib.suppress(TimeoutError):

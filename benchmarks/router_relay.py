@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import command_line, environment, write_record
 from benchmarks.http_first_token import HttpPaths
-from benchmarks.router_probe import probe_figures, probe_line, start_probe, stop_probe
+from benchmarks.router_probe import Probe, probe_line
 from pdserve.redis_server import RedisServer, free_port
 
 NODE_ID = "fake-decode-0"
@@ -173,13 +174,10 @@ def sweep(
     cmd += ["--max-concurrency", str(args.max_concurrency), "--request-rate", args.request_rate]
     cmd += ["--result-dir", str(out), "--no-plot", "--no-progress", "--num-warmups", "16"]
     before = set(out.glob("*.json"))
-    probe = start_probe(*probe_at, args.input_len) if probe_at is not None else None
+    probe = Probe(*probe_at, args.input_len) if probe_at is not None else None
     cpu0, node0 = cpu_seconds(router_pid), cpu_seconds(node_pid)
-    try:
+    with probe or contextlib.nullcontext():
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    finally:
-        ended = time.time()
-        samples = stop_probe(probe) if probe is not None else None
     cpu = cpu_seconds(router_pid) - cpu0
     node_cpu = cpu_seconds(node_pid) - node0
     (path,) = set(out.glob("*.json")) - before
@@ -207,9 +205,9 @@ def sweep(
         "ttft_p50_ms": rate["ttft_ms"]["p50"],
         "ttft_p90_ms": rate["ttft_ms"]["p90"],
     }
-    if samples is not None:  # the rate's window (the sweep exits when it ends); the CPU
-        # above includes the probe's requests, which ran through the router too.
-        row |= probe_figures(samples, (ended - rate["duration_s"], ended))
+    if probe is not None and probe.samples is not None:  # the CPU above includes the
+        # probe's requests, which ran through the router too
+        row |= probe.figures(rate["duration_s"])
         row["router_cpu_includes_probe"] = True
     print(
         f"{label:5s}: {requests} streams x {args.output_len} tokens; router CPU {cpu:.2f} s = "

@@ -17,6 +17,7 @@ servers are killed on any exit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -106,27 +107,24 @@ def bench(
         return
     log(f"{label} {workload}: rates {' '.join(rates)}")
     before = triton_cache_entries()
-    from benchmarks.router_probe import probe_figures, start_probe, stop_probe
+    from benchmarks.router_probe import Probe
 
     # router_probe.py: a client nothing else loads, beside the sweep.
-    probe = start_probe(*probe_at, 1024) if probe_at is not None else None
+    probe = Probe(*probe_at, 1024) if probe_at is not None else None
     records = set(out.glob(f"serve-{label}-{workload}-*.json"))
-    try:
-        subprocess.run(cmd, check=False, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        log(f"{label} {workload}: sweep timed out after {timeout:.0f} s (record lost)")
-    finally:
-        ended = time.time()
-        samples = stop_probe(probe) if probe is not None else None
+    with probe or contextlib.nullcontext():
+        try:
+            subprocess.run(cmd, check=False, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log(f"{label} {workload}: sweep timed out after {timeout:.0f} s (record lost)")
     new = sorted(set(out.glob(f"serve-{label}-{workload}-*.json")) - records)
-    if probe is not None and samples is None:
+    if probe is not None and probe.samples is None:
         log(f"{label} {workload}: the probe failed (its error is above)")
-    elif samples is not None and new:
-        # The rates' window: the sweep exits right after its last rate ends.
+    elif probe is not None and new:
         ran = sum(r["duration_s"] for r in json.loads(new[-1].read_text())["rates"])
-        figures = probe_figures(samples, (ended - ran, ended))
+        figures = probe.figures(ran)
         new[-1].with_name("probe-" + new[-1].name).write_text(
-            json.dumps({"figures": figures, "samples": samples}) + "\n"
+            json.dumps({"figures": figures, "samples": probe.samples}) + "\n"
         )
         log(f"{label} {workload}: probe while the rates ran: {figures}")
     # A kernel compiled while requests wait stalls the server for a second or so:
