@@ -9,7 +9,9 @@ system in ``--systems`` (pdserve: one decode node that prefills locally, no
 prefill node; vllm: `vllm serve` on the same config) start the server, poll
 until it answers, sweep both workloads (random 1024 in / 128 out; shared
 prefix 8 groups x 32 prompts, 2048-token system prompt, 128-token questions),
-stop it. Writes every record, one plot per workload and summary.json (the
+stop it; or, with ``--interleave ROUNDS``, both up at once on the GPU and
+their sweeps alternated (the fairer comparison: no system always first, and
+the same host state for both). Writes every record, one plot per workload and summary.json (the
 issue's targets) under ``--out``. Each sweep and each start has a timeout; the
 servers are killed on any exit.
 """
@@ -19,19 +21,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import triton_cache_entries
+from benchmarks.serve_summary import summarize
 from pdserve.redis_server import free_port
 
 SLO = "ttft:500,tpot:50"
@@ -135,7 +138,21 @@ def bench(
         log(f"{label} {workload}: {len(compiled)} Triton kernels compiled during the sweep")
 
 
-def run_pdserve(args, out: Path) -> None:
+@dataclass(slots=True)
+class Sweep:
+    """One way to drive a running system: its record label, bench target
+    arguments, prompt seed (each sweep on one server takes its own, or it would
+    find an earlier sweep's prompts in the prefix cache) and probe address."""
+
+    label: str
+    target: list[str]
+    seed: int = 0
+    probe_at: tuple[str, int] | None = None
+
+
+@contextlib.contextmanager
+def pdserve_up(args, out: Path) -> Iterator[list[Sweep]]:
+    """pdserve, one decode node that prefills locally; its HTTP and gRPC sweeps."""
     from pdserve.launcher import ClusterSpec, LocalCluster
 
     has_http = args.http and (
@@ -165,20 +182,22 @@ def run_pdserve(args, out: Path) -> None:
     with LocalCluster(spec) as cluster:
         (decode,) = [c for c in cluster.components if c.name.startswith("decode")]
         scrape = scrape_args(decode.metrics_url)
-        for workload in args.workloads:
-            if has_http:
-                url = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{http_port}"]
-                url += scrape
-                probe_at = (cluster.router_address, http_port) if args.probe else None
-                bench(args, "pdserve-http", url, workload, out, probe_at=probe_at)
-            else:
-                log("pdserve's router has no --http-port yet: HTTP sweep skipped")
-            if args.grpc:
-                grpc = ["--backend", "grpc", "--address", cluster.router_address, *scrape]
-                bench(args, "pdserve-grpc", grpc, workload, out, seed=1000)
+        sweeps = []
+        if has_http:
+            url = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{http_port}"]
+            probe_at = (cluster.router_address, http_port) if args.probe else None
+            sweeps.append(Sweep("pdserve-http", url + scrape, probe_at=probe_at))
+        else:
+            log("pdserve's router has no --http-port yet: HTTP sweep skipped")
+        if args.grpc:
+            grpc = ["--backend", "grpc", "--address", cluster.router_address, *scrape]
+            sweeps.append(Sweep("pdserve-grpc", grpc, seed=1000))
+        yield sweeps
 
 
-def run_vllm(args, out: Path) -> None:
+@contextlib.contextmanager
+def vllm_up(args, out: Path) -> Iterator[list[Sweep]]:
+    """`vllm serve` on the same config, its process group stopped on any exit."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -199,20 +218,12 @@ def run_vllm(args, out: Path) -> None:
     )
     try:
         wait_http(f"http://127.0.0.1:{port}/health", args.start_timeout, proc)
-        target = [
-            "--backend",
-            "openai",
-            "--base-url",
-            f"http://127.0.0.1:{port}",
-            "--model",
-            "dummy",
-            *scrape_args(f"http://127.0.0.1:{port}/metrics"),
-        ]
-        for workload in args.workloads:
-            bench(args, "vllm", target, workload, out)
+        target = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{port}"]
+        target += ["--model", "dummy", *scrape_args(f"http://127.0.0.1:{port}/metrics")]
+        yield [Sweep("vllm", target)]
     finally:
         # The whole process group: the API server and its engine core process.
-        with __import__("contextlib").suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=30)
@@ -221,85 +232,42 @@ def run_vllm(args, out: Path) -> None:
         logf.close()
 
 
-GC_PAUSE = re.compile(r"garbage collection \(generation (\d)\) paused this process for (\d+) ms")
-GC_FROZE = re.compile(r"froze (\d+) start-up objects")
+UP = {"pdserve": pdserve_up, "vllm": vllm_up}
 
 
-def gc_pauses(log_dir: Path) -> dict:
-    """Per pdserve process log: objects frozen at start-up and the collector's long
-    pauses once serving (common/gc_heap.py logs each one over 50 ms; those of
-    start-up, before the process says it is serving, are left out)."""
-    found = {}
-    for path in sorted(log_dir.glob("*.log")):
-        text = path.read_text(errors="replace")
-        serving = text.find(" serving on ")
-        frozen = GC_FROZE.findall(text)
-        text = text[serving:] if serving >= 0 else ""
-        pauses = [int(ms) for _, ms in GC_PAUSE.findall(text)]
-        found[path.stem] = {
-            "frozen": int(frozen[-1]) if frozen else 0,
-            "pauses_over_50ms": len(pauses),
-            "max_pause_ms": max(pauses, default=0),
-            "total_pause_ms": sum(pauses),
-        }
-    return found
+def run_in_turn(args) -> None:
+    """Each system in ``--systems`` started, swept and stopped in turn."""
+    for system in args.systems:
+        try:
+            with UP[system](args, args.out) as sweeps:
+                for workload in args.workloads:
+                    for s in sweeps:
+                        bench(args, s.label, s.target, workload, args.out, s.seed, s.probe_at)
+        except Exception as e:  # the other system still runs; the error is in the log
+            log(f"{system}: {type(e).__name__}: {e}")
 
 
-def server_phases(rate: dict) -> dict[str, float] | None:
-    """A rate's server-side queue and prefill time, mean and p90 in ms, from the
-    histograms its record scraped (vLLM's ``vllm:request_*_time_seconds``, a
-    pdserve node's ``pdserve_request_*_time_seconds``); None without them. With
-    several series of a phase (nodes, labels): the one that observed the most.
-    The p90 is an estimate within its bucket, whose upper bound comes with it
-    (``*_p90_at_most_ms``, None past the last bucket): vLLM's first bucket is
-    (0, 300 ms]."""
-    out = {}
-    for series in (rate.get("server_histograms") or {}).values():
-        for key, s in series.items():
-            for phase in ("queue", "prefill"):
-                named = f"request_{phase}_time_seconds" in key.split("{")[0]
-                if named and s["count"] > out.get(f"{phase}_n", 0):
-                    out[f"{phase}_n"] = s["count"]
-                    out[f"{phase}_mean_ms"] = s["mean"]
-                    out[f"{phase}_p90_ms"] = s["p90"]
-                    if "p90_bucket" in s:
-                        # Past the last bucket there is no bound (a record writes inf as "inf").
-                        upper = s["p90_bucket"][1]
-                        bounded = isinstance(upper, (int, float)) and math.isfinite(upper)
-                        out[f"{phase}_p90_at_most_ms"] = upper if bounded else None
-    return out or None
-
-
-def summarize(out: Path, workloads: list[str], compiled: dict[str, list[str]]) -> dict:
-    """Plots per workload and the issue's two targets, from the records."""
-    from pdserve.bench.plot import plot_records
-    from pdserve.bench.report import load_record
-
-    summary: dict = {}
-    for workload in workloads:
-        recs = [load_record(p) for p in sorted(out.glob(f"serve-*-{workload}-*.json"))]
-        if not recs:
-            continue
-        plot_records(recs, out / f"plot-{workload}.png")
-        per = {r["label"]: r["rates"] for r in recs}
-        if workload == "random":
-            summary["random_max_goodput"] = {
-                k: max((x["goodput"] or 0.0) for x in v) for k, v in per.items()
-            }
-        else:
-            summary["shared_prefix_ttft_p50_ms"] = {
-                k: {str(x["request_rate"]): x["ttft_ms"]["p50"] for x in v} for k, v in per.items()
-            }
-        summary[f"{workload}_failed"] = {k: sum(x["failed"] for x in v) for k, v in per.items()}
-        summary[f"{workload}_server_phases"] = {
-            k: {str(x["request_rate"]): server_phases(x) for x in v} for k, v in per.items()
-        }
-    summary["triton_compiled_during_sweeps"] = compiled
-    if (out / "logs-pdserve").is_dir():
-        summary["pdserve_gc"] = gc_pauses(out / "logs-pdserve")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    print(json.dumps(summary, indent=2, default=str))
-    return summary
+def run_interleaved(args) -> None:
+    """Both systems up at once on the one GPU, each idle while the other is swept,
+    their sweeps alternated round by round in the order ABBA..., so that neither
+    system always runs first, on a colder host or a later one (the systems were
+    each faster in their second run of 2026-11-27, in turn). Round r's sweeps
+    are labelled ``-rR`` and take prompt seed 100 r (+ a sweep's own): both
+    systems get the same prompts in a round, and a later round does not find an
+    earlier one's prompts in its prefix cache. vLLM starts first, on
+    ``--vllm-args``' share of the memory (vLLM refuses to start where less is
+    free); pdserve's node subtracts what another process holds from its own
+    budget (engine/model_runner.py)."""
+    with contextlib.ExitStack() as stack:
+        up = {s: stack.enter_context(UP[s](args, args.out)) for s in ("vllm", "pdserve")}
+        for r in range(args.interleave):
+            order = ["pdserve", "vllm"] if r % 4 in (0, 3) else ["vllm", "pdserve"]
+            log(f"round {r}: {' then '.join(order)}")
+            for workload in args.workloads:
+                for system in order:
+                    for s in up[system]:
+                        label, seed = f"{s.label}-r{r}", s.seed + 100 * r
+                        bench(args, label, s.target, workload, args.out, seed, s.probe_at)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -335,9 +303,25 @@ def main(argv: list[str] | None = None) -> None:
         help="beside pdserve's HTTP sweep, a client of its own times one-token requests "
         "over the router's HTTP and gRPC ports in turn (router_probe.py)",
     )
-    p.add_argument("--vllm-args", default="--gpu-memory-utilization 0.9 --max-num-seqs 256")
+    p.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="pdserve and vLLM up at once on the GPU, their sweeps alternated for ROUNDS "
+        "rounds (ABBA order); --systems is then ignored",
+    )
+    p.add_argument(
+        "--vllm-args",
+        default=None,
+        help="default: '--gpu-memory-utilization 0.9 --max-num-seqs 256' (0.42 with "
+        "--interleave, which leaves pdserve a larger share than vLLM keeps for its KV cache)",
+    )
     args = p.parse_args(argv)
     args.deadline = time.monotonic() + args.time_budget
+    if args.vllm_args is None:
+        share = 0.42 if args.interleave else 0.9
+        args.vllm_args = f"--gpu-memory-utilization {share} --max-num-seqs 256"
     args.compiled = {}
     args.rates = {"random": args.random_rates, "shared-prefix": args.shared_prefix_rates}
     from engine.models.shapes import write_shape_dir
@@ -346,11 +330,13 @@ def main(argv: list[str] | None = None) -> None:
     args.model_dir = write_shape_dir(args.shape, args.out / "model")
     # SIGTERM (a timeout) unwinds through the finally blocks that stop the servers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    for system in args.systems:
+    if args.interleave:
         try:
-            (run_pdserve if system == "pdserve" else run_vllm)(args, args.out)
-        except Exception as e:  # the other system still runs; the error is in the log
-            log(f"{system}: {type(e).__name__}: {e}")
+            run_interleaved(args)
+        except Exception as e:  # the records so far are still summarised
+            log(f"interleaved: {type(e).__name__}: {e}")
+    else:
+        run_in_turn(args)
     summarize(args.out, args.workloads, args.compiled)
 
 

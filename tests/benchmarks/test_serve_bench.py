@@ -279,7 +279,7 @@ def test_arrival_seed_draws_the_gaps_apart_from_the_prompts(tmp_path, monkeypatc
 
 
 def test_the_side_by_side_summary_reads_either_servers_phase_histograms():
-    from benchmarks.serve_side_by_side import server_phases
+    from benchmarks.serve_summary import server_phases
 
     def s(count, mean, p90):
         bucket = [0.0, 300.0] if p90 < 300 else [300.0, 500.0]
@@ -322,3 +322,63 @@ def test_the_side_by_side_summary_reads_either_servers_phase_histograms():
     assert server_phases(open_ended)["queue_p90_at_most_ms"] is None
     assert server_phases({}) is None
     assert server_phases({"server_histograms": {"http://x": {"error": "lost"}}}) is None
+
+
+def test_interleaved_rounds_alternate_abba_with_one_prompt_seed_per_round(monkeypatch, tmp_path):
+    """Both systems are started once; each round sweeps them in turn, pdserve
+    first in rounds 0 and 3, vLLM first in 1 and 2; both get the round's seed,
+    and pdserve's gRPC sweep keeps a seed of its own."""
+    import argparse
+    import contextlib
+
+    from benchmarks import serve_side_by_side as sbs
+
+    started, swept = [], []
+
+    def up(name, sweeps):
+        @contextlib.contextmanager
+        def cm(args, out):
+            started.append(name)
+            yield sweeps
+
+        return cm
+
+    monkeypatch.setitem(sbs.UP, "vllm", up("vllm", [sbs.Sweep("vllm", ["v"])]))
+    pd = [sbs.Sweep("pdserve-http", ["h"]), sbs.Sweep("pdserve-grpc", ["g"], seed=1000)]
+    monkeypatch.setitem(sbs.UP, "pdserve", up("pdserve", pd))
+    monkeypatch.setattr(
+        sbs, "bench", lambda a, label, t, w, o, seed, probe: swept.append((w, label, seed))
+    )
+    args = argparse.Namespace(interleave=4, workloads=["shared-prefix"], out=tmp_path)
+    sbs.run_interleaved(args)
+    assert started == ["vllm", "pdserve"]  # vLLM first: it refuses to start on less free memory
+    firsts = [label for _, label, _ in swept[::3]]
+    assert firsts == ["pdserve-http-r0", "vllm-r1", "vllm-r2", "pdserve-http-r3"]
+    assert ("shared-prefix", "vllm-r2", 200) in swept
+    assert ("shared-prefix", "pdserve-http-r2", 200) in swept
+    assert ("shared-prefix", "pdserve-grpc-r2", 1200) in swept
+    assert len(swept) == 12
+
+
+def test_the_rounds_summary_pairs_each_round_with_vllms():
+    from benchmarks.serve_summary import rounds_summary
+
+    summary = {
+        "shared_prefix_ttft_p50_ms": {
+            "pdserve-http-r0": {"8": 18.0, "32": 25.0},
+            "vllm-r0": {"8": 20.0, "32": 24.0},
+            "pdserve-http-r1": {"8": 17.0, "32": 23.0},
+            "vllm-r1": {"8": 19.0, "32": 26.0},
+        },
+        "random_max_goodput": {"pdserve-http-r0": 27.0, "vllm-r0": 26.0, "vllm-r1": 25.0},
+    }
+    out = rounds_summary(summary)
+    ttft = out["shared_prefix_ttft_p50_ms_rounds"]
+    assert ttft["per_system"]["vllm"]["32"] == {"rounds": [24.0, 26.0], "mean": 25.0}
+    paired = ttft["paired"]["pdserve-http - vllm"]
+    assert paired["8"] == {"diffs": [-2.0, -2.0], "mean": -2.0, "rounds_at_or_ahead": "2 of 2"}
+    assert paired["32"]["diffs"] == [1.0, -3.0] and paired["32"]["rounds_at_or_ahead"] == "1 of 2"
+    # Goodput: more is ahead; only rounds both systems ran are paired.
+    good = out["random_max_goodput_rounds"]["paired"]["pdserve-http - vllm"]["best"]
+    assert good["diffs"] == [1.0] and good["rounds_at_or_ahead"] == "1 of 1"
+    assert rounds_summary({"random_max_goodput": {"vllm": 26.0}}) == {}
