@@ -248,20 +248,23 @@ def run_in_turn(args) -> None:
 
 
 def run_interleaved(args) -> None:
-    """Both systems up at once on the one GPU, each idle while the other is swept,
-    their sweeps alternated round by round in the order ABBA..., so that neither
-    system always runs first, on a colder host or a later one (the systems were
-    each faster in their second run of 2026-11-27, in turn). Round r's sweeps
-    are labelled ``-rR`` and take prompt seed 100 r (+ a sweep's own): both
-    systems get the same prompts in a round, and a later round does not find an
+    """The systems in ``--systems`` up at once on the one GPU, each idle while
+    another is swept, their sweeps alternated round by round (with two: ABBA
+    BAAB...), so that neither system always runs first, on a colder host or a
+    later one (each was faster in its second run of 2026-11-27, in turn). With
+    one system, its rounds are repeats on one server. Round r's sweeps are
+    labelled ``-rR`` and take prompt seed 100 r (+ a sweep's own): every system
+    gets the same prompts in a round, and a later round does not find an
     earlier one's prompts in its prefix cache. vLLM starts first, on
     ``--vllm-args``' share of the memory (vLLM refuses to start where less is
     free); pdserve's node subtracts what another process holds from its own
     budget (engine/model_runner.py)."""
+    systems = sorted(set(args.systems), key=lambda s: s != "vllm")
     with contextlib.ExitStack() as stack:
-        up = {s: stack.enter_context(UP[s](args, args.out)) for s in ("vllm", "pdserve")}
+        up = {s: stack.enter_context(UP[s](args, args.out)) for s in systems}
+        first = sorted(systems, key=lambda s: s != "pdserve")
         for r in range(args.interleave):
-            order = ["pdserve", "vllm"] if r % 4 in (0, 3) else ["vllm", "pdserve"]
+            order = first if r % 4 in (0, 3) else first[::-1]
             log(f"round {r}: {' then '.join(order)}")
             for workload in args.workloads:
                 for system in order:
@@ -308,8 +311,8 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=0,
         metavar="ROUNDS",
-        help="pdserve and vLLM up at once on the GPU, their sweeps alternated for ROUNDS "
-        "rounds (ABBA order); --systems is then ignored",
+        help="the --systems up at once on the GPU, their sweeps alternated for ROUNDS "
+        "rounds (ABBA order; one system: ROUNDS sweeps on one server)",
     )
     p.add_argument(
         "--vllm-args",

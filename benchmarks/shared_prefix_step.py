@@ -21,6 +21,10 @@ is made of, one variable at a time, on one ModelRunner:
   piecewise CUDA graphs (engine/piecewise_graphs.py), attention eager between
   the pieces, with its largest deviation from the eager step's hidden states.
 
+With ``--scatter``, every block id goes through one random permutation of a
+pool of ``--pool-blocks`` (a serving node's cache after its first blocks were
+evicted and handed out again in LRU order) instead of contiguous runs.
+
 Each: median wall time per step over CUDA events, the host's own time to
 enqueue the step (no device wait), and for ``--profile-batch`` a kernel table
 under torch.profiler (device busy time per step by kernel). Prints a table,
@@ -159,18 +163,26 @@ def run(args) -> list[dict[str, Any]]:
     ctx = args.context
     blocks_per_seq = -(-(ctx + 1) // BLOCK)
     num_blocks = max(batches) * blocks_per_seq + args.groups * blocks_per_seq + 64
+    num_blocks = max(num_blocks, args.pool_blocks)
+    perm = list(range(num_blocks))
+    if args.scatter:
+        random.Random(1).shuffle(perm)
+
+    def scattered(tables: list[list[int]]) -> list[list[int]]:
+        return [[perm[b] for b in t] for t in tables]
+
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         runner = make_runner(args.shape, tmp, args, ctx + 4 * BLOCK, num_blocks, max(batches) + 1)
         for batch in batches:
             cases = []
             for kind in ("distinct", "shared", "shared sorted"):
-                tables, _ = tables_for(kind, batch, args)
+                tables = scattered(tables_for(kind, batch, args)[0])
                 inputs = runner.build_inputs(
                     [[1] * (ctx + 1)] * batch, [ctx] * batch, [1] * batch, tables
                 )
                 cases.append((f"decode {kind}", inputs, batch, True))
-            tables, _ = tables_for("shared", batch, args)
+            tables = scattered(tables_for("shared", batch, args)[0])
             inputs = runner.build_inputs(
                 [[1] * (ctx + 1)] * batch, [ctx] * batch, [1] * batch, tables
             )
@@ -181,6 +193,7 @@ def run(args) -> list[dict[str, Any]]:
             new_table = list(range(prefix_blocks)) + list(
                 range(num_blocks - 1 - (-(-args.question_len // BLOCK)), num_blocks - 1)
             )
+            (new_table,) = scattered([new_table])
             mixed = runner.build_inputs(
                 [[1] * (ctx + 1)] * batch + [[1] * new_len],
                 [ctx] * batch + [args.system_len],
@@ -252,6 +265,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="capture piecewise CUDA graphs and time the mixed step through them too",
     )
+    p.add_argument("--pool-blocks", type=int, default=0, help="KV blocks to allocate (at least)")
+    p.add_argument("--scatter", action="store_true", help="block ids scattered over the pool")
     p.add_argument("--out-dir", type=Path)
     args = p.parse_args(argv)
     # make_runner reads these model_step flags.

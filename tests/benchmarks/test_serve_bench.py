@@ -349,7 +349,9 @@ def test_interleaved_rounds_alternate_abba_with_one_prompt_seed_per_round(monkey
     monkeypatch.setattr(
         sbs, "bench", lambda a, label, t, w, o, seed, probe: swept.append((w, label, seed))
     )
-    args = argparse.Namespace(interleave=4, workloads=["shared-prefix"], out=tmp_path)
+    args = argparse.Namespace(
+        interleave=4, workloads=["shared-prefix"], out=tmp_path, systems=["pdserve", "vllm"]
+    )
     sbs.run_interleaved(args)
     assert started == ["vllm", "pdserve"]  # vLLM first: it refuses to start on less free memory
     firsts = [label for _, label, _ in swept[::3]]
@@ -358,6 +360,11 @@ def test_interleaved_rounds_alternate_abba_with_one_prompt_seed_per_round(monkey
     assert ("shared-prefix", "pdserve-http-r2", 200) in swept
     assert ("shared-prefix", "pdserve-grpc-r2", 1200) in swept
     assert len(swept) == 12
+    # One system: its rounds are repeats on one server.
+    started.clear(), swept.clear()
+    sbs.run_interleaved(argparse.Namespace(**{**vars(args), "systems": ["pdserve"]}))
+    assert started == ["pdserve"]
+    assert [label for _, label, _ in swept[::2]] == [f"pdserve-http-r{r}" for r in range(4)]
 
 
 def test_the_rounds_summary_pairs_each_round_with_vllms():
