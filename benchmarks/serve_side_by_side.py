@@ -262,7 +262,7 @@ def run_interleaved(args) -> None:
     systems = sorted(set(args.systems), key=lambda s: s != "vllm")
     with contextlib.ExitStack() as stack:
         up = {s: stack.enter_context(UP[s](args, args.out)) for s in systems}
-        first = sorted(systems, key=lambda s: s != "pdserve")
+        first = sorted(systems, key=lambda s: s != args.first)
         for r in range(args.interleave):
             order = first if r % 4 in (0, 3) else first[::-1]
             log(f"round {r}: {' then '.join(order)}")
@@ -313,6 +313,12 @@ def main(argv: list[str] | None = None) -> None:
         metavar="ROUNDS",
         help="the --systems up at once on the GPU, their sweeps alternated for ROUNDS "
         "rounds (ABBA order; one system: ROUNDS sweeps on one server)",
+    )
+    p.add_argument(
+        "--first",
+        choices=["pdserve", "vllm"],
+        default="pdserve",
+        help="with --interleave: the system that opens round 0",
     )
     p.add_argument(
         "--vllm-args",

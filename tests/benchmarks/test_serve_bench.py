@@ -350,7 +350,11 @@ def test_interleaved_rounds_alternate_abba_with_one_prompt_seed_per_round(monkey
         sbs, "bench", lambda a, label, t, w, o, seed, probe: swept.append((w, label, seed))
     )
     args = argparse.Namespace(
-        interleave=4, workloads=["shared-prefix"], out=tmp_path, systems=["pdserve", "vllm"]
+        interleave=4,
+        workloads=["shared-prefix"],
+        out=tmp_path,
+        systems=["pdserve", "vllm"],
+        first="pdserve",
     )
     sbs.run_interleaved(args)
     assert started == ["vllm", "pdserve"]  # vLLM first: it refuses to start on less free memory
@@ -360,6 +364,10 @@ def test_interleaved_rounds_alternate_abba_with_one_prompt_seed_per_round(monkey
     assert ("shared-prefix", "pdserve-http-r2", 200) in swept
     assert ("shared-prefix", "pdserve-grpc-r2", 1200) in swept
     assert len(swept) == 12
+    swept.clear()
+    sbs.run_interleaved(argparse.Namespace(**{**vars(args), "first": "vllm"}))
+    firsts = [label for _, label, _ in swept[::3]]
+    assert firsts == ["vllm-r0", "pdserve-http-r1", "pdserve-http-r2", "vllm-r3"]
     # One system: its rounds are repeats on one server.
     started.clear(), swept.clear()
     sbs.run_interleaved(argparse.Namespace(**{**vars(args), "systems": ["pdserve"]}))
