@@ -119,7 +119,9 @@ def bench(
         try:
             subprocess.run(cmd, check=False, timeout=timeout)
         except subprocess.TimeoutExpired:
-            log(f"{label} {workload}: sweep timed out after {timeout:.0f} s (record lost)")
+            log(
+                f"{label} {workload}: sweep timed out after {timeout:.0f} s (its record keeps the rates it finished)"
+            )
     new = sorted(set(out.glob(f"serve-{label}-{workload}-*.json")) - records)
     if probe is not None and probe.samples is None:
         log(f"{label} {workload}: the probe failed (its error is above)")

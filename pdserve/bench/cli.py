@@ -225,7 +225,14 @@ async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict
     label = args.label or args.backend.value
     scraper = await Scraper.start(args.scrape_metrics) if args.scrape_metrics else None
     backend = make_backend(args)
-    rates = []
+    params = {
+        k: (v.value if hasattr(v, "value") else str(v) if isinstance(v, Path) else v)
+        for k, v in vars(args).items()
+        if k != "func"
+    }
+    result_dir = args.result_dir or DEFAULT_RESULT_DIR
+    rates: list = []
+    path = None
     try:
         if args.num_warmups > 0:
             warm = build_dataset(args, args.seed + 1_000_003).requests[: args.num_warmups]
@@ -262,18 +269,15 @@ async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict
                 extra["server_histograms"] = await scraper.since(before)
                 print(scraper.lines(extra["server_histograms"]), flush=True)
             rates.append((m, extra))
+            # Kept after every rate: a sweep stopped later keeps what it measured.
+            path = write_record(
+                result_dir, label, args.dataset.value, params, rates, argv, path, complete=False
+            )
     finally:
         await backend.close()
         if scraper:
             await scraper.close()
-    params = {
-        k: (v.value if hasattr(v, "value") else str(v) if isinstance(v, Path) else v)
-        for k, v in vars(args).items()
-        if k != "func"
-    }
-    path = write_record(
-        args.result_dir or DEFAULT_RESULT_DIR, label, args.dataset.value, params, rates, argv
-    )
+    path = write_record(result_dir, label, args.dataset.value, params, rates, argv, path)
     print(f"record: {path}")
     png = None
     if not args.no_plot:

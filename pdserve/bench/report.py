@@ -106,15 +106,23 @@ def write_record(
     parameters: dict[str, Any],
     rates: list[tuple[RateMetrics, dict[str, Any]]],
     argv: list[str] | None,
+    path: Path | None = None,
+    complete: bool = True,
 ) -> Path:
-    """One JSON file per sweep: parameters, environment and one entry per rate."""
+    """One JSON file per sweep: parameters, environment and one entry per rate.
+
+    A sweep writes it after every rate, to the ``path`` the first write chose
+    (``complete`` false until the last): a sweep killed by a timeout, or one
+    whose server went away, leaves the rates it finished. The file is replaced
+    whole (written beside it, then renamed), so a reader never sees half."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = out_dir / f"serve-{label}-{dataset}-{stamp}.json"
-    n = 1
-    while path.exists():  # two sweeps in one second (tests) must not overwrite
-        n += 1
-        path = out_dir / f"serve-{label}-{dataset}-{stamp}-{n}.json"
+    if path is None:
+        path = out_dir / f"serve-{label}-{dataset}-{stamp}.json"
+        n = 1
+        while path.exists():  # two sweeps in one second (tests) must not overwrite
+            n += 1
+            path = out_dir / f"serve-{label}-{dataset}-{stamp}-{n}.json"
     record = {
         "benchmark": "serve",
         "label": label,
@@ -130,9 +138,12 @@ def write_record(
             "event_loop": _event_loop_name(),
         },
         "parameters": parameters,
+        "complete": complete,
         "rates": [{**asdict(m), **extra} for m, extra in rates],
     }
-    path.write_text(json.dumps(_json_safe(record), indent=2) + "\n")
+    partial = path.with_name(path.name + ".part")
+    partial.write_text(json.dumps(_json_safe(record), indent=2) + "\n")
+    partial.replace(path)
     return path
 
 

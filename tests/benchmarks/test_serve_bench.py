@@ -397,3 +397,37 @@ def test_the_rounds_summary_pairs_each_round_with_vllms():
     good = out["random_max_goodput_rounds"]["paired"]["pdserve-http - vllm"]["best"]
     assert good["diffs"] == [1.0] and good["rounds_at_or_ahead"] == "1 of 1"
     assert rounds_summary({"random_max_goodput": {"vllm": 26.0}}) == {}
+
+
+def test_a_sweep_stopped_after_its_first_rate_keeps_that_rate_in_its_record(tmp_path, monkeypatch):
+    """The record is written after every rate: a sweep that dies later (a
+    timeout's kill, a server gone) leaves the rates it finished, marked
+    incomplete; a whole sweep's record says complete."""
+    import pdserve.bench.loadgen as loadgen
+
+    real, calls = loadgen.run_rate, []
+
+    async def dies_on_the_second_rate(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the server went away")
+        return await real(*args, **kwargs)
+
+    argv = ["bench", "serve", "--random-input-len", "8", "--random-output-len", "2"]
+    argv += ["--num-prompts", "4", "--result-dir", str(tmp_path), "--no-plot", "--no-progress"]
+    with FakeServer(Script(ttft_s=0.001, itl_s=0.001)) as server:
+        argv += ["--base-url", server.base_url, "--num-warmups", "0"]
+        monkeypatch.setattr(loadgen, "run_rate", dies_on_the_second_rate)
+        with pytest.raises(RuntimeError, match="went away"):
+            pdserve_main([*argv, "--request-rate", "100", "200", "--label", "stopped"])
+        monkeypatch.setattr(loadgen, "run_rate", real)
+        pdserve_main([*argv, "--request-rate", "100", "200", "--label", "whole"])
+    (stopped,) = tmp_path.glob("serve-stopped-*.json")
+    rec = json.loads(stopped.read_text())
+    assert rec["complete"] is False
+    assert [r["request_rate"] for r in rec["rates"]] == [100]
+    assert rec["rates"][0]["completed"] == 4
+    (whole,) = tmp_path.glob("serve-whole-*.json")
+    rec = json.loads(whole.read_text())
+    assert rec["complete"] is True and [r["request_rate"] for r in rec["rates"]] == [100, 200]
+    assert not list(tmp_path.glob("*.part"))
