@@ -128,8 +128,11 @@ def write_record(
         "label": label,
         "dataset": dataset,
         "timestamp": stamp,
+        # sys.argv: [prog, "bench", "serve", ...]; argv: what follows "serve".
         "command": shlex.join(
-            ["pdserve", "bench", "serve", *(sys.argv[2:] if argv is None else argv)]
+            ["pdserve", "bench", *sys.argv[2:]]
+            if argv is None
+            else ["pdserve", "bench", "serve", *argv]
         ),
         "environment": {
             "python": platform.python_version(),

@@ -421,7 +421,9 @@ def test_a_sweep_stopped_after_its_first_rate_keeps_that_rate_in_its_record(tmp_
         with pytest.raises(RuntimeError, match="went away"):
             pdserve_main([*argv, "--request-rate", "100", "200", "--label", "stopped"])
         monkeypatch.setattr(loadgen, "run_rate", real)
-        pdserve_main([*argv, "--request-rate", "100", "200", "--label", "whole"])
+        whole_argv = [*argv, "--request-rate", "100", "200", "--label", "whole"]
+        monkeypatch.setattr("sys.argv", ["pdserve", *whole_argv])
+        pdserve_main(whole_argv)
     (stopped,) = tmp_path.glob("serve-stopped-*.json")
     rec = json.loads(stopped.read_text())
     assert rec["complete"] is False
@@ -430,4 +432,5 @@ def test_a_sweep_stopped_after_its_first_rate_keeps_that_rate_in_its_record(tmp_
     (whole,) = tmp_path.glob("serve-whole-*.json")
     rec = json.loads(whole.read_text())
     assert rec["complete"] is True and [r["request_rate"] for r in rec["rates"]] == [100, 200]
+    assert rec["command"].startswith("pdserve bench serve --random-input-len 8 ")
     assert not list(tmp_path.glob("*.part"))
