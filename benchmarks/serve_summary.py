@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from pathlib import Path
 from statistics import mean
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 GC_PAUSE = re.compile(r"garbage collection \(generation (\d)\) paused this process for (\d+) ms")
 GC_FROZE = re.compile(r"froze (\d+) start-up objects")
@@ -129,9 +132,78 @@ def summarize(out: Path, workloads: list[str], compiled: dict[str, list[str]]) -
             k: {str(x["request_rate"]): server_phases(x) for x in v} for k, v in per.items()
         }
     summary.update(rounds_summary(summary))
+    every = [load_record(p) for p in sorted(out.glob("serve-*.json"))]
+    plot_rounds(every, out / "plot-rounds.png")
     summary["triton_compiled_during_sweeps"] = compiled
     if (out / "logs-pdserve").is_dir():
         summary["pdserve_gc"] = gc_pauses(out / "logs-pdserve")
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+# What each workload's target reads off a rate, and how the panel names it.
+ROUND_FIGURES = {
+    "shared-prefix": ("TTFT p50 (ms), lower is better", lambda x: x["ttft_ms"]["p50"]),
+    "random": ("goodput (req/s), higher is better", lambda x: x["goodput"] or 0.0),
+}
+
+
+def plot_rounds(records: list[dict], out: Path) -> Path | None:
+    """One panel per workload of an interleaved run: each round's figure per
+    rate as a small marker, the rounds' mean as a line, one colour per system.
+    None where no record has a round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_workload: dict[str, dict[str, list[dict]]] = {}
+    for rec in records:
+        if (m := ROUND.match(rec["label"])) and rec["dataset"] in ROUND_FIGURES:
+            by_workload.setdefault(rec["dataset"], {}).setdefault(m[1], []).append(rec)
+    if not by_workload:
+        return None
+    fig, axes = plt.subplots(1, len(by_workload), figsize=(6.5 * len(by_workload), 4.6))
+    for ax, (workload, systems) in zip(
+        [axes] if len(by_workload) == 1 else axes, sorted(by_workload.items()), strict=True
+    ):
+        name, figure = ROUND_FIGURES[workload]
+        for colour, (system, recs) in enumerate(sorted(systems.items())):
+            per_rate: dict[float, list[float]] = {}
+            for rec in recs:
+                for x in rec["rates"]:
+                    per_rate.setdefault(x["request_rate"], []).append(figure(x))
+            rates = sorted(per_rate)
+            for rate in rates:
+                ys = per_rate[rate]
+                ax.plot([rate] * len(ys), ys, ".", color=f"C{colour}", alpha=0.5)
+            label = f"{system} (mean of {len(recs)} rounds)"
+            ax.plot(
+                rates, [mean(per_rate[r]) for r in rates], "-o", color=f"C{colour}", label=label
+            )
+        ax.set_title(f"{workload}, interleaved rounds")
+        ax.set_xlabel("offered request rate (req/s)")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from pdserve.bench.report import load_record
+
+    p = argparse.ArgumentParser(description="plot an interleaved run's rounds from its records")
+    p.add_argument("records", nargs="+", type=Path)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    print(plot_rounds([load_record(r) for r in args.records], args.out))
+
+
+if __name__ == "__main__":
+    main()
