@@ -434,3 +434,18 @@ def test_a_sweep_stopped_after_its_first_rate_keeps_that_rate_in_its_record(tmp_
     assert rec["complete"] is True and [r["request_rate"] for r in rec["rates"]] == [100, 200]
     assert rec["command"].startswith("pdserve bench serve --random-input-len 8 ")
     assert not list(tmp_path.glob("*.part"))
+
+
+def test_the_rounds_plot_draws_every_round_and_skips_records_without_one(tmp_path):
+    from benchmarks.serve_summary import plot_rounds
+
+    def rec(label, dataset, ttft):
+        rates = [{"request_rate": r, "ttft_ms": {"p50": ttft + r}, "goodput": r} for r in (8, 16)]
+        return {"label": label, "dataset": dataset, "rates": rates}
+
+    recs = [rec(f"{s}-r{r}", "shared-prefix", t + r) for s, t in (("pdserve", 18), ("vllm", 21))
+            for r in range(2)]  # fmt: skip
+    out = plot_rounds([*recs, rec("vllm-r0", "random", 0)], tmp_path / "r.png")
+    assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_rounds([rec("vllm", "shared-prefix", 21)], tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()
