@@ -8,6 +8,7 @@ import platform
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,44 @@ def cuda_time_ms(fn, warmup: int = 3, iters: int = 20, batch: int = 1) -> float:
         times.append(start.elapsed_time(end) / batch)
     times.sort()
     return times[len(times) // 2]
+
+
+def interleaved_order(names: list[str], iters: int) -> list[str]:
+    """The order in which ``cuda_times_ms_interleaved`` times ``names``: one call
+    of each per round, the round's order rotated by one each round, so that
+    every name is first (and last) equally often over ``len(names)`` rounds."""
+    order = []
+    for i in range(iters):
+        k = i % len(names)
+        order += names[k:] + names[:k]
+    return order
+
+
+def cuda_times_ms_interleaved(
+    fns: dict[str, Callable[[], object]], warmup: int = 3, iters: int = 20, batch: int = 1
+) -> dict[str, float]:
+    """``cuda_time_ms`` of several functions whose times are compared: their
+    timed calls interleaved (``interleaved_order``) instead of each timed in a
+    block of its own, so that a drift of the device over the run (clocks,
+    temperature, the caches a block leaves warm) falls on all of them alike. A
+    kernel A/B timed block by block gave 0.975x for two bit-identical kernels,
+    rows off by up to 11%, the first block favoured (docs/performance.md)."""
+    import torch
+
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for name in interleaved_order(list(fns), iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(batch):
+            fns[name]()
+        end.record()
+        end.synchronize()
+        times[name].append(start.elapsed_time(end) / batch)
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
 def measure_copy_bandwidth(gib: float = 2.0) -> float:

@@ -66,3 +66,16 @@ def test_summary_sums_kinds_and_ranks_kernels():
 def test_profile_flag_needs_a_gpu():
     with pytest.raises(SystemExit, match="needs a GPU"):
         offline_throughput.main(["--device", "cpu", "--profile", "--num-seqs", "1"])
+
+
+def test_interleaved_timing_puts_every_function_first_equally_often():
+    """A/B timings rotate their order round by round (benchmarks/common.py): over
+    len(names) rounds each name is timed once per round and first once."""
+    from benchmarks.common import interleaved_order
+
+    order = interleaved_order(["a", "b", "c"], 6)
+    rounds = [order[i : i + 3] for i in range(0, 18, 3)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    assert [r[0] for r in rounds] == ["a", "b", "c", "a", "b", "c"]
+    assert [r[-1] for r in rounds] == ["c", "a", "b", "c", "a", "b"]
+    assert interleaved_order(["a", "b"], 2) == ["a", "b", "b", "a"]
