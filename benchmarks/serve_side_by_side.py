@@ -45,6 +45,12 @@ WORKLOADS = {
     + ["--shared-prefix-question-len", "128", "--random-output-len", "128"],
 }
 
+# Added to a sweep's prompt seed, apart enough that no seed of one workload
+# (rounds x 10,000 + 1,000 + a rate's index) is another's.
+WORKLOAD_SEEDS = {"random": 0, "shared-prefix": 5_000_000}
+# A round's prompt seeds are round x ROUND_SEEDS, past any sweep's own (1,000).
+ROUND_SEEDS = 10_000
+
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -95,7 +101,12 @@ def bench(
     prompts in the prefix cache (the gRPC sweeps before 2026-11-25 did). The
     arrivals are seed 0's in every sweep: with 256 prompts a rate, another
     draw of Poisson gaps moves goodput near the knee by more than the systems
-    differ (the gRPC sweeps before 2026-11-27 had their own)."""
+    differ (the gRPC sweeps before 2026-11-27 had their own). Each workload
+    adds its own offset (``WORKLOAD_SEEDS``): a random prompt of seed s is the
+    start of shared-prefix group 0's system prompt of seed s, which a server
+    that ran both would find cached (since 2026-11-27 noon; the runs before
+    had the same prompts for both systems, so the same head start)."""
+    seed += WORKLOAD_SEEDS[workload]
     rates = args.rates[workload]
     cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--label", label, *target]
     cmd += [*WORKLOADS[workload], "--num-prompts", str(args.num_prompts), "--ignore-eos"]
@@ -255,7 +266,7 @@ def run_interleaved(args) -> None:
     BAAB...), so that neither system always runs first, on a colder host or a
     later one (each was faster in its second run of 2026-11-27, in turn). With
     one system, its rounds are repeats on one server. Round r's sweeps are
-    labelled ``-rR`` and take prompt seed 100 r (+ a sweep's own): every system
+    labelled ``-rR`` and take prompt seed ROUND_SEEDS r (+ a sweep's own): every system
     gets the same prompts in a round, and a later round does not find an
     earlier one's prompts in its prefix cache. vLLM starts first, on
     ``--vllm-args``' share of the memory (vLLM refuses to start where less is
@@ -271,7 +282,7 @@ def run_interleaved(args) -> None:
             for workload in args.workloads:
                 for system in order:
                     for s in up[system]:
-                        label, seed = f"{s.label}-r{r}", s.seed + 100 * r
+                        label, seed = f"{s.label}-r{r}", s.seed + ROUND_SEEDS * r
                         bench(args, label, s.target, workload, args.out, seed, s.probe_at)
 
 

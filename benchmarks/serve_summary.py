@@ -69,7 +69,8 @@ def rounds_summary(summary: dict) -> dict:
     """For ``--interleave``: a target figure's rounds gathered per system (its
     mean), and pdserve's minus vLLM's round by round (the same prompts, one
     sweep after the other) with how many rounds pdserve was at or ahead (more
-    goodput, less TTFT). Empty where no label has a round."""
+    goodput, less TTFT). A rate is paired only in rounds where both systems
+    ran it (a partial sweep leaves some out). Empty where no label has a round."""
     out: dict = {}
     for key, more_is_better in (("random_max_goodput", True), ("shared_prefix_ttft_p50_ms", False)):
         by_system: dict[str, dict[int, dict[str, float]]] = {}
@@ -80,31 +81,43 @@ def rounds_summary(summary: dict) -> dict:
                 by_system.setdefault(m[1], {})[int(m[2])] = figure
         if not by_system:
             continue
-        per_system = {
-            system: {
+        per_system = {}
+        for system, rounds in by_system.items():
+            rates = sorted({rate for fig in rounds.values() for rate in fig}, key=_rate_key)
+            per_system[system] = {
                 rate: {"rounds": vals, "mean": mean(vals)}
-                for rate in rounds[min(rounds)]
+                for rate in rates
                 if (vals := [rounds[r][rate] for r in sorted(rounds) if rate in rounds[r]])
             }
-            for system, rounds in by_system.items()
-        }
         paired = {}
         vllm = by_system.get("vllm", {})
         for system, rounds in by_system.items():
-            common = sorted(set(rounds) & set(vllm)) if system != "vllm" else []
-            if not common:
+            if system == "vllm":
                 continue
-            paired[f"{system} - vllm"] = {}
-            for rate in rounds[common[0]]:
-                diffs = [rounds[r][rate] - vllm[r][rate] for r in common if rate in vllm[r]]
+            pairs: dict[str, dict] = {}
+            for rate in per_system[system]:
+                both = [r for r in sorted(rounds) if rate in rounds[r] and rate in vllm.get(r, {})]
+                if not both:
+                    continue
+                diffs = [rounds[r][rate] - vllm[r][rate] for r in both]
                 ahead = sum((d >= 0) if more_is_better else (d <= 0) for d in diffs)
-                paired[f"{system} - vllm"][rate] = {
+                pairs[rate] = {
+                    "rounds": both,
                     "diffs": diffs,
                     "mean": mean(diffs),
                     "rounds_at_or_ahead": f"{ahead} of {len(diffs)}",
                 }
+            if pairs:
+                paired[f"{system} - vllm"] = pairs
         out[f"{key}_rounds"] = {"per_system": per_system, "paired": paired}
     return out
+
+
+def _rate_key(rate: str) -> float:
+    try:
+        return float(rate)
+    except ValueError:  # "best"
+        return math.inf
 
 
 def summarize(out: Path, workloads: list[str], compiled: dict[str, list[str]]) -> dict:
@@ -119,9 +132,14 @@ def summarize(out: Path, workloads: list[str], compiled: dict[str, list[str]]) -
             continue
         plot_records(recs, out / f"plot-{workload}.png")
         per = {r["label"]: r["rates"] for r in recs}
+        # A sweep stopped part-way (its record says so) keeps its rates, but
+        # its best goodput is not the sweep's: it is listed, not ranked.
+        partial = [r["label"] for r in recs if r.get("complete") is False]
+        if partial:
+            summary[f"{workload}_incomplete_sweeps"] = partial
         if workload == "random":
             summary["random_max_goodput"] = {
-                k: max((x["goodput"] or 0.0) for x in v) for k, v in per.items()
+                k: max((x["goodput"] or 0.0) for x in v) for k, v in per.items() if k not in partial
             }
         else:
             summary["shared_prefix_ttft_p50_ms"] = {
@@ -149,42 +167,51 @@ ROUND_FIGURES = {
 }
 
 
+def rounds_series(records: list[dict]) -> dict[str, dict[str, dict[float, list[float]]]]:
+    """What ``plot_rounds`` draws: per workload, per system (the label without
+    its ``-rR``), per rate, each round's figure. Records without a round are
+    left out."""
+    series: dict[str, dict[str, dict[float, list[float]]]] = {}
+    for rec in records:
+        if (m := ROUND.match(rec["label"])) and rec["dataset"] in ROUND_FIGURES:
+            per_rate = series.setdefault(rec["dataset"], {}).setdefault(m[1], {})
+            for x in rec["rates"]:
+                per_rate.setdefault(x["request_rate"], []).append(
+                    ROUND_FIGURES[rec["dataset"]][1](x)
+                )
+    return series
+
+
 def plot_rounds(records: list[dict], out: Path) -> Path | None:
     """One panel per workload of an interleaved run: each round's figure per
     rate as a small marker, the rounds' mean as a line, one colour per system.
-    None where no record has a round."""
+    None (and no file) where no record has a round."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_workload: dict[str, dict[str, list[dict]]] = {}
-    for rec in records:
-        if (m := ROUND.match(rec["label"])) and rec["dataset"] in ROUND_FIGURES:
-            by_workload.setdefault(rec["dataset"], {}).setdefault(m[1], []).append(rec)
-    if not by_workload:
+    series = rounds_series(records)
+    if not series:
         return None
-    fig, axes = plt.subplots(1, len(by_workload), figsize=(6.5 * len(by_workload), 4.6))
-    for ax, (workload, systems) in zip(
-        [axes] if len(by_workload) == 1 else axes, sorted(by_workload.items()), strict=True
-    ):
-        name, figure = ROUND_FIGURES[workload]
-        for colour, (system, recs) in enumerate(sorted(systems.items())):
-            per_rate: dict[float, list[float]] = {}
-            for rec in recs:
-                for x in rec["rates"]:
-                    per_rate.setdefault(x["request_rate"], []).append(figure(x))
+    fig, axes = plt.subplots(1, len(series), figsize=(6.5 * len(series), 4.6), squeeze=False)
+    for ax, (workload, systems) in zip(axes[0], sorted(series.items()), strict=True):
+        for colour, (system, per_rate) in enumerate(sorted(systems.items())):
             rates = sorted(per_rate)
             for rate in rates:
                 ys = per_rate[rate]
                 ax.plot([rate] * len(ys), ys, ".", color=f"C{colour}", alpha=0.5)
-            label = f"{system} (mean of {len(recs)} rounds)"
+            most = max(len(v) for v in per_rate.values())
             ax.plot(
-                rates, [mean(per_rate[r]) for r in rates], "-o", color=f"C{colour}", label=label
+                rates,
+                [mean(per_rate[r]) for r in rates],
+                "-o",
+                color=f"C{colour}",
+                label=f"{system} (mean of up to {most} rounds)",
             )
         ax.set_title(f"{workload}, interleaved rounds")
         ax.set_xlabel("offered request rate (req/s)")
-        ax.set_ylabel(name)
+        ax.set_ylabel(ROUND_FIGURES[workload][0])
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()

@@ -117,6 +117,8 @@ def write_record(
     whole (written beside it, then renamed), so a reader never sees half."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    if path is not None and path.exists():  # a later rate's write keeps the sweep's stamp
+        stamp = json.loads(path.read_text())["timestamp"]
     if path is None:
         path = out_dir / f"serve-{label}-{dataset}-{stamp}.json"
         n = 1

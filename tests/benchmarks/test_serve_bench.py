@@ -360,14 +360,49 @@ def test_interleaved_rounds_alternate_abba_with_one_prompt_seed_per_round(monkey
     assert started == ["vllm", "pdserve"]  # vLLM first: it refuses to start on less free memory
     firsts = [label for _, label, _ in swept[::3]]
     assert firsts == ["pdserve-http-r0", "vllm-r1", "vllm-r2", "pdserve-http-r3"]
-    assert ("shared-prefix", "vllm-r2", 200) in swept
-    assert ("shared-prefix", "pdserve-http-r2", 200) in swept
-    assert ("shared-prefix", "pdserve-grpc-r2", 1200) in swept
+    # A whole round, in order: pdserve's sweeps (HTTP, then gRPC on seeds of its own), then vLLM's.
+    assert swept[:3] == [
+        ("shared-prefix", "pdserve-http-r0", 0),
+        ("shared-prefix", "pdserve-grpc-r0", 1000),
+        ("shared-prefix", "vllm-r0", 0),
+    ]
+    assert swept[6:9] == [
+        ("shared-prefix", "vllm-r2", 2 * sbs.ROUND_SEEDS),
+        ("shared-prefix", "pdserve-http-r2", 2 * sbs.ROUND_SEEDS),
+        ("shared-prefix", "pdserve-grpc-r2", 2 * sbs.ROUND_SEEDS + 1000),
+    ]
     assert len(swept) == 12
     swept.clear()
     sbs.run_interleaved(argparse.Namespace(**{**vars(args), "first": "vllm"}))
     firsts = [label for _, label, _ in swept[::3]]
     assert firsts == ["vllm-r0", "pdserve-http-r1", "pdserve-http-r2", "vllm-r3"]
+    # A sweep that fails stops both servers (the ExitStack unwinds them).
+    stopped = []
+
+    def up_logged(name):
+        @contextlib.contextmanager
+        def cm(args, out):
+            try:
+                yield [sbs.Sweep(name, [name])]
+            finally:
+                stopped.append(name)
+
+        return cm
+
+    def fails(*a):
+        raise RuntimeError("sweep failed")
+
+    monkeypatch.setitem(sbs.UP, "vllm", up_logged("vllm"))
+    monkeypatch.setitem(sbs.UP, "pdserve", up_logged("pdserve"))
+    monkeypatch.setattr(sbs, "bench", fails)
+    with pytest.raises(RuntimeError, match="sweep failed"):
+        sbs.run_interleaved(args)
+    assert sorted(stopped) == ["pdserve", "vllm"]
+    monkeypatch.setitem(sbs.UP, "vllm", up("vllm", [sbs.Sweep("vllm", ["v"])]))
+    monkeypatch.setitem(sbs.UP, "pdserve", up("pdserve", pd))
+    monkeypatch.setattr(
+        sbs, "bench", lambda a, label, t, w, o, seed, probe: swept.append((w, label, seed))
+    )
     # One system: its rounds are repeats on one server.
     started.clear(), swept.clear()
     sbs.run_interleaved(argparse.Namespace(**{**vars(args), "systems": ["pdserve"]}))
@@ -391,12 +426,29 @@ def test_the_rounds_summary_pairs_each_round_with_vllms():
     ttft = out["shared_prefix_ttft_p50_ms_rounds"]
     assert ttft["per_system"]["vllm"]["32"] == {"rounds": [24.0, 26.0], "mean": 25.0}
     paired = ttft["paired"]["pdserve-http - vllm"]
-    assert paired["8"] == {"diffs": [-2.0, -2.0], "mean": -2.0, "rounds_at_or_ahead": "2 of 2"}
+    assert paired["8"] == {
+        "rounds": [0, 1], "diffs": [-2.0, -2.0], "mean": -2.0, "rounds_at_or_ahead": "2 of 2"
+    }  # fmt: skip
     assert paired["32"]["diffs"] == [1.0, -3.0] and paired["32"]["rounds_at_or_ahead"] == "1 of 2"
     # Goodput: more is ahead; only rounds both systems ran are paired.
     good = out["random_max_goodput_rounds"]["paired"]["pdserve-http - vllm"]["best"]
     assert good["diffs"] == [1.0] and good["rounds_at_or_ahead"] == "1 of 1"
     assert rounds_summary({"random_max_goodput": {"vllm": 26.0}}) == {}
+    # Partial sweeps (stopped part-way): a rate is paired only in the rounds
+    # both systems ran it; a rate only a later round has still counts.
+    partial = rounds_summary(
+        {
+            "shared_prefix_ttft_p50_ms": {
+                "pdserve-http-r0": {"8": 18.0},
+                "vllm-r0": {"8": 20.0, "32": 24.0},
+                "pdserve-http-r1": {"8": 17.0, "32": 23.0},
+                "vllm-r1": {"8": 19.0},
+            }
+        }
+    )["shared_prefix_ttft_p50_ms_rounds"]
+    assert partial["per_system"]["pdserve-http"]["32"] == {"rounds": [23.0], "mean": 23.0}
+    assert partial["paired"]["pdserve-http - vllm"]["8"]["diffs"] == [-2.0, -2.0]
+    assert "32" not in partial["paired"]["pdserve-http - vllm"]  # never run by both in a round
 
 
 def test_a_sweep_stopped_after_its_first_rate_keeps_that_rate_in_its_record(tmp_path, monkeypatch):
@@ -445,7 +497,39 @@ def test_the_rounds_plot_draws_every_round_and_skips_records_without_one(tmp_pat
 
     recs = [rec(f"{s}-r{r}", "shared-prefix", t + r) for s, t in (("pdserve", 18), ("vllm", 21))
             for r in range(2)]  # fmt: skip
+    from benchmarks.serve_summary import rounds_series
+
+    # Every round's figure, per system and rate; a record without a round is not drawn.
+    series = rounds_series([*recs, rec("vllm", "shared-prefix", 99)])
+    assert series == {
+        "shared-prefix": {
+            "pdserve": {8: [26.0, 27.0], 16: [34.0, 35.0]},
+            "vllm": {8: [29.0, 30.0], 16: [37.0, 38.0]},
+        }
+    }
     out = plot_rounds([*recs, rec("vllm-r0", "random", 0)], tmp_path / "r.png")
     assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_rounds([rec("vllm", "shared-prefix", 21)], tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_the_summary_lists_a_stopped_sweep_and_does_not_rank_its_best_goodput(tmp_path):
+    from benchmarks.serve_summary import summarize
+
+    def rate(r, goodput):
+        return {
+            "request_rate": r, "request_throughput": r, "goodput": goodput, "failed": 0,
+            "ttft_ms": {"p50": 20.0, "p90": 30.0}, "tpot_ms": {"p50": 5.0, "p90": 6.0},
+            "output_throughput": 100.0 * r, "output_tokens_per_s_per_user": 50.0,
+        }  # fmt: skip
+
+    for label, complete, rates in (("pdserve-http-r0", True, [(32, 26.0), (36, 27.0)]),
+                                   ("vllm-r0", False, [(32, 26.5)])):  # fmt: skip
+        record = {"benchmark": "serve", "label": label, "dataset": "random", "parameters": {}}
+        record["complete"] = complete
+        record["rates"] = [rate(r, g) for r, g in rates]
+        (tmp_path / f"serve-{label}-random-20261127-120000.json").write_text(json.dumps(record))
+    summary = summarize(tmp_path, ["random"], {})
+    assert summary["random_incomplete_sweeps"] == ["vllm-r0"]
+    assert summary["random_max_goodput"] == {"pdserve-http-r0": 27.0}
+    assert (tmp_path / "plot-random.png").exists()
