@@ -47,108 +47,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import command_line, environment, write_record
+from benchmarks.fake_decode_node import fake_node, wait_routable
 from benchmarks.http_first_token import HttpPaths
 from benchmarks.router_probe import Probe, probe_line
 from pdserve.redis_server import RedisServer, free_port
-
-NODE_ID = "fake-decode-0"
-
-
-# --------------------------------------------------------------- the fake node
-class StepClock:
-    """Ticks shared by every stream of the fake node: each stream's next token
-    waits for the next tick, so all of them leave in the same loop turn, as an
-    engine step hands its outputs over together (and a DecodeSession sends them
-    as one message)."""
-
-    def __init__(self, interval_s: float) -> None:
-        self.interval_s = interval_s
-        self._next: asyncio.Future | None = None
-
-    async def tick(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._next is None or self._next.done():
-            self._next = loop.create_future()
-            loop.call_later(self.interval_s, self._next.set_result, None)
-        await asyncio.shield(self._next)
-
-
-class FakeWorker:
-    """What DecodeWorker.decode streams, with no engine behind it: max_tokens
-    one-token messages (16 unset), one per ``interval_s``, the last with its Final;
-    with ``lockstep`` every stream's tokens leave together on a StepClock's ticks
-    (the first one too: a request joins the next step)."""
-
-    def __init__(self, interval_s: float = 0.0, lockstep: bool = False) -> None:
-        self.interval_s = interval_s
-        self.clock = StepClock(interval_s) if lockstep and interval_s > 0 else None
-
-    async def decode(self, request, deadline):
-        from proto import pdserve_pb2
-
-        n = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
-        for i in range(n):
-            if self.clock is not None:
-                await self.clock.tick()
-            response = pdserve_pb2.GenerateResponse(request_id=request.request_id)
-            response.deltas.add(index=0, text=" tok", token_ids=[100 + i % 1000])
-            if i == n - 1:
-                response.final.completions.add(
-                    index=0, finish_reason=pdserve_pb2.FINISH_REASON_LENGTH
-                )
-                response.final.usage.prompt_tokens = len(request.prompt_token_ids)
-                response.final.usage.completion_tokens = n
-            yield response
-            if self.interval_s and self.clock is None:
-                await asyncio.sleep(self.interval_s)  # one engine step
-
-
-def fake_servicer(worker):
-    """A DecodeNode servicer around ``worker`` (DecodeWorker.decode's contract):
-    Decode calls, and DecodeSession through the real node's session code."""
-    from decode_node.session import DecodeSession
-    from proto import internal_pb2_grpc
-
-    class Servicer(internal_pb2_grpc.DecodeNodeServicer):
-        async def Decode(self, request, context):
-            async for response in worker.decode(request, None):
-                yield response
-
-        async def DecodeSession(self, request_iterator, context):
-            async for batch in DecodeSession(worker).run(request_iterator):
-                yield batch
-
-    return Servicer()
-
-
-async def fake_node(
-    redis_url: str, port: int, model_id: str, block_size: int, interval_s: float, lockstep: bool
-) -> None:
-    import grpc
-
-    from common.cluster import Cluster, NodeInfo, NodeRole
-    from proto import internal_pb2_grpc
-
-    server = grpc.aio.server()
-    internal_pb2_grpc.add_DecodeNodeServicer_to_server(
-        fake_servicer(FakeWorker(interval_s, lockstep)), server
-    )
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    cluster = Cluster.from_url(redis_url)
-    info = NodeInfo(
-        NODE_ID,
-        NodeRole.DECODE,
-        f"127.0.0.1:{port}",
-        model_id,
-        block_size,
-        kv_blocks_total=1 << 20,
-        kv_blocks_free=1 << 20,
-        max_num_seqs=4096,
-    )
-    while True:
-        await cluster.heartbeat(info)
-        await asyncio.sleep(0.5)
 
 
 # ---------------------------------------------------------------- measurement
@@ -395,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
                 procs.append(subprocess.Popen(router_cmd(other, [], ["--node-streams", mode])))
                 routers[f"router-{mode}"] = f"127.0.0.1:{other}"
             for a in routers.values():
-                _wait_routable(a)
+                wait_routable(a)
             results["ttft"] = asyncio.run(
                 ttft(args, routers, f"127.0.0.1:{node_port}", http if serve_http else None)
             )
@@ -426,22 +328,6 @@ def main(argv: list[str] | None = None) -> dict:
     )
     print(f"record: {path}")
     return results
-
-
-def _wait_routable(address: str, timeout_s: float = 60) -> None:
-    """Until a one-token request goes through (the router has seen the node)."""
-    from proto.client import generate
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            for _ in generate(address, token_ids=[1, 2, 3], max_tokens=1, timeout=5):
-                pass
-            return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
 
 
 if __name__ == "__main__":

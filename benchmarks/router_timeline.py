@@ -36,10 +36,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import save_run
-from benchmarks.router_relay import FakeWorker, _wait_routable, fake_servicer
+from benchmarks.fake_decode_node import NODE_ID, FakeWorker, fake_servicer, wait_routable
 from pdserve.redis_server import RedisServer, free_port
 
-NODE_ID = "fake-decode-0"
 STAMP = time.perf_counter
 
 
@@ -245,7 +244,7 @@ def timeline(args, tmp: Path) -> dict:
         router_argv += ["--metrics-port", "0"]
         router = subprocess.Popen([*me, "--router", str(router_stamps), "--", *router_argv])
         try:
-            _wait_routable(f"127.0.0.1:{port}")
+            wait_routable(f"127.0.0.1:{port}")
             pairs = asyncio.run(client(args, f"127.0.0.1:{port}", f"127.0.0.1:{node_port}"))
         finally:
             for proc in (node, router):
