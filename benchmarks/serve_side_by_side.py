@@ -104,7 +104,7 @@ def bench(
     differ (the gRPC sweeps before 2026-11-27 had their own). Each workload
     adds its own offset (``WORKLOAD_SEEDS``): a random prompt of seed s is the
     start of shared-prefix group 0's system prompt of seed s, which a server
-    that ran both would find cached (since 2026-11-27 noon; the runs before
+    that ran both would find cached (apart since 3445ded; the runs before
     had the same prompts for both systems, so the same head start)."""
     seed += WORKLOAD_SEEDS[workload]
     rates = args.rates[workload]
