@@ -11,8 +11,8 @@ until it answers, sweep both workloads (random 1024 in / 128 out; shared
 prefix 8 groups x 32 prompts, 2048-token system prompt, 128-token questions),
 stop it; or, with ``--interleave ROUNDS``, both up at once on the GPU and
 their sweeps alternated (the fairer comparison: no system always first, and
-the same host state for both). Writes every record, one plot per workload and summary.json (the
-issue's targets) under ``--out``. Each sweep and each start has a timeout; the
+the same host state for both). Writes every record, one plot per workload
+and summary.json (the issue's targets) under ``--out``. Each sweep and each start has a timeout; the
 servers are killed on any exit.
 """
 
@@ -130,9 +130,8 @@ def bench(
         try:
             subprocess.run(cmd, check=False, timeout=timeout)
         except subprocess.TimeoutExpired:
-            log(
-                f"{label} {workload}: sweep timed out after {timeout:.0f} s (its record keeps the rates it finished)"
-            )
+            kept = "its record keeps the rates it finished"
+            log(f"{label} {workload}: sweep timed out after {timeout:.0f} s ({kept})")
     new = sorted(set(out.glob(f"serve-{label}-{workload}-*.json")) - records)
     if probe is not None and probe.samples is None:
         log(f"{label} {workload}: the probe failed (its error is above)")
@@ -266,8 +265,8 @@ def run_interleaved(args) -> None:
     BAAB...), so that neither system always runs first, on a colder host or a
     later one (each was faster in its second run of 2026-11-27, in turn). With
     one system, its rounds are repeats on one server. Round r's sweeps are
-    labelled ``-rR`` and take prompt seed ROUND_SEEDS r (+ a sweep's own): every system
-    gets the same prompts in a round, and a later round does not find an
+    labelled ``-rR`` and take prompt seed ROUND_SEEDS r (+ a sweep's own):
+    every system gets the same prompts in a round, and a later round does not find an
     earlier one's prompts in its prefix cache. vLLM starts first, on
     ``--vllm-args``' share of the memory (vLLM refuses to start where less is
     free); pdserve's node subtracts what another process holds from its own
