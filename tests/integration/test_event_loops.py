@@ -19,11 +19,12 @@ import time
 import grpc
 import pytest
 
+from benchmarks.fake_decode_node import FakeWorker, fake_servicer
 from common.cluster import Cluster, NodeInfo, NodeRole
 from common.event_loop import ASYNCIO, UVLOOP, loop_factory
 from engine.models.shapes import write_shape_dir
 from pdserve.redis_server import RedisServer, free_port
-from proto import internal_pb2_grpc, pdserve_pb2
+from proto import internal_pb2_grpc
 from proto.client import generate
 
 pytestmark = pytest.mark.timeout(300)
@@ -31,27 +32,11 @@ pytestmark = pytest.mark.timeout(300)
 TOKENS = 5
 
 
-class FakeDecode(internal_pb2_grpc.DecodeNodeServicer):
-    """Answers every Decode at once with one-token messages, the last with its Final."""
-
-    async def Decode(self, request, context):
-        n = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else TOKENS
-        for i in range(n):
-            response = pdserve_pb2.GenerateResponse(request_id=request.request_id)
-            response.deltas.add(index=0, text=f" t{i}", token_ids=[100 + i])
-            if i == n - 1:
-                response.final.completions.add(
-                    index=0, finish_reason=pdserve_pb2.FINISH_REASON_LENGTH
-                )
-                response.final.usage.prompt_tokens = len(request.prompt_token_ids)
-                response.final.usage.completion_tokens = n
-            yield response
-
-
 def _serve_fake_node(redis_url: str, port: int, model_id: str, stop: threading.Event) -> None:
     async def main() -> None:
         server = grpc.aio.server()
-        internal_pb2_grpc.add_DecodeNodeServicer_to_server(FakeDecode(), server)
+        # The router benchmarks' fake node: max_tokens one-token messages, no model.
+        internal_pb2_grpc.add_DecodeNodeServicer_to_server(fake_servicer(FakeWorker()), server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         cluster = Cluster.from_url(redis_url)
@@ -138,7 +123,7 @@ def test_router_streams_on_each_loop(fake_cluster, loop, tmp_path):
         assert events[-1] == b"[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
         text = "".join(c["choices"][0]["text"] for c in chunks)
-        assert text == "".join(f" t{i}" for i in range(TOKENS))
+        assert text == " tok" * TOKENS
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     finally:
         proc.terminate()
