@@ -120,16 +120,27 @@ def _rate_key(rate: str) -> float:
         return math.inf
 
 
+# What each workload's target reads off a rate (the summary's figures, the
+# rounds plot's points), and how a plot names it.
+TARGET_FIGURES = {
+    "shared-prefix": ("TTFT p50 (ms), lower is better", lambda x: x["ttft_ms"]["p50"]),
+    "random": ("goodput (req/s), higher is better", lambda x: x["goodput"] or 0.0),
+}
+
+
 def summarize(out: Path, workloads: list[str], compiled: dict[str, list[str]]) -> dict:
     """Plots per workload and the issue's two targets, from the records."""
     from pdserve.bench.plot import plot_records
     from pdserve.bench.report import load_record
 
     summary: dict = {}
+    every: list[dict] = []
     for workload in workloads:
         recs = [load_record(p) for p in sorted(out.glob(f"serve-*-{workload}-*.json"))]
         if not recs:
             continue
+        every += recs
+        figure = TARGET_FIGURES[workload][1]
         plot_records(recs, out / f"plot-{workload}.png")
         per = {r["label"]: r["rates"] for r in recs}
         # A sweep stopped part-way (its record says so) keeps its rates, but
@@ -139,18 +150,17 @@ def summarize(out: Path, workloads: list[str], compiled: dict[str, list[str]]) -
             summary[f"{workload}_incomplete_sweeps"] = partial
         if workload == "random":
             summary["random_max_goodput"] = {
-                k: max((x["goodput"] or 0.0) for x in v) for k, v in per.items() if k not in partial
+                k: max(figure(x) for x in v) for k, v in per.items() if k not in partial
             }
         else:
             summary["shared_prefix_ttft_p50_ms"] = {
-                k: {str(x["request_rate"]): x["ttft_ms"]["p50"] for x in v} for k, v in per.items()
+                k: {str(x["request_rate"]): figure(x) for x in v} for k, v in per.items()
             }
         summary[f"{workload}_failed"] = {k: sum(x["failed"] for x in v) for k, v in per.items()}
         summary[f"{workload}_server_phases"] = {
             k: {str(x["request_rate"]): server_phases(x) for x in v} for k, v in per.items()
         }
     summary.update(rounds_summary(summary))
-    every = [load_record(p) for p in sorted(out.glob("serve-*.json"))]
     plot_rounds(every, out / "plot-rounds.png")
     summary["triton_compiled_during_sweeps"] = compiled
     if (out / "logs-pdserve").is_dir():
@@ -160,24 +170,17 @@ def summarize(out: Path, workloads: list[str], compiled: dict[str, list[str]]) -
     return summary
 
 
-# What each workload's target reads off a rate, and how the panel names it.
-ROUND_FIGURES = {
-    "shared-prefix": ("TTFT p50 (ms), lower is better", lambda x: x["ttft_ms"]["p50"]),
-    "random": ("goodput (req/s), higher is better", lambda x: x["goodput"] or 0.0),
-}
-
-
 def rounds_series(records: list[dict]) -> dict[str, dict[str, dict[float, list[float]]]]:
     """What ``plot_rounds`` draws: per workload, per system (the label without
     its ``-rR``), per rate, each round's figure. Records without a round are
     left out."""
     series: dict[str, dict[str, dict[float, list[float]]]] = {}
     for rec in records:
-        if (m := ROUND.match(rec["label"])) and rec["dataset"] in ROUND_FIGURES:
+        if (m := ROUND.match(rec["label"])) and rec["dataset"] in TARGET_FIGURES:
             per_rate = series.setdefault(rec["dataset"], {}).setdefault(m[1], {})
             for x in rec["rates"]:
                 per_rate.setdefault(x["request_rate"], []).append(
-                    ROUND_FIGURES[rec["dataset"]][1](x)
+                    TARGET_FIGURES[rec["dataset"]][1](x)
                 )
     return series
 
@@ -211,7 +214,7 @@ def plot_rounds(records: list[dict], out: Path) -> Path | None:
             )
         ax.set_title(f"{workload}, interleaved rounds")
         ax.set_xlabel("offered request rate (req/s)")
-        ax.set_ylabel(ROUND_FIGURES[workload][0])
+        ax.set_ylabel(TARGET_FIGURES[workload][0])
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
