@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from pathlib import Path
 
 from common.event_loop import add_event_loop_argument
@@ -233,6 +234,7 @@ async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict
     result_dir = args.result_dir or DEFAULT_RESULT_DIR
     rates: list = []
     path = None
+    stamp = time.strftime("%Y%m%d-%H%M%S")  # the record's name and timestamp, every write
     try:
         if args.num_warmups > 0:
             warm = build_dataset(args, args.seed + 1_000_003).requests[: args.num_warmups]
@@ -271,13 +273,15 @@ async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict
             rates.append((m, extra))
             # Kept after every rate: a sweep stopped later keeps what it measured.
             path = write_record(
-                result_dir, label, args.dataset.value, params, rates, argv, path, complete=False
+                result_dir, label, args.dataset.value, params, rates, argv, path, False, stamp
             )
     finally:
         await backend.close()
         if scraper:
             await scraper.close()
-    path = write_record(result_dir, label, args.dataset.value, params, rates, argv, path)
+    path = write_record(
+        result_dir, label, args.dataset.value, params, rates, argv, path, True, stamp
+    )
     print(f"record: {path}")
     png = None
     if not args.no_plot:

@@ -108,17 +108,17 @@ def write_record(
     argv: list[str] | None,
     path: Path | None = None,
     complete: bool = True,
+    stamp: str | None = None,
 ) -> Path:
     """One JSON file per sweep: parameters, environment and one entry per rate.
 
     A sweep writes it after every rate, to the ``path`` the first write chose
     (``complete`` false until the last): a sweep killed by a timeout, or one
     whose server went away, leaves the rates it finished. The file is replaced
-    whole (written beside it, then renamed), so a reader never sees half."""
+    whole (written beside it, then renamed), so a reader never sees half.
+    ``stamp``: the sweep's time (now by default), the same in every write."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    if path is not None and path.exists():  # a later rate's write keeps the sweep's stamp
-        stamp = json.loads(path.read_text())["timestamp"]
+    stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
     if path is None:
         path = out_dir / f"serve-{label}-{dataset}-{stamp}.json"
         n = 1

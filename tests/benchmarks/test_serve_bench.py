@@ -479,6 +479,7 @@ def test_a_sweep_stopped_after_its_first_rate_keeps_that_rate_in_its_record(tmp_
     (stopped,) = tmp_path.glob("serve-stopped-*.json")
     rec = json.loads(stopped.read_text())
     assert rec["complete"] is False
+    assert rec["timestamp"] in stopped.name  # every write keeps the sweep's stamp
     assert [r["request_rate"] for r in rec["rates"]] == [100]
     assert rec["rates"][0]["completed"] == 4
     (whole,) = tmp_path.glob("serve-whole-*.json")
