@@ -6,7 +6,8 @@
 Starts Redis, one prefill node, one decode node and the router (`pdserve up`'s
 launcher; one GPU per node when there are GPUs), once per ``--kv-stream-layers``
 value (the prefill node's layers per KV chunk; 0: each step's KV in one chunk
-after its last layer). Each round sends the same kind of request three times,
+after its last layer) and ``--kv-stream-last-layers`` value (only the last N
+layers streamed, the ones before in one chunk), ``--repeat`` times in turn. Each round sends the same kind of request three times,
 interleaved: through the router; straight to the decode node's Decode RPC
 naming the prefill node (what the router would send); and straight to the
 decode node naming none, so that it prefills the prompt itself (a local
@@ -41,7 +42,7 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def run(args: argparse.Namespace, stream_layers: int) -> dict[str, Any]:
+def run(args: argparse.Namespace, stream_layers: int, last_layers: int) -> dict[str, Any]:
     import grpc
 
     from engine.models.config import ModelArchConfig
@@ -68,7 +69,12 @@ def run(args: argparse.Namespace, stream_layers: int) -> dict[str, Any]:
         admin_port=free_port(),
         engine_args=engine_args,
         router_args=router_args,
-        component_env={"prefill-0": {"PDSERVE_KV_STREAM_LAYERS": str(stream_layers)}},
+        component_env={
+            "prefill-0": {
+                "PDSERVE_KV_STREAM_LAYERS": str(stream_layers),
+                "PDSERVE_KV_STREAM_LAST_LAYERS": str(last_layers),
+            }
+        },
         log_dir=str(Path(tmp) / "logs"),
         start_timeout_s=900,
     )
@@ -166,7 +172,12 @@ def run(args: argparse.Namespace, stream_layers: int) -> dict[str, Any]:
     summary["transfer_share_of_ttft"] = (
         summary["median_kv_transfer_ms"] / summary["median_direct_ttft_ms"]
     )
-    return {"kv_stream_layers": stream_layers, "rows": rows, "summary": summary}
+    return {
+        "kv_stream_layers": stream_layers,
+        "kv_stream_last_layers": last_layers,
+        "rows": rows,
+        "summary": summary,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -176,6 +187,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     src.add_argument("--model", help="HF model directory")
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--kv-stream-layers", default="1", help="values to compare, e.g. 1,0")
+    p.add_argument("--kv-stream-last-layers", default="0", help="values to compare, e.g. 0,4")
+    p.add_argument(
+        "--repeat", type=int, default=1, help="run the settings in turn this many times (ABAB)"
+    )
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -183,12 +198,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out-dir", type=Path)
     args = p.parse_args(argv)
     results = []
-    for layers in [int(x) for x in args.kv_stream_layers.split(",")]:
-        result = run(args, layers)
+    settings = [
+        (int(layers), int(last))
+        for layers in args.kv_stream_layers.split(",")
+        for last in args.kv_stream_last_layers.split(",")
+    ]
+    for layers, last in settings * args.repeat:
+        result = run(args, layers, last)
         results.append(result)
         s = result["summary"]
         print(
-            f"--kv-stream-layers {layers}: TTFT p50 via router {s['median_router_ttft_ms']:.2f} ms, "
+            f"--kv-stream-layers {layers} --kv-stream-last-layers {last}: TTFT p50 via router {s['median_router_ttft_ms']:.2f} ms, "
             f"direct to the decode node {s['median_direct_ttft_ms']:.2f} ms, local prefill "
             f"{s['median_local_ttft_ms']:.2f} ms -> disaggregated/local "
             f"{s['disaggregated_vs_local']:.3f}x, router + hop {s['router_overhead_ms']:.2f} ms\n"

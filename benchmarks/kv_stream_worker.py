@@ -123,7 +123,7 @@ def _raw(rank, a, port, cache, sizes, bs, cuda) -> dict[int, dict[str, float]]:
     return out
 
 
-def _layer_fn(a, g, tokens: int, device):
+def layer_fn(a, g, tokens: int, device):
     """One layer's stand-in: its own matmuls and causal attention, or a busy loop."""
     import torch
     import torch.nn.functional as F
@@ -177,7 +177,7 @@ def _prefill(a, port, cache, sizes, g, device, acks) -> dict:
     runs: dict[tuple[int, int, bool], list[dict[str, float]]] = {}
     rid = 0
     for tokens in sizes:
-        layer = _layer_fn(a, g, tokens, device)
+        layer = layer_fn(a, g, tokens, device)
         num_blocks = -(-tokens // bs)
         for lpc in [int(x) for x in a["layers_per_chunk"].split(",")]:
             streamer = KVStreamer(cache, bs, sender, lpc)

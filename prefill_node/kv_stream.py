@@ -16,7 +16,9 @@ done (``layer_done``), their KV of those blocks and heads is gathered into a
 fresh buffer -- on the engine's stream, right behind the layers, so the blocks
 may be reused by any later step -- and queued as one chunk; the sender's thread
 (its own stream) puts it on the wire while the next layers compute. After the
-prompt's last layer only its last chunk is left.
+prompt's last layer only its last chunk is left. With ``last_layers`` only a
+step's last layers stream like this; the layers before them go as one chunk
+once they all ran (``layer_spans`` says why).
 
 Tensor parallelism: rank 0 plans (it has the scheduler's batch and the
 requests' destinations) and hands each step's segments to the other ranks
@@ -51,6 +53,27 @@ from engine.kv_blocks import block_index, gather_blocks, kv_unit_bytes
 from engine.kv_writes import LayerDone
 from engine.scheduler import ScheduledBatch
 from engine.tp_layout import kv_head_range
+
+
+def layer_spans(
+    num_layers: int, layers_per_chunk: int, last_layers: int
+) -> list[tuple[int, int, int]]:
+    """A step's layers as segments of one request: (layer_start, layer_end,
+    layers_per_chunk) each.
+
+    ``last_layers`` = 0: one span, every layer streamed in chunks of
+    ``layers_per_chunk``. Otherwise only the last ``last_layers`` layers are;
+    the layers before them go as one chunk once the last of them ran, while
+    the last layers compute. Why hold them: NVLink stays in its active power
+    state for some 50 ms after any transfer, and a prefill's GPU is power-capped,
+    so a link active over the whole forward costs its matmuls about 2% of their
+    clock (docs/performance.md, "NVLink's power and the forward"); held, the link
+    wakes for the last layers only, and the held chunk is one large message,
+    the wire's fastest size. No gain for a CPU (gloo): 0 there."""
+    held = num_layers - last_layers
+    if last_layers == 0 or held <= 0 or layers_per_chunk >= num_layers:
+        return [(0, num_layers, layers_per_chunk)]
+    return [(0, held, held), (held, num_layers, layers_per_chunk)]
 
 
 @dataclass(slots=True)
@@ -96,12 +119,15 @@ class KVStreamer:
         sender: KVSender,
         layers_per_chunk: int,
         num_kv_heads: int | None = None,
+        last_layers: int = 0,
         tp_rank: int = 0,
         tp_size: int = 1,
         call_workers: Callable[[str, dict], None] | None = None,
     ) -> None:
         if layers_per_chunk < 0:
             raise ValueError(f"layers per KV chunk must be >= 0, got {layers_per_chunk}")
+        if last_layers < 0:
+            raise ValueError(f"layers streamed last must be >= 0, got {last_layers}")
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.sender = sender
@@ -114,6 +140,7 @@ class KVStreamer:
         self.unit_bytes = kv_unit_bytes(kv_cache)
         # 0: a step's blocks of every layer in one chunk, sent after its last layer.
         self.layers_per_chunk = min(layers_per_chunk or self.num_layers, self.num_layers)
+        self.spans = layer_spans(self.num_layers, self.layers_per_chunk, last_layers)
         self._streams: dict[str, _Streamed] = {}  # rank 0
         # Decode node -> the channel epoch its latest Prefill named: one step's
         # group for a node is sent on one channel, the newest.
@@ -273,7 +300,10 @@ class KVStreamer:
     def _prepare(self, plan: list[StepSegment]) -> tuple[list, dict[int, list]]:
         """The step's groups, prepared on the sender but not queued, and layer ->
         the chunks whose last layer it is, in wire order."""
-        members_of: dict[tuple[Destination, int], list] = defaultdict(list)
+        # Per pair channel, a list of members per layer span: every request's
+        # first span goes before any request's second, so that the wire order
+        # (chunk c of every segment, then c + 1) follows the layers.
+        members_of: dict[tuple[Destination, int], list[list]] = {}
         for seg in plan:
             ticket = self._ticket_for(seg)
             if ticket is None or not ticket.alive:
@@ -281,28 +311,33 @@ class KVStreamer:
             pairs = kv_pairs(self.num_kv_heads, self.tp_size, seg.dest.tensor_parallel_size)
             idx = block_index(seg.block_ids, self.kv_cache.device)
             for pair in sends_of(pairs, self.tp_rank):
-                header = SegmentHeader(
-                    seg.reservation_id,
-                    seg.block_start,
-                    seg.block_end,
-                    0,
-                    self.num_layers,
-                    self.layers_per_chunk,
-                    pair.head_start,
-                    pair.head_end,
-                    self.unit_bytes,
+                per_span = members_of.setdefault(
+                    (seg.dest, pair.receiver), [[] for _ in self.spans]
                 )
-                segment = OutgoingSegment(header, ticket, seg.final)
-                members_of[seg.dest, pair.receiver].append((segment, idx))
+                for span, (layer_start, layer_end, per_chunk) in enumerate(self.spans):
+                    header = SegmentHeader(
+                        seg.reservation_id,
+                        seg.block_start,
+                        seg.block_end,
+                        layer_start,
+                        layer_end,
+                        per_chunk,
+                        pair.head_start,
+                        pair.head_end,
+                        self.unit_bytes,
+                    )
+                    segment = OutgoingSegment(header, ticket, seg.final)
+                    per_span[span].append((segment, idx))
         groups = []
         due: dict[int, list] = defaultdict(list)
-        for (dest, receiver), members in members_of.items():
+        for (dest, receiver), per_span in members_of.items():
+            members = [m for span in per_span for m in span]
             group = self.sender.prepare_group(dest, [s for s, _ in members], receiver)
             groups.append(group)
             headers = [s.header for s, _ in members]
             for i, desc in wire_order(headers):
                 segment, idx = members[i]
-                last = segment.final and desc.layer_end == headers[i].layer_end
+                last = segment.final and desc.layer_end == self.num_layers
                 due[desc.layer_end - 1].append((group, segment, desc, idx, last))
         return groups, due
 

@@ -19,6 +19,9 @@ SERVICE = internal_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name
 
 # Layers per KV chunk: measured in docs/performance.md ("Layer-wise KV streaming").
 DEFAULT_KV_STREAM_LAYERS = 1
+# Layers streamed as they run, the ones before held for one chunk (0: all
+# streamed): docs/performance.md, "NVLink's power and the forward".
+DEFAULT_KV_STREAM_LAST_LAYERS = 0
 
 
 def _layers(text: str) -> int:
@@ -37,6 +40,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="stream a prompt's KV to the decode node in chunks of this many layers, each "
         "sent as soon as its layers ran; 0: one chunk per prefill step, after its last "
         f"layer (default {DEFAULT_KV_STREAM_LAYERS}) [PDSERVE_KV_STREAM_LAYERS]",
+    )
+    p.add_argument(
+        "--kv-stream-last-layers",
+        type=_layers,
+        default=os.environ.get("PDSERVE_KV_STREAM_LAST_LAYERS") or DEFAULT_KV_STREAM_LAST_LAYERS,
+        help="stream only a prompt's last N layers that way; the KV of the layers before "
+        "them goes as one chunk once they ran, so that the link between the nodes is active "
+        "only at the end of the forward; 0: every layer streamed "
+        f"(default {DEFAULT_KV_STREAM_LAST_LAYERS}) [PDSERVE_KV_STREAM_LAST_LAYERS]",
     )
 
 
@@ -65,6 +77,7 @@ async def serve(args: argparse.Namespace) -> int:
         max_queued=args.max_queued_requests,
         faults=faults,
         layers_per_chunk=args.kv_stream_layers,
+        last_layers=args.kv_stream_last_layers,
     )
 
     async def close() -> None:

@@ -48,6 +48,7 @@ class PrefillRank:
             self.sender,
             payload["layers_per_chunk"],
             num_kv_heads=runner.layout.num_kv_heads,
+            last_layers=payload["last_layers"],
             tp_rank=runner.tp.rank,
             tp_size=runner.tp.size,
         )

@@ -12,8 +12,9 @@ Life cycle of a request on a prefill node:
 3. While the prompt computes, every step streams its blocks: headers once the
    step's first layer is issued, then a chunk per ``--kv-stream-layers`` layers right
    after those layers ran, sent by the sender's thread (its own stream) while
-   the next layers compute. After the prompt's last layer only its last chunk
-   is left to send.
+   the next layers compute (with ``--kv-stream-last-layers N`` only the last N
+   layers do; the layers before them go as one chunk once they all ran). After
+   the prompt's last layer only its last chunk is left to send.
 4. When the first token is sampled and the last chunk is out, the node
    releases the held blocks and replies with the first token, its cache hit,
    the time spent queueing and computing, and the part of the transfer left
@@ -121,6 +122,7 @@ class PrefillWorker:
         max_queued: int = 0,
         faults: FaultDelays | None = None,
         layers_per_chunk: int = 1,
+        last_layers: int = 0,
     ) -> None:
         self.node_id = node_id
         self.engine = engine
@@ -139,6 +141,7 @@ class PrefillWorker:
             sender,
             layers_per_chunk,
             num_kv_heads=runner.layout.num_kv_heads,
+            last_layers=last_layers,
             tp_rank=tp.rank,
             tp_size=tp.size,
             call_workers=llm_engine.call_workers if tp.size > 1 else None,
@@ -150,6 +153,7 @@ class PrefillWorker:
                 "node_id": node_id,
                 "timeout_s": sender.timeout_s,
                 "layers_per_chunk": layers_per_chunk,
+                "last_layers": last_layers,
             }
             engine.call(lambda e: e.call_workers("setup", setup)).result()
         if step_delay := self.faults.get(FaultPoint.PREFILL_STEP):

@@ -74,7 +74,14 @@ def run_until_finished(engine, request_id):
 
 
 def disaggregated(
-    prefill, decode, request_id, prompt_ids, params, layers_per_chunk=1, landing=None
+    prefill,
+    decode,
+    request_id,
+    prompt_ids,
+    params,
+    layers_per_chunk=1,
+    landing=None,
+    last_layers=0,
 ):
     """Prefill on one engine, streaming its KV into the other's reservation; decode there."""
     p, d = prefill.llm_engine, decode.llm_engine
@@ -84,6 +91,7 @@ def disaggregated(
         p.config.kvcache_block_size,
         LoopbackSender(landing),
         layers_per_chunk,
+        last_layers=last_layers,
     )
     p.observe_kv_writes(streamer)
     try:
@@ -135,16 +143,32 @@ def segments_of(landing: LoopbackLanding) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize(
-    ("params", "layers_per_chunk"),
+    ("params", "layers_per_chunk", "last_layers", "chunk_starts"),
     [
-        (SamplingParams(temperature=0, max_tokens=20), 1),
-        (SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=20), 7),
-        (SamplingParams(temperature=0, max_tokens=1), 0),
+        (SamplingParams(temperature=0, max_tokens=20), 1, 0, list(range(30))),
+        (
+            SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=20),
+            7,
+            0,
+            [0, 7, 14, 21, 28],
+        ),
+        (SamplingParams(temperature=0, max_tokens=1), 0, 0, [0]),
+        # The first 26 layers held for one chunk, the last 4 streamed one by one.
+        (SamplingParams(temperature=0, max_tokens=20), 1, 4, [0, 26, 27, 28, 29]),
+        (SamplingParams(temperature=0, max_tokens=20), 3, 7, [0, 23, 26, 29]),
+        (SamplingParams(temperature=0, max_tokens=1), 1, 30, list(range(30))),
     ],
-    ids=["greedy-1-layer", "seeded-7-layers", "one-token-whole-step"],
+    ids=[
+        "greedy-1-layer",
+        "seeded-7-layers",
+        "one-token-whole-step",
+        "last-4-layers-streamed",
+        "last-7-layers-by-3",
+        "last-layers-all",
+    ],
 )
 def test_handoff_gives_the_single_node_output(
-    prefill_llm, decode_llm, demo_tokenizer, params, layers_per_chunk
+    prefill_llm, decode_llm, demo_tokenizer, params, layers_per_chunk, last_layers, chunk_starts
 ):
     for i, text in enumerate(PROMPTS):
         ids = demo_tokenizer.encode(text)
@@ -153,21 +177,23 @@ def test_handoff_gives_the_single_node_output(
         _, out = disaggregated(
             prefill_llm,
             decode_llm,
-            f"h-{layers_per_chunk}-{i}",
+            f"h-{layers_per_chunk}-{last_layers}-{i}",
             ids,
             params,
             layers_per_chunk,
             landing,
+            last_layers,
         )
         assert out.outputs[0].token_ids == single.outputs[0].token_ids
         assert out.outputs[0].text == single.outputs[0].text
         assert out.outputs[0].finish_reason == single.outputs[0].finish_reason
         m = out.metrics  # the committed request was scheduled, then gave its first token
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
-        num_layers = prefill_llm.llm_engine.model_runner.kv_cache.shape[1]
-        per_chunk = layers_per_chunk or num_layers
-        assert len(landing.chunks) == -(-num_layers // per_chunk)  # one step: one segment
-        assert [d.layer_start for _, d in landing.chunks] == list(range(0, num_layers, per_chunk))
+        assert prefill_llm.llm_engine.model_runner.kv_cache.shape[1] == 30  # the demo model
+        # One step, in layer order, every chunk over all of the prompt's blocks.
+        assert [d.layer_start for _, d in landing.chunks] == chunk_starts
+        assert [d.layer_end for _, d in landing.chunks] == chunk_starts[1:] + [30]
+        assert len({(d.block_start, d.block_end) for _, d in landing.chunks}) == 1
     assert_idle(prefill_llm)
     assert_idle(decode_llm)
 
@@ -226,20 +252,28 @@ def test_prefix_hits_on_either_node_shrink_or_reuse_the_stream(
     assert_idle(prefill_llm)
 
 
+@pytest.mark.parametrize("last_layers", [0, 5])
 def test_prompts_in_one_prefill_step_share_and_stream_their_prefix(
-    prefill_llm, decode_llm, demo_tokenizer
+    prefill_llm, decode_llm, demo_tokenizer, last_layers
 ):
     """Two prompts admitted in one prefill step: the second hits the blocks the
     first computes in that step (the scheduler offers them when it plans it), its
     stream carries them, and both decode as they do on one node. (On the CPU a
     layer's gather runs after the layer by program order; on a GPU it is queued
-    behind the layer on the engine's stream, not tested here.)"""
+    behind the layer on the engine's stream, not tested here.) With the first
+    layers held, both prompts' held chunks go first, then the streamed layers
+    in layer order."""
     p, d = prefill_llm.llm_engine, decode_llm.llm_engine
-    prefix = demo_tokenizer.encode("Two readers ask the same librarian at the same time. " * 3)
+    # A prefix of its own per case: the engines (and their prefix caches) are shared.
+    prefix = demo_tokenizer.encode(
+        f"Two readers ask librarian {last_layers} the same thing at the same time. " * 3
+    )
     prompts = {"same-1": prefix + [42, 7], "same-2": prefix + [43, 9, 11]}
     params = SamplingParams(temperature=0, max_tokens=8)
     landing = LoopbackLanding(d.model_runner)
-    streamer = KVStreamer(p.model_runner.kv_cache, 16, LoopbackSender(landing), 1)
+    streamer = KVStreamer(
+        p.model_runner.kv_cache, 16, LoopbackSender(landing), 1, last_layers=last_layers
+    )
     p.observe_kv_writes(streamer)
     tickets, firsts = {}, {}
     try:
@@ -271,6 +305,11 @@ def test_prompts_in_one_prefill_step_share_and_stream_their_prefix(
         p.observe_kv_writes(None)
     assert firsts["same-1"].num_cached_tokens == 0
     assert firsts["same-2"].num_cached_tokens == len(prefix) // 16 * 16 >= 32
+    rids = [tickets[r][0] for r in prompts]
+    assert [rid for rid, _ in landing.chunks] == rids * (30 if last_layers == 0 else 6)
+    if last_layers:
+        spans = [(0, 25)] + [(layer, layer + 1) for layer in range(25, 30)]
+        assert [(d.layer_start, d.layer_end) for _, d in landing.chunks[::2]] == spans
     for request_id, first in firsts.items():
         d.commit_request(request_id, first.outputs[0].token_ids[0], None, cached_tokens=0)
     outs = {}
