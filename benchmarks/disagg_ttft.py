@@ -42,7 +42,7 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def run(args: argparse.Namespace, stream_layers: int, last_layers: int) -> dict[str, Any]:
+def run(args: argparse.Namespace, stream_layers: int, last_layers: int | None) -> dict[str, Any]:
     import grpc
 
     from engine.models.config import ModelArchConfig
@@ -61,6 +61,9 @@ def run(args: argparse.Namespace, stream_layers: int, last_layers: int) -> dict[
     else:
         model = args.model
     vocab = ModelArchConfig.from_dir(model).vocab_size
+    prefill_env = {"PDSERVE_KV_STREAM_LAYERS": str(stream_layers)}
+    if last_layers is not None:  # else the node's own default
+        prefill_env["PDSERVE_KV_STREAM_LAST_LAYERS"] = str(last_layers)
     spec = ClusterSpec(
         model=model,
         num_prefill=1,
@@ -69,12 +72,7 @@ def run(args: argparse.Namespace, stream_layers: int, last_layers: int) -> dict[
         admin_port=free_port(),
         engine_args=engine_args,
         router_args=router_args,
-        component_env={
-            "prefill-0": {
-                "PDSERVE_KV_STREAM_LAYERS": str(stream_layers),
-                "PDSERVE_KV_STREAM_LAST_LAYERS": str(last_layers),
-            }
-        },
+        component_env={"prefill-0": prefill_env},
         log_dir=str(Path(tmp) / "logs"),
         start_timeout_s=900,
     )
@@ -187,7 +185,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     src.add_argument("--model", help="HF model directory")
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--kv-stream-layers", default="1", help="values to compare, e.g. 1,0")
-    p.add_argument("--kv-stream-last-layers", default="0", help="values to compare, e.g. 0,4")
+    p.add_argument(
+        "--kv-stream-last-layers",
+        default=None,
+        help="values to compare, e.g. 0,4 (default: the prefill node's own default)",
+    )
     p.add_argument(
         "--repeat", type=int, default=1, help="run the settings in turn this many times (ABAB)"
     )
@@ -198,17 +200,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out-dir", type=Path)
     args = p.parse_args(argv)
     results = []
+    lasts = [None] if args.kv_stream_last_layers is None else args.kv_stream_last_layers.split(",")
     settings = [
-        (int(layers), int(last))
+        (int(layers), None if last is None else int(last))
         for layers in args.kv_stream_layers.split(",")
-        for last in args.kv_stream_last_layers.split(",")
+        for last in lasts
     ]
     for layers, last in settings * args.repeat:
         result = run(args, layers, last)
         results.append(result)
         s = result["summary"]
+        shown = "default" if last is None else last
         print(
-            f"--kv-stream-layers {layers} --kv-stream-last-layers {last}: TTFT p50 via router {s['median_router_ttft_ms']:.2f} ms, "
+            f"--kv-stream-layers {layers} --kv-stream-last-layers {shown}: TTFT p50 via router {s['median_router_ttft_ms']:.2f} ms, "
             f"direct to the decode node {s['median_direct_ttft_ms']:.2f} ms, local prefill "
             f"{s['median_local_ttft_ms']:.2f} ms -> disaggregated/local "
             f"{s['disaggregated_vs_local']:.3f}x, router + hop {s['router_overhead_ms']:.2f} ms\n"

@@ -180,7 +180,7 @@ def _prefill(a, port, cache, sizes, g, device, acks) -> dict:
         layer = layer_fn(a, g, tokens, device)
         num_blocks = -(-tokens // bs)
         for lpc in [int(x) for x in a["layers_per_chunk"].split(",")]:
-            streamer = KVStreamer(cache, bs, sender, lpc)
+            streamer = KVStreamer(cache, bs, sender, lpc, last_layers=a["last_layers"])
             # Without compute (every chunk queued back to back: the wire's own
             # speed), then under the synthetic forward (what is left after it).
             for computing in (False, True):
@@ -242,6 +242,10 @@ def _decode(a, port, cache, sizes, device, acks) -> dict[int, float]:
     rng = random.Random(1)
     landed: dict[int, float] = {}
 
+    # Units still to land per reservation: a step's segments of one request
+    # (a held span and a streamed one, --last-layers) land as one.
+    left: dict[int, int] = {}
+
     class Sink:
         def on_group(self, peer, headers):
             contexts = []
@@ -250,18 +254,21 @@ def _decode(a, port, cache, sizes, device, acks) -> dict[int, float]:
                     contexts.append(None)
                     continue
                 blocks = rng.sample(range(cache.shape[2]), h.block_end - h.block_start)
-                units = sum(c.units for c in h.chunks())
-                contexts.append([h.reservation_id, block_index(blocks, device), units])
+                left[h.reservation_id] = left.get(h.reservation_id, 0) + sum(
+                    c.units for c in h.chunks()
+                )
+                contexts.append((h.reservation_id, block_index(blocks, device)))
             return contexts
 
         def on_chunk(self, peer, ctx, desc, data, stream):
-            scatter_blocks(cache, ctx[1], data, desc.layers, desc.heads)
-            ctx[2] -= desc.units
-            if ctx[2] == 0:
+            rid, index = ctx
+            scatter_blocks(cache, index, data, desc.layers, desc.heads)
+            left[rid] -= desc.units
+            if left[rid] == 0:
                 if stream is not None:
                     stream.synchronize()  # the last scatter is done
-                landed[ctx[0]] = time.monotonic()
-                acks.put(ctx[0])
+                landed[rid] = time.monotonic()
+                acks.put(rid)
 
         def on_peer_failed(self, peer, error, epoch):
             acks.put(f"failed: {error}")

@@ -60,6 +60,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--shape", default=None, choices=sorted(SHAPES))
     p.add_argument("--tokens", default="512,2048,8192")
     p.add_argument("--layers-per-chunk", default="1,2,4,0", help="values to compare; 0: whole")
+    p.add_argument(
+        "--last-layers",
+        type=int,
+        default=0,
+        help="only a step's last N layers streamed, the ones before in one chunk (every run)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--compute", type=Compute, choices=list(Compute), default=None)
     p.add_argument("--layer-ms", type=float, default=20.0, help="per layer, --compute fixed")
@@ -106,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row = {
                 "tokens": tokens,
                 "layers_per_chunk": lpc,
+                "last_layers": args.last_layers,
                 "bytes": raw["bytes"],
                 "raw_ms": raw["seconds"] * 1e3,
                 "raw_per_layer_ms": raw["per_layer_seconds"] * 1e3,

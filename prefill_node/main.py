@@ -19,9 +19,12 @@ SERVICE = internal_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name
 
 # Layers per KV chunk: measured in docs/performance.md ("Layer-wise KV streaming").
 DEFAULT_KV_STREAM_LAYERS = 1
-# Layers streamed as they run, the ones before held for one chunk (0: all
-# streamed): docs/performance.md, "NVLink's power and the forward".
-DEFAULT_KV_STREAM_LAST_LAYERS = 0
+# On a GPU only the last 4 layers stream, the ones before go as one chunk:
+# NVLink kept active over the whole forward costs a power-capped GPU about 2% of
+# its clock (docs/performance.md, "NVLink's power and the forward"). On a CPU
+# every layer streams: gloo has no such cost, and a CPU's gathers and
+# scatters are slow enough that spreading them over the forward pays.
+GPU_KV_STREAM_LAST_LAYERS = 4
 
 
 def _layers(text: str) -> int:
@@ -44,11 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-stream-last-layers",
         type=_layers,
-        default=os.environ.get("PDSERVE_KV_STREAM_LAST_LAYERS") or DEFAULT_KV_STREAM_LAST_LAYERS,
+        default=os.environ.get("PDSERVE_KV_STREAM_LAST_LAYERS") or None,
         help="stream only a prompt's last N layers that way; the KV of the layers before "
         "them goes as one chunk once they ran, so that the link between the nodes is active "
-        "only at the end of the forward; 0: every layer streamed "
-        f"(default {DEFAULT_KV_STREAM_LAST_LAYERS}) [PDSERVE_KV_STREAM_LAST_LAYERS]",
+        f"only at the end of the forward; 0: every layer streamed (default "
+        f"{GPU_KV_STREAM_LAST_LAYERS} on a GPU, 0 on a CPU) [PDSERVE_KV_STREAM_LAST_LAYERS]",
     )
 
 
@@ -63,6 +66,10 @@ async def serve(args: argparse.Namespace) -> int:
         worker_extension_cls="prefill_node.tp_rank:PrefillRank",
     )
     faults = fault_delays(node.node_id)
+    last_layers = args.kv_stream_last_layers
+    if last_layers is None:
+        on_gpu = node.engine.model_runner.device.type == "cuda"
+        last_layers = GPU_KV_STREAM_LAST_LAYERS if on_gpu else 0
     sender = KVSender(
         node.node_id,
         node.engine.model_runner.device,
@@ -77,7 +84,7 @@ async def serve(args: argparse.Namespace) -> int:
         max_queued=args.max_queued_requests,
         faults=faults,
         layers_per_chunk=args.kv_stream_layers,
-        last_layers=args.kv_stream_last_layers,
+        last_layers=last_layers,
     )
 
     async def close() -> None:

@@ -2,9 +2,11 @@
 
 One decode node and two prefill nodes (real processes, a real Redis, KV over
 gloo, every transfer checksummed per chunk by both sides): prefill-0 streams
-one layer per chunk and prefills in 64-token chunks (a long prompt streams
-step by step), prefill-1 sends each step's blocks of every layer in one chunk
-after its last layer (``--kv-stream-layers 0``). Each test drains the other
+one layer per chunk of a step's last 5 layers, the layers before them in one
+chunk (``--kv-stream-last-layers 5``; every layer streamed, the CPU default,
+is what the fault tests' clusters run), and prefills in 64-token chunks (a
+long prompt streams step by step); prefill-1 sends each step's blocks of every
+layer in one chunk after its last layer (``--kv-stream-layers 0``). Each test drains the other
 prefill node, so the path under test is the one taken.
 """
 
@@ -50,6 +52,7 @@ def cluster(demo_model_dir, tmp_path_factory):
         component_env={
             "prefill-0": {
                 "PDSERVE_KV_STREAM_LAYERS": "1",
+                "PDSERVE_KV_STREAM_LAST_LAYERS": "5",
                 "PDSERVE_MAX_NUM_BATCHED_TOKENS": "64",
                 "PDSERVE_MAX_NUM_SEQS": "8",
             },
@@ -169,16 +172,16 @@ def test_prefix_hits_stream_only_the_blocks_from_the_first_uncached_one(
     assert after["mismatches"] == after["failures"] == 0
 
 
-def test_bad_stream_layers_flag_is_refused(demo_model_dir):
+@pytest.mark.parametrize("flag", ["--kv-stream-layers", "--kv-stream-last-layers"])
+def test_bad_stream_layers_flag_is_refused(demo_model_dir, flag):
     import subprocess
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "pdserve", "prefill", "--model", str(demo_model_dir)]
-        + ["--kv-stream-layers", "-1"],
+        [sys.executable, "-m", "pdserve", "prefill", "--model", str(demo_model_dir), flag, "-1"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 2
-    assert "--kv-stream-layers" in proc.stderr and "must be >= 0" in proc.stderr
+    assert flag in proc.stderr and "must be >= 0" in proc.stderr
