@@ -38,14 +38,13 @@ import os
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import save_run
-from benchmarks.kv_stream_worker import geometry, layer_fn
+from benchmarks.kv_stream_worker import geometry, layer_fn, report
 from engine.models.shapes import SHAPES
 from prefill_node.kv_stream import layer_spans
 
@@ -103,11 +102,7 @@ def _layer_bytes(a: dict[str, Any], g: dict[str, int], tokens: int) -> int:
 
 def run_rank(rank: int, a: dict[str, Any], port: int, queues) -> None:
     results, handles = queues
-    try:
-        out = _run(rank, a, port, handles)
-    except BaseException as e:  # report, so the parent does not wait forever
-        out = {"rank": rank, "error": f"{e!r}\n{traceback.format_exc()}"}
-    results.put(out)
+    report(results, rank, lambda: _run(rank, a, port, handles))
 
 
 def _run(rank: int, a: dict[str, Any], port: int, handles) -> dict[str, Any]:

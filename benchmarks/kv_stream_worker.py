@@ -14,6 +14,7 @@ import enum
 import random
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from engine.models.shapes import SHAPES
@@ -37,13 +38,19 @@ def geometry(shape: str) -> dict[str, int]:
     }
 
 
-def run_rank(rank: int, a: dict[str, Any], ports: tuple[int, int], queues) -> None:
-    results, acks = queues
+def report(results, rank: int, work: Callable[[], dict[str, Any]]) -> None:
+    """Put ``work()``'s outcome on ``results``, its error too: the parent waits
+    for one per rank, and must not wait forever for a rank that failed."""
     try:
-        out = _run(rank, a, ports, acks)
-    except BaseException as e:  # report, so the parent does not wait forever
+        out = work()
+    except BaseException as e:
         out = {"rank": rank, "error": f"{e!r}\n{traceback.format_exc()}"}
     results.put(out)
+
+
+def run_rank(rank: int, a: dict[str, Any], ports: tuple[int, int], queues) -> None:
+    results, acks = queues
+    report(results, rank, lambda: _run(rank, a, ports, acks))
 
 
 def _run(rank: int, a: dict[str, Any], ports: tuple[int, int], acks) -> dict[str, Any]:
