@@ -7,8 +7,8 @@ Starts Redis, one prefill node, one decode node and the router (`pdserve up`'s
 launcher; one GPU per node when there are GPUs), once per ``--kv-stream-layers``
 value (the prefill node's layers per KV chunk; 0: each step's KV in one chunk
 after its last layer) and ``--kv-stream-last-layers`` value (only the last N
-layers streamed, the ones before in one chunk), ``--repeat`` times in turn. Each round sends the same kind of request three times,
-interleaved: through the router; straight to the decode node's Decode RPC
+layers streamed, the ones before in one chunk), ``--repeat`` times in turn.
+Each round sends the same kind of request three times, interleaved: through the router; straight to the decode node's Decode RPC
 naming the prefill node (what the router would send); and straight to the
 decode node naming none, so that it prefills the prompt itself (a local
 prefill, the baseline of the disaggregation tax). Prompts are random token ids,
@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         s = result["summary"]
         shown = "default" if last is None else last
         print(
-            f"--kv-stream-layers {layers} --kv-stream-last-layers {shown}: TTFT p50 via router {s['median_router_ttft_ms']:.2f} ms, "
+            f"--kv-stream-layers {layers} --kv-stream-last-layers {shown}: TTFT p50 via "
+            f"router {s['median_router_ttft_ms']:.2f} ms, "
             f"direct to the decode node {s['median_direct_ttft_ms']:.2f} ms, local prefill "
             f"{s['median_local_ttft_ms']:.2f} ms -> disaggregated/local "
             f"{s['disaggregated_vs_local']:.3f}x, router + hop {s['router_overhead_ms']:.2f} ms\n"

@@ -120,7 +120,11 @@ def _run(rank: int, a: dict[str, Any], port: int, handles) -> dict[str, Any]:
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=300),
     )
-    pg = dist.ProcessGroupNCCL(dist.PrefixStore("paths", store), rank, 2)
+    opts = dist.ProcessGroupNCCL.Options()
+    # Rank 1 posts every receive of the run at once: NCCL's watchdog (10 minutes
+    # by default) must not time the last of them out on a long run.
+    opts._timeout = datetime.timedelta(hours=2)
+    pg = dist.ProcessGroupNCCL(dist.PrefixStore("paths", store), rank, 2, opts)
     largest = max(_layer_bytes(a, g, t) for t in _ints(a["tokens"])) * g["layers"]
     if rank == 1:
         shared = torch.empty(largest, dtype=torch.uint8, device="cuda:1")

@@ -85,6 +85,100 @@ class SmiSampler:
             self.proc.wait(5)
 
 
+class Rig:
+    """GPU 0's matmul operands and the trickle's buffers, ready to run phases."""
+
+    def __init__(self, seconds: float) -> None:
+        import torch
+
+        self.torch = torch
+        self.seconds = seconds
+        torch.cuda.set_device(0)
+        # A copy issued each way first: torch enables peer access one direction
+        # per copy, and a one-way enabled pair copied at a tenth of the link's
+        # speed (kv_send_paths.py).
+        zero, one = torch.zeros(1, device="cuda:0"), torch.zeros(1, device="cuda:1")
+        one.copy_(zero)
+        zero.copy_(one)
+        self.a = torch.randn(SIZE, SIZE, device="cuda:0", dtype=torch.bfloat16)
+        self.b = torch.randn(SIZE, SIZE, device="cuda:0", dtype=torch.bfloat16)
+        self.src = torch.empty(CHUNK_BYTES, dtype=torch.uint8, device="cuda:0")
+        self.targets = {
+            "nvlink": torch.empty(CHUNK_BYTES, dtype=torch.uint8, device="cuda:1"),
+            "local": torch.empty(CHUNK_BYTES, dtype=torch.uint8, device="cuda:0"),
+        }
+        self.xfer = torch.cuda.Stream(0)
+        self.smi = SmiSampler()
+
+    def _trickle(self, target: str, period_ms: float, stop: threading.Event) -> None:
+        with self.torch.cuda.stream(self.xfer):
+            while not stop.is_set():
+                self.targets[target].copy_(self.src, non_blocking=True)
+                time.sleep(period_ms / 1e3)
+
+    def _matmuls(self) -> float:
+        """20 matmuls back to back; their device time in ms."""
+        torch = self.torch
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(20):
+            torch.mm(self.a, self.b)
+        e.record()
+        e.synchronize()
+        return s.elapsed_time(e)
+
+    def phase(self, name: str, target: str | None, period_ms: float, compute: bool) -> dict:
+        stop = threading.Event()
+        thread = None
+        if target is not None:
+            thread = threading.Thread(target=self._trickle, args=(target, period_ms, stop))
+        t0 = time.time()
+        if thread:
+            thread.start()
+        count, device_ms = 0, 0.0
+        while time.time() - t0 < self.seconds:
+            if compute:
+                device_ms += self._matmuls()
+                count += 20
+            else:
+                time.sleep(0.05)
+        stop.set()
+        if thread:
+            thread.join()
+        self.torch.cuda.synchronize(0)
+        t1 = time.time()
+        row: dict[str, Any] = {"phase": name, "trickle": target, "period_ms": period_ms}
+        row["tflops"] = 2 * SIZE**3 * count / (device_ms / 1e3) / 1e12 if count else None
+        for gpu in (0, 1):  # the first and last half second are the transitions
+            row.update(self.smi.between(gpu, t0 + 0.5, t1 - 0.2))
+        return row
+
+
+def run_rounds(rig: Rig, periods: list[float], rounds: int) -> list[dict[str, Any]]:
+    """The no-compute phases, then per round the matmul baseline and each trickle."""
+    rows = [
+        rig.phase("idle", None, 0.0, False),
+        rig.phase("nvlink trickle, no compute", "nvlink", periods[0], False),
+        rig.phase("local trickle, no compute", "local", periods[0], False),
+    ]
+    rig.phase("matmul warm-up", None, 0.0, True)
+    for r in range(rounds):
+        base = rig.phase("matmul", None, 0.0, True)
+        round_rows = [base]
+        for period in periods:
+            round_rows.append(
+                rig.phase(f"matmul + nvlink every {period:g} ms", "nvlink", period, True)
+            )
+        round_rows.append(
+            rig.phase(f"matmul + local every {periods[0]:g} ms", "local", periods[0], True)
+        )
+        for row in round_rows:
+            row["round"] = r
+            row["vs_matmul"] = row["tflops"] / base["tflops"]
+        rows += round_rows
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
@@ -96,79 +190,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if torch.cuda.device_count() < 2:
         raise SystemExit("nvlink_power.py needs two GPUs")
-    periods = [float(x) for x in args.periods_ms.split(",")]
-    torch.cuda.set_device(0)
-    # A copy issued each way first: torch enables peer access one direction per
-    # copy, and a one-way enabled pair copied at a tenth of the link's speed
-    # (kv_send_paths.py).
-    zero, one = torch.zeros(1, device="cuda:0"), torch.zeros(1, device="cuda:1")
-    one.copy_(zero)
-    zero.copy_(one)
-    a = torch.randn(SIZE, SIZE, device="cuda:0", dtype=torch.bfloat16)
-    b = torch.randn(SIZE, SIZE, device="cuda:0", dtype=torch.bfloat16)
-    src = torch.empty(CHUNK_BYTES, dtype=torch.uint8, device="cuda:0")
-    targets = {
-        "nvlink": torch.empty(CHUNK_BYTES, dtype=torch.uint8, device="cuda:1"),
-        "local": torch.empty(CHUNK_BYTES, dtype=torch.uint8, device="cuda:0"),
-    }
-    xfer = torch.cuda.Stream(0)
-    smi = SmiSampler()
-
-    def phase(name: str, target: str | None, period_ms: float, compute: bool) -> dict[str, Any]:
-        stop = threading.Event()
-
-        def trickle() -> None:
-            with torch.cuda.stream(xfer):
-                while not stop.is_set():
-                    targets[target].copy_(src, non_blocking=True)
-                    time.sleep(period_ms / 1e3)
-
-        thread = threading.Thread(target=trickle) if target else None
-        t0 = time.time()
-        if thread:
-            thread.start()
-        count, device_ms = 0, 0.0
-        while time.time() - t0 < args.seconds:
-            if not compute:
-                time.sleep(0.05)
-                continue
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(20):
-                torch.mm(a, b)
-            e.record()
-            e.synchronize()
-            count += 20
-            device_ms += s.elapsed_time(e)
-        stop.set()
-        if thread:
-            thread.join()
-        torch.cuda.synchronize(0)
-        t1 = time.time()
-        row: dict[str, Any] = {"phase": name, "trickle": target, "period_ms": period_ms}
-        row["tflops"] = 2 * SIZE**3 * count / (device_ms / 1e3) / 1e12 if count else None
-        for gpu in (0, 1):  # the first and last half second are the transitions
-            row.update(smi.between(gpu, t0 + 0.5, t1 - 0.2))
-        return row
-
-    rows = [
-        phase("idle", None, 0.0, False),
-        phase("nvlink trickle, no compute", "nvlink", periods[0], False),
-        phase("local trickle, no compute", "local", periods[0], False),
-    ]
-    phase("matmul warm-up", None, 0.0, True)
-    for r in range(args.rounds):
-        base = phase("matmul", None, 0.0, True)
-        round_rows = [base]
-        round_rows += [phase(f"matmul + nvlink every {p:g} ms", "nvlink", p, True) for p in periods]
-        round_rows.append(
-            phase(f"matmul + local every {periods[0]:g} ms", "local", periods[0], True)
-        )
-        for row in round_rows:
-            row["round"] = r
-            row["vs_matmul"] = row["tflops"] / base["tflops"]
-        rows += round_rows
-    smi.stop()
+    rig = Rig(args.seconds)
+    try:
+        rows = run_rounds(rig, [float(x) for x in args.periods_ms.split(",")], args.rounds)
+    finally:
+        rig.smi.stop()
     for row in rows:
         clock = f"{row.get('gpu0_sm_mhz', float('nan')):6.0f} MHz"
         power = " / ".join(f"{row.get(f'gpu{g}_power_w', float('nan')):5.1f} W" for g in (0, 1))

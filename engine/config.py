@@ -25,6 +25,7 @@ _EXTENSION_NAME = re.compile(r"[A-Za-z_][\w.]*[:.][A-Za-z_]\w*")
 
 ALLOWED_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_NUM_SEQS = 256
 # Without a GPU the KV pool is sized from this many bytes unless told otherwise
 # (vLLM's CPU backend has the same kind of knob, VLLM_CPU_KVCACHE_SPACE).
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
@@ -92,7 +93,7 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_logprobs: int = 20
     gpu_memory_utilization: float = 0.9
     kvcache_block_size: int = 16

@@ -65,11 +65,13 @@ def layer_spans(
     ``layers_per_chunk``. Otherwise only the last ``last_layers`` layers are;
     the layers before them go as one chunk once the last of them ran, while
     the last layers compute. Why hold them: NVLink stays in its active power
-    state for some 50 ms after any transfer, and a prefill's GPU is power-capped,
-    so a link active over the whole forward costs its matmuls about 2% of their
-    clock (docs/performance.md, "NVLink's power and the forward"); held, the link
-    wakes for the last layers only, and the held chunk is one large message,
-    the wire's fastest size. No gain for a CPU (gloo): 0 there."""
+    state for some 50-100 ms after any transfer, and a prefill's GPU is
+    power-capped, so a link active over the whole forward costs its matmuls
+    2.0-2.4% of their throughput (docs/performance.md, "NVLink's power and the
+    forward"); held, the link wakes for the last layers only, and the held
+    chunk is one large message, the wire's fastest size. It pays only if the
+    link sends that chunk within the last layers' compute; the gathered chunk
+    is (L - N) / L of the step's KV, memory the engine's budget does not count."""
     held = num_layers - last_layers
     if last_layers == 0 or held <= 0 or layers_per_chunk >= num_layers:
         return [(0, num_layers, layers_per_chunk)]

@@ -7,9 +7,11 @@ import os
 
 from common.cluster import NodeRole
 from common.kv_transfer import KVSender
+from common.kv_transfer.protocol import MAX_GROUP
 from common.node import run_node, start_node_engine
 from common.node_flags import add_node_arguments, fault_delays
 from common.ports import PlannedPort
+from engine.config import DEFAULT_MAX_NUM_SEQS
 from prefill_node.service import PrefillNodeServicer
 from prefill_node.worker import PrefillWorker
 from proto import internal_pb2, internal_pb2_grpc
@@ -19,12 +21,13 @@ SERVICE = internal_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name
 
 # Layers per KV chunk: measured in docs/performance.md ("Layer-wise KV streaming").
 DEFAULT_KV_STREAM_LAYERS = 1
-# On a GPU only the last 4 layers stream, the ones before go as one chunk:
-# NVLink kept active over the whole forward costs a power-capped GPU about 2% of
-# its clock (docs/performance.md, "NVLink's power and the forward"). On a CPU
-# every layer streams: gloo has no such cost, and a CPU's gathers and
-# scatters are slow enough that spreading them over the forward pays.
-GPU_KV_STREAM_LAST_LAYERS = 4
+# Every layer streams unless told: holding the first layers pays only where
+# the link sends them during the last layers' compute (NVLink between GPUs of
+# one host, layers as heavy as an 8B model's), and there it took 1-1.6 ms off a
+# 2048-token TTFT; over a slower link or with light layers it would leave the
+# held chunk's transfer after the forward (docs/performance.md, "NVLink's
+# power and the forward").
+DEFAULT_KV_STREAM_LAST_LAYERS = 0
 
 
 def _layers(text: str) -> int:
@@ -47,15 +50,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-stream-last-layers",
         type=_layers,
-        default=os.environ.get("PDSERVE_KV_STREAM_LAST_LAYERS") or None,
+        default=os.environ.get("PDSERVE_KV_STREAM_LAST_LAYERS") or DEFAULT_KV_STREAM_LAST_LAYERS,
         help="stream only a prompt's last N layers that way; the KV of the layers before "
-        "them goes as one chunk once they ran, so that the link between the nodes is active "
-        f"only at the end of the forward; 0: every layer streamed (default "
-        f"{GPU_KV_STREAM_LAST_LAYERS} on a GPU, 0 on a CPU) [PDSERVE_KV_STREAM_LAST_LAYERS]",
+        "them goes as one chunk once they ran, so that NVLink is active only at the end of "
+        "the forward (4 took 1-1.6 ms off a 2048-token TTFT between two H200s); only where "
+        "the link sends that chunk within the last N layers' compute; 0: every layer "
+        f"streamed (default {DEFAULT_KV_STREAM_LAST_LAYERS}) [PDSERVE_KV_STREAM_LAST_LAYERS]",
     )
 
 
+def check_group_room(args: argparse.Namespace) -> None:
+    """A step's KV headers to one decode rank travel as one group of at most
+    MAX_GROUP: one segment per request, two with held layers."""
+    seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+    per_request = 2 if args.kv_stream_last_layers else 1
+    if seqs * per_request > MAX_GROUP:
+        raise ValueError(
+            f"--max-num-seqs {seqs} with {per_request} KV segment(s) per request and step "
+            f"exceeds the {MAX_GROUP} a KV group carries: lower --max-num-seqs"
+            + (" or stream every layer (--kv-stream-last-layers 0)" if per_request > 1 else "")
+        )
+
+
 async def serve(args: argparse.Namespace) -> int:
+    check_group_room(args)
     # A prefill node never produces text: no tokenizer to load.
     ports = [PlannedPort(args.port, "--port", "prefill node gRPC API")]
     node = start_node_engine(
@@ -66,10 +84,6 @@ async def serve(args: argparse.Namespace) -> int:
         worker_extension_cls="prefill_node.tp_rank:PrefillRank",
     )
     faults = fault_delays(node.node_id)
-    last_layers = args.kv_stream_last_layers
-    if last_layers is None:
-        on_gpu = node.engine.model_runner.device.type == "cuda"
-        last_layers = GPU_KV_STREAM_LAST_LAYERS if on_gpu else 0
     sender = KVSender(
         node.node_id,
         node.engine.model_runner.device,
@@ -84,7 +98,7 @@ async def serve(args: argparse.Namespace) -> int:
         max_queued=args.max_queued_requests,
         faults=faults,
         layers_per_chunk=args.kv_stream_layers,
-        last_layers=last_layers,
+        last_layers=args.kv_stream_last_layers,
     )
 
     async def close() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from datetime import datetime
 
 import pytest
 
@@ -25,8 +26,6 @@ def test_samples_are_parsed_and_a_phase_reads_its_medians(monkeypatch):
 
     smi.proc = FakeProc()
     smi._read()
-    from datetime import datetime
-
     t0 = datetime(2026, 11, 27, 13, 15, 0).timestamp()
     assert smi.between(0, t0, t0 + 1) == {"gpu0_sm_mhz": 1477.5, "gpu0_power_w": 691.0}
     assert smi.between(1, t0, t0 + 1) == {"gpu1_sm_mhz": 1980.0, "gpu1_power_w": 161.2}

@@ -44,8 +44,10 @@ def prompt_ids(demo_model_dir):
     return ids, list(out[0].outputs[0].token_ids)
 
 
-@pytest.fixture(scope="module")
-def cluster(demo_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=[0, 4], ids=["every-layer", "last-4-layers"])
+def cluster(request, demo_model_dir, tmp_path_factory):
+    """Every layer streamed (the default), and the last 4 only: then the first
+    chunk, the one that lands before the pause, holds the layers before them."""
     s = spec(
         demo_model_dir,
         tmp_path_factory.mktemp("lease-logs"),
@@ -54,7 +56,10 @@ def cluster(demo_model_dir, tmp_path_factory):
         engine_args=["--num-kvcache-blocks", str(NUM_BLOCKS), "--max-model-len", "192"],
         router_args=["--local-prefill-max-tokens", "0", "--max-model-len", "192"],
         component_env={
-            "prefill-0": {"PDSERVE_FAULT_DELAYS": f"transfer_mid={PAUSE_S}"},
+            "prefill-0": {
+                "PDSERVE_FAULT_DELAYS": f"transfer_mid={PAUSE_S}",
+                "PDSERVE_KV_STREAM_LAST_LAYERS": str(request.param),
+            },
             "decode-0": {"PDSERVE_KV_LEASE_S": str(LEASE_S)},
         },
     )

@@ -7,6 +7,8 @@ with 1. Draining the others picks the pair under test, so each of
 TP 3 -> 1, 1 -> 3 and 3 -> 3 carries real prompts: every rank of the decode
 node receives exactly its heads from the prefill ranks that hold them, and the
 text equals HF transformers'. Every block is free on every node after.
+prefill-0 streams only each step's last 4 layers, the layers before in one
+chunk (``--kv-stream-last-layers 4``, a GPU's default); prefill-1 every layer.
 """
 
 from __future__ import annotations
@@ -50,7 +52,11 @@ def cluster(demo_model_dir, tmp_path_factory):
         router_args=REMOTE_PREFILL_ONLY,
         component_env={
             "prefill-0": tp3
-            | {"PDSERVE_MAX_NUM_BATCHED_TOKENS": "64", "PDSERVE_MAX_NUM_SEQS": "8"},
+            | {
+                "PDSERVE_MAX_NUM_BATCHED_TOKENS": "64",
+                "PDSERVE_MAX_NUM_SEQS": "8",
+                "PDSERVE_KV_STREAM_LAST_LAYERS": "4",
+            },
             "decode-1": tp3,
         },
         log_dir=str(tmp_path_factory.mktemp("tp-logs")),
