@@ -82,33 +82,35 @@ def cuda_time_ms(fn, warmup: int = 3, iters: int = 20, batch: int = 1) -> float:
     """Median wall time of ``fn`` on the GPU in ms (CUDA events around each call;
     with ``batch`` > 1 around that many calls back to back, divided: for kernels
     short enough that the host's launch gap would show between two events)."""
-    import torch
+    return cuda_times_ms_interleaved({"fn": fn}, warmup, iters, batch)["fn"]
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(batch):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / batch)
-    times.sort()
-    return times[len(times) // 2]
+
+def rotated(names: list[str], round_index: int) -> list[str]:
+    """Round ``round_index``'s order of ``names``: rotated by one each round, so
+    that every name is first (and last) equally often over ``len(names)`` rounds."""
+    k = round_index % len(names)
+    return names[k:] + names[:k]
 
 
 def interleaved_order(names: list[str], iters: int) -> list[str]:
     """The order in which ``cuda_times_ms_interleaved`` times ``names``: one call
-    of each per round, the round's order rotated by one each round, so that
-    every name is first (and last) equally often over ``len(names)`` rounds."""
-    order = []
-    for i in range(iters):
-        k = i % len(names)
-        order += names[k:] + names[:k]
-    return order
+    of each per round, each round ``rotated``."""
+    return [name for i in range(iters) for name in rotated(names, i)]
+
+
+def enable_peer_copies() -> None:
+    """One copy issued on each of GPUs 0 and 1 into the other's memory. torch
+    enables peer access one direction per copy; with only GPU 0's enabled, a
+    copy issued on GPU 0 into GPU 1's memory ran at about 35 GB/s with some 2.3
+    ms of host time per copy (kv_send_paths.py's first runs, 2026-11-27); once
+    a copy had gone the other way, at NVLink speed."""
+    import torch
+
+    zero, one = torch.zeros(1, device="cuda:0"), torch.zeros(1, device="cuda:1")
+    one.copy_(zero)  # torch issues a copy on the source's device
+    zero.copy_(one)
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
 
 
 def cuda_times_ms_interleaved(

@@ -43,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import save_run
+from benchmarks.common import enable_peer_copies, rotated, save_run
 from benchmarks.kv_stream_worker import geometry, layer_fn, report
 from engine.models.shapes import SHAPES
 from prefill_node.kv_stream import layer_spans
@@ -136,7 +136,7 @@ def _run(rank: int, a: dict[str, Any], port: int, handles) -> dict[str, Any]:
         store.wait(["done"])
         return {"rank": 1}
     shared = handles.get(timeout=300)
-    _peer_access_both_ways(torch)
+    enable_peer_copies()
     try:
         landing = torch.empty(largest, dtype=torch.uint8, device="cuda:1")
         return {"rank": 0, "rows": _sender(a, g, pg, landing, shared)}
@@ -144,18 +144,6 @@ def _run(rank: int, a: dict[str, Any], port: int, handles) -> dict[str, Any]:
         del shared
         torch.cuda.synchronize()
         store.set("done", "1")
-
-
-def _peer_access_both_ways(torch) -> None:
-    """One copy issued on each GPU into the other's memory. Without the one
-    issued on GPU 1, a copy issued on GPU 0 into GPU 1's memory ran at about
-    35 GB/s with some 2.3 ms of host time per copy (the first runs of this
-    benchmark, 2026-11-27); once a copy had gone the other way, at NVLink speed."""
-    zero, one = torch.zeros(1, device="cuda:0"), torch.zeros(1, device="cuda:1")
-    one.copy_(zero)  # torch issues a copy on the source's device
-    zero.copy_(one)
-    torch.cuda.synchronize(0)
-    torch.cuda.synchronize(1)
 
 
 def _sender(a: dict[str, Any], g: dict[str, int], pg, landing, shared) -> list[dict[str, Any]]:
@@ -190,8 +178,7 @@ def _sender(a: dict[str, Any], g: dict[str, int], pg, landing, shared) -> list[d
             samples: dict[str, list[dict[str, float]]] = {m: [] for m in a["modes"]}
             modes = a["modes"]
             for it in range(a["warmup"] + a["iters"]):
-                k = it % len(modes)  # each mode first (and last) as often as the others
-                for mode in modes[k:] + modes[:k]:
+                for mode in rotated(modes, it):  # each mode first as often as the others
                     torch.cuda.synchronize()
                     time.sleep(a["gap_ms"] / 1e3)  # the links idle again (nvlink_power.py)
                     t = _forward(mode, layer, cache, blocks, ranges, g, compute, xfer, send)
@@ -269,6 +256,21 @@ def _forward(mode, layer, cache, blocks, ranges, g, compute, xfer, send) -> dict
     return out
 
 
+def _timed(stream, fn) -> float:
+    """One call of ``fn`` on ``stream``, both GPUs idle first: its device time in ms."""
+    import torch
+
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        s.record()
+        fn()
+        e.record()
+    e.synchronize()
+    return s.elapsed_time(e)
+
+
 def _bare(mode, cache, blocks, ranges, xfer, send, a) -> dict[str, float]:
     """No compute: every chunk gathered and sent back to back (first start to
     last end), and the whole payload as one message (the raw figure)."""
@@ -276,21 +278,19 @@ def _bare(mode, cache, blocks, ranges, xfer, send, a) -> dict[str, float]:
 
     chunks = [cache[:, s:e].index_select(2, blocks) for s, e in ranges]
     whole = torch.cat([c.view(-1) for c in chunks])
+
+    def send_all(target: list) -> None:
+        offset = 0
+        for c in target:
+            send(mode, c, offset)
+            offset += c.numel() * c.element_size()
+
     backs, raws = [], []
     for it in range(a["warmup"] + a["iters"]):
         for target, times in ((chunks, backs), ([whole], raws)):
-            torch.cuda.synchronize()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(xfer):
-                s.record()
-                offset = 0
-                for c in target:
-                    send(mode, c, offset)
-                    offset += c.numel() * c.element_size()
-                e.record()
-            torch.cuda.synchronize()
+            t = _timed(xfer, lambda target=target: send_all(target))
             if it >= a["warmup"]:
-                times.append(s.elapsed_time(e))
+                times.append(t)
     return {"chunks_back_to_back_ms": statistics.median(backs), "raw_ms": statistics.median(raws)}
 
 
@@ -314,19 +314,8 @@ def _ipc_copies(cache, blocks, shared, xfer, a) -> dict[str, float]:
 
     out = {}
     for key, fn, stream in (("raw_ipc_push_ms", push, xfer), ("raw_ipc_pull_ms", pull, gpu1)):
-        times = []
-        for it in range(a["warmup"] + a["iters"]):
-            torch.cuda.synchronize(0)
-            torch.cuda.synchronize(1)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream):
-                s.record()
-                fn()
-                e.record()
-            e.synchronize()
-            if it >= a["warmup"]:
-                times.append(s.elapsed_time(e))
-        out[key] = statistics.median(times)
+        times = [_timed(stream, fn) for _ in range(a["warmup"] + a["iters"])]
+        out[key] = statistics.median(times[a["warmup"] :])
     return out
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import save_run
+from benchmarks.common import enable_peer_copies, save_run
 
 SIZE = 8192  # matmul side
 CHUNK_BYTES = 8 << 20  # one layer's KV of a 2048-token Llama-3.1-8B prompt
@@ -94,12 +94,7 @@ class Rig:
         self.torch = torch
         self.seconds = seconds
         torch.cuda.set_device(0)
-        # A copy issued each way first: torch enables peer access one direction
-        # per copy, and a one-way enabled pair copied at a tenth of the link's
-        # speed (kv_send_paths.py).
-        zero, one = torch.zeros(1, device="cuda:0"), torch.zeros(1, device="cuda:1")
-        one.copy_(zero)
-        zero.copy_(one)
+        enable_peer_copies()
         self.a = torch.randn(SIZE, SIZE, device="cuda:0", dtype=torch.bfloat16)
         self.b = torch.randn(SIZE, SIZE, device="cuda:0", dtype=torch.bfloat16)
         self.src = torch.empty(CHUNK_BYTES, dtype=torch.uint8, device="cuda:0")

@@ -12,8 +12,8 @@ prefix 8 groups x 32 prompts, 2048-token system prompt, 128-token questions),
 stop it; or, with ``--interleave ROUNDS``, both up at once on the GPU and
 their sweeps alternated (the fairer comparison: no system always first, and
 the same host state for both). Writes every record, one plot per workload
-and summary.json (the issue's targets) under ``--out``. Each sweep and each start has a timeout; the
-servers are killed on any exit.
+and summary.json (the issue's targets) under ``--out``. Each sweep and each
+start has a timeout; the servers are killed on any exit.
 """
 
 from __future__ import annotations
@@ -266,8 +266,8 @@ def run_interleaved(args) -> None:
     later one (each was faster in its second run of 2026-11-27, in turn). With
     one system, its rounds are repeats on one server. Round r's sweeps are
     labelled ``-rR`` and take prompt seed ROUND_SEEDS r (+ a sweep's own):
-    every system gets the same prompts in a round, and a later round does not find an
-    earlier one's prompts in its prefix cache. vLLM starts first, on
+    every system gets the same prompts in a round, and a later round does not
+    find an earlier one's prompts in its prefix cache. vLLM starts first, on
     ``--vllm-args``' share of the memory (vLLM refuses to start where less is
     free); pdserve's node subtracts what another process holds from its own
     budget (engine/model_runner.py)."""

@@ -1,8 +1,9 @@
 """The KV stream's wire format: segment headers and the chunks they announce. No pickle.
 
 A *segment* is the KV that one prefill step made for one request (all of it,
-or a range of its layers), bound for one reservation: blocks ``[block_start, block_end)`` of the prompt's block table,
-over layers ``[layer_start, layer_end)`` and KV heads ``[head_start, head_end)``.
+or a range of its layers), bound for one reservation: blocks ``[block_start,
+block_end)`` of the prompt's block table, over layers ``[layer_start,
+layer_end)`` and KV heads ``[head_start, head_end)``.
 It travels as *chunks* of ``layers_per_chunk`` layers each, in layer order; a
 chunk is one message of ``[2, layers, blocks, block_size, heads, head_dim]``
 (``gather_blocks``'s layout) sent as bytes. Its size is ``units x unit_bytes``,
