@@ -44,7 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import enable_peer_copies, rotated, save_run
-from benchmarks.kv_stream_worker import geometry, layer_fn, report
+from benchmarks.kv_stream_worker import geometry, layer_fn, pair_store, report
 from engine.models.shapes import SHAPES
 from prefill_node.kv_stream import layer_spans
 
@@ -113,13 +113,7 @@ def _run(rank: int, a: dict[str, Any], port: int, handles) -> dict[str, Any]:
 
     torch.cuda.set_device(rank)
     g = geometry(a["shape"])
-    store = dist.TCPStore(
-        "127.0.0.1",
-        port,
-        is_master=rank == 1,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=300),
-    )
+    store = pair_store(rank, port, 300)
     opts = dist.ProcessGroupNCCL.Options()
     # Rank 1 posts every receive of the run at once: NCCL's watchdog (10 minutes
     # by default) must not time the last of them out on a long run.

@@ -90,18 +90,25 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
+def pair_store(rank: int, port: int, timeout_s: float):
+    """The two benchmark processes' rendezvous on this host (rank 1 hosts it)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=rank == 1,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
 def _raw(rank, a, port, cache, sizes, bs, cuda) -> dict[int, dict[str, float]]:
     """One send/recv of a buffer of the request's size, after a barrier each time."""
     import torch
     import torch.distributed as dist
 
-    store = dist.TCPStore(
-        "127.0.0.1",
-        port,
-        is_master=rank == 1,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    store = pair_store(rank, port, 120)
     prefixed = dist.PrefixStore("raw", store)
     if cuda:
         pg = dist.ProcessGroupNCCL(prefixed, rank, 2)
