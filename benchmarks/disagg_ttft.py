@@ -19,6 +19,16 @@ compute, the KV transfer left after the prompt's last layer, and the decode
 node's time from the prefill reply to its first message; and the direct path
 hop by hop: the decode node's admission, its Prefill call (the prefill node's
 time, and the hop both ways), the reply to the first message.
+
+``--local-gpu prefill`` runs the local baseline on the prefill node's own GPU:
+two decode nodes, the first sharing the prefill node's GPU (it prefills the
+local requests there), the second on the other GPU (it takes the
+disaggregated ones). Both paths' prefills then run on one device, in turn, so
+a difference between devices (or the heat of the one that does two of every
+three prefills) is not counted as disaggregation's. Each node gets a fixed KV
+pool (``--num-kvcache-blocks``): two engines on one GPU cannot both size
+theirs from its free memory. No router requests in this mode: it might pair
+the two processes of one GPU, which NCCL refuses.
 """
 
 from __future__ import annotations
@@ -52,7 +62,10 @@ def run(args: argparse.Namespace, stream_layers: int, last_layers: int | None) -
     from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 
     tmp = tempfile.mkdtemp(prefix="pdserve-ttft-")
+    same_gpu = args.local_gpu == "prefill"
     engine_args = ["--max-model-len", str(args.max_model_len)]
+    if same_gpu:
+        engine_args += ["--num-kvcache-blocks", str(args.num_kvcache_blocks)]
     router_args = []
     if args.shape:
         model = str(write_shape_dir(args.shape, Path(tmp) / args.shape))
@@ -67,7 +80,9 @@ def run(args: argparse.Namespace, stream_layers: int, last_layers: int | None) -
     spec = ClusterSpec(
         model=model,
         num_prefill=1,
-        num_decode=1,
+        # The launcher hands GPUs out in turn, decode nodes first: with two GPUs
+        # decode-0 and prefill-0 share the first (checked below).
+        num_decode=2 if same_gpu else 1,
         port=free_port(),
         admin_port=free_port(),
         engine_args=engine_args,
@@ -81,9 +96,22 @@ def run(args: argparse.Namespace, stream_layers: int, last_layers: int | None) -
     with LocalCluster(spec) as cluster:
         by_name = {c.name: c for c in cluster.components}
         router = pdserve_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
-        decode = internal_pb2_grpc.DecodeNodeStub(
-            grpc.insecure_channel(by_name["decode-0"].address)
-        )
+
+        def decode_stub(name: str):
+            return internal_pb2_grpc.DecodeNodeStub(grpc.insecure_channel(by_name[name].address))
+
+        if same_gpu:
+            local_node, remote_node = by_name["decode-0"], by_name["decode-1"]
+            if local_node.gpus != by_name["prefill-0"].gpus or (
+                local_node.gpus is not None and remote_node.gpus == local_node.gpus
+            ):
+                raise SystemExit(
+                    "--local-gpu prefill needs decode-0 on the prefill node's GPU and decode-1 "
+                    f"on another; the launcher gave decode-0 {local_node.gpus}, decode-1 "
+                    f"{remote_node.gpus}, prefill-0 {by_name['prefill-0'].gpus} (2 GPUs needed)"
+                )
+        local_decode = decode_stub("decode-0")
+        remote_decode = decode_stub("decode-1" if same_gpu else "decode-0")
         sampling = pdserve_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         prefill_ref = internal_pb2.NodeRef(
             node_id="prefill-0", address=by_name["prefill-0"].address
@@ -108,7 +136,8 @@ def run(args: argparse.Namespace, stream_layers: int, last_layers: int | None) -
             )
             if remote:
                 req.prefill.CopyFrom(prefill_ref)
-            return first_token_ms(decode.Decode(req, timeout=600))
+            node = remote_decode if remote else local_decode
+            return first_token_ms(node.Decode(req, timeout=600))
 
         def pause() -> None:
             # Each path's GPU starts from the same idle (clocks, power), not
@@ -117,15 +146,17 @@ def run(args: argparse.Namespace, stream_layers: int, last_layers: int | None) -
                 time.sleep(args.pause_ms / 1e3)
 
         for i in range(args.warmup + args.requests):
-            pause()
-            via_router = first_token_ms(
-                router.Generate(
-                    pdserve_pb2.GenerateRequest(
-                        token_ids=pdserve_pb2.TokenIds(ids=prompt()), sampling=sampling
-                    ),
-                    timeout=600,
+            via_router = None
+            if not same_gpu:
+                pause()
+                via_router = first_token_ms(
+                    router.Generate(
+                        pdserve_pb2.GenerateRequest(
+                            token_ids=pdserve_pb2.TokenIds(ids=prompt()), sampling=sampling
+                        ),
+                        timeout=600,
+                    )
                 )
-            )
             pause()
             remote = direct(True)
             pause()
@@ -134,36 +165,37 @@ def run(args: argparse.Namespace, stream_layers: int, last_layers: int | None) -
                 continue
             assert remote[1].usage.prefill_node == "prefill-0" and not local[1].usage.prefill_node
             t, lt = remote[1].usage.timing, local[1].usage.timing
-            rows.append(
-                {
-                    "router_ttft_ms": via_router[0],
-                    "direct_ttft_ms": remote[0],
-                    "local_ttft_ms": local[0],
-                    "decode_admit_ms": t.decode_admit_ms,
-                    "prefill_call_ms": t.prefill_call_ms,
-                    "prefill_node_ms": t.prefill_node_ms,
-                    "prefill_queue_ms": t.prefill_queue_ms,
-                    "prefill_compute_ms": t.prefill_compute_ms,
-                    "kv_transfer_ms": t.kv_transfer_ms,
-                    # Its time the engine and the wire do not account for; may be < 0:
-                    # compute runs to the first token, the exposed KV from the last
-                    # layer's end, so the two can overlap.
-                    "prefill_node_unattributed_ms": t.prefill_node_ms
-                    - t.prefill_queue_ms
-                    - t.prefill_compute_ms
-                    - t.kv_transfer_ms,
-                    "prefill_hop_ms": t.prefill_call_ms - t.prefill_node_ms,
-                    "decode_first_output_ms": t.decode_first_output_ms,
-                    "local_queue_ms": lt.prefill_queue_ms,
-                    "local_compute_ms": lt.prefill_compute_ms,
-                    "router_reported_ttft_ms": via_router[1].usage.time_to_first_token_ms,
-                }
-            )
+            row = {
+                "direct_ttft_ms": remote[0],
+                "local_ttft_ms": local[0],
+                "decode_admit_ms": t.decode_admit_ms,
+                "prefill_call_ms": t.prefill_call_ms,
+                "prefill_node_ms": t.prefill_node_ms,
+                "prefill_queue_ms": t.prefill_queue_ms,
+                "prefill_compute_ms": t.prefill_compute_ms,
+                "kv_transfer_ms": t.kv_transfer_ms,
+                # Its time the engine and the wire do not account for; may be < 0:
+                # compute runs to the first token, the exposed KV from the last
+                # layer's end, so the two can overlap.
+                "prefill_node_unattributed_ms": t.prefill_node_ms
+                - t.prefill_queue_ms
+                - t.prefill_compute_ms
+                - t.kv_transfer_ms,
+                "prefill_hop_ms": t.prefill_call_ms - t.prefill_node_ms,
+                "decode_first_output_ms": t.decode_first_output_ms,
+                "local_queue_ms": lt.prefill_queue_ms,
+                "local_compute_ms": lt.prefill_compute_ms,
+            }
+            if via_router is not None:
+                row["router_ttft_ms"] = via_router[0]
+                row["router_reported_ttft_ms"] = via_router[1].usage.time_to_first_token_ms
+            rows.append(row)
     keys = rows[0].keys()
     summary = {f"median_{k}": median([r[k] for r in rows]) for k in keys}
-    summary["router_overhead_ms"] = (
-        summary["median_router_ttft_ms"] - summary["median_direct_ttft_ms"]
-    )
+    if not same_gpu:
+        summary["router_overhead_ms"] = (
+            summary["median_router_ttft_ms"] - summary["median_direct_ttft_ms"]
+        )
     summary["disaggregated_vs_local"] = (
         summary["median_direct_ttft_ms"] / summary["median_local_ttft_ms"]
     )
@@ -171,6 +203,7 @@ def run(args: argparse.Namespace, stream_layers: int, last_layers: int | None) -
         summary["median_kv_transfer_ms"] / summary["median_direct_ttft_ms"]
     )
     return {
+        "local_gpu": args.local_gpu,
         "kv_stream_layers": stream_layers,
         "kv_stream_last_layers": last_layers,
         "rows": rows,
@@ -197,6 +230,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--pause-ms", type=float, default=0.0, help="idle time before each request, ms")
+    p.add_argument(
+        "--local-gpu",
+        choices=("decode", "prefill"),
+        default="decode",
+        help="where the local baseline prefills: the decode node's GPU, or the prefill "
+        "node's (a second decode node shares it; no router requests)",
+    )
+    p.add_argument(
+        "--num-kvcache-blocks",
+        type=int,
+        default=1024,
+        help="each node's KV pool with --local-gpu prefill (two engines share a GPU)",
+    )
     p.add_argument("--out-dir", type=Path)
     args = p.parse_args(argv)
     results = []
@@ -211,12 +257,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results.append(result)
         s = result["summary"]
         shown = "default" if last is None else last
+        via_router = (
+            f"via router {s['median_router_ttft_ms']:.2f} ms, " if "router_overhead_ms" in s else ""
+        )
+        router_hop = (
+            f", router + hop {s['router_overhead_ms']:.2f} ms" if "router_overhead_ms" in s else ""
+        )
         print(
-            f"--kv-stream-layers {layers} --kv-stream-last-layers {shown}: TTFT p50 via "
-            f"router {s['median_router_ttft_ms']:.2f} ms, "
+            f"--kv-stream-layers {layers} --kv-stream-last-layers {shown} --local-gpu "
+            f"{args.local_gpu}: TTFT p50 {via_router}"
             f"direct to the decode node {s['median_direct_ttft_ms']:.2f} ms, local prefill "
             f"{s['median_local_ttft_ms']:.2f} ms -> disaggregated/local "
-            f"{s['disaggregated_vs_local']:.3f}x, router + hop {s['router_overhead_ms']:.2f} ms\n"
+            f"{s['disaggregated_vs_local']:.3f}x{router_hop}\n"
             f"  breakdown p50: prefill queue {s['median_prefill_queue_ms']:.2f} ms, compute "
             f"{s['median_prefill_compute_ms']:.2f} ms, KV left after the last layer "
             f"{s['median_kv_transfer_ms']:.2f} ms ({100 * s['transfer_share_of_ttft']:.1f}% of "
