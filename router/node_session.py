@@ -18,6 +18,9 @@ is written. A node that does not serve DecodeSession (an older release)
 answers UNIMPLEMENTED instead: its requests, those waiting for that answer
 included, then use Decode calls, the way a router did before sessions.
 
+The machinery (opening, writes, cancels, the reader, the loss) is
+common/session_client.py's, shared with the decode node's PrefillSession.
+
 Why sessions: a request's start is one message on an open call instead of a
 new call (the router's hop to the node costs a fraction), and a node sends one
 message per engine step for all of a router's requests instead of one per
@@ -29,15 +32,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import logging
 from collections import deque
 
 import grpc
 
 from common.reliability import FAILED_NODE_KEY
+from common.session_client import CODES, OK_CODE, SessionClient, status_error
 from proto import internal_pb2, internal_pb2_grpc
-
-logger = logging.getLogger(__name__)
 
 
 class NodeStreams(enum.Enum):
@@ -48,16 +49,6 @@ class NodeStreams(enum.Enum):
 
     def __str__(self) -> str:  # argparse shows choices by str()
         return self.value
-
-
-# A command a session's node does not take within this long (gRPC's flow-control
-# window full: the node stopped reading) drops the session; its requests fail
-# with UNAVAILABLE and are retried or migrated (router/relay.py's silence watch
-# finds such a node the same way for a stream that is already running).
-WRITE_TIMEOUT_S = 2.0
-
-_OK = grpc.StatusCode.OK.value[0]
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class SessionCall:
@@ -134,21 +125,17 @@ class SessionCall:
                 waiter.set_result(None)
 
 
-class NodeSession:
+class NodeSession(SessionClient):
     """The router's session with one decode node (opened on first use, reopened after a loss)."""
 
+    kind = "decode node"
+    call_name = "DecodeSession"
+    fallback = "Decode"
+
     def __init__(self, channel: grpc.aio.Channel, node_id: str) -> None:
-        self.node_id = node_id
+        super().__init__(node_id)
         self._stub = internal_pb2_grpc.DecodeNodeStub(channel)
-        self._call = None
-        self._reader: asyncio.Future | None = None
-        self._opening: asyncio.Future | None = None
-        self._open_error: grpc.aio.AioRpcError | None = None  # why the last open failed
         self._calls: dict[str, SessionCall] = {}
-        self._write_lock = asyncio.Lock()  # grpc.aio takes one write at a time on a call
-        self._cancels: set[asyncio.Future] = set()
-        self._why = "its session was cancelled"  # what a cancelled session's requests are told
-        self.supported: bool | None = None  # None: not known yet (no session opened so far)
 
     async def start(self, command: internal_pb2.SessionCommand, timeout: float | None):
         """The stream of ``command.start.request``: a SessionCall, or a Decode call
@@ -162,7 +149,7 @@ class NodeSession:
             return self._stub.Decode(request, timeout=timeout)
         call = SessionCall(self, request)
         if self._call is None:  # the node did not answer: what its own call would have said
-            call._end(self._open_error or _lost(self.node_id, "no session"))
+            call._end(self._open_error or self.lost("no session"))
             return call
         self._calls[request.request_id] = call
         if timeout is not None:
@@ -170,125 +157,36 @@ class NodeSession:
         await self._write(command)
         return call
 
-    async def close(self) -> None:
-        self._why = "the router closed its session"
-        if self._call is not None:
-            self._call.cancel()
-        if self._reader is not None:
-            await asyncio.gather(self._reader, return_exceptions=True)
-
-    async def _open(self) -> None:
-        """Open a session, once for every request that asks meanwhile."""
-        if self._opening is None:
-            self._opening = asyncio.ensure_future(self._handshake())
-            self._opening.add_done_callback(lambda _: setattr(self, "_opening", None))
-        await asyncio.shield(self._opening)
-
-    async def _handshake(self) -> None:
-        # The node's first batch is an empty one, sent at once: nothing is
-        # written before it arrives, because a command written while the node
-        # refuses the call (an older release: UNIMPLEMENTED) turns the call's
-        # status into the transport's INTERNAL and hides the refusal.
-        call = self._stub.DecodeSession()
-        try:
-            async with asyncio.timeout(WRITE_TIMEOUT_S):
-                hello = await call.read()
-        except TimeoutError:
-            call.cancel()
-            self._open_error = _lost(self.node_id, "did not open a session in time")
-            return
-        except grpc.aio.AioRpcError as e:
-            if e.code() is grpc.StatusCode.UNIMPLEMENTED:
-                logger.info(
-                    "decode node %s does not serve DecodeSession (an older release): "
-                    "one Decode call per request to it",
-                    self.node_id,
-                )
-                self.supported = False
-                return
-            self._open_error = _lost(self.node_id, e.details() or e.code().name)
-            return
-        if hello is grpc.aio.EOF:
-            self._open_error = _lost(self.node_id, "ended its session at once")
-            return
-        self.supported = True
-        self._open_error = None
-        self._call = call
-        self._reader = asyncio.ensure_future(self._read(call))
-
-    async def _write(self, command: internal_pb2.SessionCommand) -> None:
-        session = self._call
-        try:
-            # Bounded: a stalled node stops taking writes once gRPC's flow-control
-            # window is full, and a request must not wait on it with no end.
-            async with asyncio.timeout(WRITE_TIMEOUT_S):
-                async with self._write_lock:
-                    await session.write(command)
-        except TimeoutError:
-            logger.warning(
-                "decode node %s took no command for %.0f s: its session is dropped",
-                self.node_id,
-                WRITE_TIMEOUT_S,
-            )
-            self._why = f"took no command for {WRITE_TIMEOUT_S:.0f} s"
-            session.cancel()  # its reader fails every request on it, this one too
-        except Exception as e:  # the session ended under us: its reader fails the requests
-            logger.debug("decode node %s: a write on its session failed: %s", self.node_id, e)
-
     def _cancel(self, rid: str) -> None:
-        if self._calls.pop(rid, None) is not None and self._call is not None:
-            command = internal_pb2.SessionCommand(cancel=rid)
-            task = asyncio.ensure_future(self._write(command))
-            self._cancels.add(task)  # held until written (the loop keeps weak references only)
-            task.add_done_callback(self._cancels.discard)
+        if self._calls.pop(rid, None) is not None:
+            self._send_cancel(rid)
 
-    async def _read(self, session) -> None:
-        error: grpc.aio.AioRpcError | None = None
-        try:
-            while (batch := await session.read()) is not grpc.aio.EOF:
-                for event in batch.events:
-                    call = self._calls.get(event.request_id)
-                    if call is None:
-                        continue  # cancelled here meanwhile
-                    if event.HasField("response"):
-                        call._deliver(event.response)
-                    else:
-                        del self._calls[event.request_id]
-                        call._end(_ending(event.end))
-            error = _lost(self.node_id, "ended the session")
-        except grpc.aio.AioRpcError as e:
-            error = _lost(self.node_id, e.details() or e.code().name)
-        except asyncio.CancelledError:
-            error = _lost(self.node_id, self._why)
-            raise
-        finally:
-            if self._call is session:
-                self._call = None
-            calls, self._calls = self._calls, {}
-            if error is not None:
-                for call in calls.values():
-                    call._end(error)
+    # ------------------------------------------------ SessionClient's hooks
+    def _new_call(self):
+        return self._stub.DecodeSession()
+
+    def _cancel_command(self, rid: str) -> internal_pb2.SessionCommand:
+        return internal_pb2.SessionCommand(cancel=rid)
+
+    def _on_event(self, event: internal_pb2.SessionEvent) -> None:
+        call = self._calls.get(event.request_id)
+        if call is None:
+            return  # cancelled here meanwhile
+        if event.HasField("response"):
+            call._deliver(event.response)
+        else:
+            del self._calls[event.request_id]
+            call._end(_ending(event.end))
+
+    def _fail_all(self, error: grpc.aio.AioRpcError) -> None:
+        calls, self._calls = self._calls, {}
+        for call in calls.values():
+            call._end(error)
 
 
 def _ending(end: internal_pb2.SessionEnd):
     """A request's end event as what its Decode call's read would give: EOF, or its error."""
-    if end.code == _OK:
+    if end.code == OK_CODE:
         return grpc.aio.EOF
     trailing = ((FAILED_NODE_KEY, end.failed_node),) if end.failed_node else ()
-    return grpc.aio.AioRpcError(
-        _CODES.get(end.code, grpc.StatusCode.UNKNOWN),
-        grpc.aio.Metadata(),
-        grpc.aio.Metadata(*trailing),
-        details=end.details,
-    )
-
-
-def _lost(node_id: str, why: str) -> grpc.aio.AioRpcError:
-    # UNAVAILABLE, as the transport would have said to each request's own call:
-    # the router retries (nothing received) or migrates the request.
-    return grpc.aio.AioRpcError(
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.aio.Metadata(),
-        grpc.aio.Metadata(),
-        details=f"decode node {node_id}: {why}",
-    )
+    return status_error(CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.details, trailing)

@@ -1,0 +1,175 @@
+"""The calling end of a session: one long-lived bidi call to a node, every request a
+message on it (common/request_session.py is the serving end).
+
+A router keeps one DecodeSession per decode node (router/node_session.py), a
+decode node one PrefillSession per prefill node (decode_node/prefill_session.py).
+This is what they share: opening the call once for every request that asks
+meanwhile, and only after the node's first (empty) batch; bounded writes, one at
+a time; ``cancel`` commands; one reader task that hands each event to its
+request; and when the call ends under its requests (the node died, restarted
+or stopped), UNAVAILABLE for each of them, as its own call would have got, the
+next request opening a new session. A node that does not serve the session (an
+older release) answers UNIMPLEMENTED: ``supported`` turns False and the
+subclass makes a call per request instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+logger = logging.getLogger(__name__)
+
+# A command the node does not take within this long (gRPC's flow-control window
+# full: the node stopped reading), or a session it does not open within it,
+# drops the session: its requests fail with UNAVAILABLE, which their callers
+# retry elsewhere.
+WRITE_TIMEOUT_S = 2.0
+
+OK_CODE = grpc.StatusCode.OK.value[0]
+CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class SessionClient:
+    """One node's session, opened on first use and reopened after a loss. One event loop only.
+
+    Subclasses name the node kind and the call (``kind``, ``call_name``,
+    ``fallback``), open it (``_new_call``), write a cancel (``_cancel_command``)
+    and take the node's events (``_on_event``) and the loss of every request
+    still waiting (``_fail_all``)."""
+
+    kind = "node"  # in messages: "decode node", "prefill node"
+    call_name = ""  # the session RPC, for the log
+    fallback = ""  # what an older node gets instead, for the log
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self._call = None
+        self._reader: asyncio.Future | None = None
+        self._opening: asyncio.Future | None = None
+        self._open_error: grpc.aio.AioRpcError | None = None  # why the last open failed
+        self._write_lock = asyncio.Lock()  # grpc.aio takes one write at a time on a call
+        self._cancels: set[asyncio.Future] = set()
+        self._why = "its session was cancelled"  # what a cancelled session's requests are told
+        self.supported: bool | None = None  # None: not known yet (no session opened so far)
+
+    # ----------------------------------------------------- for subclasses
+    def _new_call(self):
+        raise NotImplementedError
+
+    def _cancel_command(self, rid: str):
+        raise NotImplementedError
+
+    def _on_event(self, event) -> None:
+        raise NotImplementedError
+
+    def _fail_all(self, error: grpc.aio.AioRpcError) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ the call
+    async def close(self) -> None:
+        self._why = "the caller closed its session"
+        if self._call is not None:
+            self._call.cancel()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+    async def _open(self) -> None:
+        """Open a session, once for every request that asks meanwhile."""
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self._handshake())
+            self._opening.add_done_callback(lambda _: setattr(self, "_opening", None))
+        await asyncio.shield(self._opening)
+
+    async def _handshake(self) -> None:
+        # Nothing is written before the node's first (empty) batch: a command
+        # written while the node refuses the call (an older release:
+        # UNIMPLEMENTED) turns the call's status into the transport's INTERNAL
+        # and hides the refusal.
+        call = self._new_call()
+        try:
+            async with asyncio.timeout(WRITE_TIMEOUT_S):
+                hello = await call.read()
+        except TimeoutError:
+            call.cancel()
+            self._open_error = self.lost("did not open a session in time")
+            return
+        except grpc.aio.AioRpcError as e:
+            if e.code() is grpc.StatusCode.UNIMPLEMENTED:
+                logger.info(
+                    "%s %s does not serve %s (an older release): one %s call per request to it",
+                    self.kind,
+                    self.node_id,
+                    self.call_name,
+                    self.fallback,
+                )
+                self.supported = False
+                return
+            self._open_error = self.lost(e.details() or e.code().name)
+            return
+        if hello is grpc.aio.EOF:
+            self._open_error = self.lost("ended its session at once")
+            return
+        self.supported = True
+        self._open_error = None
+        self._call = call
+        self._reader = asyncio.ensure_future(self._read(call))
+
+    async def _write(self, command) -> None:
+        session = self._call
+        if session is None:  # lost meanwhile: its reader failed the requests
+            return
+        try:
+            # Bounded: a stalled node stops taking writes once gRPC's flow-control
+            # window is full, and a request must not wait on it with no end.
+            async with asyncio.timeout(WRITE_TIMEOUT_S):
+                async with self._write_lock:
+                    await session.write(command)
+        except TimeoutError:
+            logger.warning(
+                "%s %s took no command for %.0f s: its session is dropped",
+                self.kind,
+                self.node_id,
+                WRITE_TIMEOUT_S,
+            )
+            self._why = f"took no command for {WRITE_TIMEOUT_S:.0f} s"
+            session.cancel()  # its reader fails every request on it, this one too
+        except Exception as e:  # the session ended under us: its reader fails the requests
+            logger.debug("%s %s: a write on its session failed: %s", self.kind, self.node_id, e)
+
+    def _send_cancel(self, rid: str) -> None:
+        if self._call is None:
+            return  # the session is gone, and with it the request on the node
+        task = asyncio.ensure_future(self._write(self._cancel_command(rid)))
+        self._cancels.add(task)  # held until written (the loop keeps weak references only)
+        task.add_done_callback(self._cancels.discard)
+
+    async def _read(self, session) -> None:
+        error: grpc.aio.AioRpcError | None = None
+        try:
+            while (batch := await session.read()) is not grpc.aio.EOF:
+                for event in batch.events:
+                    self._on_event(event)
+            error = self.lost("ended the session")
+        except grpc.aio.AioRpcError as e:
+            error = self.lost(e.details() or e.code().name)
+        except asyncio.CancelledError:
+            error = self.lost(self._why)
+            raise
+        finally:
+            if self._call is session:
+                self._call = None
+            self._fail_all(error or self.lost(self._why))
+
+    def lost(self, why: str) -> grpc.aio.AioRpcError:
+        """UNAVAILABLE, as the transport would have said to each request's own call."""
+        return status_error(grpc.StatusCode.UNAVAILABLE, f"{self.kind} {self.node_id}: {why}")
+
+
+def status_error(code: grpc.StatusCode, details: str, trailing: tuple = ()) -> grpc.aio.AioRpcError:
+    """The error a call that ended with this status would raise."""
+    return grpc.aio.AioRpcError(
+        code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details=details
+    )
