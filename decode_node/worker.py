@@ -11,8 +11,10 @@ Life cycle of a request on a decode node:
    this node's own verified prefix-cache hit; no room means RESOURCE_EXHAUSTED
    before anything else happens.
 3. The receiver is told to expect a transfer from that prefill node, and the
-   node calls ``Prefill`` with the channel epoch, the reservation id and the
-   first block it lacks.
+   node asks it to ``Prefill`` with the channel epoch, the reservation id and
+   the first block it lacks: a message on its PrefillSession with that node
+   (decode_node/prefill_session.py), or a call of its own
+   (``--prefill-streams call``).
 4. The transfer arrives on the receiver's thread: the header names the
    reservation; if it is still waiting, the payload is scattered into its
    blocks (on the receiver's stream) and the reservation is LANDED; if it is
@@ -54,6 +56,7 @@ from common.wire import (
     token_logprobs_from_proto,
 )
 from decode_node.kv_landing import KVLanding
+from decode_node.prefill_session import PrefillSessionClient, PrefillStreams
 from decode_node.stats import DecodeStats
 from engine.engine_thread import EngineThread, RequestStream
 from engine.llm_engine import LLMEngine, Reservation
@@ -94,6 +97,7 @@ class DecodeWorker:
         max_queued: int = 0,
         faults: FaultDelays | None = None,
         tls: TLSConfig = NO_TLS,
+        prefill_streams: PrefillStreams = PrefillStreams.SESSION,
     ) -> None:
         if not kv_lease_s > 0:
             raise ValueError(f"the KV lease must be > 0 seconds, got {kv_lease_s}")
@@ -106,6 +110,8 @@ class DecodeWorker:
         self.stats = DecodeStats()
         self._stages: dict[str, Stage] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.prefill_streams = prefill_streams
+        self._sessions: dict[str, PrefillSessionClient] = {}  # by prefill node address
         self.landing = KVLanding(
             node_id,
             engine.engine.model_runner,
@@ -229,15 +235,18 @@ class DecodeWorker:
             num_blocks=len(reservation.block_ids),
             tensor_parallel_size=landing.tp_size,
         )
-        prefill_req = internal_pb2.PrefillRequest(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            sampling=req.sampling,
-            cache_salt=req.cache_salt,
-            destination=destination,
-            resume_offset=req.resume_offset,
+        command = internal_pb2.PrefillSessionCommand(
+            start=internal_pb2.PrefillSessionStart(
+                request=internal_pb2.PrefillRequest(
+                    request_id=req.request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    sampling=req.sampling,
+                    cache_salt=req.cache_salt,
+                    destination=destination,
+                    resume_offset=req.resume_offset,
+                )
+            )
         )
-        stub = internal_pb2_grpc.PrefillNodeStub(self._channel(req.prefill.address))
         # The lease bounds how long the blocks stay reserved for this prefill
         # node, whatever the client's deadline: a stalled or dead node cannot
         # pin them, and the router can retry elsewhere (nothing was sent yet).
@@ -247,7 +256,7 @@ class DecodeWorker:
             try:
                 sent = time.monotonic()
                 usage.timing.decode_admit_ms = (sent - arrived) * 1e3
-                resp = await stub.Prefill(prefill_req, timeout=max(0.0, end - sent))
+                resp = await self._prefill(req.prefill, command, max(0.0, end - sent))
                 replied = time.monotonic()
                 usage.timing.prefill_call_ms = (replied - sent) * 1e3
             except grpc.aio.AioRpcError as e:
@@ -293,6 +302,23 @@ class DecodeWorker:
         finally:
             landing.close(reservation_id)
 
+    def _prefill(
+        self,
+        node: internal_pb2.NodeRef,
+        command: internal_pb2.PrefillSessionCommand,
+        timeout: float,
+    ):
+        """The Prefill of ``command.start.request``: on the node's session, or a call of its own."""
+        if self.prefill_streams is PrefillStreams.CALL:
+            stub = internal_pb2_grpc.PrefillNodeStub(self._channel(node.address))
+            return stub.Prefill(command.start.request, timeout=timeout)
+        session = self._sessions.get(node.address)
+        if session is None:
+            session = self._sessions[node.address] = PrefillSessionClient(
+                self._channel(node.address), node.node_id
+            )
+        return session.prefill(command, timeout)
+
     # ------------------------------------------------------ engine thread
     def _abort(self, engine: LLMEngine, rid: str, stage: Stage) -> None:
         req = engine.requests.get(rid)
@@ -310,6 +336,8 @@ class DecodeWorker:
         return channel
 
     async def close(self) -> None:
+        for session in self._sessions.values():
+            await session.close()
         self.landing.close_receiver()
         for channel in self._channels.values():
             await channel.close()

@@ -1,4 +1,5 @@
-"""gRPC edge of the prefill node: request in, PrefillWorker, response out."""
+"""gRPC edge of the prefill node: request in, PrefillWorker, response out; one
+Prefill per call, or many over a decode node's PrefillSession."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 import grpc
 
 from common.grpc_server import abort_from_exception
+from prefill_node import session
 from prefill_node.worker import PrefillWorker
 from proto import internal_pb2, internal_pb2_grpc
 
@@ -24,3 +26,7 @@ class PrefillNodeServicer(internal_pb2_grpc.PrefillNodeServicer):
             return await self.worker.prefill(request, deadline)
         except Exception as e:
             await abort_from_exception(context, e)
+
+    async def PrefillSession(self, request_iterator, context: grpc.aio.ServicerContext):
+        async for batch in session.PrefillSession(self.worker).run(request_iterator):
+            yield batch

@@ -101,6 +101,38 @@ class PrefillRequest(_message.Message):
     resume_offset: int
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., resume_offset: _Optional[int] = ...) -> None: ...
 
+class PrefillSessionCommand(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: PrefillSessionStart
+    cancel: str
+    def __init__(self, start: _Optional[_Union[PrefillSessionStart, _Mapping]] = ..., cancel: _Optional[str] = ...) -> None: ...
+
+class PrefillSessionStart(_message.Message):
+    __slots__ = ("request", "timeout_s")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request: PrefillRequest
+    timeout_s: float
+    def __init__(self, request: _Optional[_Union[PrefillRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class PrefillSessionBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[PrefillSessionEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[PrefillSessionEvent, _Mapping]]] = ...) -> None: ...
+
+class PrefillSessionEvent(_message.Message):
+    __slots__ = ("request_id", "response", "end")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: PrefillResponse
+    end: SessionEnd
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[PrefillResponse, _Mapping]] = ..., end: _Optional[_Union[SessionEnd, _Mapping]] = ...) -> None: ...
+
 class KVDestination(_message.Message):
     __slots__ = ("node_id", "store_host", "store_port", "channel_epoch", "reservation_id", "first_block", "num_blocks", "tensor_parallel_size")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]

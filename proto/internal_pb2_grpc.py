@@ -170,6 +170,11 @@ class PrefillNodeStub:
                 request_serializer=proto_dot_internal__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=proto_dot_internal__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillSession = channel.stream_stream(
+                '/pdserve.v1.PrefillNode/PrefillSession',
+                request_serializer=proto_dot_internal__pb2.PrefillSessionCommand.SerializeToString,
+                response_deserializer=proto_dot_internal__pb2.PrefillSessionBatch.FromString,
+                _registered_method=True)
 
 
 class PrefillNodeServicer:
@@ -185,6 +190,19 @@ class PrefillNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillSession(self, request_iterator, context):
+        """Many Prefills over one long-lived call, one per decode node and prefill
+        node: each request's start and cancel go up as commands, and the node's
+        events for all of them come down in batches. A request's events are its
+        reply (what Prefill would return), then its end (the status Prefill would
+        have ended with). The call ending (either side) ends every request on it.
+        Why: a message on an open call costs both nodes' loops less than a new
+        call, and the call's two legs are on every disaggregated request's TTFT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -192,6 +210,11 @@ def add_PrefillNodeServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=proto_dot_internal__pb2.PrefillRequest.FromString,
                     response_serializer=proto_dot_internal__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.PrefillSession,
+                    request_deserializer=proto_dot_internal__pb2.PrefillSessionCommand.FromString,
+                    response_serializer=proto_dot_internal__pb2.PrefillSessionBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +245,33 @@ class PrefillNode:
             '/pdserve.v1.PrefillNode/Prefill',
             proto_dot_internal__pb2.PrefillRequest.SerializeToString,
             proto_dot_internal__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.PrefillNode/PrefillSession',
+            proto_dot_internal__pb2.PrefillSessionCommand.SerializeToString,
+            proto_dot_internal__pb2.PrefillSessionBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,7 +7,9 @@ chunk (``--kv-stream-last-layers 5``; every layer streamed, the CPU default,
 is what the fault tests' clusters run), and prefills in 64-token chunks (a
 long prompt streams step by step); prefill-1 sends each step's blocks of every
 layer in one chunk after its last layer (``--kv-stream-layers 0``). Each test drains the other
-prefill node, so the path under test is the one taken.
+prefill node, so the path under test is the one taken. The decode node sends
+each Prefill as a call of its own (``--prefill-streams call``); the other
+clusters' decode nodes use the default, a PrefillSession per prefill node.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def cluster(demo_model_dir, tmp_path_factory):
                 "PDSERVE_MAX_NUM_SEQS": "8",
             },
             "prefill-1": {"PDSERVE_KV_STREAM_LAYERS": "0"},
+            "decode-0": {"PDSERVE_PREFILL_STREAMS": "call"},
         },
         log_dir=str(tmp_path_factory.mktemp("streaming-logs")),
         start_timeout_s=300,

@@ -1,0 +1,105 @@
+"""The decode node's end of PrefillSession: one long-lived call per prefill node,
+every Prefill a message on it (prefill_node/session.py is the other end;
+common/session_client.py the machinery shared with the router's DecodeSession).
+
+``PrefillSessionClient.prefill(command, timeout)`` stands for a Prefill call:
+it returns the reply, or raises the ``grpc.aio.AioRpcError`` the call would
+have raised: DEADLINE_EXCEEDED past ``timeout``, the prefill node's own status
+for a Prefill it failed, UNAVAILABLE when the session's call ends under it (the
+node died, restarted or stopped). Cancelling the task that awaits it sends a
+``cancel`` command, as cancelling the call would, and so does a timeout. The
+next Prefill after a loss opens a new session. A prefill node that does not
+serve PrefillSession (an older release) gets a Prefill call per request.
+
+Why: the Prefill call's two legs are on every disaggregated request's time to
+first token, and a message each way on an open call costs both nodes' event
+loops less than a new call (docs/performance.md, "The Prefill hop").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+
+import grpc
+
+from common.session_client import CODES, OK_CODE, SessionClient, status_error
+from proto import internal_pb2, internal_pb2_grpc
+
+
+class PrefillStreams(enum.Enum):
+    """How a decode node sends its Prefills (--prefill-streams)."""
+
+    SESSION = "session"  # every Prefill to a prefill node over one PrefillSession call
+    CALL = "call"  # one Prefill call per request
+
+    def __str__(self) -> str:  # argparse shows choices by str()
+        return self.value
+
+
+class PrefillSessionClient(SessionClient):
+    """The decode node's session with one prefill node."""
+
+    kind = "prefill node"
+    call_name = "PrefillSession"
+    fallback = "Prefill"
+
+    def __init__(self, channel: grpc.aio.Channel, node_id: str) -> None:
+        super().__init__(node_id)
+        self._stub = internal_pb2_grpc.PrefillNodeStub(channel)
+        self._replies: dict[str, asyncio.Future] = {}  # request_id -> its reply, until it came
+
+    async def prefill(
+        self, command: internal_pb2.PrefillSessionCommand, timeout: float
+    ) -> internal_pb2.PrefillResponse:
+        """The reply to ``command.start.request`` (built in the command: putting
+        a finished PrefillRequest into one copies it, its prompt included)."""
+        request = command.start.request
+        if self._call is None and self.supported is not False:
+            await self._open()
+        if self.supported is False:
+            return await self._stub.Prefill(request, timeout=timeout)
+        if self._call is None:  # the node did not answer: what its own call would have said
+            raise self._open_error or self.lost("no session")
+        rid = request.request_id
+        reply = asyncio.get_running_loop().create_future()
+        # Retrieved even if its awaiter is gone (no warning at exit).
+        reply.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._replies[rid] = reply
+        command.start.timeout_s = timeout
+        try:
+            async with asyncio.timeout(timeout):
+                await self._write(command)
+                return await reply
+        except TimeoutError:
+            raise status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        finally:
+            if self._replies.pop(rid, None) is not None:  # given up on before its reply
+                self._send_cancel(rid)
+
+    # ------------------------------------------------ SessionClient's hooks
+    def _new_call(self):
+        return self._stub.PrefillSession()
+
+    def _cancel_command(self, rid: str) -> internal_pb2.PrefillSessionCommand:
+        return internal_pb2.PrefillSessionCommand(cancel=rid)
+
+    def _on_event(self, event: internal_pb2.PrefillSessionEvent) -> None:
+        reply = self._replies.pop(event.request_id, None)
+        if reply is None or reply.done():
+            return  # the end after its reply, or given up on here
+        if event.HasField("response"):
+            reply.set_result(event.response)
+        elif event.end.code == OK_CODE:
+            reply.set_exception(
+                status_error(grpc.StatusCode.INTERNAL, "the Prefill ended with no reply")
+            )
+        else:
+            code = CODES.get(event.end.code, grpc.StatusCode.UNKNOWN)
+            reply.set_exception(status_error(code, event.end.details))
+
+    def _fail_all(self, error: grpc.aio.AioRpcError) -> None:
+        replies, self._replies = self._replies, {}
+        for reply in replies.values():
+            if not reply.done():
+                reply.set_exception(error)

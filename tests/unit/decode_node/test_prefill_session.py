@@ -1,0 +1,224 @@
+"""PrefillSession end to end over a real grpc.aio server on localhost: the prefill
+node's servicer (prefill_node/service.py, its session prefill_node/session.py)
+around a scripted worker, and the decode node's PrefillSessionClient
+(decode_node/prefill_session.py) standing for Prefill calls."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+
+from common.reliability import NoCapacity
+from decode_node.prefill_session import PrefillSessionClient
+from pdserve.redis_server import free_port
+from prefill_node.service import PrefillNodeServicer
+from proto import internal_pb2, internal_pb2_grpc
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Worker:
+    """PrefillWorker.prefill's contract, scripted by the prompt's first token id:
+    0 replies with first token 100 + the prompt's length; 1 is refused (the
+    queue is full); 2 is a bad request; 3 hangs until cancelled."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.cancelled: list[str] = []
+        self.deadlines: dict[str, float | None] = {}
+
+    async def prefill(self, request, deadline):
+        rid = request.request_id
+        self.started.append(rid)
+        self.deadlines[rid] = deadline
+        kind = request.prompt_token_ids[0]
+        try:
+            if kind == 1:
+                raise NoCapacity("prefill node prefill-0 has no room")
+            if kind == 2:
+                raise ValueError("first_block 9 leaves nothing of 1 blocks to send")
+            if kind == 3:
+                await asyncio.Event().wait()
+            return internal_pb2.PrefillResponse(
+                first_token_id=100 + len(request.prompt_token_ids), node_ms=1.5
+            )
+        except asyncio.CancelledError:
+            self.cancelled.append(rid)
+            raise
+
+
+class OldNode(internal_pb2_grpc.PrefillNodeServicer):
+    """A prefill node of an older release: Prefill calls only."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.calls = 0
+
+    async def Prefill(self, request, context):
+        self.calls += 1
+        return await self.worker.prefill(request, None)
+
+
+class Counting(PrefillNodeServicer):
+    def __init__(self, worker) -> None:
+        super().__init__(worker)
+        self.sessions_opened = 0
+
+    async def PrefillSession(self, request_iterator, context):
+        self.sessions_opened += 1
+        async for batch in super().PrefillSession(request_iterator, context):
+            yield batch
+
+
+async def _server(servicer, port: int) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    internal_pb2_grpc.add_PrefillNodeServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server
+
+
+@contextlib.asynccontextmanager
+async def _client_of(servicer, port: int | None = None):
+    port = port or free_port()
+    server = await _server(servicer, port)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            client = PrefillSessionClient(channel, "prefill-0")
+            try:
+                yield client, server
+            finally:
+                await client.close()
+    finally:
+        await server.stop(None)
+
+
+def _command(rid: str, kind: int = 0, length: int = 3) -> internal_pb2.PrefillSessionCommand:
+    command = internal_pb2.PrefillSessionCommand()
+    request = command.start.request
+    request.request_id = rid
+    request.prompt_token_ids.extend([kind] + [7] * (length - 1))
+    return command
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_prefills_share_one_session_and_get_their_own_replies():
+    async def main():
+        worker = Worker()
+        node = Counting(worker)
+        async with _client_of(node) as (client, _):
+            replies = await asyncio.gather(
+                *(client.prefill(_command(f"r{i}", length=2 + i), 10.0) for i in range(6))
+            )
+            again = await client.prefill(_command("later", length=9), 10.0)
+        assert [r.first_token_id for r in replies] == [102 + i for i in range(6)]
+        assert again.first_token_id == 109 and again.node_ms == 1.5
+        assert node.sessions_opened == 1
+        # The node's deadline is the command's timeout from when it read it.
+        assert all(d is not None for d in worker.deadlines.values())
+
+    run(main())
+
+
+def test_a_failed_prefill_raises_the_status_its_call_would_have():
+    async def main():
+        async with _client_of(Counting(Worker())) as (client, _):
+            with pytest.raises(grpc.aio.AioRpcError) as full:
+                await client.prefill(_command("full", kind=1), 10.0)
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await client.prefill(_command("bad", kind=2), 10.0)
+            ok = await client.prefill(_command("fine"), 10.0)  # the session goes on
+        assert full.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "no room" in full.value.details()
+        assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "first_block 9" in bad.value.details()
+        assert ok.first_token_id == 103
+
+    run(main())
+
+
+def test_a_timeout_is_deadline_exceeded_here_and_cancels_the_prefill_there():
+    async def main():
+        worker = Worker()
+        async with _client_of(Counting(worker)) as (client, _):
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await client.prefill(_command("slow", kind=3), 0.3)
+            for _ in range(100):
+                if "slow" in worker.cancelled:
+                    break
+                await asyncio.sleep(0.02)
+            ok = await client.prefill(_command("next"), 10.0)
+        assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert worker.cancelled == ["slow"]
+        assert ok.first_token_id == 103
+
+    run(main())
+
+
+def test_cancelling_the_waiting_task_cancels_the_prefill_on_the_node():
+    async def main():
+        worker = Worker()
+        async with _client_of(Counting(worker)) as (client, _):
+            task = asyncio.ensure_future(client.prefill(_command("gone", kind=3), 10.0))
+            while "gone" not in worker.started:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(100):
+                if "gone" in worker.cancelled:
+                    break
+                await asyncio.sleep(0.02)
+        assert worker.cancelled == ["gone"]
+
+    run(main())
+
+
+def test_a_lost_node_fails_its_prefills_unavailable_and_a_new_session_opens_after():
+    async def main():
+        worker = Worker()
+        node = Counting(worker)
+        port = free_port()
+        async with _client_of(node, port) as (client, server):
+            waiting = asyncio.ensure_future(client.prefill(_command("stuck", kind=3), 10.0))
+            while "stuck" not in worker.started:
+                await asyncio.sleep(0.01)
+            await server.stop(None)  # the node dies under its Prefill
+            with pytest.raises(grpc.aio.AioRpcError) as lost:
+                await waiting
+            with pytest.raises(grpc.aio.AioRpcError) as down:  # nobody there to open one
+                await client.prefill(_command("meanwhile"), 10.0)
+            back = await _server(node, port)  # restarted on the same address
+            try:
+                for _ in range(50):  # the channel reconnects within its backoff
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        reply = await client.prefill(_command("after"), 10.0)
+                        break
+                    await asyncio.sleep(0.1)
+            finally:
+                await back.stop(None)
+        assert lost.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "prefill node prefill-0" in lost.value.details()
+        assert down.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert reply.first_token_id == 103
+        assert node.sessions_opened == 2
+
+    run(main())
+
+
+def test_a_node_without_sessions_gets_prefill_calls():
+    async def main():
+        node = OldNode(Worker())
+        async with _client_of(node) as (client, _):
+            first = await client.prefill(_command("a"), 10.0)
+            second = await client.prefill(_command("b", length=5), 10.0)
+        assert (first.first_token_id, second.first_token_id) == (103, 105)
+        assert client.supported is False and node.calls == 2
+
+    run(main())
