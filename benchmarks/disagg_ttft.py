@@ -6,8 +6,10 @@
 Starts Redis, one prefill node, one decode node and the router (`pdserve up`'s
 launcher; one GPU per node when there are GPUs), once per ``--kv-stream-layers``
 value (the prefill node's layers per KV chunk; 0: each step's KV in one chunk
-after its last layer) and ``--kv-stream-last-layers`` value (only the last N
-layers streamed, the ones before in one chunk), ``--repeat`` times in turn.
+after its last layer), ``--kv-stream-last-layers`` value (only the last N
+layers streamed, the ones before in one chunk) and ``--prefill-streams`` value
+(the decode node's Prefills over one PrefillSession, or a call each),
+``--repeat`` times in turn.
 Each round sends the same kind of request three times, interleaved: through the router; straight to the decode node's Decode RPC
 naming the prefill node (what the router would send); and straight to the
 decode node naming none, so that it prefills the prompt itself (a local
@@ -52,7 +54,9 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def run(args: argparse.Namespace, stream_layers: int, last_layers: int | None) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace, stream_layers: int, last_layers: int | None, streams: str | None
+) -> dict[str, Any]:
     import grpc
 
     from engine.models.config import ModelArchConfig
@@ -77,6 +81,8 @@ def run(args: argparse.Namespace, stream_layers: int, last_layers: int | None) -
     prefill_env = {"PDSERVE_KV_STREAM_LAYERS": str(stream_layers)}
     if last_layers is not None:  # else the node's own default
         prefill_env["PDSERVE_KV_STREAM_LAST_LAYERS"] = str(last_layers)
+    # How the decode nodes send their Prefills (else their own default).
+    decode_env = {} if streams is None else {"PDSERVE_PREFILL_STREAMS": streams}
     spec = ClusterSpec(
         model=model,
         num_prefill=1,
@@ -87,7 +93,10 @@ def run(args: argparse.Namespace, stream_layers: int, last_layers: int | None) -
         admin_port=free_port(),
         engine_args=engine_args,
         router_args=router_args,
-        component_env={"prefill-0": prefill_env},
+        component_env={
+            "prefill-0": prefill_env,
+            **{f"decode-{i}": decode_env for i in range(2)},
+        },
         log_dir=str(Path(tmp) / "logs"),
         start_timeout_s=900,
     )
@@ -206,6 +215,7 @@ def run(args: argparse.Namespace, stream_layers: int, last_layers: int | None) -
         "local_gpu": args.local_gpu,
         "kv_stream_layers": stream_layers,
         "kv_stream_last_layers": last_layers,
+        "prefill_streams": streams,
         "rows": rows,
         "summary": summary,
     }
@@ -222,6 +232,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--kv-stream-last-layers",
         default=None,
         help="values to compare, e.g. 0,4 (default: the prefill node's own default)",
+    )
+    p.add_argument(
+        "--prefill-streams",
+        default=None,
+        help="the decode nodes' --prefill-streams values to compare, e.g. session,call "
+        "(default: the nodes' own default)",
     )
     p.add_argument(
         "--repeat", type=int, default=1, help="run the settings in turn this many times (ABAB)"
@@ -248,12 +264,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = []
     lasts = [None] if args.kv_stream_last_layers is None else args.kv_stream_last_layers.split(",")
     settings = [
-        (int(layers), None if last is None else int(last))
+        (int(layers), None if last is None else int(last), streams)
         for layers in args.kv_stream_layers.split(",")
         for last in lasts
+        for streams in ([None] if args.prefill_streams is None else args.prefill_streams.split(","))
     ]
-    for layers, last in settings * args.repeat:
-        result = run(args, layers, last)
+    for layers, last, streams in settings * args.repeat:
+        result = run(args, layers, last, streams)
         results.append(result)
         s = result["summary"]
         shown = "default" if last is None else last
@@ -265,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         print(
             f"--kv-stream-layers {layers} --kv-stream-last-layers {shown} --local-gpu "
-            f"{args.local_gpu}: TTFT p50 {via_router}"
+            f"{args.local_gpu} --prefill-streams {streams or 'default'}: TTFT p50 {via_router}"
             f"direct to the decode node {s['median_direct_ttft_ms']:.2f} ms, local prefill "
             f"{s['median_local_ttft_ms']:.2f} ms -> disaggregated/local "
             f"{s['disaggregated_vs_local']:.3f}x{router_hop}\n"
