@@ -35,13 +35,13 @@ IDLE_POLL_S = 0.05
 # The longest a late launch waits between checks that the step in flight is
 # still running (a CUDA event query, microseconds).
 WAIT_SLICE_S = 0.002
-# After handing over requests' first outputs from a step that launched no
-# forward pass (a committed remote prefill's first token: the step only
-# reported it), the thread sleeps this long before its next step, so
-# the loop it woke takes the GIL and sends them first: the next step's launch
-# would otherwise hold the GIL for its whole host work (a decode step's: about
-# half a millisecond on an H100) while the first token waits. The device runs
-# the step in flight meanwhile, if there is one.
+# After handing over requests' first outputs that no forward pass made (a
+# committed remote prefill's first token, handed over by the command that
+# committed it, or by a step that launched nothing), the thread sleeps this
+# long before its next step, so the loop it woke takes the GIL and sends them
+# first: the next step's launch would otherwise hold the GIL for its whole host
+# work (a decode step's: about half a millisecond on an H100) while the first
+# token waits. The device runs the step in flight meanwhile, if there is one.
 HANDOFF_S = 0.0002
 Sink = Callable[[RequestOutput | BaseException], None]
 
@@ -159,12 +159,14 @@ class EngineThread:
                 self.handoffs += 1
                 time.sleep(HANDOFF_S)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their sinks. Requests' first outputs go first:
-        each is a time to first token, while the rest of the batch can wait the
-        little the loop takes to turn the first ones into messages (it handles
-        them in the order they come). Streams on one loop are woken once."""
+    def _deliver(self, outputs: list[RequestOutput]) -> bool:
+        """Hand outputs to their sinks; True when a request's first output was
+        among them. Requests' first outputs go first: each is a time to first
+        token, while the rest of the batch can wait the little the loop takes to
+        turn the first ones into messages (it handles them in the order they
+        come). Streams on one loop are woken once."""
         fresh = self._fresh
+        first = False
         if fresh:
             outputs = sorted(outputs, key=lambda out: out.request_id not in fresh)
         with one_wake_per_loop():
@@ -172,28 +174,46 @@ class EngineThread:
                 sink = self._sinks.get(out.request_id)
                 if sink is None:
                     continue
-                fresh.discard(out.request_id)
+                if out.request_id in fresh:
+                    fresh.discard(out.request_id)
+                    first = True
                 if out.finished:
                     del self._sinks[out.request_id]
                 sink(out)
+        return first
 
     def _run_commands(self, block: bool, timeout: float = IDLE_POLL_S) -> None:
         try:
             item = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
         except queue.Empty:
             return
+        first_outputs = False
         while item is not None:
             fn, future = item
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(fn(self.engine))
+                    result = fn(self.engine)
                 except BaseException as e:
-                    future.set_exception(e)
+                    result, error = None, e
+                else:
+                    error = None
+                # What the command changed goes out before its future resolves
+                # (a commit's first token: the loop finds it in the request's
+                # stream as it resumes from the commit, with the same wake-up).
+                if outputs := self.engine.take_outputs():
+                    first_outputs |= self._deliver(outputs)
+                if error is None:
+                    future.set_result(result)
+                else:
+                    future.set_exception(error)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 break
         self.stats = self.engine.stats()
+        if first_outputs:
+            self.handoffs += 1
+            time.sleep(HANDOFF_S)
 
 
 class _Mailbox:

@@ -311,14 +311,22 @@ class LLMEngine:
         return self.block_manager.cached_hashes()
 
     # ---------------------------------------------------------------- step
-    def step(self) -> list[RequestOutput]:
+    def take_outputs(self) -> list[RequestOutput]:
+        """The outputs of requests that changed between steps: aborted ones, and
+        committed remote prefills (their first token). The next ``step`` returns
+        them before anything else; an engine thread takes them as soon as the
+        command that made them ran, since a first token is a time to first token."""
         outputs = [out for req in self._aborted if (out := self.output_processor.make_output(req))]
         self._aborted.clear()
-        # Requests that changed between steps (committed remote prefills): their
-        # output goes out now, not after another forward pass (it is a TTFT).
         for request_id in self._touched:
             outputs.extend(self._output_for(request_id))
         self._touched.clear()
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        # Requests that changed between steps: their output goes out now, not
+        # after another forward pass.
+        outputs = self.take_outputs()
         prev, self._in_flight = self._in_flight, None
         if outputs or not (self.scheduler.has_unfinished() or prev):
             self._in_flight = prev

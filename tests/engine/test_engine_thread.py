@@ -173,10 +173,12 @@ def test_a_late_launch_waits_for_the_step_in_flight_and_serves_calls_meanwhile(
 
 
 def test_a_committed_prefills_first_token_lets_the_loop_go_first(tiny_engine):
-    """The first output of a committed remote prefill comes from a step that
-    launches nothing: the thread then sleeps HANDOFF_S so the loop sends it
-    before the next launch. Steps that launch (a local prefill's first token,
-    every decode) never do."""
+    """The first output of a committed remote prefill is handed over by the
+    command that committed it, before the command's future resolves (the loop
+    resuming from the commit finds it in the request's stream), and no forward
+    pass made it: the thread then sleeps HANDOFF_S so the loop sends it before
+    the next launch. Steps that launch (a local prefill's first token, every
+    decode) never do."""
     thread = EngineThread(tiny_engine, name="engine-test").start()
     params = SamplingParams(
         max_tokens=4, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA
@@ -198,7 +200,11 @@ def test_a_committed_prefills_first_token_lets_the_loop_go_first(tiny_engine):
         thread.add(
             "remote", sink_for("remote"), lambda e: e.reserve_request("remote", [4, 5, 6], params)
         ).result(timeout=5)
-        thread.call(lambda e: e.commit_request("remote", 7)).result(timeout=5)
+        committed = thread.call(lambda e: e.commit_request("remote", 7))
+        at_commit: list[list[int]] = []
+        committed.add_done_callback(lambda _: at_commit.append(list(got["remote"])))
+        committed.result(timeout=5)
+        assert at_commit == [[7]], "the first token was not in the stream when the commit returned"
         while len(got["remote"]) < 4:
             time.sleep(0.001)
     finally:
