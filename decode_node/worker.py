@@ -53,6 +53,7 @@ from common.wire import (
     StreamState,
     output_to_responses,
     sampling_params_from_proto,
+    token_ids_of,
     token_logprobs_from_proto,
 )
 from decode_node.kv_landing import KVLanding
@@ -131,7 +132,7 @@ class DecodeWorker:
         rid = req.request_id
         params = sampling_params_from_proto(req.sampling)
         params.resume_offset = req.resume_offset  # a migrated stream's seeded draws
-        prompt = {"prompt_token_ids": list(req.prompt_token_ids)}
+        prompt = {"prompt_token_ids": token_ids_of(req.prompt_token_ids)}
         if req.cache_salt:
             prompt["cache_salt"] = req.cache_salt
         stream = RequestStream()

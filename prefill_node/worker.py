@@ -44,7 +44,7 @@ from common.reliability import (
     check_queue,
     deadline_passed,
 )
-from common.wire import sampling_params_from_proto, token_logprobs_to_proto
+from common.wire import sampling_params_from_proto, token_ids_of, token_logprobs_to_proto
 from engine.engine_thread import EngineThread, RequestStream
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -164,7 +164,7 @@ class PrefillWorker:
     ) -> internal_pb2.PrefillResponse:
         start = time.monotonic()  # the reply's node_ms: all of this node's part
         rid = req.request_id
-        ids = list(req.prompt_token_ids)
+        ids = token_ids_of(req.prompt_token_ids)
         dest = req.destination
         target = Destination(
             dest.node_id,

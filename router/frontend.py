@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.wire import sampling_params_from_proto
+from common.wire import sampling_params_from_proto, token_ids_of
 from engine.block_hash import HasherCache
 from engine.config import EngineConfig
 from engine.input_processor import InputProcessor
@@ -57,7 +57,7 @@ class Frontend:
         which = request.WhichOneof("input")
         try:
             if which == "token_ids":
-                ids = list(request.token_ids.ids)
+                ids = token_ids_of(request.token_ids.ids)
             elif which == "prompt" and self.tokenizer is not None:
                 ids = self.tokenizer.encode(request.prompt)  # InputProcessor's own call
             else:
@@ -80,7 +80,7 @@ class Frontend:
             if early is not None:
                 prompt["prompt_token_ids"] = early.token_ids
         elif which == "token_ids":
-            ids = early.token_ids if early is not None else list(request.token_ids.ids)
+            ids = early.token_ids if early is not None else token_ids_of(request.token_ids.ids)
             prompt = {"prompt_token_ids": ids}
         else:
             prompt = self._chat_prompt(request.chat)
