@@ -100,7 +100,9 @@ class RequestSession:
     def _start(self, start) -> None:
         rid = start.request.request_id
         if rid in self._tasks:  # ids are uuid4s: a repeat is a bug on the client
-            self.push(self.end_event(rid, grpc.StatusCode.ALREADY_EXISTS, f"{rid} is running"))
+            self.push(
+                self.end_event(rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is running")
+            )
             return
         timeout = start.timeout_s if start.HasField("timeout_s") else None
         self._tasks[rid] = asyncio.ensure_future(self._one(start.request, timeout))
@@ -138,7 +140,8 @@ class RequestSession:
         finally:
             if timer is not None:
                 timer.cancel()
-            self._tasks.pop(rid, None)
+            if self._tasks.get(rid) is me:  # a later start of the same id is not ours
+                del self._tasks[rid]
         self.push(end)
 
     def push(self, event) -> None:

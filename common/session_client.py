@@ -51,7 +51,7 @@ class SessionClient:
         self._opening: asyncio.Future | None = None
         self._open_error: grpc.aio.AioRpcError | None = None  # why the last open failed
         self._write_lock = asyncio.Lock()  # grpc.aio takes one write at a time on a call
-        self._cancels: set[asyncio.Future] = set()
+        self._writes: set[asyncio.Future] = set()  # commands being written, held until written
         self._why = "its session was cancelled"  # what a cancelled session's requests are told
         self.supported: bool | None = None  # None: not known yet (no session opened so far)
 
@@ -71,6 +71,8 @@ class SessionClient:
     # ------------------------------------------------------------ the call
     async def close(self) -> None:
         self._why = "the caller closed its session"
+        if self._opening is not None:
+            self._opening.cancel()
         if self._call is not None:
             self._call.cancel()
         if self._reader is not None:
@@ -114,8 +116,20 @@ class SessionClient:
             return
         self.supported = True
         self._open_error = None
+        self._why = "its session was cancelled"
         self._call = call
         self._reader = asyncio.ensure_future(self._read(call))
+
+    async def _send(self, command) -> None:
+        """Write ``command`` in a task of its own and wait for it. grpc.aio cancels
+        the whole call when a write is cancelled half-way, so a request given up
+        on (its client left, its deadline passed) while its command is being
+        written must not cancel the write: the session's other requests would
+        fail with it. A cancel command for it follows in order."""
+        task = asyncio.ensure_future(self._write(command))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+        await asyncio.shield(task)
 
     async def _write(self, command) -> None:
         session = self._call
@@ -143,8 +157,8 @@ class SessionClient:
         if self._call is None:
             return  # the session is gone, and with it the request on the node
         task = asyncio.ensure_future(self._write(self._cancel_command(rid)))
-        self._cancels.add(task)  # held until written (the loop keeps weak references only)
-        task.add_done_callback(self._cancels.discard)
+        self._writes.add(task)  # held until written (the loop keeps weak references only)
+        task.add_done_callback(self._writes.discard)
 
     async def _read(self, session) -> None:
         error: grpc.aio.AioRpcError | None = None
@@ -161,6 +175,7 @@ class SessionClient:
         finally:
             if self._call is session:
                 self._call = None
+            session.cancel()  # a no-op once it ended; else (a failure here) the node lets go too
             self._fail_all(error or self.lost(self._why))
 
     def lost(self, why: str) -> grpc.aio.AioRpcError:

@@ -53,29 +53,39 @@ class PrefillSessionClient(SessionClient):
         self, command: internal_pb2.PrefillSessionCommand, timeout: float
     ) -> internal_pb2.PrefillResponse:
         """The reply to ``command.start.request`` (built in the command: putting
-        a finished PrefillRequest into one copies it, its prompt included)."""
+        a finished PrefillRequest into one copies it, its prompt included).
+        ``timeout`` covers everything, opening the session included, as a
+        call's deadline covers connecting."""
         request = command.start.request
-        if self._call is None and self.supported is not False:
-            await self._open()
-        if self.supported is False:
-            return await self._stub.Prefill(request, timeout=timeout)
-        if self._call is None:  # the node did not answer: what its own call would have said
-            raise self._open_error or self.lost("no session")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         rid = request.request_id
-        reply = asyncio.get_running_loop().create_future()
-        # Retrieved even if its awaiter is gone (no warning at exit).
-        reply.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._replies[rid] = reply
-        command.start.timeout_s = timeout
+        reply: asyncio.Future | None = None
         try:
-            async with asyncio.timeout(timeout):
-                await self._write(command)
+            if timeout <= 0:
+                raise TimeoutError
+            async with asyncio.timeout_at(deadline):
+                if self._call is None and self.supported is not False:
+                    await self._open()
+                if self.supported is False:
+                    left = max(0.0, deadline - loop.time())
+                    return await self._stub.Prefill(request, timeout=left)
+                if self._call is None:  # the node did not answer: what its call would have said
+                    raise self._open_error or self.lost("no session")
+                reply = loop.create_future()
+                # Retrieved even if its awaiter is gone (no warning at exit).
+                reply.add_done_callback(lambda f: f.cancelled() or f.exception())
+                self._replies[rid] = reply
+                command.start.timeout_s = max(0.0, deadline - loop.time())
+                await self._send(command)
                 return await reply
         except TimeoutError:
+            if reply is not None and reply.done() and not reply.cancelled():
+                return reply.result()  # it came in the very turn the deadline passed
             raise status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         finally:
-            if self._replies.pop(rid, None) is not None:  # given up on before its reply
-                self._send_cancel(rid)
+            if reply is not None and self._replies.pop(rid, None) is not None:
+                self._send_cancel(rid)  # given up on before its reply
 
     # ------------------------------------------------ SessionClient's hooks
     def _new_call(self):

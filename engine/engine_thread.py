@@ -116,10 +116,11 @@ class EngineThread:
     def _run(self) -> None:
         engine = self.engine
         while not self._stopping:
-            if not engine.has_work():
-                self._run_commands(block=True)
-                continue
             try:
+                if not engine.has_work():
+                    # Idle: commands only (what they change goes out at once).
+                    self._run_commands(block=True)
+                    continue
                 # Late launch: until the step in flight nears its end, take the
                 # requests that arrive (they join the next step). The wait is cut
                 # into short slices, each rechecking whether the device finished
@@ -140,7 +141,7 @@ class EngineThread:
                     out.request_id in self._fresh for out in outputs
                 )
             except BaseException as e:  # the engine's state is unknown: stop serving
-                logger.exception("engine step failed; the node stops serving")
+                logger.exception("the engine failed; the node stops serving")
                 self.error = e
                 with one_wake_per_loop():
                     for sink in self._sinks.values():
@@ -176,7 +177,8 @@ class EngineThread:
                     continue
                 if out.request_id in fresh:
                     fresh.discard(out.request_id)
-                    first = True
+                    # A token, not an abort's empty ending.
+                    first = first or any(c.token_ids for c in out.outputs)
                 if out.finished:
                     del self._sinks[out.request_id]
                 sink(out)
@@ -197,15 +199,19 @@ class EngineThread:
                     result, error = None, e
                 else:
                     error = None
-                # What the command changed goes out before its future resolves
-                # (a commit's first token: the loop finds it in the request's
-                # stream as it resumes from the commit, with the same wake-up).
-                if outputs := self.engine.take_outputs():
-                    first_outputs |= self._deliver(outputs)
-                if error is None:
-                    future.set_result(result)
-                else:
-                    future.set_exception(error)
+                try:
+                    # What the command changed goes out before its future
+                    # resolves (a commit's first token: the loop finds it in
+                    # the request's stream as it resumes from the commit, with
+                    # the same wake-up). A failure here is the engine's: it
+                    # propagates and stops the thread, the future resolved.
+                    if outputs := self.engine.take_outputs():
+                        first_outputs |= self._deliver(outputs)
+                finally:
+                    if error is None:
+                        future.set_result(result)
+                    else:
+                        future.set_exception(error)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:

@@ -17,7 +17,8 @@ Life cycle of a request inside the engine:
    ``output_kind``; finished requests are forgotten.
 
 ``abort_request`` frees a request's blocks immediately; its final output
-(finish_reason "abort") comes from the next ``step``.
+(finish_reason "abort") comes from ``take_outputs``: the next ``step``, or an
+engine thread right after the call that aborted it.
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ class LLMEngine:
     ) -> None:
         """Decode node: the reserved prompt's KV has landed and the prefill node
         sampled ``first_token``; the request joins the running batch (its first
-        output comes from the next ``step``)."""
+        output comes from ``take_outputs``: the next ``step``, or an engine thread
+        right after this call)."""
         req = self.requests.get(request_id)
         if req is None or req.seqs[0].status is not SequenceStatus.RESERVED:
             raise KeyError(f"request {request_id!r} has no reservation")

@@ -154,7 +154,7 @@ class NodeSession(SessionClient):
         self._calls[request.request_id] = call
         if timeout is not None:
             command.start.timeout_s = timeout
-        await self._write(command)
+        await self._send(command)
         return call
 
     def _cancel(self, rid: str) -> None:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engine.engine_thread import EngineThread, RequestStream, one_wake_per_loop
+from engine.engine_thread import EngineDead, EngineThread, RequestStream, one_wake_per_loop
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -211,3 +211,38 @@ def test_a_committed_prefills_first_token_lets_the_loop_go_first(tiny_engine):
         thread.stop()
     assert got["remote"][0] == 7  # the prefill node's token, reported as it came
     assert thread.handoffs == 1
+
+
+def test_a_failure_handing_over_what_a_command_changed_stops_the_thread_for_all(
+    tiny_engine, monkeypatch
+):
+    """What a command changed is handed over right after it (take_outputs). If
+    that fails, the engine's state is unknown, as after a failed step: the
+    command's future still resolves, every stream gets EngineDead, and later
+    calls fail at once instead of waiting on a dead thread."""
+    thread = EngineThread(tiny_engine, name="engine-test").start()
+    got: list = []
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    try:
+        reserve = thread.add(
+            "held", got.append, lambda e: e.reserve_request("held", [4, 5], params)
+        )
+        assert reserve.result(timeout=5) is not None
+
+        def broken() -> list:
+            raise RuntimeError("output processing broke")
+
+        monkeypatch.setattr(tiny_engine, "take_outputs", broken)
+        assert thread.call(lambda e: 42).result(timeout=5) == 42
+        deadline = time.monotonic() + 5
+        while thread.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not thread.alive and isinstance(thread.error, RuntimeError)
+        assert len(got) == 1 and isinstance(got[0], EngineDead)
+        with pytest.raises(EngineDead):
+            thread.call(lambda e: None).result(timeout=1)
+    finally:
+        monkeypatch.undo()
+        thread.stop()
+        tiny_engine.abort_request("held")
+        tiny_engine.take_outputs()  # nobody's: the next test starts clean

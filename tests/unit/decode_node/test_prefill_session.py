@@ -222,3 +222,55 @@ def test_a_node_without_sessions_gets_prefill_calls():
         assert client.supported is False and node.calls == 2
 
     run(main())
+
+
+def test_giving_up_on_a_prefill_while_it_is_written_leaves_the_session_to_the_others():
+    """grpc.aio cancels a whole call when one of its writes is cancelled: a
+    Prefill given up on (cancelled, or a deadline already passed) must not
+    take the session, and every Prefill on it, down with it."""
+
+    async def main():
+        worker = Worker()
+        node = Counting(worker)
+        async with _client_of(node) as (client, _):
+            await client.prefill(_command("open"), 10.0)
+            waiting = asyncio.ensure_future(client.prefill(_command("long", kind=3), 10.0))
+            while "long" not in worker.started:
+                await asyncio.sleep(0.01)
+            for i in range(5):  # cancelled while its start command is being written
+                task = asyncio.ensure_future(client.prefill(_command(f"c{i}", kind=3), 10.0))
+                await asyncio.sleep(0)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            with pytest.raises(grpc.aio.AioRpcError) as late:  # its deadline already passed
+                await client.prefill(_command("late"), 0.0)
+            ok = await client.prefill(_command("after", length=4), 10.0)
+            still_waiting = not waiting.done()
+            waiting.cancel()
+        assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "late" not in worker.started  # nothing was sent for it
+        assert ok.first_token_id == 104
+        assert still_waiting and node.sessions_opened == 1
+
+    run(main())
+
+
+class SlowToOpen(Counting):
+    async def PrefillSession(self, request_iterator, context):
+        await asyncio.sleep(1.0)  # a node too busy to open the session at once
+        async for batch in super().PrefillSession(request_iterator, context):
+            yield batch
+
+
+def test_the_timeout_covers_opening_the_session():
+    async def main():
+        async with _client_of(SlowToOpen(Worker())) as (client, _):
+            began = asyncio.get_running_loop().time()
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await client.prefill(_command("a"), 0.3)
+            took = asyncio.get_running_loop().time() - began
+        assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert took < 0.9, f"the open took the Prefill {took:.2f} s past its 0.3 s"
+
+    run(main())
