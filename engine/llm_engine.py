@@ -17,8 +17,7 @@ Life cycle of a request inside the engine:
    ``output_kind``; finished requests are forgotten.
 
 ``abort_request`` frees a request's blocks immediately; its final output
-(finish_reason "abort") comes from ``take_outputs``: the next ``step``, or an
-engine thread right after the call that aborted it.
+(finish_reason "abort") comes from ``take_outputs`` (the next ``step``'s first).
 """
 
 from __future__ import annotations
@@ -110,13 +109,9 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self._touched: set[str] = set()
         # Block hashers per tenant salt (None: no prefix caching, nothing to hash).
-        self._hashers = (
-            HasherCache(config.served_model_name, config.kvcache_block_size)
-            if config.enable_prefix_caching
-            else None
-        )
-        # Requests with repetition/frequency/presence penalties (a step that
-        # samples for one waits for the step before it).
+        hashers = HasherCache(config.served_model_name, config.kvcache_block_size)
+        self._hashers = hashers if config.enable_prefix_caching else None
+        # Requests with penalties (a step sampling for one waits for the one before).
         self._penalised: set[str] = set()
         # Async scheduling: the launched step whose samples the host has not read.
         self._in_flight: InFlightStep | None = None
@@ -192,8 +187,7 @@ class LLMEngine:
     ) -> None:
         """Decode node: the reserved prompt's KV has landed and the prefill node
         sampled ``first_token``; the request joins the running batch (its first
-        output comes from ``take_outputs``: the next ``step``, or an engine thread
-        right after this call)."""
+        output comes from ``take_outputs``)."""
         req = self.requests.get(request_id)
         if req is None or req.seqs[0].status is not SequenceStatus.RESERVED:
             raise KeyError(f"request {request_id!r} has no reservation")
@@ -314,10 +308,8 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- step
     def take_outputs(self) -> list[RequestOutput]:
-        """The outputs of requests that changed between steps: aborted ones, and
-        committed remote prefills (their first token). The next ``step`` returns
-        them before anything else; an engine thread takes them as soon as the
-        command that made them ran, since a first token is a time to first token."""
+        """Outputs of requests changed between steps (aborted; committed remote
+        prefills' first tokens): a ``step``'s first, or an engine thread's at once."""
         outputs = [out for req in self._aborted if (out := self.output_processor.make_output(req))]
         self._aborted.clear()
         for request_id in self._touched:
@@ -326,9 +318,7 @@ class LLMEngine:
         return outputs
 
     def step(self) -> list[RequestOutput]:
-        # Requests that changed between steps: their output goes out now, not
-        # after another forward pass.
-        outputs = self.take_outputs()
+        outputs = self.take_outputs()  # now, not after another forward pass
         prev, self._in_flight = self._in_flight, None
         if outputs or not (self.scheduler.has_unfinished() or prev):
             self._in_flight = prev
