@@ -83,19 +83,20 @@ def run(
         prefill_env["PDSERVE_KV_STREAM_LAST_LAYERS"] = str(last_layers)
     # How the decode nodes send their Prefills (else their own default).
     decode_env = {} if streams is None else {"PDSERVE_PREFILL_STREAMS": streams}
+    # The launcher hands GPUs out in turn, decode nodes first: with two GPUs
+    # decode-0 and prefill-0 share the first (checked below).
+    num_decode = 2 if same_gpu else 1
     spec = ClusterSpec(
         model=model,
         num_prefill=1,
-        # The launcher hands GPUs out in turn, decode nodes first: with two GPUs
-        # decode-0 and prefill-0 share the first (checked below).
-        num_decode=2 if same_gpu else 1,
+        num_decode=num_decode,
         port=free_port(),
         admin_port=free_port(),
         engine_args=engine_args,
         router_args=router_args,
         component_env={
             "prefill-0": prefill_env,
-            **{f"decode-{i}": decode_env for i in range(2)},
+            **{f"decode-{i}": decode_env for i in range(num_decode)},
         },
         log_dir=str(Path(tmp) / "logs"),
         start_timeout_s=900,

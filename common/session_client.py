@@ -78,6 +78,18 @@ class SessionClient:
         if self._reader is not None:
             await asyncio.gather(self._reader, return_exceptions=True)
 
+    async def _opened(self) -> bool:
+        """Whether a request goes on the session, opening it first if need be;
+        False: the node serves no sessions, a call of its own it is. Raises what
+        that call would have raised when the node did not answer."""
+        if self._call is None and self.supported is not False:
+            await self._open()
+        if self.supported is False:
+            return False
+        if self._call is None:
+            raise self._open_error or self.lost("no session")
+        return True
+
     async def _open(self) -> None:
         """Open a session, once for every request that asks meanwhile."""
         if self._opening is None:
@@ -126,10 +138,15 @@ class SessionClient:
         on (its client left, its deadline passed) while its command is being
         written must not cancel the write: the session's other requests would
         fail with it. A cancel command for it follows in order."""
+        await asyncio.shield(self._write_soon(command))
+
+    def _write_soon(self, command) -> asyncio.Future:
+        """``_write(command)`` as a task, held until written (the loop keeps weak
+        references only)."""
         task = asyncio.ensure_future(self._write(command))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
-        await asyncio.shield(task)
+        return task
 
     async def _write(self, command) -> None:
         session = self._call
@@ -156,9 +173,7 @@ class SessionClient:
     def _send_cancel(self, rid: str) -> None:
         if self._call is None:
             return  # the session is gone, and with it the request on the node
-        task = asyncio.ensure_future(self._write(self._cancel_command(rid)))
-        self._writes.add(task)  # held until written (the loop keeps weak references only)
-        task.add_done_callback(self._writes.discard)
+        self._write_soon(self._cancel_command(rid))
 
     async def _read(self, session) -> None:
         error: grpc.aio.AioRpcError | None = None

@@ -65,13 +65,9 @@ class PrefillSessionClient(SessionClient):
             if timeout <= 0:
                 raise TimeoutError
             async with asyncio.timeout_at(deadline):
-                if self._call is None and self.supported is not False:
-                    await self._open()
-                if self.supported is False:
+                if not await self._opened():
                     left = max(0.0, deadline - loop.time())
                     return await self._stub.Prefill(request, timeout=left)
-                if self._call is None:  # the node did not answer: what its call would have said
-                    raise self._open_error or self.lost("no session")
                 reply = loop.create_future()
                 # Retrieved even if its awaiter is gone (no warning at exit).
                 reply.add_done_callback(lambda f: f.cancelled() or f.exception())

@@ -136,10 +136,7 @@ class EngineThread:
                     continue
                 computed = engine.num_computed_tokens
                 outputs = engine.step()
-                # Requests' first outputs from a step that launched nothing.
-                handoff = engine.num_computed_tokens == computed and any(
-                    out.request_id in self._fresh for out in outputs
-                )
+                launched = engine.num_computed_tokens != computed
             except BaseException as e:  # the engine's state is unknown: stop serving
                 logger.exception("the engine failed; the node stops serving")
                 self.error = e
@@ -149,16 +146,20 @@ class EngineThread:
                 self._sinks.clear()
                 self._fresh.clear()
                 return
-            self._deliver(outputs)
+            first = self._deliver(outputs)
             for hook in self.after_step:
                 try:
                     hook(outputs)
                 except Exception:
                     logger.exception("after-step hook failed")
             self.stats = engine.stats()
-            if handoff:
-                self.handoffs += 1
-                time.sleep(HANDOFF_S)
+            if first and not launched:  # first tokens from a step that launched nothing
+                self._hand_off()
+
+    def _hand_off(self) -> None:
+        """Let the loop woken for first outputs take the GIL before the next launch."""
+        self.handoffs += 1
+        time.sleep(HANDOFF_S)
 
     def _deliver(self, outputs: list[RequestOutput]) -> bool:
         """Hand outputs to their sinks; True when a request's first output was
@@ -218,8 +219,7 @@ class EngineThread:
                 break
         self.stats = self.engine.stats()
         if first_outputs:
-            self.handoffs += 1
-            time.sleep(HANDOFF_S)
+            self._hand_off()
 
 
 class _Mailbox:

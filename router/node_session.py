@@ -143,13 +143,12 @@ class NodeSession(SessionClient):
         (``command.start.request``): putting a finished DecodeRequest into one
         copies it, its prompt's ids included."""
         request = command.start.request
-        if self._call is None and self.supported is not False:
-            await self._open()
-        if self.supported is False:
-            return self._stub.Decode(request, timeout=timeout)
         call = SessionCall(self, request)
-        if self._call is None:  # the node did not answer: what its own call would have said
-            call._end(self._open_error or self.lost("no session"))
+        try:
+            if not await self._opened():
+                return self._stub.Decode(request, timeout=timeout)
+        except grpc.aio.AioRpcError as e:  # the node did not answer: what its own call would say
+            call._end(e)
             return call
         self._calls[request.request_id] = call
         if timeout is not None:
