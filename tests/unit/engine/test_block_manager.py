@@ -127,6 +127,33 @@ def test_uncached_blocks_are_reused_before_cached_ones_then_lru():
     bm.check_invariants()
 
 
+def test_one_allocation_takes_uncached_then_lru_blocks_in_order_and_reports_evictions():
+    # A prompt takes all its blocks in one allocation (in bulk): the never-cached
+    # ones first, then cached ones least recently freed first, each unhashed.
+    bm = BlockManager(7, BS, record_events=True)
+    a = make_seq(list(range(12)), BS)  # 3 cached blocks
+    b = make_seq(list(range(50, 58)), BS)  # 2 more
+    computed(bm, a)
+    computed(bm, b)
+    bm.take_events()
+    uncached = list(bm._free_uncached)
+    a_blocks, b_blocks = list(a.block_table), list(b.block_table)
+    bm.free(b)  # b first: its blocks are the least recently freed
+    bm.free(a)
+    lru = list(bm._free_cached)
+    assert lru == b_blocks[::-1] + a_blocks[::-1]  # tails first, as freed
+    c = make_seq(24, BS, hashed=False)
+    assert bm.allocate_slots(c, 20)  # 5 blocks: 2 never cached, then 3 from the LRU
+    assert c.block_table == uncached + lru[:3]
+    assert all(bm.blocks[i].ref_count == 1 for i in c.block_table)
+    removed = bm.take_events().removed
+    assert set(removed) == set(b.block_hashes[:2]) | {a.block_hashes[2]}
+    again = make_seq(list(range(12)) + [1], BS)
+    assert len(bm.find_cached_prefix(again)) == 2  # a's first two blocks survived
+    bm.check_invariants()
+    assert_prefix_closed(bm)
+
+
 def test_hash_hit_with_different_tokens_is_rejected():
     bm = BlockManager(10, BS)
     a = make_seq(list(range(12)), BS)
