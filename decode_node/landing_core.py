@@ -208,12 +208,12 @@ class LandingCore:
             self._failed(pending, TransferError(f"KV channel from {peer} failed: {error}"))
 
     # ------------------------------------------------- the engine's stream
-    @staticmethod
-    def order_after_landing(pending: PendingKV) -> None:
-        """The current stream waits for the last scatter queued for ``pending``
-        (before its blocks are read, or freed for reuse)."""
+    def order_after_landing(self, pending: PendingKV) -> None:
+        """The engine's stream waits for the last scatter queued for ``pending``
+        (before its blocks are read, or freed for reuse). The device is named:
+        this may run on a thread other than the engine's (an inline command)."""
         if pending.landed_event is not None:
-            torch.cuda.current_stream().wait_event(pending.landed_event)
+            torch.cuda.current_stream(self._runner.device).wait_event(pending.landed_event)
 
 
 # Still waiting for KV; and gone (whatever arrives for those is late).

@@ -142,9 +142,14 @@ class DecodeWorker:
         self._stages[rid] = Stage.QUEUED
         try:
             if remote:
+                # Inline: on this thread if the engine thread is idle (two
+                # hand-overs between threads fewer on the time to first token).
                 reservation = await asyncio.wrap_future(
                     self.engine.add(
-                        rid, stream.sink, lambda e: e.reserve_request(rid, prompt, params)
+                        rid,
+                        stream.sink,
+                        lambda e: e.reserve_request(rid, prompt, params),
+                        inline=True,
                     )
                 )
                 if reservation is None:
@@ -296,7 +301,8 @@ class DecodeWorker:
                 self.engine.call(
                     lambda e: landing.commit(
                         e, reservation_id, resp.first_token_id, first_logprobs, resp.cached_tokens
-                    )
+                    ),
+                    inline=True,
                 )
             )
             return resp, replied

@@ -1,10 +1,20 @@
-"""Runs an LLMEngine on a thread of its own: the only thread that ever touches it.
+"""Runs an LLMEngine on a thread of its own, the one thread that steps it.
 
 The nodes' gRPC handlers live on an asyncio loop; the engine steps on this
 thread. Other threads hand it work with ``call(fn)`` (``fn(engine)`` runs
 between two steps; its result or exception comes back through a Future) and
 receive outputs through per-request sinks, called on this thread after each
 step. ``RequestStream`` turns a sink into an async iterator on the caller's loop.
+
+One thread at a time touches the engine: the engine thread holds ``_lock``
+except while it waits for work. A caller may ask for a command to run on its
+own thread (``call(fn, inline=True)``): it does when the engine thread is
+idle, waiting, with no command queued before it, else the command is queued as
+usual. Why: a round trip through an idle engine thread is two hand-overs
+between threads (wake it, then wake the caller's loop), 0.1-0.4 ms each on the
+GPU host, twice on every disaggregated request's time to first token (the
+decode node's reservation and its commit; docs/performance.md, "The Prefill
+hop").
 
 A step's outputs go to their streams with one wake-up per asyncio loop (not
 one per request), requests' first outputs first: see ``_deliver``.
@@ -66,6 +76,16 @@ class EngineThread:
         self.handoffs = 0
         self.error: BaseException | None = None
         self._stopping = False
+        # Held by whichever thread touches the engine (module docstring).
+        self._lock = threading.Lock()
+        # The engine thread waits for commands with the engine idle (no work).
+        self._idle = False
+        # Commands put and not run yet (one taken off the queue included), so
+        # that an inline command never runs before one queued earlier.
+        self._queued = 0
+        self._queued_lock = threading.Lock()
+        # Commands callers ran themselves (``call(fn, inline=True)``).
+        self.inline_calls = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # ------------------------------------------------------------- control
@@ -82,16 +102,23 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def call(self, fn: Callable[[LLMEngine], T]) -> Future:
-        """Run ``fn(engine)`` on the engine thread between steps."""
+    def call(self, fn: Callable[[LLMEngine], T], inline: bool = False) -> Future:
+        """Run ``fn(engine)`` on the engine thread between steps; ``inline``: on
+        this thread, now, if the engine thread is idle with nothing queued (the
+        future is then resolved on return, and outputs ``fn`` made are handed
+        over from here)."""
         future: Future = Future()
         if self.error is not None or self._stopping:
             future.set_exception(EngineDead("the engine is not running"))
             return future
-        self._commands.put((fn, future))
+        if inline and self._run_inline(fn, future):
+            return future
+        self._put((fn, future))
         return future
 
-    def add(self, request_id: str, sink: Sink, fn: Callable[[LLMEngine], T]) -> Future:
+    def add(
+        self, request_id: str, sink: Sink, fn: Callable[[LLMEngine], T], inline: bool = False
+    ) -> Future:
         """Attach ``sink`` to ``request_id`` and run ``fn`` (which adds the request)."""
 
         def attach_and_add(engine: LLMEngine) -> T:
@@ -103,7 +130,7 @@ class EngineThread:
                 self._drop_sink(request_id)
                 raise
 
-        return self.call(attach_and_add)
+        return self.call(attach_and_add, inline)
 
     def detach(self, request_id: str) -> None:
         self.call(lambda _: self._drop_sink(request_id))
@@ -112,14 +139,49 @@ class EngineThread:
         self._sinks.pop(request_id, None)
         self._fresh.discard(request_id)
 
+    def _put(self, item: tuple[Callable[[LLMEngine], Any], Future]) -> None:
+        with self._queued_lock:
+            self._queued += 1
+        self._commands.put(item)
+
+    def _run_inline(self, fn: Callable[[LLMEngine], Any], future: Future) -> bool:
+        """Run a command on the calling thread if the engine thread is idle and
+        nothing was queued before it; False (nothing done) otherwise."""
+        if not self._idle or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            # Under the lock: the engine thread is still waiting (it takes the
+            # lock before it runs what it was woken for) and owes nothing.
+            if not self._idle or self._queued or self.error is not None:
+                return False
+            future.set_running_or_notify_cancel()
+            try:
+                self._execute(fn, future)
+            except BaseException as e:  # handing over outputs failed: the engine's
+                self._die(e, "handing over a command's outputs failed")
+            else:
+                self.stats = self.engine.stats()
+            self.inline_calls += 1
+            wake = self.error is not None or self.engine.has_work()
+        finally:
+            self._lock.release()
+        if wake:  # it has a step to run (or a failure to stop on)
+            self._put((_no_op, Future()))
+        return True
+
     # ---------------------------------------------------------------- loop
     def _run(self) -> None:
+        with self._lock:
+            self._loop()
+
+    def _loop(self) -> None:
         engine = self.engine
-        while not self._stopping:
+        while not self._stopping and self.error is None:
             try:
                 if not engine.has_work():
-                    # Idle: commands only (what they change goes out at once).
-                    self._run_commands(block=True)
+                    # Idle: commands only (what they change goes out at once),
+                    # or callers run theirs themselves meanwhile.
+                    self._run_commands(block=True, idle=True)
                     continue
                 # Late launch: until the step in flight nears its end, take the
                 # requests that arrive (they join the next step). The wait is cut
@@ -138,13 +200,7 @@ class EngineThread:
                 outputs = engine.step()
                 launched = engine.num_computed_tokens != computed
             except BaseException as e:  # the engine's state is unknown: stop serving
-                logger.exception("the engine failed; the node stops serving")
-                self.error = e
-                with one_wake_per_loop():
-                    for sink in self._sinks.values():
-                        sink(EngineDead(f"engine step failed: {e}"))
-                self._sinks.clear()
-                self._fresh.clear()
+                self._die(e, "engine step failed")
                 return
             first = self._deliver(outputs)
             for hook in self.after_step:
@@ -155,6 +211,16 @@ class EngineThread:
             self.stats = engine.stats()
             if first and not launched:  # first tokens from a step that launched nothing
                 self._hand_off()
+
+    def _die(self, error: BaseException, what: str) -> None:
+        """The engine's state is unknown: every stream fails, nothing more runs."""
+        logger.error("%s; the node stops serving", what, exc_info=error)
+        self.error = error
+        with one_wake_per_loop():
+            for sink in self._sinks.values():
+                sink(EngineDead(f"{what}: {error}"))
+        self._sinks.clear()
+        self._fresh.clear()
 
     def _hand_off(self) -> None:
         """Let the loop woken for first outputs take the GIL before the next launch."""
@@ -185,34 +251,35 @@ class EngineThread:
                 sink(out)
         return first
 
-    def _run_commands(self, block: bool, timeout: float = IDLE_POLL_S) -> None:
+    def _run_commands(self, block: bool, timeout: float | None = None, idle: bool = False) -> None:
+        """Run the queued commands; ``block``: wait up to ``timeout`` (default
+        ``IDLE_POLL_S``) for the first, and with ``idle`` let callers run
+        theirs inline meanwhile."""
+        timeout = IDLE_POLL_S if timeout is None else timeout
         try:
-            item = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
+            if not block:
+                item = self._commands.get_nowait()
+            elif not idle:
+                item = self._commands.get(timeout=timeout)
+            else:
+                self._idle = True
+                self._lock.release()
+                try:
+                    item = self._commands.get(timeout=timeout)
+                finally:
+                    self._lock.acquire()
+                    self._idle = False
         except queue.Empty:
             return
         first_outputs = False
         while item is not None:
             fn, future = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    result = fn(self.engine)
-                except BaseException as e:
-                    result, error = None, e
-                else:
-                    error = None
-                try:
-                    # What the command changed goes out before its future
-                    # resolves (a commit's first token: the loop finds it in
-                    # the request's stream as it resumes from the commit, with
-                    # the same wake-up). A failure here is the engine's: it
-                    # propagates and stops the thread, the future resolved.
-                    if outputs := self.engine.take_outputs():
-                        first_outputs |= self._deliver(outputs)
-                finally:
-                    if error is None:
-                        future.set_result(result)
-                    else:
-                        future.set_exception(error)
+            try:
+                if future.set_running_or_notify_cancel():
+                    first_outputs |= self._execute(fn, future)
+            finally:
+                with self._queued_lock:
+                    self._queued -= 1
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
@@ -220,6 +287,33 @@ class EngineThread:
         self.stats = self.engine.stats()
         if first_outputs:
             self._hand_off()
+
+    def _execute(self, fn: Callable[[LLMEngine], Any], future: Future) -> bool:
+        """Run one command and resolve its future; True when it handed over a
+        request's first output."""
+        try:
+            result = fn(self.engine)
+        except BaseException as e:
+            result, error = None, e
+        else:
+            error = None
+        try:
+            # What the command changed goes out before its future resolves (a
+            # commit's first token: the loop finds it in the request's stream
+            # as it resumes from the commit, with the same wake-up). A failure
+            # here is the engine's: it propagates (and stops the engine), the
+            # future resolved.
+            outputs = self.engine.take_outputs()
+            return self._deliver(outputs) if outputs else False
+        finally:
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+
+def _no_op(engine: LLMEngine) -> None:
+    """Wakes the engine thread (for a step an inline command made due)."""
 
 
 class _Mailbox:

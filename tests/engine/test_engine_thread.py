@@ -4,6 +4,7 @@ step, items in order, and requests' first outputs ahead of the rest of a step.""
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 
@@ -246,3 +247,156 @@ def test_a_failure_handing_over_what_a_command_changed_stops_the_thread_for_all(
         thread.stop()
         tiny_engine.abort_request("held")
         tiny_engine.take_outputs()  # nobody's: the next test starts clean
+
+
+def wait_idle(thread: EngineThread) -> None:
+    deadline = time.monotonic() + 5
+    while not thread._idle:
+        assert time.monotonic() < deadline, "the engine thread never went idle"
+        time.sleep(0.001)
+
+
+def delta_params(n: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=n, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA
+    )
+
+
+def test_an_idle_engine_runs_inline_commands_on_the_callers_thread(tiny_engine, monkeypatch):
+    """A decode node's reservation and commit, inline: each runs on the calling
+    thread, done when ``call`` returns; the commit's first token is in the
+    stream by then, and the engine thread, woken (its idle poll is made far
+    longer than the test waits), decodes the rest."""
+    monkeypatch.setattr("engine.engine_thread.IDLE_POLL_S", 60.0)
+    thread = EngineThread(tiny_engine, name="engine-test").start()
+    me = threading.current_thread().name
+    got: list[int] = []
+
+    def sink(out) -> None:
+        if getattr(out, "outputs", None):
+            got.extend(out.outputs[0].token_ids)
+
+    try:
+        wait_idle(thread)
+        reserved = thread.add(
+            "r",
+            sink,
+            lambda e: (
+                threading.current_thread().name,
+                e.reserve_request("r", [4, 5], delta_params(4)),
+            ),
+            inline=True,
+        )
+        assert reserved.done() and reserved.result()[0] == me
+        wait_idle(thread)  # a reservation makes no step due: the thread was not woken for one
+        committed = thread.call(lambda e: e.commit_request("r", 7), inline=True)
+        assert committed.done() and got == [7]
+        assert thread.inline_calls == 2
+        deadline = time.monotonic() + 5
+        while len(got) < 4 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    finally:
+        thread.stop()
+    assert len(got) == 4 and got[0] == 7
+    assert thread.handoffs == 0  # the caller had its first token already
+
+
+def test_an_inline_command_queues_behind_a_busy_engine_thread(tiny_engine):
+    thread = EngineThread(tiny_engine, name="engine-test").start()
+    running, release = threading.Event(), threading.Event()
+    try:
+        wait_idle(thread)
+        busy = thread.call(lambda e: (running.set(), release.wait(5)))
+        assert running.wait(5)
+        later = thread.call(lambda e: threading.current_thread().name, inline=True)
+        assert not later.done()
+        release.set()
+        assert busy.result(timeout=5)[1] is True
+        assert later.result(timeout=5) == "engine-test"  # the engine thread ran it
+    finally:
+        release.set()
+        thread.stop()
+    assert thread.inline_calls == 0
+
+
+class _PausingQueue:
+    """The engine thread's command queue, able to hold it just after it took a
+    command off (the moment a caller could run an inline command first)."""
+
+    def __init__(self) -> None:
+        self.inner: queue.SimpleQueue = queue.SimpleQueue()
+        self.armed = False
+        self.taken, self.go = threading.Event(), threading.Event()
+
+    def put(self, item) -> None:
+        self.inner.put(item)
+
+    def get_nowait(self):
+        return self.inner.get_nowait()
+
+    def get(self, timeout=None):
+        item = self.inner.get(timeout=timeout)
+        if self.armed and item is not None:
+            self.armed = False
+            self.taken.set()
+            self.go.wait(5)
+        return item
+
+
+def test_an_inline_command_never_overtakes_one_queued_before_it(tiny_engine):
+    """Between taking a command off its queue and taking the engine's lock, the
+    engine thread still looks idle: a command asked for inline then must wait
+    its turn (a decode node's kv_expect for its other ranks, say, queued before
+    its inline commit)."""
+    thread = EngineThread(tiny_engine, name="engine-test")
+    commands = thread._commands = _PausingQueue()
+    thread.start()
+    order: list[str] = []
+    try:
+        wait_idle(thread)
+        commands.armed = True
+        first = thread.call(lambda e: order.append("queued"))
+        assert commands.taken.wait(5)
+        second = thread.call(lambda e: order.append("inline"), inline=True)
+        assert not second.done(), "the inline command overtook one queued before it"
+        commands.go.set()
+        first.result(timeout=5)
+        second.result(timeout=5)
+    finally:
+        commands.go.set()
+        thread.stop()
+    assert order == ["queued", "inline"]
+    assert thread.inline_calls == 0
+
+
+def test_an_inline_commands_failed_hand_over_stops_the_engine(tiny_engine, monkeypatch):
+    """As on the engine thread: the command's future resolves, every stream
+    gets EngineDead, the thread stops, and later calls fail at once."""
+    thread = EngineThread(tiny_engine, name="engine-test").start()
+    got: list = []
+    try:
+        wait_idle(thread)
+        params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+        assert thread.add(
+            "held", got.append, lambda e: e.reserve_request("held", [4, 5], params), inline=True
+        ).result(timeout=5)
+
+        def broken() -> list:
+            raise RuntimeError("output processing broke")
+
+        monkeypatch.setattr(tiny_engine, "take_outputs", broken)
+        wait_idle(thread)
+        answer = thread.call(lambda e: 42, inline=True)
+        assert answer.done() and answer.result() == 42
+        deadline = time.monotonic() + 5
+        while thread._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not thread.alive and isinstance(thread.error, RuntimeError)
+        assert len(got) == 1 and isinstance(got[0], EngineDead)
+        with pytest.raises(EngineDead):
+            thread.call(lambda e: None, inline=True).result(timeout=1)
+    finally:
+        monkeypatch.undo()
+        thread.stop()
+        tiny_engine.abort_request("held")
+        tiny_engine.take_outputs()
