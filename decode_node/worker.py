@@ -59,7 +59,7 @@ from common.wire import (
 from decode_node.kv_landing import KVLanding
 from decode_node.prefill_session import PrefillSessionClient, PrefillStreams
 from decode_node.stats import DecodeStats
-from engine.engine_thread import EngineThread, RequestStream
+from engine.engine_thread import EngineThread, RequestStream, settled
 from engine.llm_engine import LLMEngine, Reservation
 from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2
 
@@ -144,7 +144,7 @@ class DecodeWorker:
             if remote:
                 # Inline: on this thread if the engine thread is idle (two
                 # hand-overs between threads fewer on the time to first token).
-                reservation = await asyncio.wrap_future(
+                reservation = await settled(
                     self.engine.add(
                         rid,
                         stream.sink,
@@ -297,7 +297,9 @@ class DecodeWorker:
                 if resp.HasField("first_logprobs")
                 else None
             )
-            await asyncio.wrap_future(
+            # Inline when it can be, the first token then already in the
+            # stream: it goes out in this turn of the loop.
+            await settled(
                 self.engine.call(
                     lambda e: landing.commit(
                         e, reservation_id, resp.first_token_id, first_logprobs, resp.cached_tokens

@@ -155,8 +155,9 @@ class EngineThread:
             if not self._idle or self._queued or self.error is not None:
                 return False
             future.set_running_or_notify_cancel()
+            first = False
             try:
-                self._execute(fn, future)
+                first = self._execute(fn, future)
             except BaseException as e:  # handing over outputs failed: the engine's
                 self._die(e, "handing over a command's outputs failed")
             else:
@@ -166,7 +167,9 @@ class EngineThread:
         finally:
             self._lock.release()
         if wake:  # it has a step to run (or a failure to stop on)
-            self._put((_no_op, Future()))
+            # After first outputs, the thread lets the caller's loop send them
+            # before it launches that step, as after a command of its own.
+            self._put((_handed_over_first if first else _no_op, Future()))
         return True
 
     # ---------------------------------------------------------------- loop
@@ -275,7 +278,10 @@ class EngineThread:
         while item is not None:
             fn, future = item
             try:
-                if future.set_running_or_notify_cancel():
+                if fn is _handed_over_first:
+                    first_outputs = True
+                    future.set_result(None)
+                elif future.set_running_or_notify_cancel():
                     first_outputs |= self._execute(fn, future)
             finally:
                 with self._queued_lock:
@@ -316,6 +322,20 @@ def _no_op(engine: LLMEngine) -> None:
     """Wakes the engine thread (for a step an inline command made due)."""
 
 
+def _handed_over_first(engine: LLMEngine) -> None:
+    """Wakes the engine thread for a step an inline command made due, after
+    that command handed over first outputs (the thread hands off first)."""
+
+
+async def settled(future: Future[T]) -> T:
+    """``future``'s result, awaited on the running loop; with no turn of the loop
+    when it is done already (an inline command's): what the command handed over
+    is then in its streams, and the caller goes on in the same turn."""
+    if future.done():
+        return future.result()
+    return await asyncio.wrap_future(future)
+
+
 class _Mailbox:
     """Items for the streams of one asyncio loop, handed over with one wake-up
     for as many as arrive before the loop takes them. A wake-up is a syscall on
@@ -329,6 +349,14 @@ class _Mailbox:
         self._lock = threading.Lock()
 
     def put(self, stream_queue: asyncio.Queue, item: Any) -> None:
+        # (asyncio exports _get_running_loop: the calling thread's running
+        # loop or None, with no exception raised on the engine thread.)
+        if asyncio._get_running_loop() is self.loop:
+            # An inline command's outputs, on the loop's own thread: straight
+            # into the stream, behind whatever other threads left here first.
+            self._take()
+            stream_queue.put_nowait(item)
+            return
         with self._lock:
             self._items.append((stream_queue, item))
             if self._wake_pending:

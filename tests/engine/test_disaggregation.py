@@ -365,3 +365,35 @@ def test_reservation_refused_when_blocks_run_out(demo_model_dir, demo_tokenizer)
     engine.abort_request("a")
     engine.step()
     assert_idle(small)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_a_committed_prompts_blocks_join_the_prefix_cache_by_its_end(
+    demo_model_dir, demo_tokenizer, max_tokens
+):
+    """The commit leaves registering the prompt's blocks to the request's first
+    step (after its launch, off the first token's path), or to its end if the
+    prefill node's token was its last (max_tokens=1): either way a later prompt
+    with the same prefix hits them on this decode node."""
+    llm = LLM(
+        str(demo_model_dir),
+        max_model_len=256,
+        device="cpu",
+        kvcache_block_size=16,
+        num_kvcache_blocks=32,
+    )
+    engine = llm.llm_engine
+    bm = engine.block_manager
+    ids = demo_tokenizer.encode("word " * 60)[:50]  # 3 full blocks and 2 tokens
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    assert engine.reserve_request("r", ids, params) is not None
+    engine.commit_request("r", 5)
+    assert bm.num_cached_blocks == (3 if max_tokens == 1 else 0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert bm.num_cached_blocks == 3
+    again = engine.reserve_request("again", ids + [7], params)
+    assert again is not None and again.first_block == 3
+    engine.abort_request("again")
+    engine.step()
+    assert_idle(llm)

@@ -7,10 +7,17 @@ import asyncio
 import queue
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 
-from engine.engine_thread import EngineDead, EngineThread, RequestStream, one_wake_per_loop
+from engine.engine_thread import (
+    EngineDead,
+    EngineThread,
+    RequestStream,
+    one_wake_per_loop,
+    settled,
+)
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -298,7 +305,56 @@ def test_an_idle_engine_runs_inline_commands_on_the_callers_thread(tiny_engine, 
     finally:
         thread.stop()
     assert len(got) == 4 and got[0] == 7
-    assert thread.handoffs == 0  # the caller had its first token already
+    # Woken for the decode step, the thread first let the caller send the
+    # first token (HANDOFF_S), as after a commit of its own.
+    assert thread.handoffs == 1
+
+
+def test_an_inline_commit_on_a_loop_leaves_the_first_token_in_the_stream_in_the_same_turn(
+    tiny_engine,
+):
+    """On the decode node's loop: once the inline commit's ``settled`` returns,
+    its first token is in the request's stream, with no turn of the loop
+    between (the mailbox puts it straight in on the loop's own thread)."""
+    thread = EngineThread(tiny_engine, name="engine-test").start()
+
+    async def main() -> tuple[int, list[int]]:
+        stream = RequestStream()
+        wait_idle(thread)
+        reserve = thread.add(
+            "r", stream.sink, lambda e: e.reserve_request("r", [4, 5], delta_params(4)), inline=True
+        )
+        assert await settled(reserve) is not None
+        wait_idle(thread)
+        await settled(thread.call(lambda e: e.commit_request("r", 7), inline=True))
+        first = stream.queue.get_nowait()  # raises QueueEmpty if it was not there
+        rest = [t async for out in stream for t in out.outputs[0].token_ids]
+        return first.outputs[0].token_ids, rest
+
+    try:
+        first, rest = asyncio.run(main())
+    finally:
+        thread.stop()
+    assert first == [7] and len(rest) == 3
+
+
+def test_settled_takes_a_done_futures_result_without_suspending():
+    done: Future = Future()
+    done.set_result(42)
+    coro = settled(done)
+    with pytest.raises(StopIteration) as stop:
+        coro.send(None)  # it ran to its end in one go
+    assert stop.value.value == 42
+
+
+def test_a_put_on_the_loops_own_thread_goes_in_behind_other_threads_items():
+    async def main() -> list[str]:
+        stream = RequestStream()
+        from_thread(lambda: stream.sink("from another thread"))  # waits for its wake-up
+        stream.sink("on the loop's thread")  # straight in, behind it
+        return [stream.queue.get_nowait(), stream.queue.get_nowait()]
+
+    assert asyncio.run(main()) == ["from another thread", "on the loop's thread"]
 
 
 def test_an_inline_command_queues_behind_a_busy_engine_thread(tiny_engine):
