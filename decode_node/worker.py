@@ -167,12 +167,9 @@ class DecodeWorker:
                 usage.timing.prefill_node_ms = reply.node_ms
                 self.stats.remote_prefills += 1
             else:
-                await settled(
+                await asyncio.wrap_future(
                     self.engine.add(
-                        rid,
-                        stream.sink,
-                        lambda e: self._admit_local(e, rid, prompt, params),
-                        inline=True,
+                        rid, stream.sink, lambda e: self._admit_local(e, rid, prompt, params)
                     )
                 )
                 self.stats.local_prefills += 1
@@ -206,7 +203,7 @@ class DecodeWorker:
             self._stages.pop(rid, None)
 
     def _admit_local(self, engine: LLMEngine, rid: str, prompt, params) -> None:
-        """Under the engine's lock: queue a request this node prefills itself, if the queue has room."""
+        """On the engine thread: queue a request this node prefills itself, if the queue has room."""
         try:
             check_queue(*engine.queue_room(), self.max_queued, self.node_id)
         except NoCapacity:

@@ -109,9 +109,7 @@ class StepSegment:
 
 
 class KVStreamer:
-    """Under the engine's lock only (``open``, ``finish``, ``begin_step`` and its
-    callbacks): on the engine thread, or in a command run inline (the prefill
-    node admits inline: engine/engine_thread.py).
+    """Engine thread only (``open``, ``finish``, ``begin_step`` and its callbacks).
 
     ``tp_rank`` / ``tp_size``: this rank of the node's engine; ``call_workers``
     (rank 0 of several): hands the plan to the other ranks."""

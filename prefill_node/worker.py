@@ -45,7 +45,7 @@ from common.reliability import (
     deadline_passed,
 )
 from common.wire import sampling_params_from_proto, token_ids_of, token_logprobs_to_proto
-from engine.engine_thread import EngineThread, RequestStream, settled
+from engine.engine_thread import EngineThread, RequestStream
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sequence import FinishReason
@@ -183,14 +183,11 @@ class PrefillWorker:
         ticket: TransferTicket | None = None
         try:
             self._check_destination(len(ids), dest)
-            # Inline when the engine thread is idle: it is then woken once, to
-            # launch the step, with the loop idle until the first token.
-            ticket = await settled(
+            ticket = await asyncio.wrap_future(
                 self.engine.add(
                     rid,
                     stream.sink,
                     lambda e: self._admit(e, rid, prompt, params, target, dest, deadline),
-                    inline=True,
                 )
             )
             transfer = asyncio.wrap_future(ticket.done)
@@ -284,8 +281,7 @@ class PrefillWorker:
         dest: internal_pb2.KVDestination,
         deadline: float | None,
     ) -> TransferTicket:
-        """Under the engine's lock (its thread, or inline): queue the prompt if
-        the queue has room, open its stream."""
+        """On the engine thread: queue the prompt if the queue has room, open its stream."""
         try:
             check_queue(*engine.queue_room(), self.max_queued, self.node_id)
         except NoCapacity:
