@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -44,8 +45,12 @@ class SessionClient:
     call_name = ""  # the session RPC, for the log
     fallback = ""  # what an older node gets instead, for the log
 
-    def __init__(self, node_id: str) -> None:
+    def __init__(self, node_id: str, on_lost: Callable[[], None] | None = None) -> None:
         self.node_id = node_id
+        # Called when an open session ends (the node died, restarted or
+        # stopped, or took no command in time): the caller's other state with
+        # that node may be as stale (a decode node's KV channels from it).
+        self.on_lost = on_lost
         self._call = None
         self._reader: asyncio.Future | None = None
         self._opening: asyncio.Future | None = None
@@ -192,6 +197,8 @@ class SessionClient:
                 self._call = None
             session.cancel()  # a no-op once it ended; else (a failure here) the node lets go too
             self._fail_all(error or self.lost(self._why))
+            if self.on_lost is not None:
+                self.on_lost()
 
     def lost(self, why: str) -> grpc.aio.AioRpcError:
         """UNAVAILABLE, as the transport would have said to each request's own call."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Callable
 
 import grpc
 
@@ -44,8 +45,13 @@ class PrefillSessionClient(SessionClient):
     call_name = "PrefillSession"
     fallback = "Prefill"
 
-    def __init__(self, channel: grpc.aio.Channel, node_id: str) -> None:
-        super().__init__(node_id)
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        node_id: str,
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(node_id, on_lost)
         self._stub = internal_pb2_grpc.PrefillNodeStub(channel)
         self._replies: dict[str, asyncio.Future] = {}  # request_id -> its reply, until it came
 

@@ -323,8 +323,13 @@ class DecodeWorker:
             return stub.Prefill(command.start.request, timeout=timeout)
         session = self._sessions.get(node.address)
         if session is None:
+            # A session that ends tells what a Prefill breaking would: the node
+            # died, restarted or stalled. Its KV channels move to a new epoch
+            # then, even with no Prefill in flight to break: the first transfer
+            # from a restarted node must not rendezvous on the dead one's.
+            peer = node.node_id
             session = self._sessions[node.address] = PrefillSessionClient(
-                self._channel(node.address), node.node_id
+                self._channel(node.address), peer, on_lost=lambda: self.landing.reset_peer(peer)
             )
         return session.prefill(command, timeout)
 

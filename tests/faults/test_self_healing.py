@@ -13,20 +13,23 @@ again, as the supervisor's /metrics says, and registered in Redis).
 from __future__ import annotations
 
 import json
+import random
 import re
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 
 import grpc
 import pytest
 
 from common.ports import free_port_block
 from pdserve.redis_server import free_port
+from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2
 from tests.faults.harness import Stream, assert_idle, request, run, wait_for, wait_idle
-from tests.pdserve_up import UpProcess
+from tests.pdserve_up import SERVING_LINE, UpProcess
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -284,6 +287,49 @@ def test_a_node_crashing_at_start_is_given_up_on_and_the_rest_serve(up):
     healthy(up)
     for p in PROMPTS:
         assert run(up.router, request(p, max_tokens=8)).code is grpc.StatusCode.OK
+
+
+def decode_via(up: UpProcess, decode: str, prefill: str, tag: str) -> pdserve_pb2.Final:
+    """A request straight to decode node ``decode``, prefilled on ``prefill``
+    (no router: no retry elsewhere hides a failed first attempt)."""
+    addresses = {m.group(1): m.group(2) for m in up.matches(SERVING_LINE)}
+    rng = random.Random(tag)
+    req = internal_pb2.DecodeRequest(
+        request_id=uuid.uuid4().hex,
+        prompt_token_ids=[rng.randrange(100, 30000) for _ in range(80)],
+        sampling=pdserve_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        prefill=internal_pb2.NodeRef(node_id=prefill, address=addresses[prefill]),
+    )
+    final = None
+    with grpc.insecure_channel(addresses[decode]) as channel:
+        for response in internal_pb2_grpc.DecodeNodeStub(channel).Decode(req, timeout=120):
+            if response.HasField("final"):
+                final = response.final
+    assert final is not None
+    return final
+
+
+def test_a_prefill_node_killed_while_idle_serves_the_next_prefill_after_its_restart(up):
+    """Nothing is in flight when prefill-0 dies, so no Prefill breaks on it:
+    only the decode nodes' sessions with it do, and that alone must move their
+    KV channels with it to a new epoch. Else the first transfer from its new
+    process rendezvoused on the dead one's channel and failed (a retry
+    elsewhere hid it behind the router)."""
+    healthy(up)
+    decodes = ("decode-0", "decode-1")
+    for decode in decodes:  # each has a session and a KV channel with prefill-0
+        assert decode_via(up, decode, "prefill-0", f"idle-before-{decode}").usage.prefill_node
+    restarts = supervisor(up, "restarts_total")["prefill-0"]
+    mark = len(up.lines)
+    pid = up.signal("prefill-0", signal.SIGKILL)
+    restart_line(up, "prefill-0", pid, mark)
+    healthy(up)
+    assert up.pids()["prefill-0"] != pid
+    for decode in decodes:  # the first attempt, straight to the node
+        final = decode_via(up, decode, "prefill-0", f"idle-after-{decode}")
+        assert final.usage.prefill_node == "prefill-0"
+        assert final.usage.completion_tokens == 4
+    assert supervisor(up, "restarts_total")["prefill-0"] == restarts + 1
 
 
 def test_generate_reads_the_prompt_from_stdin(up):

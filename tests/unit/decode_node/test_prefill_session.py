@@ -82,12 +82,12 @@ async def _server(servicer, port: int) -> grpc.aio.Server:
 
 
 @contextlib.asynccontextmanager
-async def _client_of(servicer, port: int | None = None):
+async def _client_of(servicer, port: int | None = None, on_lost=None):
     port = port or free_port()
     server = await _server(servicer, port)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            client = PrefillSessionClient(channel, "prefill-0")
+            client = PrefillSessionClient(channel, "prefill-0", on_lost=on_lost)
             try:
                 yield client, server
             finally:
@@ -181,17 +181,24 @@ def test_cancelling_the_waiting_task_cancels_the_prefill_on_the_node():
 
 
 def test_a_lost_node_fails_its_prefills_unavailable_and_a_new_session_opens_after():
+    losses: list[str] = []  # the decode node resets its KV channels with the node on each
+
     async def main():
         worker = Worker()
         node = Counting(worker)
         port = free_port()
-        async with _client_of(node, port) as (client, server):
+        async with _client_of(node, port, on_lost=lambda: losses.append("lost")) as (
+            client,
+            server,
+        ):
             waiting = asyncio.ensure_future(client.prefill(_command("stuck", kind=3), 10.0))
             while "stuck" not in worker.started:
                 await asyncio.sleep(0.01)
+            assert losses == []
             await server.stop(None)  # the node dies under its Prefill
             with pytest.raises(grpc.aio.AioRpcError) as lost:
                 await waiting
+            assert losses == ["lost"]
             with pytest.raises(grpc.aio.AioRpcError) as down:  # nobody there to open one
                 await client.prefill(_command("meanwhile"), 10.0)
             back = await _server(node, port)  # restarted on the same address
@@ -210,6 +217,31 @@ def test_a_lost_node_fails_its_prefills_unavailable_and_a_new_session_opens_afte
         assert node.sessions_opened == 2
 
     run(main())
+    # The second session ended too, when the test stopped its node.
+    assert losses == ["lost", "lost"]
+
+
+def test_a_session_lost_with_no_prefill_on_it_is_reported():
+    """A node that dies idle breaks no Prefill, only the session: the decode
+    node learns it from this call alone (and moves its KV channels with the
+    node to a new epoch before a restarted node's first transfer)."""
+    losses: list[str] = []
+
+    async def main():
+        async with _client_of(Counting(Worker()), on_lost=lambda: losses.append("lost")) as (
+            client,
+            server,
+        ):
+            assert (await client.prefill(_command("one"), 10.0)).first_token_id == 103
+            assert losses == []
+            await server.stop(None)
+            for _ in range(200):
+                if losses:
+                    break
+                await asyncio.sleep(0.01)
+
+    run(main())
+    assert losses == ["lost"]
 
 
 def test_a_node_without_sessions_gets_prefill_calls():
