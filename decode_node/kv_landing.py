@@ -14,9 +14,11 @@ Life cycle of one reservation (``TransferState``):
 3. LANDED -- the last unit (block x layer x head) landed, on this rank and,
    with tensor parallelism, on every other rank (each reports its own part,
    decode_node/rank_reports.py): the request path's ``landed`` future resolves.
-4. COMMITTED -- ``commit`` runs on the engine thread: it orders the engine's
-   stream after the last scatter (on every rank) and makes the request join
-   the running batch with the prefill node's first token.
+4. COMMITTED -- ``commit`` runs under the engine's lock (inline on the
+   request path's loop when the engine thread is idle, else on that thread:
+   engine/engine_thread.py): it orders the engine's stream after the last
+   scatter (on every rank) and makes the request join the running batch with
+   the prefill node's first token.
 Or EXPIRED (the lease ran out first: ``expire``), FAILED (the channel from that
 peer failed, a segment did not fit, a scatter failed, the prefill node ended
 the stream early, or another rank's part failed) or ABORTED (the request ended
@@ -172,7 +174,7 @@ class KVLanding(LandingCore):
         """The prefill node is unreachable or stalled: rebuild its channels on next use."""
         self.receiver.reset(peer)
 
-    # ------------------------------------------------------ engine thread
+    # ------------------------------------------ under the engine's lock
     def commit(
         self,
         engine: LLMEngine,

@@ -3,8 +3,8 @@
 The nodes' gRPC handlers live on an asyncio loop; the engine steps on this
 thread. Other threads hand it work with ``call(fn)`` (``fn(engine)`` runs
 between two steps; its result or exception comes back through a Future) and
-receive outputs through per-request sinks, called on this thread after each
-step. ``RequestStream`` turns a sink into an async iterator on the caller's loop.
+receive outputs through per-request sinks, called under the engine's lock
+after each step and each command. ``RequestStream`` turns a sink into an async iterator on the caller's loop.
 
 One thread at a time touches the engine: the engine thread holds ``_lock``
 except while it waits for work. A caller may ask for a command to run on its
@@ -152,7 +152,7 @@ class EngineThread:
         try:
             # Under the lock: the engine thread is still waiting (it takes the
             # lock before it runs what it was woken for) and owes nothing.
-            if not self._idle or self._queued or self.error is not None:
+            if not self._idle or self._queued or self.error is not None or self._stopping:
                 return False
             future.set_running_or_notify_cancel()
             first = False
@@ -175,7 +175,17 @@ class EngineThread:
     # ---------------------------------------------------------------- loop
     def _run(self) -> None:
         with self._lock:
-            self._loop()
+            try:
+                self._loop()
+            finally:
+                # Whatever is still queued never runs: its callers hear so now.
+                while True:
+                    try:
+                        item = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is not None:
+                        self._refuse(item[1])
 
     def _loop(self) -> None:
         engine = self.engine
@@ -278,7 +288,9 @@ class EngineThread:
         while item is not None:
             fn, future = item
             try:
-                if fn is _handed_over_first:
+                if self.error is not None:  # an inline command's hand-over failed
+                    self._refuse(future)
+                elif fn is _handed_over_first:
                     first_outputs = True
                     future.set_result(None)
                 elif future.set_running_or_notify_cancel():
@@ -293,6 +305,11 @@ class EngineThread:
         self.stats = self.engine.stats()
         if first_outputs:
             self._hand_off()
+
+    @staticmethod
+    def _refuse(future: Future) -> None:
+        if future.set_running_or_notify_cancel():
+            future.set_exception(EngineDead("the engine is not running"))
 
     def _execute(self, fn: Callable[[LLMEngine], Any], future: Future) -> bool:
         """Run one command and resolve its future; True when it handed over a

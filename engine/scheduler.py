@@ -236,6 +236,10 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        # What it computed stays in the prefix cache for its recompute: a
+        # committed remote prefill preempted before its first step (the most
+        # recent, so the first victim) has registered nothing yet (``commit``).
+        self.block_manager.cache_full_blocks(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

@@ -456,3 +456,28 @@ def test_an_inline_commands_failed_hand_over_stops_the_engine(tiny_engine, monke
         thread.stop()
         tiny_engine.abort_request("held")
         tiny_engine.take_outputs()
+
+
+def test_commands_queued_when_the_engine_dies_fail_instead_of_hanging(tiny_engine, monkeypatch):
+    thread = EngineThread(tiny_engine, name="engine-test").start()
+    running, release = threading.Event(), threading.Event()
+    try:
+        wait_idle(thread)
+        busy = thread.call(lambda e: (running.set(), release.wait(5)))
+        assert running.wait(5)
+        queued = [thread.call(lambda e: "never runs") for _ in range(2)]
+
+        def broken() -> list:
+            raise RuntimeError("output processing broke")
+
+        monkeypatch.setattr(tiny_engine, "take_outputs", broken)  # after the busy command
+        release.set()
+        assert busy.result(timeout=5)[1] is True  # its own future still resolves
+        for future in queued:
+            with pytest.raises(EngineDead):
+                future.result(timeout=5)
+        assert not thread.alive
+    finally:
+        release.set()
+        monkeypatch.undo()
+        thread.stop()

@@ -132,6 +132,24 @@ def test_preemption_by_recompute_when_blocks_run_out(caplog):
     assert scheduled(batch) == {b.seq_id: b.num_tokens - 1}
 
 
+def test_a_committed_remote_prefill_preempted_before_its_first_step_keeps_its_kv_cached():
+    """A decode node's reservation took the last free blocks; committed, it is
+    the most recent, so the first victim when an older sequence needs a block.
+    The prefill node's KV that landed in it must stay in the prefix cache for
+    its recompute (commit leaves registering it to the first step)."""
+    sched = make(num_blocks=8)
+    a = make_seq(8, BS)
+    sched.add(a)
+    step(sched)  # a: 2 blocks, 9 tokens
+    remote = make_seq(23, BS)  # 6 blocks: every free one
+    assert sched.reserve(remote)
+    sched.commit(remote)
+    remote.token_ids.append(5)  # the prefill node's first token
+    batch = step(sched)  # a needs its third block
+    assert batch.preempted == [remote]
+    assert len(sched.block_manager.find_cached_prefix(remote)) == 5  # of its 24 tokens' 6 blocks
+
+
 def test_a_sequence_can_preempt_itself_and_resume():
     sched = make(num_blocks=3, caching=False, max_len=12)
     a = make_seq(7, BS)
