@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def one(thread, rid: str, prompt: list[int], params, rec: dict[str, float]) -> None:
-    from engine.engine_thread import RequestStream
+    from engine.request_stream import RequestStream
 
     stream = RequestStream()
     rec["submit"] = time.monotonic()

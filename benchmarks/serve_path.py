@@ -109,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ------------------------------------------------------------------ clients
 async def via_engine(thread, rid: str, prompt: list[int], output_len: int, rec) -> None:
-    from engine.engine_thread import RequestStream
+    from engine.request_stream import RequestStream
     from engine.sampling_params import RequestOutputKind, SamplingParams
 
     params = SamplingParams(

@@ -59,8 +59,9 @@ from common.wire import (
 from decode_node.kv_landing import KVLanding
 from decode_node.prefill_session import PrefillSessionClient, PrefillStreams
 from decode_node.stats import DecodeStats
-from engine.engine_thread import EngineThread, RequestStream, settled
+from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine, Reservation
+from engine.request_stream import RequestStream, settled
 from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,8 @@ The nodes' gRPC handlers live on an asyncio loop; the engine steps on this
 thread. Other threads hand it work with ``call(fn)`` (``fn(engine)`` runs
 between two steps; its result or exception comes back through a Future) and
 receive outputs through per-request sinks, called under the engine's lock
-after each step and each command. ``RequestStream`` turns a sink into an async iterator on the caller's loop.
+after each step and each command. ``RequestStream`` (engine/request_stream.py)
+turns a sink into an async iterator on the caller's loop.
 
 One thread at a time touches the engine: the engine thread holds ``_lock``
 except while it waits for work. A caller may ask for a command to run on its
@@ -22,20 +23,18 @@ one per request), requests' first outputs first: see ``_deliver``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
 import time
-import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
 from engine.engine_stats import EngineStats
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.request_stream import one_wake_per_loop
 
 logger = logging.getLogger(__name__)
 
@@ -342,119 +341,3 @@ def _no_op(engine: LLMEngine) -> None:
 def _handed_over_first(engine: LLMEngine) -> None:
     """Wakes the engine thread for a step an inline command made due, after
     that command handed over first outputs (the thread hands off first)."""
-
-
-async def settled(future: Future[T]) -> T:
-    """``future``'s result, awaited on the running loop; with no turn of the loop
-    when it is done already (an inline command's): what the command handed over
-    is then in its streams, and the caller goes on in the same turn."""
-    if future.done():
-        return future.result()
-    return await asyncio.wrap_future(future)
-
-
-class _Mailbox:
-    """Items for the streams of one asyncio loop, handed over with one wake-up
-    for as many as arrive before the loop takes them. A wake-up is a syscall on
-    the sending thread and a point where it lets go of the GIL, which the loop
-    (woken by it) may then keep while the engine thread waits."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._items: list[tuple[asyncio.Queue, Any]] = []
-        self._wake_pending = False
-        self._lock = threading.Lock()
-
-    def put(self, stream_queue: asyncio.Queue, item: Any) -> None:
-        # (asyncio exports _get_running_loop: the calling thread's running
-        # loop or None, with no exception raised on the engine thread.)
-        if asyncio._get_running_loop() is self.loop:
-            # An inline command's outputs, on the loop's own thread: straight
-            # into the stream, behind whatever other threads left here first.
-            self._take()
-            stream_queue.put_nowait(item)
-            return
-        with self._lock:
-            self._items.append((stream_queue, item))
-            if self._wake_pending:
-                return  # the loop has not taken the items before this one yet
-            self._wake_pending = True
-        deferred = getattr(_handing_over, "mailboxes", None)
-        if deferred is not None:
-            deferred.append(self)
-        else:
-            self.wake()
-
-    def wake(self) -> None:
-        # A closed loop raises RuntimeError: nobody reads its streams any more.
-        with suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self._take)
-
-    def _take(self) -> None:
-        with self._lock:
-            items, self._items = self._items, []
-            self._wake_pending = False
-        for stream_queue, item in items:
-            stream_queue.put_nowait(item)
-
-
-# The mailboxes a thread filled inside ``one_wake_per_loop``, woken at its end.
-_handing_over = threading.local()
-# One mailbox per loop, made by the first stream on it (loops are few and live long).
-_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = (
-    weakref.WeakKeyDictionary()
-)
-_mailboxes_lock = threading.Lock()
-
-
-@contextmanager
-def one_wake_per_loop() -> Iterator[None]:
-    """Streams' items put inside this block wake their loop once, when it ends."""
-    if getattr(_handing_over, "mailboxes", None) is not None:
-        yield  # nested: the outer block wakes
-        return
-    _handing_over.mailboxes = deferred = []
-    try:
-        yield
-    finally:
-        _handing_over.mailboxes = None
-        for mailbox in deferred:
-            mailbox.wake()
-
-
-def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
-    with _mailboxes_lock:
-        mailbox = _mailboxes.get(loop)
-        if mailbox is None:
-            mailbox = _mailboxes[loop] = _Mailbox(loop)
-        return mailbox
-
-
-class RequestStream:
-    """Outputs of one request, delivered from the engine thread to an asyncio loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self.loop = loop or asyncio.get_running_loop()
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._mailbox = _mailbox(self.loop)
-
-    def sink(self, item: RequestOutput | BaseException) -> None:
-        """From any thread; items keep their order."""
-        self._mailbox.put(self.queue, item)
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while True:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.finished:
-                return
-
-    async def final(self) -> RequestOutput:
-        last = None
-        async for out in self:
-            last = out
-        if last is None:  # pragma: no cover - a finished output always comes
-            raise RuntimeError("the request ended without an output")
-        return last

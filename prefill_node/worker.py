@@ -45,8 +45,9 @@ from common.reliability import (
     deadline_passed,
 )
 from common.wire import sampling_params_from_proto, token_ids_of, token_logprobs_to_proto
-from engine.engine_thread import EngineThread, RequestStream
+from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
+from engine.request_stream import RequestStream
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sequence import FinishReason
 from prefill_node.kv_stream import KVStreamer

@@ -11,13 +11,8 @@ from concurrent.futures import Future
 
 import pytest
 
-from engine.engine_thread import (
-    EngineDead,
-    EngineThread,
-    RequestStream,
-    one_wake_per_loop,
-    settled,
-)
+from engine.engine_thread import EngineDead, EngineThread
+from engine.request_stream import RequestStream, one_wake_per_loop, settled
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -357,13 +352,20 @@ def test_a_put_on_the_loops_own_thread_goes_in_behind_other_threads_items():
     assert asyncio.run(main()) == ["from another thread", "on the loop's thread"]
 
 
+def keep_busy(thread: EngineThread) -> tuple[Future, threading.Event]:
+    """The engine thread running a command until the event is set (or 5 s)."""
+    running, release = threading.Event(), threading.Event()
+    wait_idle(thread)
+    busy = thread.call(lambda e: (running.set(), release.wait(5)))
+    assert running.wait(5)
+    return busy, release
+
+
 def test_an_inline_command_queues_behind_a_busy_engine_thread(tiny_engine):
     thread = EngineThread(tiny_engine, name="engine-test").start()
-    running, release = threading.Event(), threading.Event()
+    release = threading.Event()
     try:
-        wait_idle(thread)
-        busy = thread.call(lambda e: (running.set(), release.wait(5)))
-        assert running.wait(5)
+        busy, release = keep_busy(thread)
         later = thread.call(lambda e: threading.current_thread().name, inline=True)
         assert not later.done()
         release.set()
@@ -460,11 +462,9 @@ def test_an_inline_commands_failed_hand_over_stops_the_engine(tiny_engine, monke
 
 def test_commands_queued_when_the_engine_dies_fail_instead_of_hanging(tiny_engine, monkeypatch):
     thread = EngineThread(tiny_engine, name="engine-test").start()
-    running, release = threading.Event(), threading.Event()
+    release = threading.Event()
     try:
-        wait_idle(thread)
-        busy = thread.call(lambda e: (running.set(), release.wait(5)))
-        assert running.wait(5)
+        busy, release = keep_busy(thread)
         queued = [thread.call(lambda e: "never runs") for _ in range(2)]
 
         def broken() -> list:
