@@ -232,28 +232,25 @@ class DecodeWorker:
                 "--verify-kv checks transfers between nodes of tensor-parallel size 1 only",
             )
         reservation_id, epoch = landing.open(req.request_id, reservation, peer, peer_tp)
-        destination = internal_pb2.KVDestination(
-            node_id=self.node_id,
-            store_host=landing.receiver.host,
-            store_port=landing.receiver.port,
-            channel_epoch=epoch,
-            reservation_id=reservation_id,
-            first_block=reservation.first_block,
-            num_blocks=len(reservation.block_ids),
-            tensor_parallel_size=landing.tp_size,
-        )
-        command = internal_pb2.PrefillSessionCommand(
-            start=internal_pb2.PrefillSessionStart(
-                request=internal_pb2.PrefillRequest(
-                    request_id=req.request_id,
-                    prompt_token_ids=req.prompt_token_ids,
-                    sampling=req.sampling,
-                    cache_salt=req.cache_salt,
-                    destination=destination,
-                    resume_offset=req.resume_offset,
-                )
-            )
-        )
+        # Built in place: a constructor given the prompt's repeated field
+        # converts it id by id, and each enclosing constructor copies it again
+        # (111 against 6 us for 2048 ids on the VM, 0.16 ms on the GPU host).
+        command = internal_pb2.PrefillSessionCommand()
+        request = command.start.request
+        request.request_id = req.request_id
+        request.prompt_token_ids.extend(req.prompt_token_ids)
+        request.sampling.CopyFrom(req.sampling)
+        request.cache_salt = req.cache_salt
+        request.resume_offset = req.resume_offset
+        destination = request.destination
+        destination.node_id = self.node_id
+        destination.store_host = landing.receiver.host
+        destination.store_port = landing.receiver.port
+        destination.channel_epoch = epoch
+        destination.reservation_id = reservation_id
+        destination.first_block = reservation.first_block
+        destination.num_blocks = len(reservation.block_ids)
+        destination.tensor_parallel_size = landing.tp_size
         # The lease bounds how long the blocks stay reserved for this prefill
         # node, whatever the client's deadline: a stalled or dead node cannot
         # pin them, and the router can retry elsewhere (nothing was sent yet).
