@@ -141,6 +141,12 @@ async def run_node(
     if args.enable_reflection:
         add_reflection(server, [service, CONTROL_SERVICE])
     listen(server, args.host, args.port, "--port", "node gRPC API", TLSConfig.from_args(args))
+    # Before the port opens: a SIGTERM once a router can reach us (the first
+    # heartbeat registers us) drains and exits 0, never the default's kill.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     await server.start()
 
     heartbeat = Heartbeat(
@@ -160,10 +166,6 @@ async def run_node(
     await set_serving(health, [service, CONTROL_SERVICE], True)
     logger.info("%s node %s serving on %s:%d", info.role.value, info.node_id, args.host, args.port)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await set_serving(health, [service, CONTROL_SERVICE], False)
     info.draining = True  # kept by every later heartbeat

@@ -295,6 +295,12 @@ async def serve(args: argparse.Namespace) -> int:
         http = openai_api.make_server(
             app, args.host, args.http_port, tls, args.drain_timeout, args.http_keep_alive_s
         )
+    # Before the first port opens: a SIGTERM once anything can reach us drains
+    # and exits 0 (at the end of start-up), never the default's kill.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     # Metrics first: anything a launcher finds SERVING can be scraped.
     serve_metrics(args.metrics_port, args.host, collectors)
     await server.start()
@@ -328,10 +334,6 @@ async def serve(args: argparse.Namespace) -> int:
         route_config.policy.value,
     )
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     # NOT_SERVING at once; streams in flight get the drain timeout, new calls are refused.
     await set_serving(health, [ROUTER], False)
