@@ -289,49 +289,6 @@ def test_a_node_crashing_at_start_is_given_up_on_and_the_rest_serve(up):
         assert run(up.router, request(p, max_tokens=8)).code is grpc.StatusCode.OK
 
 
-def decode_via(up: UpProcess, decode: str, prefill: str, tag: str) -> pdserve_pb2.Final:
-    """A request straight to decode node ``decode``, prefilled on ``prefill``
-    (no router: no retry elsewhere hides a failed first attempt)."""
-    addresses = {m.group(1): m.group(2) for m in up.matches(SERVING_LINE)}
-    rng = random.Random(tag)
-    req = internal_pb2.DecodeRequest(
-        request_id=uuid.uuid4().hex,
-        prompt_token_ids=[rng.randrange(100, 30000) for _ in range(80)],
-        sampling=pdserve_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-        prefill=internal_pb2.NodeRef(node_id=prefill, address=addresses[prefill]),
-    )
-    final = None
-    with grpc.insecure_channel(addresses[decode]) as channel:
-        for response in internal_pb2_grpc.DecodeNodeStub(channel).Decode(req, timeout=120):
-            if response.HasField("final"):
-                final = response.final
-    assert final is not None
-    return final
-
-
-def test_a_prefill_node_killed_while_idle_serves_the_next_prefill_after_its_restart(up):
-    """Nothing is in flight when prefill-0 dies, so no Prefill breaks on it:
-    only the decode nodes' sessions with it do, and that alone must move their
-    KV channels with it to a new epoch. Else the first transfer from its new
-    process rendezvoused on the dead one's channel and failed (a retry
-    elsewhere hid it behind the router)."""
-    healthy(up)
-    decodes = ("decode-0", "decode-1")
-    for decode in decodes:  # each has a session and a KV channel with prefill-0
-        assert decode_via(up, decode, "prefill-0", f"idle-before-{decode}").usage.prefill_node
-    restarts = supervisor(up, "restarts_total")["prefill-0"]
-    mark = len(up.lines)
-    pid = up.signal("prefill-0", signal.SIGKILL)
-    restart_line(up, "prefill-0", pid, mark)
-    healthy(up)
-    assert up.pids()["prefill-0"] != pid
-    for decode in decodes:  # the first attempt, straight to the node
-        final = decode_via(up, decode, "prefill-0", f"idle-after-{decode}")
-        assert final.usage.prefill_node == "prefill-0"
-        assert final.usage.completion_tokens == 4
-    assert supervisor(up, "restarts_total")["prefill-0"] == restarts + 1
-
-
 def test_generate_reads_the_prompt_from_stdin(up):
     cli = [sys.executable, "-m", "pdserve.cli", "generate", "-", "--max-tokens", "4"]
     prompt = "Please summarise the following. " + "The quick brown fox jumps. " * 60
@@ -429,3 +386,49 @@ def test_redis_sigkill_is_restarted_and_requests_keep_succeeding(up):
     wait_for(lambda: pdctl_nodes(up) == NODES, 30, "nodes re-registered", interval_s=0.5)
     codes.append(run(up.router, request("Hello again", max_tokens=4)).code)
     assert codes and all(c is grpc.StatusCode.OK for c in codes), codes
+
+
+def decode_via(up: UpProcess, decode: str, prefill: str, tag: str) -> pdserve_pb2.Final:
+    """A request straight to decode node ``decode``, prefilled on ``prefill``
+    (no router: no retry elsewhere hides a failed first attempt)."""
+    addresses = {m.group(1): m.group(2) for m in up.matches(SERVING_LINE)}
+    rng = random.Random(tag)
+    req = internal_pb2.DecodeRequest(
+        request_id=uuid.uuid4().hex,
+        prompt_token_ids=[rng.randrange(100, 30000) for _ in range(80)],
+        sampling=pdserve_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        prefill=internal_pb2.NodeRef(node_id=prefill, address=addresses[prefill]),
+    )
+    final = None
+    with grpc.insecure_channel(addresses[decode]) as channel:
+        for response in internal_pb2_grpc.DecodeNodeStub(channel).Decode(req, timeout=120):
+            if response.HasField("final"):
+                final = response.final
+    assert final is not None
+    return final
+
+
+def test_a_prefill_node_killed_while_idle_serves_the_next_prefill_after_its_restart(up):
+    """Last in the module: the restarted prefill-0 is a cold process, whose
+    first prefills would slow the timed migrations above.
+
+    Nothing is in flight when prefill-0 dies, so no Prefill breaks on it:
+    only the decode nodes' sessions with it do, and that alone must move their
+    KV channels with it to a new epoch. Else the first transfer from its new
+    process rendezvoused on the dead one's channel and failed (a retry
+    elsewhere hid it behind the router)."""
+    healthy(up)
+    decodes = ("decode-0", "decode-1")
+    for decode in decodes:  # each has a session and a KV channel with prefill-0
+        assert decode_via(up, decode, "prefill-0", f"idle-before-{decode}").usage.prefill_node
+    restarts = supervisor(up, "restarts_total")["prefill-0"]
+    mark = len(up.lines)
+    pid = up.signal("prefill-0", signal.SIGKILL)
+    restart_line(up, "prefill-0", pid, mark)
+    healthy(up)
+    assert up.pids()["prefill-0"] != pid
+    for decode in decodes:  # the first attempt, straight to the node
+        final = decode_via(up, decode, "prefill-0", f"idle-after-{decode}")
+        assert final.usage.prefill_node == "prefill-0"
+        assert final.usage.completion_tokens == 4
+    assert supervisor(up, "restarts_total")["prefill-0"] == restarts + 1
