@@ -150,37 +150,24 @@ class BlockManager:
             return
         seq.update_block_hashes()
         bs = self.block_size
-        # Names bound once: a prompt registers all its blocks in one call, on
-        # a prefill's way to its launch.
-        blocks, table, hashes, tokens = (
-            self.blocks,
-            seq.block_table,
-            seq.block_hashes,
-            seq.token_ids,
-        )
-        index = self._hash_to_block
-        events = self._events if self._record_events else None
-        start = seq.num_cached_blocks
-        parent = hashes[start - 1] if start else ROOT_HASH
-        for i in range(start, num_full):
-            block = blocks[table[i]]
-            block_hash = hashes[i]
-            if block.block_hash is None:
-                block.block_hash = block_hash
-                block.parent_hash = parent
-                block.token_ids = tuple(tokens[i * bs : (i + 1) * bs])
-                if block_hash in index:
-                    # Same content already cached in another block (computed
-                    # twice concurrently): hits go to the first, this one
-                    # holds the hash too, so that it outlives the first if it
-                    # is evicted first.
-                    self._second_holders.setdefault(block_hash, set()).add(block.block_id)
-                else:
-                    index[block_hash] = block.block_id
-                    if events is not None:
-                        events.pop(block_hash, None)
-                        events[block_hash] = True
-            parent = block_hash
+        for i in range(seq.num_cached_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            block_hash = seq.block_hashes[i]
+            if block.block_hash is not None:
+                continue
+            block.block_hash = block_hash
+            block.parent_hash = seq.block_hashes[i - 1] if i else ROOT_HASH
+            block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            if block_hash in self._hash_to_block:
+                # Same content already cached in another block (computed twice
+                # concurrently): hits go to the first, this one holds the hash
+                # too, so that it outlives the first if it is evicted first.
+                self._second_holders.setdefault(block_hash, set()).add(block.block_id)
+                continue
+            self._hash_to_block[block_hash] = block.block_id
+            if self._record_events:
+                self._events.pop(block_hash, None)
+                self._events[block_hash] = True
         seq.num_cached_blocks = num_full
 
     def reset_prefix_cache(self) -> int:
