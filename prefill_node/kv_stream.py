@@ -8,13 +8,13 @@ step every block that is left -- skipping those the decode node already holds
 earlier step: one ``StepSegment`` per request. Each rank then sends its own KV
 heads of them (``_emit``): per decode rank it pairs with (pairing.py), one
 segment whose header names the global head range; a step's segments for one
-decode rank form a group, prepared before the step is launched and whose
-headers are queued on the sender at once -- on a GPU when layer 0 has been
-issued (not before: the step's launch is not to wait for the sender's
-thread). Then, as each group of ``layers_per_chunk`` layers is
-done (``layer_done``), their KV of those blocks and heads is gathered into a
-fresh buffer -- on the engine's stream, right behind the layers, so the blocks
-may be reused by any later step -- and queued as one chunk; the sender's thread
+decode rank form a group, whose headers are queued on the sender before the
+step is launched -- on a GPU the group is prepared at the first layer's hook
+and queued with the step's first chunk (``_emit`` says why). Then, as each
+group of ``layers_per_chunk`` layers is done (``layer_done``), their KV of
+those blocks and heads is gathered into a fresh buffer -- on the engine's
+stream, right behind the layers, so the blocks may be reused by any later
+step -- and queued as one chunk; the sender's thread
 (its own stream) puts it on the wire while the next layers compute. After the
 prompt's last layer only its last chunk is left. With ``last_layers`` only a
 step's last layers stream like this; the layers before them go as one chunk
@@ -37,6 +37,7 @@ read once that layer has written them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -53,6 +54,8 @@ from engine.kv_blocks import block_index, gather_blocks, kv_unit_bytes
 from engine.kv_writes import LayerDone
 from engine.scheduler import ScheduledBatch
 from engine.tp_layout import kv_head_range
+
+logger = logging.getLogger(__name__)
 
 
 def layer_spans(
@@ -142,6 +145,9 @@ class KVStreamer:
         self.unit_bytes = kv_unit_bytes(kv_cache)
         # 0: a step's blocks of every layer in one chunk, sent after its last layer.
         self.layers_per_chunk = min(layers_per_chunk or self.num_layers, self.num_layers)
+        # Prepare and queue a step's groups before its launch (a CPU), or from
+        # inside its forward (a GPU: ``_emit`` says why).
+        self.headers_at_once = not kv_cache.is_cuda
         self.spans = layer_spans(self.num_layers, self.layers_per_chunk, last_layers)
         self._streams: dict[str, _Streamed] = {}  # rank 0
         # Decode node -> the channel epoch its latest Prefill named: one step's
@@ -273,31 +279,60 @@ class KVStreamer:
         return plan
 
     def _emit(self, plan: list[StepSegment]) -> LayerDone:
-        """Prepare this rank's groups for the step's segments (everything that
-        can fail, before the step is launched) and return the hook that queues
-        them on the sender and then their chunks as the layers finish.
+        """The hook that prepares this rank's groups for the step's segments,
+        queues them on the sender and then their chunks as the layers finish.
 
-        On a GPU the groups are queued at the hook's first call, not before:
-        the step starts with the device idle, waiting for the host to launch
-        its first layer, and the sender's thread posting headers meanwhile
-        would hold the GIL the engine thread is launching with. At the first
-        layer's hook the host is ahead of the device by that layer, and the
-        headers still go first on the sender's queue. On a CPU (torch lets go
-        of the GIL while a layer computes) they are queued at once."""
-        groups, due = self._prepare(plan)
-        pending = groups
-        if not self.kv_cache.is_cuda:
-            self._post(pending)
-            pending = []
+        On a CPU (gloo; torch lets go of the GIL while a layer computes) the
+        groups are prepared and queued now, before the step is launched, so
+        that the receiver is ready before the first chunk.
+
+        On a GPU nothing of it runs before the launch: the step's device time
+        starts when it is launched, and preparing a group (a block index
+        copied to the device, the headers, the sender's link) took 0.3 ms of
+        host time there, during which the device sat idle before the first
+        layer. At the first layer's hook the host is ahead of the device by
+        that layer, so the groups are prepared then; a failure fails the
+        step's transfers (their Prefills fail, as on a broken channel), not
+        the step. They are queued with the step's first chunk, at the hook of
+        the layer that completes it: with the first layers held
+        (``last_layers``) or the whole step sent after its last layer, the
+        link then carries nothing of the step before its first chunk, and the
+        receiver posts that chunk's receive once it has read the headers
+        (the chunk's send waits for it within the layers left). With every
+        layer streamed that is layer 0's hook."""
+        if self.headers_at_once:
+            groups, due = self._prepare(plan)
+            self._post(groups)
+            return lambda layer: self._layer_done(due.pop(layer, ()))
+        pending: list | None = None  # the groups, prepared at the first hook
+        due: dict[int, list] = {}
+        first_due = 0
 
         def layer_done(layer: int) -> None:
-            nonlocal pending
-            if pending:
+            nonlocal pending, due, first_due
+            if pending is None:
+                pending, due = self._prepare_or_fail(plan)
+                first_due = min(due, default=0)
+            if pending and layer >= first_due:
                 self._post(pending)
                 pending = []
             self._layer_done(due.pop(layer, ()))
 
         return layer_done
+
+    def _prepare_or_fail(self, plan: list[StepSegment]) -> tuple[list, dict[int, list]]:
+        """``_prepare`` from inside the forward: what it cannot prepare fails
+        the step's transfers, never the step."""
+        try:
+            return self._prepare(plan)
+        except Exception as e:  # any failure is the transfers', reported on their tickets
+            logger.exception("preparing a step's KV groups failed; its transfers fail")
+            error = TransferError(f"preparing the step's KV groups failed: {e}")
+            for seg in plan:
+                ticket = self._ticket_for(seg)
+                if ticket is not None:
+                    ticket.fail(error)
+            return [], {}
 
     def _prepare(self, plan: list[StepSegment]) -> tuple[list, dict[int, list]]:
         """The step's groups, prepared on the sender but not queued, and layer ->

@@ -9,9 +9,9 @@ Life cycle of a request on a prefill node:
    are held when it finishes (``hold_kv``), and its transfer is opened on the
    streamer (prefill_node/kv_stream.py), which the engine tells about every
    step's layers.
-3. While the prompt computes, every step streams its blocks: headers once the
-   step's first layer is issued, then a chunk per ``--kv-stream-layers`` layers right
-   after those layers ran, sent by the sender's thread (its own stream) while
+3. While the prompt computes, every step streams its blocks: headers with the
+   step's first chunk (on a CPU before the step), a chunk per
+   ``--kv-stream-layers`` layers right after those layers ran, sent by the sender's thread (its own stream) while
    the next layers compute (with ``--kv-stream-last-layers N`` only the last N
    layers do; the layers before them go as one chunk once they all ran). After
    the prompt's last layer only its last chunk is left to send.

@@ -15,9 +15,10 @@ must agree): the sender emits a group's k headers (16 int64 words each, the
 first saying k), then its chunks in ``wire_order``: chunk 0 of every segment in
 header order, then chunk 1 of every segment, and so on. The receiver derives
 the same order and every size from the headers alone, so it posts all of the
-group's receives as soon as the k-th header arrived: the sender emits the
-headers once the step's first layer is issued and chunk c only after its
-layers ran, so the receives are posted while layer 0 computes. Groups never
+group's receives as soon as the k-th header arrived. The sender emits the
+headers just before the step's first chunk (on a CPU when the step is
+launched) and chunk c only after its layers ran; a chunk's send waits for
+its receive. Groups never
 interleave: a group's headers go out only after every chunk of the group
 before it.
 

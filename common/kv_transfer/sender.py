@@ -5,9 +5,10 @@ a tensor-parallel prefill node runs one sender per rank, each sending its own
 KV heads to the decode ranks that need them (pairing.py).
 
 Each link sends what is queued on it, in queue order, which is the wire order
-(protocol.py): a step's group of headers once its first layer is issued, each chunk
-as soon as its layers ran (on a GPU: after the event recorded behind them),
-and a request's end header after its last chunk. Groups are all or nothing: a
+(protocol.py): a step's group of headers just before its first chunk (on a CPU
+when the step is launched: prefill_node/kv_stream.py), each chunk as soon as
+its layers ran (on a GPU: after the event recorded behind them), and a
+request's end header after its last chunk. Groups are all or nothing: a
 group whose requests are all gone (cancelled, failed, past their deadline)
 before its first header leaves is skipped whole; once its headers are out every
 one of its chunks follows, whatever becomes of the requests, because the

@@ -82,8 +82,11 @@ def disaggregated(
     layers_per_chunk=1,
     landing=None,
     last_layers=0,
+    headers_at_once=True,
 ):
-    """Prefill on one engine, streaming its KV into the other's reservation; decode there."""
+    """Prefill on one engine, streaming its KV into the other's reservation; decode there.
+    ``headers_at_once=False``: the groups are prepared and queued from inside the
+    forward, as on a GPU."""
     p, d = prefill.llm_engine, decode.llm_engine
     landing = landing if landing is not None else LoopbackLanding(d.model_runner)
     streamer = KVStreamer(
@@ -93,6 +96,7 @@ def disaggregated(
         layers_per_chunk,
         last_layers=last_layers,
     )
+    streamer.headers_at_once = headers_at_once
     p.observe_kv_writes(streamer)
     try:
         res = d.reserve_request(request_id, prompt_ids, params)
@@ -194,6 +198,36 @@ def test_handoff_gives_the_single_node_output(
         assert [d.layer_start for _, d in landing.chunks] == chunk_starts
         assert [d.layer_end for _, d in landing.chunks] == chunk_starts[1:] + [30]
         assert len({(d.block_start, d.block_end) for _, d in landing.chunks}) == 1
+    assert_idle(prefill_llm)
+    assert_idle(decode_llm)
+
+
+@pytest.mark.parametrize(
+    ("layers_per_chunk", "last_layers"), [(1, 0), (1, 4), (0, 0)], ids=["streamed", "held", "whole"]
+)
+def test_groups_prepared_inside_the_forward_as_on_a_gpu_give_the_same_output(
+    prefill_llm, decode_llm, demo_tokenizer, layers_per_chunk, last_layers
+):
+    """On a GPU a step's groups are prepared at its first layer's hook and
+    queued with its first chunk (prefill_node/kv_stream.py, ``_emit``): the
+    same hand-off, bit for bit (the helper checks the digests), and the same
+    text as on one node."""
+    ids = demo_tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(temperature=0, max_tokens=12)
+    (single,) = decode_llm.generate([ids], params)
+    landing = LoopbackLanding(decode_llm.llm_engine.model_runner)
+    _, out = disaggregated(
+        prefill_llm,
+        decode_llm,
+        f"gpu-order-{layers_per_chunk}-{last_layers}",
+        ids,
+        params,
+        layers_per_chunk,
+        landing,
+        last_layers,
+        headers_at_once=False,
+    )
+    assert out.outputs[0].token_ids == single.outputs[0].token_ids
     assert_idle(prefill_llm)
     assert_idle(decode_llm)
 
