@@ -6,6 +6,10 @@
  * method calls per block around each compression (copy, update, update,
  * digest); here the whole chain is one call. BLAKE2b as RFC 7693 defines it,
  * written for this one use: a key, then one message per digest.
+ *
+ * Beside it, id_bounds: the one pass over a prompt's ids that checking them
+ * needs (engine/input_processor.py), for the same reason: per id, Python's
+ * own scans cost more than the work.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -245,9 +249,51 @@ done:
     return out;
 }
 
+/* id_bounds(ids) -> (min, max) of a non-empty list or tuple of exact ints that
+ * each fit a C long, in one pass with no Python code run; None for anything
+ * else (empty, another type, an int subclass such as bool, a larger int): the
+ * caller's Python path then checks the ids and names what is wrong. A prompt's
+ * ids were checked by the set of their types and then min() and max(): 115 us
+ * for 2048 ids, twice on a disaggregated request's path (its decode node and
+ * its prefill node each take the request in). */
+static PyObject *id_bounds(PyObject *self, PyObject *ids) {
+    (void)self;
+    if (!PyList_CheckExact(ids) && !PyTuple_CheckExact(ids)) Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(ids);
+    if (n == 0) Py_RETURN_NONE;
+    PyObject **items = PySequence_Fast_ITEMS(ids);
+    long lo = 0, hi = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = items[i];
+        if (!PyLong_CheckExact(item)) Py_RETURN_NONE;
+        long v;
+#if PY_VERSION_HEX >= 0x030C0000
+        if (PyUnstable_Long_IsCompact((PyLongObject *)item)) {
+            v = (long)PyUnstable_Long_CompactValue((PyLongObject *)item);
+        } else
+#else
+        Py_ssize_t size = Py_SIZE(item);
+        if (size >= -1 && size <= 1) {
+            v = size == 0 ? 0 : (long)((PyLongObject *)item)->ob_digit[0] * (long)size;
+        } else
+#endif
+        {
+            int overflow;
+            v = PyLong_AsLongAndOverflow(item, &overflow);
+            if (overflow) Py_RETURN_NONE;
+            if (v == -1 && PyErr_Occurred()) return NULL;
+        }
+        if (i == 0 || v < lo) lo = v;
+        if (i == 0 || v > hi) hi = v;
+    }
+    return Py_BuildValue("(ll)", lo, hi);
+}
+
 static PyMethodDef methods[] = {
     {"chain_ids", chain_ids, METH_VARARGS,
      "Chained keyed BLAKE2b digests of token-id blocks (engine/block_hash.py)."},
+    {"id_bounds", id_bounds, METH_O,
+     "(min, max) of a list or tuple of exact ints in one pass; None otherwise."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -41,6 +41,7 @@ except ImportError:  # installed without a C compiler: hashlib gives the same di
     _native = None
 if not hasattr(_native, "chain_ids"):  # an extension built from an older source
     _native = None
+_id_bounds = getattr(_native, "id_bounds", None)
 
 BLOCK_HASH_VERSION = 1
 DIGEST_SIZE = 16
@@ -49,6 +50,15 @@ MAX_TOKEN_ID = 2**32 - 1
 # Whether the C chain is built (the benchmarks record it).
 NATIVE_AVAILABLE = _native is not None
 _KEY_DOMAIN = b"pdserve/block-hash/v1"
+
+
+def id_bounds(ids: Sequence[int]) -> tuple[int, int] | None:
+    """(min, max) of a non-empty list or tuple of exact ints, in one pass in C
+    (the extension builds it beside the chain: engine/_block_hash.c); None for
+    anything else, or without the extension: the caller then checks the ids
+    in Python (engine/input_processor.py). 3.5 against 115 us for the type
+    check, min and max of 2048 ids on the 2-core VM."""
+    return _id_bounds(ids) if _id_bounds is not None else None
 
 
 def derive_key(model_id: str, cache_salt: str | None = None) -> bytes:

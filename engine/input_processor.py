@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine.block_hash import HasherCache
+from engine.block_hash import HasherCache, id_bounds
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, stop_holdback
 from engine.sampling_params import SamplingParams
@@ -156,13 +156,18 @@ class InputProcessor:
                     "text prompts need a tokenizer; with skip_tokenizer_init=True pass token ids"
                 )
             ids = self.tokenizer.encode(text)
-        elif not isinstance(ids, list | tuple) or not _all_ints(ids):
+        elif not isinstance(ids, list | tuple) or (id_bounds(ids) is None and not _all_ints(ids)):
             raise ValueError("prompt_token_ids must be a list of integers")
         return text, list(ids), salt
 
     def _check_ids(self, name: str, ids: list[int] | tuple[int, ...]) -> None:
-        # min and max scan in C; the generator, 5x slower, only names the culprit.
-        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+        # Both bounds in one pass in C (engine/_block_hash.c), else min and max
+        # (also C); the generator, 5x slower, only names the culprit.
+        if not ids:
+            return
+        bounds = id_bounds(ids)
+        lo, hi = bounds if bounds is not None else (min(ids), max(ids))
+        if lo < 0 or hi >= self.vocab_size:
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             raise ValueError(
                 f"{name} contains {bad}, outside the vocabulary [0, {self.vocab_size})"

@@ -19,6 +19,7 @@ from engine.block_hash import (
     BlockHasher,
     derive_key,
     hash_prompt_blocks,
+    id_bounds,
     pack_tokens,
 )
 
@@ -206,3 +207,52 @@ def test_invalid_arguments(native):
 
 def test_little_endian_layout():
     assert pack_tokens([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
+
+
+class _Int(int):
+    pass
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [],
+        [True, 2],
+        [1, 2.0],
+        [1, "2"],
+        [1, _Int(3)],
+        [1, 2**63],
+        [-(2**63) - 1],
+        "12",
+        range(3),
+        array("I", [1, 2]),
+    ],
+    ids=[
+        "empty",
+        "bool",
+        "float",
+        "str",
+        "int-subclass",
+        "over-long",
+        "under-long",
+        "str-seq",
+        "range",
+        "array",
+    ],
+)
+def test_id_bounds_leave_anything_but_exact_ints_in_a_list_to_python(ids):
+    assert id_bounds(ids) is None
+
+
+def test_id_bounds_in_c_equal_min_and_max():
+    if not NATIVE_AVAILABLE:
+        pytest.skip("the C extension is not built here")
+    rng = random.Random(7)
+    edges = [0, 1, -1, 2**30 - 1, 2**30, -(2**30), 2**31, 2**62, 2**63 - 1, -(2**63)]
+    cases = [edges, tuple(edges), [5], [2**63 - 1, -(2**63)]]
+    cases += [
+        [rng.randrange(-(2**40), 2**40) for _ in range(rng.randrange(1, 300))] for _ in range(50)
+    ]
+    cases += [[rng.randrange(128_256) for _ in range(2048)]]
+    for ids in cases:
+        assert id_bounds(ids) == (min(ids), max(ids)), ids

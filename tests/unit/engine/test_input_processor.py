@@ -6,6 +6,7 @@ import enum
 
 import pytest
 
+from engine import input_processor
 from engine.config import EngineConfig
 from engine.input_processor import InputProcessor
 from engine.models.shapes import write_shape_dir
@@ -17,6 +18,14 @@ def processor(tmp_path_factory):
     model = write_shape_dir("smollm2-135m", tmp_path_factory.mktemp("model") / "m")
     config = EngineConfig(model=str(model), skip_tokenizer_init=True, max_model_len=512)
     return InputProcessor(config, None, frozenset({0}))
+
+
+@pytest.fixture(autouse=True, params=["c-bounds", "python"])
+def bounds(request, monkeypatch):
+    """Every test with the ids' bounds taken in one C pass, and without it (an
+    install with no compiler): the same answers."""
+    if request.param == "python":
+        monkeypatch.setattr(input_processor, "id_bounds", lambda ids: None)
 
 
 class Token(enum.IntEnum):
