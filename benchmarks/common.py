@@ -17,6 +17,12 @@ from pdserve.bench.report import git_revision
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+def _native_hashing() -> bool:
+    from engine.block_hash import NATIVE_AVAILABLE
+
+    return NATIVE_AVAILABLE
+
+
 def environment() -> dict[str, Any]:
     import torch
     import transformers
@@ -28,6 +34,10 @@ def environment() -> dict[str, Any]:
         "pdserve_revision": git_revision(),
         "host": platform.node(),
         "cpu_count": __import__("os").cpu_count(),
+        # The C extension (engine/_block_hash.c) or hashlib and Python's own
+        # scans: a tree copied to a host of another Python runs without it
+        # unless it is built there, and a request's path is slower.
+        "block_hash_native": _native_hashing(),
     }
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()
