@@ -147,20 +147,26 @@ def segments_of(landing: LoopbackLanding) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize(
-    ("params", "layers_per_chunk", "last_layers", "chunk_starts"),
+    ("params", "layers_per_chunk", "last_layers", "chunk_starts", "headers_at_once"),
     [
-        (SamplingParams(temperature=0, max_tokens=20), 1, 0, list(range(30))),
+        (SamplingParams(temperature=0, max_tokens=20), 1, 0, list(range(30)), True),
         (
             SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=20),
             7,
             0,
             [0, 7, 14, 21, 28],
+            True,
         ),
-        (SamplingParams(temperature=0, max_tokens=1), 0, 0, [0]),
+        (SamplingParams(temperature=0, max_tokens=1), 0, 0, [0], True),
         # The first 26 layers held for one chunk, the last 4 streamed one by one.
-        (SamplingParams(temperature=0, max_tokens=20), 1, 4, [0, 26, 27, 28, 29]),
-        (SamplingParams(temperature=0, max_tokens=20), 3, 7, [0, 23, 26, 29]),
-        (SamplingParams(temperature=0, max_tokens=1), 1, 30, list(range(30))),
+        (SamplingParams(temperature=0, max_tokens=20), 1, 4, [0, 26, 27, 28, 29], True),
+        (SamplingParams(temperature=0, max_tokens=20), 3, 7, [0, 23, 26, 29], True),
+        (SamplingParams(temperature=0, max_tokens=1), 1, 30, list(range(30)), True),
+        # A GPU's order (prefill_node/kv_stream.py, ``_emit``): the groups
+        # prepared at the first layer's hook, queued with the first chunk.
+        (SamplingParams(temperature=0, max_tokens=12), 1, 0, list(range(30)), False),
+        (SamplingParams(temperature=0, max_tokens=12), 1, 4, [0, 26, 27, 28, 29], False),
+        (SamplingParams(temperature=0, max_tokens=12), 0, 0, [0], False),
     ],
     ids=[
         "greedy-1-layer",
@@ -169,10 +175,20 @@ def segments_of(landing: LoopbackLanding) -> list[tuple[int, int]]:
         "last-4-layers-streamed",
         "last-7-layers-by-3",
         "last-layers-all",
+        "gpu-order-1-layer",
+        "gpu-order-last-4-layers",
+        "gpu-order-whole-step",
     ],
 )
 def test_handoff_gives_the_single_node_output(
-    prefill_llm, decode_llm, demo_tokenizer, params, layers_per_chunk, last_layers, chunk_starts
+    prefill_llm,
+    decode_llm,
+    demo_tokenizer,
+    params,
+    layers_per_chunk,
+    last_layers,
+    chunk_starts,
+    headers_at_once,
 ):
     for i, text in enumerate(PROMPTS):
         ids = demo_tokenizer.encode(text)
@@ -181,12 +197,13 @@ def test_handoff_gives_the_single_node_output(
         _, out = disaggregated(
             prefill_llm,
             decode_llm,
-            f"h-{layers_per_chunk}-{last_layers}-{i}",
+            f"h-{layers_per_chunk}-{last_layers}-{headers_at_once}-{i}",
             ids,
             params,
             layers_per_chunk,
             landing,
             last_layers,
+            headers_at_once,
         )
         assert out.outputs[0].token_ids == single.outputs[0].token_ids
         assert out.outputs[0].text == single.outputs[0].text
@@ -198,36 +215,6 @@ def test_handoff_gives_the_single_node_output(
         assert [d.layer_start for _, d in landing.chunks] == chunk_starts
         assert [d.layer_end for _, d in landing.chunks] == chunk_starts[1:] + [30]
         assert len({(d.block_start, d.block_end) for _, d in landing.chunks}) == 1
-    assert_idle(prefill_llm)
-    assert_idle(decode_llm)
-
-
-@pytest.mark.parametrize(
-    ("layers_per_chunk", "last_layers"), [(1, 0), (1, 4), (0, 0)], ids=["streamed", "held", "whole"]
-)
-def test_groups_prepared_inside_the_forward_as_on_a_gpu_give_the_same_output(
-    prefill_llm, decode_llm, demo_tokenizer, layers_per_chunk, last_layers
-):
-    """On a GPU a step's groups are prepared at its first layer's hook and
-    queued with its first chunk (prefill_node/kv_stream.py, ``_emit``): the
-    same hand-off, bit for bit (the helper checks the digests), and the same
-    text as on one node."""
-    ids = demo_tokenizer.encode(PROMPTS[0])
-    params = SamplingParams(temperature=0, max_tokens=12)
-    (single,) = decode_llm.generate([ids], params)
-    landing = LoopbackLanding(decode_llm.llm_engine.model_runner)
-    _, out = disaggregated(
-        prefill_llm,
-        decode_llm,
-        f"gpu-order-{layers_per_chunk}-{last_layers}",
-        ids,
-        params,
-        layers_per_chunk,
-        landing,
-        last_layers,
-        headers_at_once=False,
-    )
-    assert out.outputs[0].token_ids == single.outputs[0].token_ids
     assert_idle(prefill_llm)
     assert_idle(decode_llm)
 
