@@ -23,6 +23,12 @@ def _native_hashing() -> bool:
     return NATIVE_AVAILABLE
 
 
+def _native_id_bounds() -> bool:
+    from engine.block_hash import ID_BOUNDS_NATIVE
+
+    return ID_BOUNDS_NATIVE
+
+
 def environment() -> dict[str, Any]:
     import torch
     import transformers
@@ -38,6 +44,9 @@ def environment() -> dict[str, Any]:
         # scans: a tree copied to a host of another Python runs without it
         # unless it is built there, and a request's path is slower.
         "block_hash_native": _native_hashing(),
+        # The same extension's one-pass check of a prompt's ids (an extension
+        # built from an older source has the chain but not this).
+        "id_bounds_native": _native_id_bounds(),
     }
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()

@@ -250,7 +250,7 @@ done:
 }
 
 /* id_bounds(ids) -> (min, max) of a non-empty list or tuple of exact ints that
- * each fit a C long, in one pass with no Python code run; None for anything
+ * each fit a C long long, in one pass with no Python code run; None for anything
  * else (empty, another type, an int subclass such as bool, a larger int): the
  * caller's Python path then checks the ids and names what is wrong. A prompt's
  * ids were checked by the set of their types and then min() and max(): 115 us
@@ -262,31 +262,31 @@ static PyObject *id_bounds(PyObject *self, PyObject *ids) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(ids);
     if (n == 0) Py_RETURN_NONE;
     PyObject **items = PySequence_Fast_ITEMS(ids);
-    long lo = 0, hi = 0;
+    long long lo = 0, hi = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = items[i];
         if (!PyLong_CheckExact(item)) Py_RETURN_NONE;
-        long v;
+        long long v;
 #if PY_VERSION_HEX >= 0x030C0000
         if (PyUnstable_Long_IsCompact((PyLongObject *)item)) {
-            v = (long)PyUnstable_Long_CompactValue((PyLongObject *)item);
+            v = (long long)PyUnstable_Long_CompactValue((PyLongObject *)item);
         } else
 #else
         Py_ssize_t size = Py_SIZE(item);
         if (size >= -1 && size <= 1) {
-            v = size == 0 ? 0 : (long)((PyLongObject *)item)->ob_digit[0] * (long)size;
+            v = size == 0 ? 0 : (long long)((PyLongObject *)item)->ob_digit[0] * size;
         } else
 #endif
         {
             int overflow;
-            v = PyLong_AsLongAndOverflow(item, &overflow);
+            v = PyLong_AsLongLongAndOverflow(item, &overflow);
             if (overflow) Py_RETURN_NONE;
             if (v == -1 && PyErr_Occurred()) return NULL;
         }
         if (i == 0 || v < lo) lo = v;
         if (i == 0 || v > hi) hi = v;
     }
-    return Py_BuildValue("(ll)", lo, hi);
+    return Py_BuildValue("(LL)", lo, hi);
 }
 
 static PyMethodDef methods[] = {

@@ -42,6 +42,8 @@ except ImportError:  # installed without a C compiler: hashlib gives the same di
 if not hasattr(_native, "chain_ids"):  # an extension built from an older source
     _native = None
 _id_bounds = getattr(_native, "id_bounds", None)
+# Whether ``id_bounds`` runs in C (the benchmarks record it).
+ID_BOUNDS_NATIVE = _id_bounds is not None
 
 BLOCK_HASH_VERSION = 1
 DIGEST_SIZE = 16

@@ -329,7 +329,12 @@ class KVStreamer:
             logger.exception("preparing a step's KV groups failed; its transfers fail")
             error = TransferError(f"preparing the step's KV groups failed: {e}")
             for seg in plan:
-                ticket = self._ticket_for(seg)
+                # The tickets there are; none is made here (making one may be what failed).
+                if self.tp_rank == 0:
+                    streamed = self._streams.get(seg.request_id)
+                    ticket = streamed.ticket if streamed is not None else None
+                else:
+                    ticket = self._tickets.get(seg.request_id)
                 if ticket is not None:
                     ticket.fail(error)
             return [], {}

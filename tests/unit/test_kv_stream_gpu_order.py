@@ -106,3 +106,29 @@ def test_a_group_that_cannot_be_prepared_fails_the_transfer_not_the_step():
     assert log == []  # nothing queued
     with pytest.raises(TransferError, match="preparing the step's KV groups failed"):
         ticket.done.result(timeout=0)
+
+
+def test_another_tensor_parallel_rank_fails_its_own_part_the_same_way():
+    """Ranks 1..t-1 emit rank 0's plan with tickets of their own; a group that
+    cannot be prepared fails that rank's ticket, and nothing raises into its
+    forward."""
+    log: list = []
+    cache = torch.randn(2, NUM_LAYERS, 8, 4, 2, 8)  # this rank's 2 of 4 KV heads
+    streamer = KVStreamer(
+        cache,
+        4,
+        _Recording(log, fail_prepare=True),
+        1,
+        num_kv_heads=4,
+        last_layers=2,
+        tp_rank=1,
+        tp_size=2,
+    )
+    streamer.headers_at_once = False
+    segment = StepSegment("r", DEST, 7, 0, 3, True, [1, 2, 3], time.monotonic() + 30)
+    layer_done = streamer._emit([segment])
+    for layer in range(NUM_LAYERS):
+        layer_done(layer)
+    assert log == []
+    with pytest.raises(TransferError, match="preparing the step's KV groups failed"):
+        streamer._tickets["r"].done.result(timeout=0)
