@@ -219,17 +219,30 @@ def test_handoff_gives_the_single_node_output(
     assert_idle(decode_llm)
 
 
+@pytest.mark.parametrize("headers_at_once", [True, False], ids=["cpu-order", "gpu-order"])
 def test_chunked_prefill_streams_each_chunk_as_it_finishes(
-    chunked_prefill_llm, decode_llm, demo_tokenizer
+    chunked_prefill_llm, decode_llm, demo_tokenizer, headers_at_once
 ):
     ids = demo_tokenizer.encode(
         "A long prompt that the prefill engine computes 32 tokens at a time, so its KV "
         "streams step by step: " + "one more sentence about the weather in the mountains. " * 8
     )
     assert len(ids) > 100 and len(ids) % 16 != 0
+    # Both cases send the same prompt: no cached blocks on either side.
+    chunked_prefill_llm.llm_engine.reset_prefix_cache()
+    decode_llm.llm_engine.reset_prefix_cache()
     params = SamplingParams(temperature=0, max_tokens=12)
     landing = LoopbackLanding(decode_llm.llm_engine.model_runner)
-    _, out = disaggregated(chunked_prefill_llm, decode_llm, "chunked", ids, params, 2, landing)
+    _, out = disaggregated(
+        chunked_prefill_llm,
+        decode_llm,
+        f"chunked-{headers_at_once}",
+        ids,
+        params,
+        2,
+        landing,
+        headers_at_once=headers_at_once,
+    )
     (single,) = decode_llm.generate([ids], params)
     assert out.outputs[0].token_ids == single.outputs[0].token_ids
     # Each 32-token step completes two blocks, sent with that step; the last
