@@ -17,21 +17,11 @@ from pdserve.bench.report import git_revision
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def _native_hashing() -> bool:
-    from engine.block_hash import NATIVE_AVAILABLE
-
-    return NATIVE_AVAILABLE
-
-
-def _native_id_bounds() -> bool:
-    from engine.block_hash import ID_BOUNDS_NATIVE
-
-    return ID_BOUNDS_NATIVE
-
-
 def environment() -> dict[str, Any]:
     import torch
     import transformers
+
+    from engine import block_hash
 
     env: dict[str, Any] = {
         "python": platform.python_version(),
@@ -43,10 +33,10 @@ def environment() -> dict[str, Any]:
         # The C extension (engine/_block_hash.c) or hashlib and Python's own
         # scans: a tree copied to a host of another Python runs without it
         # unless it is built there, and a request's path is slower.
-        "block_hash_native": _native_hashing(),
+        "block_hash_native": block_hash.NATIVE_AVAILABLE,
         # The same extension's one-pass check of a prompt's ids (an extension
         # built from an older source has the chain but not this).
-        "id_bounds_native": _native_id_bounds(),
+        "id_bounds_native": block_hash.ID_BOUNDS_NATIVE,
     }
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()
