@@ -88,6 +88,7 @@ class NodeInfo:
     aborted_decode: int = 0
     deadline_exceeded: int = 0
     leases_expired: int = 0  # decode node: reservations reclaimed unfilled
+    early_prefills: int = 0  # decode node: Prefills sent before their blocks were reserved
     rejected: int = 0  # refused for lack of room (RESOURCE_EXHAUSTED)
 
     def to_fields(self) -> dict[str, str]:

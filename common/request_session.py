@@ -59,12 +59,19 @@ class RequestSession:
         """The end of a request whose handler raised ``error``: the status its own call would get."""
         return self.end_event(rid, *status_of(error))
 
+    def hello(self):
+        """The first batch, sent at once (what the node tells the client about itself)."""
+        return self.batch_type()
+
+    def other_command(self, which: str, command) -> None:
+        """A command other than start and cancel (``which`` is its oneof name)."""
+
     # ------------------------------------------------------------ the call
     async def run(self, commands: AsyncIterator) -> AsyncIterator:
         """The batches to send, until the client closes its side and every request ended."""
         # An empty batch at once: the client writes nothing before it (a node
         # that does not serve the session refuses the call instead).
-        yield self.batch_type()
+        yield self.hello()
         reader = asyncio.ensure_future(self._read(commands))
         try:
             while True:
@@ -94,18 +101,22 @@ class RequestSession:
                     self._start(command.start)
                 elif which == "cancel":
                     self._cancel(command.cancel)
+                elif which is not None:
+                    self.other_command(which, command)
         finally:
             self._ready.set()  # the writer checks whether it is all over
 
-    def _start(self, start) -> None:
+    def _start(self, start) -> asyncio.Task | None:
+        """The request's task, or None when it was refused."""
         rid = start.request.request_id
         if rid in self._tasks:  # ids are uuid4s: a repeat is a bug on the client
             self.push(
                 self.end_event(rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is running")
             )
-            return
+            return None
         timeout = start.timeout_s if start.HasField("timeout_s") else None
-        self._tasks[rid] = asyncio.ensure_future(self._one(start.request, timeout))
+        task = self._tasks[rid] = asyncio.ensure_future(self._one(start.request, timeout))
+        return task
 
     def _cancel(self, rid: str) -> None:
         # Popped here: a task cancelled before it first ran never reaches its finally.

@@ -73,6 +73,9 @@ class SessionClient:
     def _fail_all(self, error: grpc.aio.AioRpcError) -> None:
         raise NotImplementedError
 
+    def _on_hello(self, hello) -> None:
+        """The node's first batch of a new session (what it says about itself)."""
+
     # ------------------------------------------------------------ the call
     async def close(self) -> None:
         self._why = "the caller closed its session"
@@ -132,6 +135,7 @@ class SessionClient:
             self._open_error = self.lost("ended its session at once")
             return
         self.supported = True
+        self._on_hello(hello)
         self._open_error = None
         self._why = "its session was cancelled"
         self._call = call

@@ -7,6 +7,10 @@ Life cycle of one reservation (``TransferState``):
    receiver to expect that prefill node's stream, from each of its ranks that
    pairs with this one (common/kv_transfer/pairing.py); the request path sends
    the id, the channel epoch and the first missing block in its ``Prefill``.
+   Or, at tensor-parallel size 1, the Prefill goes first: ``expect`` takes the
+   id and tells the receiver before the engine reserves, ``open`` then
+   registers the reservation under that id, and the request path sends its
+   first missing block and size after the Prefill (PrefillRequest.blocks_follow).
 2. STREAMING -- the receiver read a segment header naming it (``on_group``,
    the receiver's thread; decode_node/landing_core.py). Each chunk is
    scattered into the reserved blocks as it lands, while the later chunks are
@@ -76,6 +80,8 @@ class KVLanding(LandingCore):
         self.num_kv_heads = runner.layout.num_kv_heads
         self._engine = engine  # to reach the other ranks (tensor parallelism)
         self._reservation_ids = itertools.count(1)
+        # Ids ``expect`` gave out that ``open`` has not taken yet: (peer, its size, epoch).
+        self._expected: dict[int, tuple[str, int, int]] = {}
         kv = runner.kv_cache
         self.receiver = KVReceiver(
             node_id,
@@ -101,12 +107,42 @@ class KVLanding(LandingCore):
             engine.call(lambda e: e.call_workers("setup", setup)).result()
 
     # ------------------------------------------------------- request path
-    def open(
-        self, request_id: str, reservation: Reservation, peer: str, peer_tp: int = 1
-    ) -> tuple[int, int]:
-        """Register a reservation; returns (reservation id, channel epoch)."""
-        loop = asyncio.get_running_loop()
+    def expect(self, peer: str, peer_tp: int = 1) -> tuple[int, int]:
+        """A transfer from ``peer`` whose blocks are not reserved yet (``open``
+        registers them under the id); returns (reservation id, channel epoch).
+        The receiver reads the peer's stream for it from now on: the prefill node
+        ends it with an end header even when no blocks ever come (``close``)."""
+        if self.tp_size > 1:
+            raise ValueError("the other ranks learn a reservation with its blocks: open() it")
         reservation_id = next(self._reservation_ids)
+        peer_tp = max(1, peer_tp)
+        epoch = self._expect(peer, peer_tp, reservation_id)
+        self._expected[reservation_id] = (peer, peer_tp, epoch)
+        return reservation_id, epoch
+
+    def _expect(self, peer: str, peer_tp: int, reservation_id: int) -> int:
+        epoch = self.receiver.epoch_of(peer)
+        pairs = kv_pairs(self.num_kv_heads, peer_tp, self.tp_size)
+        for pair in receives_of(pairs, 0):
+            self.receiver.expect(peer, reservation_id, pair.sender, epoch)
+        return epoch
+
+    def open(
+        self,
+        request_id: str,
+        reservation: Reservation,
+        peer: str,
+        peer_tp: int = 1,
+        reservation_id: int | None = None,
+    ) -> tuple[int, int]:
+        """Register a reservation; returns (reservation id, channel epoch).
+        ``reservation_id``: the one ``expect`` gave for it."""
+        loop = asyncio.get_running_loop()
+        expected = None
+        if reservation_id is None:
+            reservation_id = next(self._reservation_ids)
+        else:
+            expected = self._expected.pop(reservation_id)
         pending = PendingKV(
             request_id,
             reservation,
@@ -119,10 +155,14 @@ class KVLanding(LandingCore):
             ranks_left=self.tp_size - 1,
         )
         self._pending[reservation_id] = pending
-        pairs = kv_pairs(self.num_kv_heads, max(1, peer_tp), self.tp_size)
-        epoch = self.receiver.epoch_of(peer)
-        for pair in receives_of(pairs, 0):
-            self.receiver.expect(peer, reservation_id, pair.sender, epoch)
+        if expected is not None:
+            epoch = expected[2]
+            if self.receiver.epoch_of(peer) != epoch:
+                # The channel failed since ``expect``: nothing comes on that epoch.
+                pending.state = TransferState.FAILED
+                self._failed(pending, TransferError(f"the KV channel from {peer} failed"))
+            return reservation_id, epoch
+        epoch = self._expect(peer, max(1, peer_tp), reservation_id)
         if self.tp_size > 1:
             expect = {
                 "reservation_id": reservation_id,
@@ -152,23 +192,32 @@ class KVLanding(LandingCore):
     def expire(self, reservation_id: int) -> None:
         """The lease ran out: the reservation is reclaimed (its blocks are freed
         by the abort that follows); whatever arrives for it later is dropped."""
-        pending = self._pending[reservation_id]
+        pending = self._pending.get(reservation_id)
+        if pending is None:
+            return  # an id ``expect`` gave whose blocks were never reserved
         with pending.lock:
             if pending.state in OPEN + (TransferState.LANDED,):
                 pending.state = TransferState.EXPIRED
                 self.stats.leases_expired += 1
 
     def close(self, reservation_id: int) -> None:
-        """The request path is done with this reservation, whatever happened."""
-        pending = self._pending.pop(reservation_id)
-        pairs = kv_pairs(self.num_kv_heads, pending.peer_tp, self.tp_size)
-        for pair in receives_of(pairs, 0):
-            self.receiver.unexpect(pending.peer, reservation_id, pair.sender)
+        """The request path is done with this reservation (or an id ``expect``
+        gave that was never opened), whatever happened."""
+        pending = self._pending.pop(reservation_id, None)
+        if pending is None:
+            peer, peer_tp, _ = self._expected.pop(reservation_id)
+            self._unexpect(peer, peer_tp, reservation_id)
+            return
+        self._unexpect(pending.peer, pending.peer_tp, reservation_id)
         with pending.lock:
             if pending.state in OPEN + (TransferState.LANDED,):
                 pending.state = TransferState.ABORTED
         if self.tp_size > 1:
             self._call_workers("kv_close", {"reservation_id": reservation_id})
+
+    def _unexpect(self, peer: str, peer_tp: int, reservation_id: int) -> None:
+        for pair in receives_of(kv_pairs(self.num_kv_heads, peer_tp, self.tp_size), 0):
+            self.receiver.unexpect(peer, reservation_id, pair.sender)
 
     def reset_peer(self, peer: str) -> None:
         """The prefill node is unreachable or stalled: rebuild its channels on next use."""

@@ -54,14 +54,23 @@ class PrefillSessionClient(SessionClient):
         super().__init__(node_id, on_lost)
         self._stub = internal_pb2_grpc.PrefillNodeStub(channel)
         self._replies: dict[str, asyncio.Future] = {}  # request_id -> its reply, until it came
+        # The node's session takes Prefills whose blocks follow (its first
+        # batch said so); False until a session opened.
+        self.blocks_follow = False
 
     async def prefill(
-        self, command: internal_pb2.PrefillSessionCommand, timeout: float
+        self,
+        command: internal_pb2.PrefillSessionCommand,
+        timeout: float,
+        written: asyncio.Future | None = None,
     ) -> internal_pb2.PrefillResponse:
         """The reply to ``command.start.request`` (built in the command: putting
         a finished PrefillRequest into one copies it, its prompt included).
         ``timeout`` covers everything, opening the session included, as a
-        call's deadline covers connecting."""
+        call's deadline covers connecting. ``written`` is resolved once the
+        command was written. A request whose blocks follow (``send_blocks``)
+        fails with UNAVAILABLE where the session no longer takes them (the
+        node was replaced by an older release meanwhile)."""
         request = command.start.request
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -71,7 +80,10 @@ class PrefillSessionClient(SessionClient):
             if timeout <= 0:
                 raise TimeoutError
             async with asyncio.timeout_at(deadline):
-                if not await self._opened():
+                opened = await self._opened()
+                if request.blocks_follow and not (opened and self.blocks_follow):
+                    raise self.lost("no longer takes Prefills whose blocks follow")
+                if not opened:
                     left = max(0.0, deadline - loop.time())
                     return await self._stub.Prefill(request, timeout=left)
                 reply = loop.create_future()
@@ -80,6 +92,8 @@ class PrefillSessionClient(SessionClient):
                 self._replies[rid] = reply
                 command.start.timeout_s = max(0.0, deadline - loop.time())
                 await self._send(command)
+                if written is not None and not written.done():
+                    written.set_result(None)
                 return await reply
         except TimeoutError:
             if reply is not None and reply.done() and not reply.cancelled():
@@ -89,9 +103,23 @@ class PrefillSessionClient(SessionClient):
             if reply is not None and self._replies.pop(rid, None) is not None:
                 self._send_cancel(rid)  # given up on before its reply
 
+    def send_blocks(self, rid: str, first_block: int, num_blocks: int) -> None:
+        """The reserved blocks of Prefill ``rid``, started with ``blocks_follow``
+        (written after its start: one write at a time, in order)."""
+        if self._call is None:
+            return  # the session is gone: its reader failed the Prefill
+        command = internal_pb2.PrefillSessionCommand()
+        command.blocks.request_id = rid
+        command.blocks.first_block = first_block
+        command.blocks.num_blocks = num_blocks
+        self._write_soon(command)
+
     # ------------------------------------------------ SessionClient's hooks
     def _new_call(self):
         return self._stub.PrefillSession()
+
+    def _on_hello(self, hello: internal_pb2.PrefillSessionBatch) -> None:
+        self.blocks_follow = hello.blocks_follow
 
     def _cancel_command(self, rid: str) -> internal_pb2.PrefillSessionCommand:
         return internal_pb2.PrefillSessionCommand(cancel=rid)

@@ -21,6 +21,7 @@ class DecodeStats:
     checksum_mismatches: int = 0
     bytes_received: int = 0
     leases_expired: int = 0
+    early_prefills: int = 0  # Prefills sent before their blocks were reserved
     rejected: int = 0  # refused for lack of room (RESOURCE_EXHAUSTED)
     aborts: AbortCounters = field(default_factory=AbortCounters)
     # Per request this node prefilled itself: its queue and prefill time here.
@@ -33,6 +34,7 @@ class DecodeStats:
         return {
             **self.aborts.counters(),
             "leases_expired": self.leases_expired,
+            "early_prefills": self.early_prefills,
             "rejected": self.rejected,
             "requests_total": self.requests,
             "kv_transfers": self.transfers_landed,

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -143,24 +143,13 @@ class DecodeWorker:
         self._stages[rid] = Stage.QUEUED
         try:
             if remote:
-                # Inline: on this thread if the engine thread is idle (two
-                # hand-overs between threads fewer on the time to first token).
-                reservation = await settled(
-                    self.engine.add(
-                        rid,
-                        stream.sink,
-                        lambda e: e.reserve_request(rid, prompt, params),
-                        inline=True,
-                    )
-                )
-                if reservation is None:
-                    self.engine.detach(rid)
-                    self.stats.rejected += 1
-                    raise NoCapacity(f"decode node {self.node_id} has no room for this request now")
                 usage.prefill_node = req.prefill.node_id
-                self._stages[rid] = Stage.PREFILL
                 reply, replied = await self._remote_prefill(
-                    req, reservation, deadline, usage, arrived
+                    req,
+                    lambda: self._reserve(rid, stream, prompt, params),
+                    deadline,
+                    usage,
+                    arrived,
                 )
                 usage.timing.prefill_queue_ms = reply.queue_ms
                 usage.timing.prefill_compute_ms = reply.compute_ms
@@ -203,6 +192,23 @@ class DecodeWorker:
         finally:
             self._stages.pop(rid, None)
 
+    async def _reserve(self, rid: str, stream: RequestStream, prompt, params) -> Reservation:
+        """The prompt's blocks, from this node's own prefix-cache hit on
+        (NoCapacity when there is no room)."""
+        # Inline: on this thread if the engine thread is idle (two hand-overs
+        # between threads fewer).
+        reservation = await settled(
+            self.engine.add(
+                rid, stream.sink, lambda e: e.reserve_request(rid, prompt, params), inline=True
+            )
+        )
+        if reservation is None:
+            self.engine.detach(rid)
+            self.stats.rejected += 1
+            raise NoCapacity(f"decode node {self.node_id} has no room for this request now")
+        self._stages[rid] = Stage.PREFILL
+        return reservation
+
     def _admit_local(self, engine: LLMEngine, rid: str, prompt, params) -> None:
         """On the engine thread: queue a request this node prefills itself, if the queue has room."""
         try:
@@ -215,13 +221,17 @@ class DecodeWorker:
     async def _remote_prefill(
         self,
         req: internal_pb2.DecodeRequest,
-        reservation: Reservation,
+        reserve: Callable[[], Awaitable[Reservation]],
         deadline: float | None,
         usage: pdserve_pb2.Usage,
         arrived: float,
     ) -> tuple[internal_pb2.PrefillResponse, float]:
-        """The Prefill call and the KV's landing; returns the reply and when it
-        came (time.monotonic()). ``usage.timing`` gets the call's own times."""
+        """The reservation, the Prefill and the KV's landing; returns the reply
+        and when it came (time.monotonic()). ``usage.timing`` gets the call's
+        own times. Where the prefill node takes a Prefill whose blocks follow
+        (its session said so; this node has one rank), the Prefill goes first
+        and the reservation's blocks after it, so that the prompt computes
+        while the blocks are reserved here; else the reservation goes first."""
         peer = req.prefill.node_id
         peer_tp = max(1, req.prefill.tensor_parallel_size)
         landing = self.landing
@@ -231,13 +241,17 @@ class DecodeWorker:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "--verify-kv checks transfers between nodes of tensor-parallel size 1 only",
             )
-        reservation_id, epoch = landing.open(req.request_id, reservation, peer, peer_tp)
+        rid = req.request_id
+        session = None
+        if self.prefill_streams is PrefillStreams.SESSION:
+            session = self._session(req.prefill)
+        follow = session is not None and session.blocks_follow and landing.tp_size == 1
         # Built in place: a constructor given the prompt's repeated field
         # converts it id by id, and each enclosing constructor copies it again
         # (111 against 6 us for 2048 ids on the VM, 0.16 ms on the GPU host).
         command = internal_pb2.PrefillSessionCommand()
         request = command.start.request
-        request.request_id = req.request_id
+        request.request_id = rid
         request.prompt_token_ids.extend(req.prompt_token_ids)
         request.sampling.CopyFrom(req.sampling)
         request.cache_salt = req.cache_salt
@@ -246,21 +260,48 @@ class DecodeWorker:
         destination.node_id = self.node_id
         destination.store_host = landing.receiver.host
         destination.store_port = landing.receiver.port
-        destination.channel_epoch = epoch
-        destination.reservation_id = reservation_id
-        destination.first_block = reservation.first_block
-        destination.num_blocks = len(reservation.block_ids)
         destination.tensor_parallel_size = landing.tp_size
         # The lease bounds how long the blocks stay reserved for this prefill
         # node, whatever the client's deadline: a stalled or dead node cannot
         # pin them, and the router can retry elsewhere (nothing was sent yet).
         lease_end = time.monotonic() + self.kv_lease_s
         end = lease_end if deadline is None else min(deadline, lease_end)
+        reservation_id: int | None = None
+        reply: asyncio.Future | None = None
         try:
             try:
-                sent = time.monotonic()
+                if follow:
+                    self.stats.early_prefills += 1
+                    reservation_id, destination.channel_epoch = landing.expect(peer, peer_tp)
+                    destination.reservation_id = reservation_id
+                    request.blocks_follow = True
+                    sent = time.monotonic()
+                    written = asyncio.get_running_loop().create_future()
+                    reply = asyncio.ensure_future(
+                        session.prefill(command, max(0.0, end - sent), written)
+                    )
+                    # Reserve once the Prefill is on its way (an inline
+                    # reservation holds this loop): the prompt computes meanwhile.
+                    await asyncio.wait((written, reply), return_when=asyncio.FIRST_COMPLETED)
+                    if not reply.done():  # else it failed: its error is raised below
+                        reservation = await reserve()
+                        landing.open(rid, reservation, peer, peer_tp, reservation_id)
+                        session.send_blocks(
+                            rid, reservation.first_block, len(reservation.block_ids)
+                        )
+                else:
+                    reservation = await reserve()
+                    reservation_id, epoch = landing.open(rid, reservation, peer, peer_tp)
+                    destination.channel_epoch = epoch
+                    destination.reservation_id = reservation_id
+                    destination.first_block = reservation.first_block
+                    destination.num_blocks = len(reservation.block_ids)
+                    sent = time.monotonic()
                 usage.timing.decode_admit_ms = (sent - arrived) * 1e3
-                resp = await self._prefill(req.prefill, command, max(0.0, end - sent))
+                if reply is not None:
+                    resp = await reply
+                else:
+                    resp = await self._prefill(req.prefill, command, max(0.0, end - sent))
                 replied = time.monotonic()
                 usage.timing.prefill_call_ms = (replied - sent) * 1e3
             except grpc.aio.AioRpcError as e:
@@ -307,7 +348,10 @@ class DecodeWorker:
             )
             return resp, replied
         finally:
-            landing.close(reservation_id)
+            if reply is not None and not reply.done():
+                reply.cancel()  # the session cancels the Prefill on the node
+            if reservation_id is not None:
+                landing.close(reservation_id)
 
     def _prefill(
         self,
@@ -319,6 +363,10 @@ class DecodeWorker:
         if self.prefill_streams is PrefillStreams.CALL:
             stub = internal_pb2_grpc.PrefillNodeStub(self._channel(node.address))
             return stub.Prefill(command.start.request, timeout=timeout)
+        return self._session(node).prefill(command, timeout)
+
+    def _session(self, node: internal_pb2.NodeRef) -> PrefillSessionClient:
+        """The PrefillSession with ``node`` (opened by its first Prefill)."""
         session = self._sessions.get(node.address)
         if session is None:
             # A session that ends tells what a Prefill breaking would: the node
@@ -329,7 +377,7 @@ class DecodeWorker:
             session = self._sessions[node.address] = PrefillSessionClient(
                 self._channel(node.address), peer, on_lost=lambda: self.landing.reset_peer(peer)
             )
-        return session.prefill(command, timeout)
+        return session
 
     # ------------------------------------------------------ engine thread
     def _abort(self, engine: LLMEngine, rid: str, stage: Stage) -> None:

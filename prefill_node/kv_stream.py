@@ -54,6 +54,7 @@ from engine.kv_blocks import block_index, gather_blocks, kv_unit_bytes
 from engine.kv_writes import LayerDone
 from engine.scheduler import ScheduledBatch
 from engine.tp_layout import kv_head_range
+from prefill_node.late_blocks import WAIT_S, LateBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class _Streamed:
     first_block: int  # the decode node holds the blocks before it
     num_blocks: int  # the prompt's blocks in all
     sent_upto: int  # blocks before this went out with an earlier step
+    # The two above until the decode node's reservation came (late_blocks.py).
+    late: LateBlocks | None = None
 
 
 @dataclass(slots=True)
@@ -102,6 +105,10 @@ class StepSegment:
     final: bool  # the prompt's last step
     block_ids: list[int]  # this node's blocks [block_start, block_end) of the prompt
     deadline: float  # time.monotonic() (one host's ranks share the clock)
+    # Rank 0 on a GPU: the decode node's blocks are still to come; the blocks
+    # before its first_block are dropped from the segment once they came
+    # (``_resolve``, at the step's first due chunk). Never handed to other ranks.
+    late: LateBlocks | None = None
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -149,6 +156,12 @@ class KVStreamer:
         # inside its forward (a GPU: ``_emit`` says why).
         self.headers_at_once = not kv_cache.is_cuda
         self.spans = layer_spans(self.num_layers, self.layers_per_chunk, last_layers)
+        # The first layer whose hook may have a chunk due: the end of the first span's first chunk.
+        layer_start, layer_end, per_chunk = self.spans[0]
+        self.first_due = min(layer_start + per_chunk, layer_end) - 1
+        # Blocks that come after a step's launch are waited for at its first due
+        # chunk (a GPU, one rank: late_blocks.py says why); otherwise before it.
+        self.defer_blocks = not self.headers_at_once and call_workers is None
         self._streams: dict[str, _Streamed] = {}  # rank 0
         # Decode node -> the channel epoch its latest Prefill named: one step's
         # group for a node is sent on one channel, the newest.
@@ -172,11 +185,14 @@ class KVStreamer:
         num_blocks: int,
         deadline: float,
         verify: bool,
+        late: LateBlocks | None = None,
     ) -> TransferTicket:
+        """A Prefill's transfer; with ``late``, ``first_block`` and
+        ``num_blocks`` are the decode node's still to come."""
         ticket = TransferTicket(request_id, dest, deadline, verify, self._parts(dest))
         self._epochs[dest.node_id] = dest.epoch
         self._streams[request_id] = _Streamed(
-            ticket, reservation_id, first_block, num_blocks, first_block
+            ticket, reservation_id, first_block, num_blocks, first_block, late
         )
         return ticket
 
@@ -251,7 +267,12 @@ class KVStreamer:
                 continue
             end = seq.num_computed_tokens + num_new
             final = end >= seq.num_prompt_tokens
-            if final and len(seq.block_table) != streamed.num_blocks:
+            late = streamed.late
+            if late is not None and (late.ready or not self.defer_blocks):
+                if not self._take_blocks(streamed):
+                    continue
+                late = None
+            if final and late is None and len(seq.block_table) != streamed.num_blocks:
                 streamed.ticket.fail(
                     ValueError(
                         f"the decode node reserved {streamed.num_blocks} blocks, the prompt "
@@ -259,8 +280,8 @@ class KVStreamer:
                     )
                 )
                 continue
-            stop = streamed.num_blocks if final else end // self.block_size
-            start = streamed.sent_upto
+            stop = len(seq.block_table) if final else end // self.block_size
+            start = max(streamed.sent_upto, streamed.first_block)
             if stop <= start:
                 continue
             streamed.sent_upto = stop
@@ -274,9 +295,44 @@ class KVStreamer:
                     final,
                     list(seq.block_table[start:stop]),
                     streamed.ticket.deadline,
+                    late,
                 )
             )
         return plan
+
+    def _take_blocks(self, streamed: _Streamed) -> bool:
+        """The decode node's blocks into ``streamed``, waiting for them if need be;
+        False (its ticket failed) when none come."""
+        late, ticket = streamed.late, streamed.ticket
+        streamed.late = None
+        try:
+            wait_s = max(0.0, min(WAIT_S, ticket.deadline - time.monotonic()))
+            streamed.first_block, streamed.num_blocks = late.wait(wait_s)
+        except Exception as e:  # TransferError or ValueError, the Prefill's failure
+            ticket.fail(e)
+            return False
+        return True
+
+    def _resolve(self, plan: list[StepSegment]) -> list[StepSegment]:
+        """The step's segments with the decode node's blocks in (waiting for
+        those still to come), less those that failed or hold none of its blocks."""
+        resolved = []
+        for seg in plan:
+            if seg.late is not None:
+                streamed = self._streams.get(seg.request_id)
+                if streamed is None or not streamed.ticket.alive:
+                    continue
+                if streamed.late is not None and not self._take_blocks(streamed):
+                    continue
+                start = max(seg.block_start, streamed.first_block)
+                if start >= seg.block_end:
+                    continue
+                cut = start - seg.block_start
+                seg = dataclasses.replace(
+                    seg, block_start=start, block_ids=seg.block_ids[cut:], late=None
+                )
+            resolved.append(seg)
+        return resolved
 
     def _emit(self, plan: list[StepSegment]) -> LayerDone:
         """The hook that prepares this rank's groups for the step's segments,
@@ -311,7 +367,9 @@ class KVStreamer:
         def layer_done(layer: int) -> None:
             nonlocal pending, due, first_due
             if pending is None:
-                pending, due = self._prepare_or_fail(plan)
+                if layer < self.first_due and any(s.late and not s.late.ready for s in plan):
+                    return  # nothing is due before then: the blocks may come meanwhile
+                pending, due = self._prepare_or_fail(self._resolve(plan))
                 first_due = min(due, default=0)
             if pending and layer >= first_due:
                 self._post(pending)

@@ -8,6 +8,10 @@ Prefill comes as a ``start`` command and runs here as its own task, the very
 (OK) go into the session's outbox, or only an end with the status its Prefill
 call would have failed with. A ``cancel`` command aborts one Prefill (freeing
 its blocks), as cancelling its call would; the call ending aborts them all.
+A Prefill started with ``blocks_follow`` (which the session's first batch
+offers) computes at once; its ``blocks`` command, the decode node's
+reservation, comes after and is handed to its transfer
+(prefill_node/late_blocks.py).
 
 Why: a Prefill call's two legs are on every disaggregated request's time to
 first token, and a message each way on an open call costs both nodes' loops
@@ -16,11 +20,14 @@ less than a new unary call (docs/performance.md, "The Prefill hop").
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
 
+from common.kv_transfer import TransferError
 from common.request_session import RequestSession
+from prefill_node.late_blocks import LateBlocks
 from prefill_node.worker import PrefillWorker
 from proto import internal_pb2
 
@@ -31,11 +38,40 @@ class PrefillSession(RequestSession):
     def __init__(self, worker: PrefillWorker) -> None:
         super().__init__()
         self.worker = worker
+        self._late: dict[str, LateBlocks] = {}  # running Prefills whose blocks follow
+
+    def hello(self) -> internal_pb2.PrefillSessionBatch:
+        return internal_pb2.PrefillSessionBatch(blocks_follow=True)
+
+    def _start(self, start: internal_pb2.PrefillSessionStart) -> asyncio.Task | None:
+        task = super()._start(start)
+        request = start.request
+        if task is None or not request.blocks_follow:
+            return task
+        rid = request.request_id
+        late = self._late[rid] = self.worker.late_blocks(request)
+
+        def ended(_: asyncio.Task) -> None:
+            # Also when the task was cancelled before it ran (no finally of its own).
+            late.fail(TransferError("the Prefill ended before the decode node's blocks came"))
+            if self._late.get(rid) is late:
+                del self._late[rid]
+
+        task.add_done_callback(ended)
+        return task
+
+    def other_command(self, which: str, command: internal_pb2.PrefillSessionCommand) -> None:
+        if which == "blocks":
+            blocks = command.blocks
+            late = self._late.get(blocks.request_id)
+            if late is not None:  # else it ended meanwhile (its end header went regardless)
+                late.set(blocks.first_block, blocks.num_blocks)
 
     async def handle(
         self, request: internal_pb2.PrefillRequest, deadline: float | None
     ) -> AsyncIterator[internal_pb2.PrefillSessionEvent]:
-        response = await self.worker.prefill(request, deadline)
+        late = self._late.get(request.request_id) if request.blocks_follow else None
+        response = await self.worker.prefill(request, deadline, late)
         yield internal_pb2.PrefillSessionEvent(request_id=request.request_id, response=response)
 
     def end_event(self, rid: str, code: grpc.StatusCode, details: str):

@@ -32,7 +32,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from common.kv_transfer import Destination, KVSender, TransferReport, TransferTicket
+from common.kv_transfer import (
+    Destination,
+    KVSender,
+    TransferError,
+    TransferReport,
+    TransferTicket,
+)
 from common.metrics.histogram import KV_BANDWIDTH_BUCKETS, KV_TRANSFER_BUCKETS, Histogram
 from common.metrics.phases import PhaseHistograms, PromptPhases
 from common.reliability import (
@@ -51,6 +57,7 @@ from engine.request_stream import RequestStream
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sequence import FinishReason
 from prefill_node.kv_stream import KVStreamer
+from prefill_node.late_blocks import LateBlocks
 from proto import internal_pb2
 
 logger = logging.getLogger(__name__)
@@ -160,9 +167,18 @@ class PrefillWorker:
         if step_delay := self.faults.get(FaultPoint.PREFILL_STEP):
             engine.after_step.append(lambda outputs: time.sleep(step_delay))
 
+    def late_blocks(self, req: internal_pb2.PrefillRequest) -> LateBlocks:
+        """Where a Prefill started with ``blocks_follow`` waits for its blocks."""
+        return LateBlocks(-(-len(req.prompt_token_ids) // self.block_size))
+
     async def prefill(
-        self, req: internal_pb2.PrefillRequest, deadline: float | None
+        self,
+        req: internal_pb2.PrefillRequest,
+        deadline: float | None,
+        late: LateBlocks | None = None,
     ) -> internal_pb2.PrefillResponse:
+        """``late``: the blocks of a request with ``blocks_follow``, set by its
+        session when they come."""
         start = time.monotonic()  # the reply's node_ms: all of this node's part
         rid = req.request_id
         ids = token_ids_of(req.prompt_token_ids)
@@ -183,12 +199,12 @@ class PrefillWorker:
         sending = False
         ticket: TransferTicket | None = None
         try:
-            self._check_destination(len(ids), dest)
+            self._check_destination(len(ids), dest, req.blocks_follow, late)
             ticket = await asyncio.wrap_future(
                 self.engine.add(
                     rid,
                     stream.sink,
-                    lambda e: self._admit(e, rid, prompt, params, target, dest, deadline),
+                    lambda e: self._admit(e, rid, prompt, params, target, dest, deadline, late),
                 )
             )
             transfer = asyncio.wrap_future(ticket.done)
@@ -218,6 +234,9 @@ class PrefillWorker:
             self.engine.call(lambda e: self._abort(e, rid, sending))
             raise
         finally:
+            if late is not None:
+                # Wakes the engine thread if it waits for them (a no-op once they came).
+                late.fail(TransferError("the Prefill ended before the decode node's blocks came"))
             self.stats.requests += 1
             # Exactly one end header per Prefill, queued on the engine thread
             # behind whatever the request queued (an admission still pending
@@ -254,12 +273,22 @@ class PrefillWorker:
         finally:
             final.cancel()
 
-    def _check_destination(self, num_tokens: int, dest: internal_pb2.KVDestination) -> None:
+    def _check_destination(
+        self,
+        num_tokens: int,
+        dest: internal_pb2.KVDestination,
+        blocks_follow: bool,
+        late: LateBlocks | None,
+    ) -> None:
         if self.verify_transfers and max(dest.tensor_parallel_size, 1) > 1:
             raise ValueError(
                 "--verify-kv checks transfers between nodes of tensor-parallel size 1 only; "
                 f"decode node {dest.node_id} has {dest.tensor_parallel_size} ranks"
             )
+        if blocks_follow:
+            if late is None:
+                raise ValueError("a Prefill whose blocks follow comes on a PrefillSession only")
+            return  # its blocks are checked when they come (LateBlocks.set)
         num_blocks = -(-num_tokens // self.block_size)
         if dest.num_blocks != num_blocks:
             raise ValueError(
@@ -281,6 +310,7 @@ class PrefillWorker:
         target: Destination,
         dest: internal_pb2.KVDestination,
         deadline: float | None,
+        late: LateBlocks | None,
     ) -> TransferTicket:
         """On the engine thread: queue the prompt if the queue has room, open its stream."""
         try:
@@ -297,6 +327,7 @@ class PrefillWorker:
             dest.num_blocks,
             deadline if deadline is not None else time.monotonic() + self.sender.timeout_s,
             self.verify_transfers,
+            late,
         )
 
     def _abort(self, engine: LLMEngine, rid: str, sending: bool) -> None:

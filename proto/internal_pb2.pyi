@@ -86,28 +86,42 @@ class NodeRef(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "destination", "resume_offset")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "destination", "resume_offset", "blocks_follow")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
     cache_salt: str
     destination: KVDestination
     resume_offset: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., resume_offset: _Optional[int] = ...) -> None: ...
+    blocks_follow: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., resume_offset: _Optional[int] = ..., blocks_follow: _Optional[bool] = ...) -> None: ...
 
 class PrefillSessionCommand(_message.Message):
-    __slots__ = ("start", "cancel")
+    __slots__ = ("start", "cancel", "blocks")
     START_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
     start: PrefillSessionStart
     cancel: str
-    def __init__(self, start: _Optional[_Union[PrefillSessionStart, _Mapping]] = ..., cancel: _Optional[str] = ...) -> None: ...
+    blocks: PrefillBlocks
+    def __init__(self, start: _Optional[_Union[PrefillSessionStart, _Mapping]] = ..., cancel: _Optional[str] = ..., blocks: _Optional[_Union[PrefillBlocks, _Mapping]] = ...) -> None: ...
+
+class PrefillBlocks(_message.Message):
+    __slots__ = ("request_id", "first_block", "num_blocks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_block: int
+    num_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillSessionStart(_message.Message):
     __slots__ = ("request", "timeout_s")
@@ -118,10 +132,12 @@ class PrefillSessionStart(_message.Message):
     def __init__(self, request: _Optional[_Union[PrefillRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class PrefillSessionBatch(_message.Message):
-    __slots__ = ("events",)
+    __slots__ = ("events", "blocks_follow")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[PrefillSessionEvent]
-    def __init__(self, events: _Optional[_Iterable[_Union[PrefillSessionEvent, _Mapping]]] = ...) -> None: ...
+    blocks_follow: bool
+    def __init__(self, events: _Optional[_Iterable[_Union[PrefillSessionEvent, _Mapping]]] = ..., blocks_follow: _Optional[bool] = ...) -> None: ...
 
 class PrefillSessionEvent(_message.Message):
     __slots__ = ("request_id", "response", "end")

@@ -79,6 +79,11 @@ COUNTERS: dict[str, tuple[str, str] | None] = {
         "pdserve_kv_leases_expired_total",
         "KV reservations reclaimed unfilled at the end of their lease (decode).",
     ),
+    "early_prefills": (
+        "pdserve_early_prefills_total",
+        "Prefills sent before their blocks were reserved, the blocks following on the "
+        "PrefillSession while the prompt computes (decode).",
+    ),
     "rejected": (
         "pdserve_requests_rejected_total",
         "Requests refused for lack of room: queue full, no KV blocks or slots "

@@ -60,6 +60,9 @@ def cluster(demo_model_dir, tmp_path_factory):
         # prompts, which the default policy would prefill on the decode node
         # (tests/integration/test_routing.py runs the defaults).
         router_args=REMOTE_PREFILL_ONLY,
+        # decode-1 sends a Prefill call per request (decode-0 the default:
+        # Prefills on a session, their blocks following).
+        component_env={"decode-1": {"PDSERVE_PREFILL_STREAMS": "call"}},
         log_dir=str(tmp_path_factory.mktemp("cluster-logs")),
         start_timeout_s=300,
     )

@@ -8,8 +8,10 @@ is what the fault tests' clusters run), and prefills in 64-token chunks (a
 long prompt streams step by step); prefill-1 sends each step's blocks of every
 layer in one chunk after its last layer (``--kv-stream-layers 0``). Each test drains the other
 prefill node, so the path under test is the one taken. The decode node sends
-each Prefill as a call of its own (``--prefill-streams call``); the other
-clusters' decode nodes use the default, a PrefillSession per prefill node.
+its Prefills on a PrefillSession per prefill node, each before it reserves
+the prompt's blocks, which follow on the session (PrefillRequest.blocks_follow;
+the first Prefill of a session goes after them, the node's support not known
+yet); tests/integration/test_cluster.py's decode-1 sends a call per Prefill.
 """
 
 from __future__ import annotations
@@ -59,7 +61,6 @@ def cluster(demo_model_dir, tmp_path_factory):
                 "PDSERVE_MAX_NUM_SEQS": "8",
             },
             "prefill-1": {"PDSERVE_KV_STREAM_LAYERS": "0"},
-            "decode-0": {"PDSERVE_PREFILL_STREAMS": "call"},
         },
         log_dir=str(tmp_path_factory.mktemp("streaming-logs")),
         start_timeout_s=300,
@@ -89,6 +90,7 @@ def decode_counters(cluster) -> dict[str, int]:
         "mismatches": info.kv_checksum_mismatches,
         "failures": info.kv_transfer_failures,
         "late": info.kv_late_transfers,
+        "early": info.early_prefills,
     }
 
 
@@ -138,6 +140,8 @@ def test_streamed_text_equals_hf_transformers(
     finally:
         only(cluster, None)
     assert after["transfers"] - before["transfers"] == len(PROMPTS)
+    # Each Prefill went before its blocks were reserved, but a session's first.
+    assert after["early"] - before["early"] >= len(PROMPTS) - 1
     # Every block of every prompt crossed (each prompt is new to the decode
     # node), each chunk checksummed on both sides.
     assert after["bytes"] - before["bytes"] == total_blocks * block_bytes(demo_model_dir)
@@ -172,6 +176,8 @@ def test_prefix_hits_stream_only_the_blocks_from_the_first_uncached_one(
     assert after["bytes"] - before["bytes"] == sent_blocks * block_bytes(demo_model_dir)
     # The prefill node served the prefix from its own cache too.
     assert final.usage.cached_tokens >= len(prefix) // BLOCK * BLOCK
+    # The decode node's first block came after the Prefill, on its session.
+    assert after["early"] - before["early"] == 1
     assert after["mismatches"] == after["failures"] == 0
 
 

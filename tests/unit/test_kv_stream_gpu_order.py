@@ -6,6 +6,7 @@ not the step. Run on a CPU tensor with the GPU's order switched on."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -14,7 +15,11 @@ import torch
 from common.kv_transfer.channel import TransferError
 from common.kv_transfer.loopback import LoopbackSender
 from common.kv_transfer.ticket import Destination
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
 from prefill_node.kv_stream import KVStreamer, StepSegment
+from prefill_node.late_blocks import WAIT_S, LateBlocks
 
 NUM_LAYERS = 6
 DEST = Destination("decode-0", "127.0.0.1", 0, 0)
@@ -39,11 +44,14 @@ class _Recording(LoopbackSender):
         super().__init__(_Sink())
         self.log = log
         self.fail_prepare = fail_prepare
+        self.headers: list = []  # every prepared segment's header
+        self.data: list = []  # every chunk's gathered KV
 
     def prepare_group(self, dest, segments, receiver_rank=0):
         if self.fail_prepare:
             raise OSError("no thread for the link")
         self.log.append("prepare")
+        self.headers.extend(s.header for s in segments)
         return super().prepare_group(dest, segments, receiver_rank)
 
     def post_group(self, group) -> None:
@@ -52,6 +60,7 @@ class _Recording(LoopbackSender):
 
     def send_chunk(self, group, segment, desc, data, ready, ready_at, last) -> None:
         self.log.append(("chunk", desc.layer_start, desc.layer_end))
+        self.data.append(data)
         super().send_chunk(group, segment, desc, data, ready, ready_at, last)
 
 
@@ -132,3 +141,175 @@ def test_another_tensor_parallel_rank_fails_its_own_part_the_same_way():
     assert log == []
     with pytest.raises(TransferError, match="preparing the step's KV groups failed"):
         streamer._tickets["r"].done.result(timeout=0)
+
+
+# ------------------------------------------- blocks that come after the Prefill
+BLOCK_TABLE = [1, 2, 3]  # this node's blocks of a 12-token prompt (block size 4)
+
+
+def _late_streamer(sender, layers_per_chunk: int = 1, last_layers: int = 2) -> KVStreamer:
+    """A GPU's order on one rank, where a step waits for late blocks at its
+    first due chunk (by default the held chunk of layers 0-3: first_due 3)."""
+    streamer = _streamer(sender, layers_per_chunk, last_layers)
+    streamer.defer_blocks = True  # as __init__ sets it on a GPU
+    return streamer
+
+
+def _seq(request_id: str, computed: int = 0) -> Sequence:
+    return Sequence(
+        seq_id=0,
+        request_id=request_id,
+        index=0,
+        token_ids=list(range(12)),
+        num_prompt_tokens=12,
+        params=SamplingParams(),
+        hasher=None,
+        num_computed_tokens=computed,
+        block_table=list(BLOCK_TABLE),
+    )
+
+
+def _open_late(streamer: KVStreamer, request_id: str, late: LateBlocks):
+    """A Prefill whose blocks follow: its destination has no blocks yet."""
+    return streamer.open(request_id, DEST, 7, 0, 0, time.monotonic() + 30, False, late=late)
+
+
+def _kv_of(streamer: KVStreamer, blocks: list[int]) -> torch.Tensor:
+    """Every layer's KV of these blocks, as the chunks sent them (concatenated over layers)."""
+    return streamer.kv_cache[:, :, blocks]
+
+
+@pytest.mark.parametrize("when", ["before-the-hook", "during-the-hook"])
+def test_late_blocks_are_waited_for_at_the_first_due_chunk_not_before(when):
+    log: list = []
+    sender = _Recording(log)
+    streamer = _late_streamer(sender)
+    assert streamer.first_due == 3
+    late = LateBlocks(3)
+    ticket = _open_late(streamer, "r", late)
+    layer_done = streamer.begin_step(ScheduledBatch([_seq("r")], [12]))
+    assert log == []  # nothing before the launch
+    for layer in range(streamer.first_due):
+        layer_done(layer)
+    assert log == []  # nothing is due before the held chunk: nothing prepared
+    if when == "before-the-hook":
+        late.set(1, 3)
+    else:  # the engine thread waits for them at the hook
+        threading.Timer(0.1, late.set, (1, 3)).start()
+    layer_done(streamer.first_due)
+    assert log[:3] == ["prepare", "post", ("chunk", 0, 4)]
+    # The block the decode node holds already (its own prefix cache) is not sent.
+    assert [(h.block_start, h.block_end) for h in sender.headers] == [(1, 3), (1, 3)]
+    for layer in range(streamer.first_due + 1, NUM_LAYERS):
+        layer_done(layer)
+    assert torch.equal(torch.cat(sender.data, dim=1), _kv_of(streamer, [2, 3]))
+    assert ticket.done.result(timeout=0).num_bytes == 2 * NUM_LAYERS * 2 * streamer.unit_bytes
+
+
+@pytest.mark.parametrize("when", ["before-the-launch", "after-the-launch"])
+def test_blocks_that_came_before_the_first_hook_change_nothing_of_the_order(when):
+    log: list = []
+    sender = _Recording(log)
+    streamer = _late_streamer(sender)
+    late = LateBlocks(3)
+    ticket = _open_late(streamer, "r", late)
+    if when == "before-the-launch":
+        late.set(1, 3)
+    layer_done = streamer.begin_step(ScheduledBatch([_seq("r")], [12]))
+    if when == "after-the-launch":
+        late.set(1, 3)
+    assert log == []
+    layer_done(0)
+    assert log == ["prepare"]  # at layer 0's hook, as with blocks known at the start
+    for layer in range(1, NUM_LAYERS):
+        layer_done(layer)
+        if layer < 3:
+            assert "post" not in log
+    assert log[1:3] == ["post", ("chunk", 0, 4)]
+    assert {(h.block_start, h.block_end) for h in sender.headers} == {(1, 3)}
+    assert ticket.done.result(timeout=0).num_bytes == 2 * NUM_LAYERS * 2 * streamer.unit_bytes
+
+
+def test_blocks_that_never_come_fail_the_transfer_when_the_prefill_ends_not_the_step():
+    log: list = []
+    streamer = _late_streamer(_Recording(log))
+    late = LateBlocks(3)
+    ticket = _open_late(streamer, "r", late)
+    layer_done = streamer.begin_step(ScheduledBatch([_seq("r")], [12]))
+    for layer in range(streamer.first_due):
+        layer_done(layer)
+    ended = TransferError("the Prefill ended before the decode node's blocks came")
+    threading.Timer(0.1, late.fail, (ended,)).start()  # its session, on the event loop
+    began = time.monotonic()
+    layer_done(streamer.first_due)  # waits for them, until the Prefill ends
+    took = time.monotonic() - began
+    assert 0.09 <= took < WAIT_S
+    for layer in range(streamer.first_due + 1, NUM_LAYERS):
+        layer_done(layer)  # never raises into the forward
+    assert log == []  # nothing prepared, nothing queued
+    assert ticket.done.exception(timeout=0) is ended
+
+
+def test_on_a_cpu_the_step_waits_for_late_blocks_before_its_launch():
+    log: list = []
+    sender = _Recording(log)
+    cache = torch.randn(2, NUM_LAYERS, 8, 4, 2, 8)
+    streamer = KVStreamer(cache, 4, sender, 1, last_layers=2)
+    assert streamer.headers_at_once and not streamer.defer_blocks
+    late = LateBlocks(3)
+    ticket = _open_late(streamer, "r", late)
+    threading.Timer(0.1, late.set, (2, 3)).start()
+    began = time.monotonic()
+    layer_done = streamer.begin_step(ScheduledBatch([_seq("r")], [12]))
+    assert time.monotonic() - began >= 0.09
+    assert log == ["prepare", "post"]  # headers queued before the launch
+    assert {(h.block_start, h.block_end) for h in sender.headers} == {(2, 3)}
+    for layer in range(NUM_LAYERS):
+        layer_done(layer)
+    assert torch.equal(torch.cat(sender.data, dim=1), _kv_of(streamer, [3]))
+    assert ticket.done.result(timeout=0).num_bytes == NUM_LAYERS * 2 * streamer.unit_bytes
+
+
+@pytest.mark.parametrize("cpu", [False, True], ids=["gpu-order", "cpu-order"])
+def test_blocks_that_do_not_fit_the_prompt_fail_its_transfer(cpu):
+    log: list = []
+    streamer = _late_streamer(_Recording(log))
+    if cpu:
+        streamer.headers_at_once, streamer.defer_blocks = True, False
+    late = LateBlocks(3)
+    ticket = _open_late(streamer, "r", late)
+    if cpu:  # waited for before the launch: the step plans nothing of it
+        threading.Timer(0.05, late.set, (0, 5)).start()  # a decode node on another block size
+        assert streamer.begin_step(ScheduledBatch([_seq("r")], [12])) is None
+    else:  # waited for at the first due chunk
+        layer_done = streamer.begin_step(ScheduledBatch([_seq("r")], [12]))
+        late.set(0, 5)
+        for layer in range(NUM_LAYERS):
+            layer_done(layer)
+    assert log == []
+    with pytest.raises(ValueError, match="reserved 5 blocks, the prompt has 3"):
+        ticket.done.result(timeout=0)
+
+
+def test_a_chunk_of_blocks_the_decode_node_holds_sends_nothing_and_the_next_goes_on():
+    """Chunked prefill: the first step completes blocks 0-1, which the decode
+    node turns out to hold already; its segment is dropped, the last step
+    sends block 2."""
+    log: list = []
+    sender = _Recording(log)
+    streamer = _late_streamer(sender)
+    late = LateBlocks(3)
+    ticket = _open_late(streamer, "r", late)
+    seq = _seq("r")
+    layer_done = streamer.begin_step(ScheduledBatch([seq], [8]))
+    late.set(2, 3)
+    for layer in range(NUM_LAYERS):
+        layer_done(layer)
+    assert log == [] and ticket.alive
+    seq.num_computed_tokens = 8
+    layer_done = streamer.begin_step(ScheduledBatch([seq], [4]))
+    for layer in range(NUM_LAYERS):
+        layer_done(layer)
+    assert {(h.block_start, h.block_end) for h in sender.headers} == {(2, 3)}
+    assert torch.equal(torch.cat(sender.data, dim=1), _kv_of(streamer, [3]))
+    assert ticket.done.result(timeout=0).num_bytes == NUM_LAYERS * 2 * streamer.unit_bytes

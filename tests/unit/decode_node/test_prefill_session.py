@@ -11,9 +11,11 @@ import contextlib
 import grpc
 import pytest
 
+from common.kv_transfer import TransferError
 from common.reliability import NoCapacity
 from decode_node.prefill_session import PrefillSessionClient
 from pdserve.redis_server import free_port
+from prefill_node.late_blocks import LateBlocks
 from prefill_node.service import PrefillNodeServicer
 from proto import internal_pb2, internal_pb2_grpc
 
@@ -23,14 +25,29 @@ pytestmark = pytest.mark.timeout(60)
 class Worker:
     """PrefillWorker.prefill's contract, scripted by the prompt's first token id:
     0 replies with first token 100 + the prompt's length; 1 is refused (the
-    queue is full); 2 is a bad request; 3 hangs until cancelled."""
+    queue is full); 2 is a bad request; 3 hangs until cancelled; 4 (blocks
+    follow) waits on a thread, as the engine's would, for the blocks and replies
+    1000 + first_block * 10 + num_blocks, or raises what the wait raised."""
 
     def __init__(self) -> None:
         self.started: list[str] = []
         self.cancelled: list[str] = []
         self.deadlines: dict[str, float | None] = {}
+        self.lates: dict[str, LateBlocks] = {}
+        self.woken: dict[str, Exception] = {}  # what woke a thread waiting for blocks
 
-    async def prefill(self, request, deadline):
+    def late_blocks(self, request) -> LateBlocks:
+        late = self.lates[request.request_id] = LateBlocks(-(-len(request.prompt_token_ids) // 16))
+        return late
+
+    def _wait(self, rid: str, late: LateBlocks) -> tuple[int, int]:
+        try:
+            return late.wait(5)
+        except Exception as e:
+            self.woken[rid] = e
+            raise
+
+    async def prefill(self, request, deadline, late=None):
         rid = request.request_id
         self.started.append(rid)
         self.deadlines[rid] = deadline
@@ -42,6 +59,11 @@ class Worker:
                 raise ValueError("first_block 9 leaves nothing of 1 blocks to send")
             if kind == 3:
                 await asyncio.Event().wait()
+            if kind == 4:
+                first_block, num_blocks = await asyncio.to_thread(self._wait, rid, late)
+                return internal_pb2.PrefillResponse(
+                    first_token_id=1000 + first_block * 10 + num_blocks
+                )
             return internal_pb2.PrefillResponse(
                 first_token_id=100 + len(request.prompt_token_ids), node_ms=1.5
             )
@@ -101,6 +123,13 @@ def _command(rid: str, kind: int = 0, length: int = 3) -> internal_pb2.PrefillSe
     request = command.start.request
     request.request_id = rid
     request.prompt_token_ids.extend([kind] + [7] * (length - 1))
+    return command
+
+
+def _follow(rid: str, length: int = 3) -> internal_pb2.PrefillSessionCommand:
+    """A Prefill whose blocks follow (``send_blocks``), of worker kind 4."""
+    command = _command(rid, kind=4, length=length)
+    command.start.request.blocks_follow = True
     return command
 
 
@@ -304,5 +333,107 @@ def test_the_timeout_covers_opening_the_session():
             took = asyncio.get_running_loop().time() - began
         assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
         assert took < 0.9, f"the open took the Prefill {took:.2f} s past its 0.3 s"
+
+    run(main())
+
+
+# ------------------------------------------------- Prefills whose blocks follow
+def test_a_session_says_it_takes_blocks_that_follow_and_an_old_node_does_not():
+    async def main():
+        async with _client_of(Counting(Worker())) as (client, _):
+            assert client.blocks_follow is False  # nothing known before a session opened
+            await client.prefill(_command("a"), 10.0)
+            assert client.blocks_follow is True
+        old = OldNode(Worker())
+        async with _client_of(old) as (client, _):
+            await client.prefill(_command("a"), 10.0)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.prefill(_follow("b"), 10.0)
+            assert client.blocks_follow is False and client.supported is False
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert old.calls == 1  # the Prefill whose blocks follow never went to it
+
+    run(main())
+
+
+def test_blocks_sent_after_the_start_reach_the_prefills_wait():
+    async def main():
+        worker = Worker()
+        async with _client_of(Counting(worker)) as (client, _):
+            written = asyncio.get_running_loop().create_future()
+            reply = asyncio.ensure_future(client.prefill(_follow("b", length=40), 10.0, written))
+            await written
+            client.send_blocks("b", 1, 3)  # 40 tokens are 3 blocks of 16
+            assert (await reply).first_token_id == 1013
+        assert worker.lates["b"].wait(0) == (1, 3)
+
+    run(main())
+
+
+def test_cancelling_a_prefill_whose_blocks_never_came_wakes_its_wait():
+    async def main():
+        worker = Worker()
+        async with _client_of(Counting(worker)) as (client, _):
+            written = asyncio.get_running_loop().create_future()
+            task = asyncio.ensure_future(client.prefill(_follow("gone"), 10.0, written))
+            await written
+            while "gone" not in worker.started:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(100):
+                if "gone" in worker.woken:
+                    break
+                await asyncio.sleep(0.02)
+        assert worker.cancelled == ["gone"]
+        # Woken by the Prefill's end, not by the wait's own 5 s.
+        assert isinstance(worker.woken["gone"], TransferError)
+        assert "ended before" in str(worker.woken["gone"])
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("first_block", "num_blocks", "says"),
+    [(0, 5, "reserved 5 blocks, the prompt has 1"), (1, 1, "first_block 1 leaves nothing")],
+    ids=["wrong-size", "nothing-to-send"],
+)
+def test_blocks_that_do_not_fit_fail_the_prefill_as_a_bad_request(first_block, num_blocks, says):
+    async def main():
+        worker = Worker()
+        async with _client_of(Counting(worker)) as (client, _):
+            written = asyncio.get_running_loop().create_future()
+            reply = asyncio.ensure_future(client.prefill(_follow("bad"), 10.0, written))
+            await written
+            client.send_blocks("bad", first_block, num_blocks)
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await reply
+            ok = await client.prefill(_command("fine"), 10.0)  # the session goes on
+        assert isinstance(worker.woken["bad"], ValueError)
+        assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert says in bad.value.details()
+        assert ok.first_token_id == 103
+
+    run(main())
+
+
+def test_blocks_for_a_prefill_the_node_does_not_run_are_ignored():
+    async def main():
+        worker = Worker()
+        node = Counting(worker)
+        async with _client_of(node) as (client, _):
+            await client.prefill(_command("done"), 10.0)
+            client.send_blocks("done", 0, 1)  # it ended already
+            client.send_blocks("nobody", 0, 1)  # never started
+            ok = await client.prefill(_command("next", length=5), 10.0)
+            written = asyncio.get_running_loop().create_future()
+            reply = asyncio.ensure_future(client.prefill(_follow("late"), 10.0, written))
+            await written
+            client.send_blocks("late", 0, 1)
+            late = await reply
+        assert ok.first_token_id == 105 and late.first_token_id == 1001
+        assert node.sessions_opened == 1
+        assert "done" not in worker.lates and "nobody" not in worker.lates
 
     run(main())
