@@ -12,9 +12,10 @@ decode rank form a group, whose headers are queued on the sender before the
 step is launched -- on a GPU the group is prepared at the first layer's hook
 and queued with the step's first chunk (``_emit`` says why). Then, as each
 group of ``layers_per_chunk`` layers is done (``layer_done``), their KV of
-those blocks and heads is gathered into a fresh buffer -- on the engine's
-stream, right behind the layers, so the blocks may be reused by any later
-step -- and queued as one chunk; the sender's thread
+those blocks and heads is gathered into a fresh buffer -- on a GPU on a
+stream of its own, behind the layers, which the engine's stream waits for at
+the step's last layer, so the blocks may be reused by any later step -- and
+queued as one chunk; the sender's thread
 (its own stream) puts it on the wire while the next layers compute. After the
 prompt's last layer only its last chunk is left. With ``last_layers`` only a
 step's last layers stream like this; the layers before them go as one chunk
@@ -25,6 +26,10 @@ requests' destinations) and hands each step's segments to the other ranks
 (``call_workers("kv_step")``, before the step's own hand-off); their streamer
 (prefill_node/tp_rank.py) is asked with no batch and emits its heads of the
 same segments. ``finish`` ends a reservation's stream on every rank the same way.
+
+Blocks that follow (prefill_node/late_blocks.py): a Prefill the decode node
+sent before reserving its blocks is planned without them; on a GPU its step's
+groups are prepared at the first due chunk's hook, once they came.
 
 Chunked prefill: a long prompt streams chunk by chunk; a block cut by a chunk
 boundary goes with the chunk that fills it. Prefix hits on this node need no
@@ -162,6 +167,8 @@ class KVStreamer:
         # Blocks that come after a step's launch are waited for at its first due
         # chunk (a GPU, one rank: late_blocks.py says why); otherwise before it.
         self.defer_blocks = not self.headers_at_once and call_workers is None
+        # On a GPU chunks are gathered on a stream of their own (``_layer_done`` says why).
+        self.gather_stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
         self._streams: dict[str, _Streamed] = {}  # rank 0
         # Decode node -> the channel epoch its latest Prefill named: one step's
         # group for a node is sent on one channel, the newest.
@@ -359,7 +366,7 @@ class KVStreamer:
         if self.headers_at_once:
             groups, due = self._prepare(plan)
             self._post(groups)
-            return lambda layer: self._layer_done(due.pop(layer, ()))
+            return lambda layer: self._layer_done(layer, due.pop(layer, ()))
         pending: list | None = None  # the groups, prepared at the first hook
         due: dict[int, list] = {}
         first_due = 0
@@ -374,7 +381,7 @@ class KVStreamer:
             if pending and layer >= first_due:
                 self._post(pending)
                 pending = []
-            self._layer_done(due.pop(layer, ()))
+            self._layer_done(layer, due.pop(layer, ()))
 
         return layer_done
 
@@ -445,19 +452,36 @@ class KVStreamer:
         for group in groups:
             self.sender.post_group(group)
 
-    def _layer_done(self, chunks) -> None:
-        if not chunks:
-            return
-        now = time.monotonic()
-        cuda = self.kv_cache.is_cuda
-        base = self.my_heads.start  # header heads are global, the cache holds this rank's
-        for group, segment, desc, idx, last in chunks:
-            heads = (desc.head_start - base, desc.head_end - base)
-            data = gather_blocks(self.kv_cache, idx, desc.layers, heads)
-            ready = None
-            if cuda:
-                # Timing-enabled: the sender measures its wire time and what of
-                # the transfer was left after the last layer from it.
-                ready = torch.cuda.Event(enable_timing=True)
-                ready.record()
-            self.sender.send_chunk(group, segment, desc, data, ready, now, last)
+    def _layer_done(self, layer: int, chunks) -> None:
+        """Gather and queue the chunks whose last layer ``layer`` is.
+
+        On a GPU the gathers run on a stream of their own, after the layer: on
+        the engine's stream the held chunk's gather (28 layers' blocks) held
+        the next layer back by 0.44-0.48 ms of device time (8B, 2048 tokens,
+        docs/performance.md); beside it, it shares the device with that layer.
+        The engine's stream waits for every gather of the step at its last
+        layer, so nothing after the step (a later step's KV writes into blocks
+        freed meanwhile: an abort, a preemption) touches a block before it was
+        read."""
+        gather = self.gather_stream
+        if chunks:
+            now = time.monotonic()
+            base = self.my_heads.start  # header heads are global, the cache holds this rank's
+            if gather is not None:
+                gather.wait_stream(torch.cuda.current_stream(gather.device))
+            for group, segment, desc, idx, last in chunks:
+                heads = (desc.head_start - base, desc.head_end - base)
+                ready = None
+                if gather is None:
+                    data = gather_blocks(self.kv_cache, idx, desc.layers, heads)
+                else:
+                    idx.record_stream(gather)  # made on the engine's stream
+                    with torch.cuda.stream(gather):
+                        data = gather_blocks(self.kv_cache, idx, desc.layers, heads)
+                        # Timing-enabled: the sender measures its wire time and what
+                        # of the transfer was left after the last layer from it.
+                        ready = torch.cuda.Event(enable_timing=True)
+                        ready.record()
+                self.sender.send_chunk(group, segment, desc, data, ready, now, last)
+        if gather is not None and layer == self.num_layers - 1:
+            torch.cuda.current_stream(gather.device).wait_stream(gather)
