@@ -133,6 +133,25 @@ def _follow(rid: str, length: int = 3) -> internal_pb2.PrefillSessionCommand:
     return command
 
 
+async def _started(client, command) -> asyncio.Task:
+    """A task awaiting the Prefill of ``command``, once its start was written."""
+    written = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(client.prefill(command, 10.0, written))
+    await written
+    return task
+
+
+async def _cancel(task: asyncio.Task, seen) -> None:
+    """Cancel the task awaiting a Prefill, then give the node up to 2 s until ``seen()``."""
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(100):
+        if seen():
+            break
+        await asyncio.sleep(0.02)
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
@@ -197,13 +216,7 @@ def test_cancelling_the_waiting_task_cancels_the_prefill_on_the_node():
             task = asyncio.ensure_future(client.prefill(_command("gone", kind=3), 10.0))
             while "gone" not in worker.started:
                 await asyncio.sleep(0.01)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            for _ in range(100):
-                if "gone" in worker.cancelled:
-                    break
-                await asyncio.sleep(0.02)
+            await _cancel(task, lambda: "gone" in worker.cancelled)
         assert worker.cancelled == ["gone"]
 
     run(main())
@@ -360,9 +373,7 @@ def test_blocks_sent_after_the_start_reach_the_prefills_wait():
     async def main():
         worker = Worker()
         async with _client_of(Counting(worker)) as (client, _):
-            written = asyncio.get_running_loop().create_future()
-            reply = asyncio.ensure_future(client.prefill(_follow("b", length=40), 10.0, written))
-            await written
+            reply = await _started(client, _follow("b", length=40))
             client.send_blocks("b", 1, 3)  # 40 tokens are 3 blocks of 16
             assert (await reply).first_token_id == 1013
         assert worker.lates["b"].wait(0) == (1, 3)
@@ -374,18 +385,10 @@ def test_cancelling_a_prefill_whose_blocks_never_came_wakes_its_wait():
     async def main():
         worker = Worker()
         async with _client_of(Counting(worker)) as (client, _):
-            written = asyncio.get_running_loop().create_future()
-            task = asyncio.ensure_future(client.prefill(_follow("gone"), 10.0, written))
-            await written
+            task = await _started(client, _follow("gone"))
             while "gone" not in worker.started:
                 await asyncio.sleep(0.01)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            for _ in range(100):
-                if "gone" in worker.woken:
-                    break
-                await asyncio.sleep(0.02)
+            await _cancel(task, lambda: "gone" in worker.woken)
         assert worker.cancelled == ["gone"]
         # Woken by the Prefill's end, not by the wait's own 5 s.
         assert isinstance(worker.woken["gone"], TransferError)
@@ -403,9 +406,7 @@ def test_blocks_that_do_not_fit_fail_the_prefill_as_a_bad_request(first_block, n
     async def main():
         worker = Worker()
         async with _client_of(Counting(worker)) as (client, _):
-            written = asyncio.get_running_loop().create_future()
-            reply = asyncio.ensure_future(client.prefill(_follow("bad"), 10.0, written))
-            await written
+            reply = await _started(client, _follow("bad"))
             client.send_blocks("bad", first_block, num_blocks)
             with pytest.raises(grpc.aio.AioRpcError) as bad:
                 await reply
@@ -427,9 +428,7 @@ def test_blocks_for_a_prefill_the_node_does_not_run_are_ignored():
             client.send_blocks("done", 0, 1)  # it ended already
             client.send_blocks("nobody", 0, 1)  # never started
             ok = await client.prefill(_command("next", length=5), 10.0)
-            written = asyncio.get_running_loop().create_future()
-            reply = asyncio.ensure_future(client.prefill(_follow("late"), 10.0, written))
-            await written
+            reply = await _started(client, _follow("late"))
             client.send_blocks("late", 0, 1)
             late = await reply
         assert ok.first_token_id == 105 and late.first_token_id == 1001
