@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import enable_peer_copies, rotated, save_run
 from benchmarks.kv_stream_worker import geometry, layer_fn, pair_store, report
 from engine.models.shapes import SHAPES
-from prefill_node.kv_stream import layer_spans
+from prefill_node.kv_plan import layer_spans
 
 MODES = ("none", "gather", "nccl", "ce")
 TRANSFERS = ("nccl", "ce")

@@ -46,7 +46,6 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -59,68 +58,10 @@ from engine.kv_blocks import block_index, gather_blocks, kv_unit_bytes
 from engine.kv_writes import LayerDone
 from engine.scheduler import ScheduledBatch
 from engine.tp_layout import kv_head_range
+from prefill_node.kv_plan import StepSegment, Streamed, layer_spans
 from prefill_node.late_blocks import WAIT_S, LateBlocks
 
 logger = logging.getLogger(__name__)
-
-
-def layer_spans(
-    num_layers: int, layers_per_chunk: int, last_layers: int
-) -> list[tuple[int, int, int]]:
-    """A step's layers as segments of one request: (layer_start, layer_end,
-    layers_per_chunk) each.
-
-    ``last_layers`` = 0: one span, every layer streamed in chunks of
-    ``layers_per_chunk``. Otherwise only the last ``last_layers`` layers are;
-    the layers before them go as one chunk once the last of them ran, while
-    the last layers compute. Why hold them: NVLink stays in its active power
-    state for some 50-100 ms after any transfer, and a prefill's GPU is
-    power-capped, so a link active over the whole forward costs its matmuls
-    2.0-2.4% of their throughput (docs/performance.md, "NVLink's power and the
-    forward"); held, the link wakes for the last layers only, and the held
-    chunk is one large message, the wire's fastest size. It pays only if the
-    link sends that chunk within the last layers' compute; the gathered chunk
-    is (L - N) / L of the step's KV, memory the engine's budget does not count."""
-    held = num_layers - last_layers
-    if last_layers == 0 or held <= 0 or layers_per_chunk >= num_layers:
-        return [(0, num_layers, layers_per_chunk)]
-    return [(0, held, held), (held, num_layers, layers_per_chunk)]
-
-
-@dataclass(slots=True)
-class _Streamed:
-    ticket: TransferTicket
-    reservation_id: int
-    first_block: int  # the decode node holds the blocks before it
-    num_blocks: int  # the prompt's blocks in all
-    sent_upto: int  # blocks before this went out with an earlier step
-    # The two above until the decode node's reservation came (late_blocks.py).
-    late: LateBlocks | None = None
-
-
-@dataclass(slots=True)
-class StepSegment:
-    """One request's blocks that a step completes; every rank sends its heads of them."""
-
-    request_id: str
-    dest: Destination
-    reservation_id: int
-    block_start: int
-    block_end: int
-    final: bool  # the prompt's last step
-    block_ids: list[int]  # this node's blocks [block_start, block_end) of the prompt
-    deadline: float  # time.monotonic() (one host's ranks share the clock)
-    # Rank 0 on a GPU: the decode node's blocks are still to come; the blocks
-    # before its first_block are dropped from the segment once they came
-    # (``_resolve``, at the step's first due chunk). Never handed to other ranks.
-    late: LateBlocks | None = None
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> StepSegment:
-        return cls(**{**data, "dest": Destination(**data["dest"])})
 
 
 class KVStreamer:
@@ -169,7 +110,7 @@ class KVStreamer:
         self.defer_blocks = not self.headers_at_once and call_workers is None
         # On a GPU chunks are gathered on a stream of their own (``_layer_done`` says why).
         self.gather_stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
-        self._streams: dict[str, _Streamed] = {}  # rank 0
+        self._streams: dict[str, Streamed] = {}  # rank 0
         # Decode node -> the channel epoch its latest Prefill named: one step's
         # group for a node is sent on one channel, the newest.
         self._epochs: dict[str, int] = {}
@@ -198,7 +139,7 @@ class KVStreamer:
         ``num_blocks`` are the decode node's still to come."""
         ticket = TransferTicket(request_id, dest, deadline, verify, self._parts(dest))
         self._epochs[dest.node_id] = dest.epoch
-        self._streams[request_id] = _Streamed(
+        self._streams[request_id] = Streamed(
             ticket, reservation_id, first_block, num_blocks, first_block, late
         )
         return ticket
@@ -307,7 +248,7 @@ class KVStreamer:
             )
         return plan
 
-    def _take_blocks(self, streamed: _Streamed) -> bool:
+    def _take_blocks(self, streamed: Streamed) -> bool:
         """The decode node's blocks into ``streamed``, waiting for them if need be;
         False (its ticket failed) when none come."""
         late, ticket = streamed.late, streamed.ticket

@@ -18,7 +18,8 @@ from common.kv_transfer.ticket import Destination
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
-from prefill_node.kv_stream import KVStreamer, StepSegment
+from prefill_node.kv_plan import StepSegment
+from prefill_node.kv_stream import KVStreamer
 from prefill_node.late_blocks import WAIT_S, LateBlocks
 
 NUM_LAYERS = 6
