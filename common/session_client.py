@@ -74,7 +74,8 @@ class SessionClient:
         raise NotImplementedError
 
     def _on_hello(self, hello) -> None:
-        """The node's first batch of a new session (what it says about itself)."""
+        """The node's first batch of a new session (what it says about itself);
+        None when no session is open (one is opening, or was lost)."""
 
     # ------------------------------------------------------------ the call
     async def close(self) -> None:
@@ -110,6 +111,7 @@ class SessionClient:
         # written while the node refuses the call (an older release:
         # UNIMPLEMENTED) turns the call's status into the transport's INTERNAL
         # and hides the refusal.
+        self._on_hello(None)  # what an earlier session said no longer holds
         call = self._new_call()
         try:
             async with asyncio.timeout(WRITE_TIMEOUT_S):
@@ -199,6 +201,7 @@ class SessionClient:
         finally:
             if self._call is session:
                 self._call = None
+                self._on_hello(None)
             session.cancel()  # a no-op once it ended; else (a failure here) the node lets go too
             self._fail_all(error or self.lost(self._why))
             if self.on_lost is not None:

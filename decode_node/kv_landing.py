@@ -136,13 +136,18 @@ class KVLanding(LandingCore):
         reservation_id: int | None = None,
     ) -> tuple[int, int]:
         """Register a reservation; returns (reservation id, channel epoch).
-        ``reservation_id``: the one ``expect`` gave for it."""
+        ``reservation_id``: the one ``expect`` gave for it (TransferError, the
+        id closed, when its channel failed since)."""
         loop = asyncio.get_running_loop()
         expected = None
         if reservation_id is None:
             reservation_id = next(self._reservation_ids)
         else:
             expected = self._expected.pop(reservation_id)
+            if self.receiver.epoch_of(peer) != expected[2]:
+                # Nothing comes on that epoch any more (its channel failed).
+                self._unexpect(peer, expected[1], reservation_id)
+                raise TransferError(f"the KV channel from {peer} failed since the Prefill went")
         pending = PendingKV(
             request_id,
             reservation,
@@ -156,12 +161,7 @@ class KVLanding(LandingCore):
         )
         self._pending[reservation_id] = pending
         if expected is not None:
-            epoch = expected[2]
-            if self.receiver.epoch_of(peer) != epoch:
-                # The channel failed since ``expect``: nothing comes on that epoch.
-                pending.state = TransferState.FAILED
-                self._failed(pending, TransferError(f"the KV channel from {peer} failed"))
-            return reservation_id, epoch
+            return reservation_id, expected[2]
         epoch = self._expect(peer, max(1, peer_tp), reservation_id)
         if self.tp_size > 1:
             expect = {
@@ -205,8 +205,9 @@ class KVLanding(LandingCore):
         gave that was never opened), whatever happened."""
         pending = self._pending.pop(reservation_id, None)
         if pending is None:
-            peer, peer_tp, _ = self._expected.pop(reservation_id)
-            self._unexpect(peer, peer_tp, reservation_id)
+            expected = self._expected.pop(reservation_id, None)
+            if expected is not None:  # else ``open`` closed it already
+                self._unexpect(expected[0], expected[1], reservation_id)
             return
         self._unexpect(pending.peer, pending.peer_tp, reservation_id)
         with pending.lock:

@@ -54,8 +54,8 @@ class PrefillSessionClient(SessionClient):
         super().__init__(node_id, on_lost)
         self._stub = internal_pb2_grpc.PrefillNodeStub(channel)
         self._replies: dict[str, asyncio.Future] = {}  # request_id -> its reply, until it came
-        # The node's session takes Prefills whose blocks follow (its first
-        # batch said so); False until a session opened.
+        # The open session's node takes Prefills whose blocks follow (its
+        # first batch said so); False while none is open.
         self.blocks_follow = False
 
     async def prefill(
@@ -118,8 +118,8 @@ class PrefillSessionClient(SessionClient):
     def _new_call(self):
         return self._stub.PrefillSession()
 
-    def _on_hello(self, hello: internal_pb2.PrefillSessionBatch) -> None:
-        self.blocks_follow = hello.blocks_follow
+    def _on_hello(self, hello: internal_pb2.PrefillSessionBatch | None) -> None:
+        self.blocks_follow = hello is not None and hello.blocks_follow
 
     def _cancel_command(self, rid: str) -> internal_pb2.PrefillSessionCommand:
         return internal_pb2.PrefillSessionCommand(cancel=rid)

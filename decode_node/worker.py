@@ -245,7 +245,17 @@ class DecodeWorker:
         session = None
         if self.prefill_streams is PrefillStreams.SESSION:
             session = self._session(req.prefill)
-        follow = session is not None and session.blocks_follow and landing.tp_size == 1
+        # Only while this node's engine thread is idle: the reservation then
+        # runs inline right after the Prefill's write and its blocks follow
+        # within a fraction of a millisecond. Behind a step in flight they
+        # would keep the prefill node's engine waiting for it (late_blocks.py);
+        # a busy node reserves first, as a tensor-parallel one does.
+        follow = (
+            session is not None
+            and session.blocks_follow
+            and landing.tp_size == 1
+            and self.engine.idle
+        )
         # Built in place: a constructor given the prompt's repeated field
         # converts it id by id, and each enclosing constructor copies it again
         # (111 against 6 us for 2048 ids on the VM, 0.16 ms on the GPU host).
@@ -271,7 +281,6 @@ class DecodeWorker:
         try:
             try:
                 if follow:
-                    self.stats.early_prefills += 1
                     reservation_id, destination.channel_epoch = landing.expect(peer, peer_tp)
                     destination.reservation_id = reservation_id
                     request.blocks_follow = True
@@ -284,8 +293,12 @@ class DecodeWorker:
                     # reservation holds this loop): the prompt computes meanwhile.
                     await asyncio.wait((written, reply), return_when=asyncio.FIRST_COMPLETED)
                     if not reply.done():  # else it failed: its error is raised below
+                        self.stats.early_prefills += 1
                         reservation = await reserve()
-                        landing.open(rid, reservation, peer, peer_tp, reservation_id)
+                        try:
+                            landing.open(rid, reservation, peer, peer_tp, reservation_id)
+                        except TransferError as e:  # its channel failed meanwhile
+                            raise PrefillFailed(peer, grpc.StatusCode.UNAVAILABLE, str(e)) from e
                         session.send_blocks(
                             rid, reservation.first_block, len(reservation.block_ids)
                         )

@@ -143,6 +143,13 @@ class EngineThread:
             self._queued += 1
         self._commands.put(item)
 
+    @property
+    def idle(self) -> bool:
+        """The engine thread waits for work with nothing queued: a command
+        asked for inline now would run on the caller's thread (unless the
+        thread wakes meanwhile)."""
+        return self._idle and not self._queued and self.error is None
+
     def _run_inline(self, fn: Callable[[LLMEngine], Any], future: Future) -> bool:
         """Run a command on the calling thread if the engine thread is idle and
         nothing was queued before it; False (nothing done) otherwise."""

@@ -49,10 +49,23 @@ def gather_blocks(
     block_ids: Sequence[int] | torch.Tensor,
     layers: Range | None = None,
     heads: Range | None = None,
+    on: torch.cuda.Stream | None = None,
 ) -> torch.Tensor:
-    """``[2, layers, len(block_ids), block_size, heads, head_dim]``, contiguous."""
-    out = _view(kv_cache, layers, heads).index_select(2, _index(block_ids, kv_cache.device))
-    return out.contiguous()
+    """``[2, layers, len(block_ids), block_size, heads, head_dim]``, contiguous.
+
+    ``on`` (a GPU): run the copy on that stream, into memory of the current
+    stream's pool (a side stream's pool would hold its own cache of such
+    buffers, memory the engine's budget does not count)."""
+    view = _view(kv_cache, layers, heads)
+    idx = _index(block_ids, kv_cache.device)
+    if on is None:
+        return view.index_select(2, idx).contiguous()
+    out = view.new_empty((*view.shape[:2], idx.numel(), *view.shape[3:]))
+    out.record_stream(on)
+    idx.record_stream(on)
+    with torch.cuda.stream(on):
+        torch.index_select(view, 2, idx, out=out)
+    return out
 
 
 def scatter_blocks(

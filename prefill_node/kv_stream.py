@@ -203,6 +203,7 @@ class KVStreamer:
 
     def _plan(self, batch: ScheduledBatch) -> list[StepSegment]:
         plan = []
+        until = time.monotonic() + WAIT_S  # for the blocks still to come, all of them
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             streamed = self._streams.get(seq.request_id)
             if streamed is None or not streamed.ticket.alive:
@@ -217,7 +218,7 @@ class KVStreamer:
             final = end >= seq.num_prompt_tokens
             late = streamed.late
             if late is not None and (late.ready or not self.defer_blocks):
-                if not self._take_blocks(streamed):
+                if not self._take_blocks(streamed, until):
                     continue
                 late = None
             if final and late is None and len(seq.block_table) != streamed.num_blocks:
@@ -248,13 +249,14 @@ class KVStreamer:
             )
         return plan
 
-    def _take_blocks(self, streamed: Streamed) -> bool:
-        """The decode node's blocks into ``streamed``, waiting for them if need be;
-        False (its ticket failed) when none come."""
+    def _take_blocks(self, streamed: Streamed, until: float) -> bool:
+        """The decode node's blocks into ``streamed``, waiting for them until
+        ``until`` (time.monotonic(): one bound for all of a step's waits) if need
+        be; False (its ticket failed) when none come."""
         late, ticket = streamed.late, streamed.ticket
         streamed.late = None
         try:
-            wait_s = max(0.0, min(WAIT_S, ticket.deadline - time.monotonic()))
+            wait_s = max(0.0, min(until, ticket.deadline) - time.monotonic())
             streamed.first_block, streamed.num_blocks = late.wait(wait_s)
         except Exception as e:  # TransferError or ValueError, the Prefill's failure
             ticket.fail(e)
@@ -265,12 +267,13 @@ class KVStreamer:
         """The step's segments with the decode node's blocks in (waiting for
         those still to come), less those that failed or hold none of its blocks."""
         resolved = []
+        until = time.monotonic() + WAIT_S
         for seg in plan:
             if seg.late is not None:
                 streamed = self._streams.get(seg.request_id)
                 if streamed is None or not streamed.ticket.alive:
                     continue
-                if streamed.late is not None and not self._take_blocks(streamed):
+                if streamed.late is not None and not self._take_blocks(streamed, until):
                     continue
                 start = max(seg.block_start, streamed.first_block)
                 if start >= seg.block_end:
@@ -412,17 +415,13 @@ class KVStreamer:
                 gather.wait_stream(torch.cuda.current_stream(gather.device))
             for group, segment, desc, idx, last in chunks:
                 heads = (desc.head_start - base, desc.head_end - base)
+                data = gather_blocks(self.kv_cache, idx, desc.layers, heads, on=gather)
                 ready = None
-                if gather is None:
-                    data = gather_blocks(self.kv_cache, idx, desc.layers, heads)
-                else:
-                    idx.record_stream(gather)  # made on the engine's stream
-                    with torch.cuda.stream(gather):
-                        data = gather_blocks(self.kv_cache, idx, desc.layers, heads)
-                        # Timing-enabled: the sender measures its wire time and what
-                        # of the transfer was left after the last layer from it.
-                        ready = torch.cuda.Event(enable_timing=True)
-                        ready.record()
+                if gather is not None:
+                    # Timing-enabled: the sender measures its wire time and what
+                    # of the transfer was left after the last layer from it.
+                    ready = torch.cuda.Event(enable_timing=True)
+                    ready.record(gather)
                 self.sender.send_chunk(group, segment, desc, data, ready, now, last)
         if gather is not None and layer == self.num_layers - 1:
             torch.cuda.current_stream(gather.device).wait_stream(gather)

@@ -24,11 +24,12 @@ import threading
 
 from common.kv_transfer.channel import TransferError
 
-# How long the engine thread waits for a Prefill's blocks at most. A decode
-# node sends them right after its reservation, which never queues (no room
-# fails the request at once, and the Prefill with it): a wait this long means
-# the decode node is stuck, and the transfer fails rather than stall every
-# other prompt on this node.
+# How long the engine thread waits for a step's late blocks at most (all of
+# them). A decode node sends a Prefill before its reservation only while its
+# engine thread is idle, so the reservation runs at once, right after the
+# Prefill's write (no room fails the request, and the Prefill with it): a
+# wait this long means the decode node is stuck, and the transfers fail
+# rather than stall every other prompt on this node.
 WAIT_S = 2.0
 
 

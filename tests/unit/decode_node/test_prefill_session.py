@@ -236,11 +236,14 @@ def test_a_lost_node_fails_its_prefills_unavailable_and_a_new_session_opens_afte
             waiting = asyncio.ensure_future(client.prefill(_command("stuck", kind=3), 10.0))
             while "stuck" not in worker.started:
                 await asyncio.sleep(0.01)
-            assert losses == []
+            assert losses == [] and client.blocks_follow
             await server.stop(None)  # the node dies under its Prefill
             with pytest.raises(grpc.aio.AioRpcError) as lost:
                 await waiting
             assert losses == ["lost"]
+            # What the lost session said no longer holds: until one opens, the
+            # decode node reserves before it sends (the next node may be older).
+            assert not client.blocks_follow
             with pytest.raises(grpc.aio.AioRpcError) as down:  # nobody there to open one
                 await client.prefill(_command("meanwhile"), 10.0)
             back = await _server(node, port)  # restarted on the same address
@@ -250,6 +253,7 @@ def test_a_lost_node_fails_its_prefills_unavailable_and_a_new_session_opens_afte
                         reply = await client.prefill(_command("after"), 10.0)
                         break
                     await asyncio.sleep(0.1)
+                reopened = client.blocks_follow  # the new session said so again
             finally:
                 await back.stop(None)
         assert lost.value.code() is grpc.StatusCode.UNAVAILABLE
@@ -257,6 +261,7 @@ def test_a_lost_node_fails_its_prefills_unavailable_and_a_new_session_opens_afte
         assert down.value.code() is grpc.StatusCode.UNAVAILABLE
         assert reply.first_token_id == 103
         assert node.sessions_opened == 2
+        assert reopened
 
     run(main())
     # The second session ended too, when the test stopped its node.
