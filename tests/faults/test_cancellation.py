@@ -25,6 +25,7 @@ from tests.faults.harness import (
     Stream,
     assert_idle,
     counters,
+    nodes,
     request,
     spec,
     wait_for,
@@ -184,9 +185,11 @@ def test_cancel_while_queued_behind_a_long_prompt(cluster):
     long_prompt = "Summarize: " + "the quick brown fox jumps over the lazy dog " * 70
     before = counters(cluster, *FIELDS)
     blocker = Stream(cluster.router_address, request(long_prompt, max_tokens=1))
-    time.sleep(0.5)
+    # Not a fixed pause: on a loaded host the blocker may reach the prefill
+    # node late. It runs there first, then the request sent after it waits.
+    wait_for(lambda: nodes(cluster)["prefill-0"].running >= 1, 30, "the blocker runs")
     queued = Stream(cluster.router_address, request("Am I queued?"))
-    time.sleep(0.5)
+    wait_for(lambda: nodes(cluster)["prefill-0"].waiting >= 1, 30, "the request waits")
     queued.cancel()
     assert queued.result(30).code is grpc.StatusCode.CANCELLED
     assert blocker.result(120).code is grpc.StatusCode.OK
