@@ -158,7 +158,7 @@ class EngineThread:
         try:
             # Under the lock: the engine thread is still waiting (it takes the
             # lock before it runs what it was woken for) and owes nothing.
-            if not self._idle or self._queued or self.error is not None or self._stopping:
+            if not self.idle or self._stopping:
                 return False
             future.set_running_or_notify_cancel()
             first = False

@@ -33,11 +33,25 @@ from common.kv_transfer.channel import TransferError
 WAIT_S = 2.0
 
 
-class LateBlocks:
-    __slots__ = ("_event", "error", "first_block", "num_blocks", "num_prompt_blocks")
+def check_blocks(first_block: int, num_blocks: int, num_tokens: int, block_size: int) -> None:
+    """A decode node's reservation against a prompt of ``num_tokens`` here
+    (ValueError when it does not fit: a bad request)."""
+    num_prompt_blocks = -(-num_tokens // block_size)
+    if num_blocks != num_prompt_blocks:
+        raise ValueError(
+            f"the decode node reserved {num_blocks} blocks, the prompt has "
+            f"{num_prompt_blocks} of {block_size} tokens: are both nodes on the same "
+            "model and block size?"
+        )
+    if first_block >= num_blocks:
+        raise ValueError(f"first_block {first_block} leaves nothing of {num_blocks} blocks to send")
 
-    def __init__(self, num_prompt_blocks: int) -> None:
-        self.num_prompt_blocks = num_prompt_blocks  # what the prompt needs here
+
+class LateBlocks:
+    __slots__ = ("_event", "block_size", "error", "first_block", "num_blocks", "num_tokens")
+
+    def __init__(self, num_tokens: int, block_size: int) -> None:
+        self.num_tokens, self.block_size = num_tokens, block_size  # the prompt here
         self.first_block = 0
         self.num_blocks = 0
         self.error: Exception | None = None
@@ -52,20 +66,10 @@ class LateBlocks:
         """The decode node's reservation; one that does not fit the prompt fails it."""
         if self._event.is_set():
             return  # a repeat, or too late (the Prefill ended)
-        if num_blocks != self.num_prompt_blocks:
-            self.fail(
-                ValueError(
-                    f"the decode node reserved {num_blocks} blocks, the prompt has "
-                    f"{self.num_prompt_blocks}: are both nodes on the same model and block size?"
-                )
-            )
-            return
-        if first_block >= num_blocks:
-            self.fail(
-                ValueError(
-                    f"first_block {first_block} leaves nothing of {num_blocks} blocks to send"
-                )
-            )
+        try:
+            check_blocks(first_block, num_blocks, self.num_tokens, self.block_size)
+        except ValueError as e:
+            self.fail(e)
             return
         self.first_block, self.num_blocks = first_block, num_blocks
         self._event.set()

@@ -57,7 +57,7 @@ from engine.request_stream import RequestStream
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sequence import FinishReason
 from prefill_node.kv_stream import KVStreamer
-from prefill_node.late_blocks import LateBlocks
+from prefill_node.late_blocks import LateBlocks, check_blocks
 from proto import internal_pb2
 
 logger = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class PrefillWorker:
 
     def late_blocks(self, req: internal_pb2.PrefillRequest) -> LateBlocks:
         """Where a Prefill started with ``blocks_follow`` waits for its blocks."""
-        return LateBlocks(-(-len(req.prompt_token_ids) // self.block_size))
+        return LateBlocks(len(req.prompt_token_ids), self.block_size)
 
     async def prefill(
         self,
@@ -289,17 +289,7 @@ class PrefillWorker:
             if late is None:
                 raise ValueError("a Prefill whose blocks follow comes on a PrefillSession only")
             return  # its blocks are checked when they come (LateBlocks.set)
-        num_blocks = -(-num_tokens // self.block_size)
-        if dest.num_blocks != num_blocks:
-            raise ValueError(
-                f"the decode node reserved {dest.num_blocks} blocks, the prompt has "
-                f"{num_blocks} of {self.block_size} tokens: are both nodes on the same "
-                "model and block size?"
-            )
-        if dest.first_block >= num_blocks:
-            raise ValueError(
-                f"first_block {dest.first_block} leaves nothing of {num_blocks} blocks to send"
-            )
+        check_blocks(dest.first_block, dest.num_blocks, num_tokens, self.block_size)
 
     def _admit(
         self,

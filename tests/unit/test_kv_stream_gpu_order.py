@@ -186,7 +186,7 @@ def test_late_blocks_are_waited_for_at_the_first_due_chunk_not_before(when):
     sender = _Recording(log)
     streamer = _late_streamer(sender)
     assert streamer.first_due == 3
-    late = LateBlocks(3)
+    late = LateBlocks(12, 4)  # 3 blocks of 4 tokens
     ticket = _open_late(streamer, "r", late)
     layer_done = streamer.begin_step(ScheduledBatch([_seq("r")], [12]))
     assert log == []  # nothing before the launch
@@ -212,7 +212,7 @@ def test_blocks_that_came_before_the_first_hook_change_nothing_of_the_order(when
     log: list = []
     sender = _Recording(log)
     streamer = _late_streamer(sender)
-    late = LateBlocks(3)
+    late = LateBlocks(12, 4)  # 3 blocks of 4 tokens
     ticket = _open_late(streamer, "r", late)
     if when == "before-the-launch":
         late.set(1, 3)
@@ -234,7 +234,7 @@ def test_blocks_that_came_before_the_first_hook_change_nothing_of_the_order(when
 def test_blocks_that_never_come_fail_the_transfer_when_the_prefill_ends_not_the_step():
     log: list = []
     streamer = _late_streamer(_Recording(log))
-    late = LateBlocks(3)
+    late = LateBlocks(12, 4)  # 3 blocks of 4 tokens
     ticket = _open_late(streamer, "r", late)
     layer_done = streamer.begin_step(ScheduledBatch([_seq("r")], [12]))
     for layer in range(streamer.first_due):
@@ -257,7 +257,7 @@ def test_on_a_cpu_the_step_waits_for_late_blocks_before_its_launch():
     cache = torch.randn(2, NUM_LAYERS, 8, 4, 2, 8)
     streamer = KVStreamer(cache, 4, sender, 1, last_layers=2)
     assert streamer.headers_at_once and not streamer.defer_blocks
-    late = LateBlocks(3)
+    late = LateBlocks(12, 4)  # 3 blocks of 4 tokens
     ticket = _open_late(streamer, "r", late)
     threading.Timer(0.1, late.set, (2, 3)).start()
     began = time.monotonic()
@@ -277,7 +277,7 @@ def test_blocks_that_do_not_fit_the_prompt_fail_its_transfer(cpu):
     streamer = _late_streamer(_Recording(log))
     if cpu:
         streamer.headers_at_once, streamer.defer_blocks = True, False
-    late = LateBlocks(3)
+    late = LateBlocks(12, 4)  # 3 blocks of 4 tokens
     ticket = _open_late(streamer, "r", late)
     if cpu:  # waited for before the launch: the step plans nothing of it
         threading.Timer(0.05, late.set, (0, 5)).start()  # a decode node on another block size
@@ -299,7 +299,7 @@ def test_a_chunk_of_blocks_the_decode_node_holds_sends_nothing_and_the_next_goes
     log: list = []
     sender = _Recording(log)
     streamer = _late_streamer(sender)
-    late = LateBlocks(3)
+    late = LateBlocks(12, 4)  # 3 blocks of 4 tokens
     ticket = _open_late(streamer, "r", late)
     seq = _seq("r")
     layer_done = streamer.begin_step(ScheduledBatch([seq], [8]))

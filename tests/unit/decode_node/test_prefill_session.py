@@ -37,7 +37,7 @@ class Worker:
         self.woken: dict[str, Exception] = {}  # what woke a thread waiting for blocks
 
     def late_blocks(self, request) -> LateBlocks:
-        late = self.lates[request.request_id] = LateBlocks(-(-len(request.prompt_token_ids) // 16))
+        late = self.lates[request.request_id] = LateBlocks(len(request.prompt_token_ids), 16)
         return late
 
     def _wait(self, rid: str, late: LateBlocks) -> tuple[int, int]:
