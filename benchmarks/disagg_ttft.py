@@ -18,9 +18,12 @@ new each time (no prefix-cache hits). Reports median TTFTs (router minus direct
 is the router's and its extra hop's cost; direct over local the
 disaggregation's), and the breakdown the nodes report: prefill queue, prefill
 compute, the KV transfer left after the prompt's last layer, and the decode
-node's time from the prefill reply to its first message; and the direct path
-hop by hop: the decode node's admission, its Prefill call (the prefill node's
-time, and the hop both ways), the reply to the first message.
+node's time from the first token in hand to its first message; and the direct
+path hop by hop: the decode node's admission, its Prefill call (to the first
+token in hand: the reply, or the token on the KV channel where it came first,
+when the "hop" is negative), the prefill node's time to its reply, the first
+message; and how many first tokens came on the KV channel, and how many of
+those the decode node decoded from before the reply came.
 
 ``--local-gpu prefill`` runs the local baseline on the prefill node's own GPU:
 two decode nodes, the first sharing the prefill node's GPU (it prefills the
@@ -52,6 +55,24 @@ from benchmarks.common import save_run
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def decode_counters(redis_url: str, node_id: str) -> tuple[int, int]:
+    """A decode node's first tokens on the KV channel and requests decoded before
+    the reply, from its last heartbeat."""
+    import asyncio
+
+    from common.cluster import Cluster
+
+    async def read():
+        cluster = Cluster.from_url(redis_url)
+        try:
+            return {n.node_id: n for n in await cluster.nodes()}[node_id]
+        finally:
+            await cluster.close()
+
+    info = asyncio.run(read())
+    return info.kv_first_tokens, info.decoded_before_reply
 
 
 def run(
@@ -200,6 +221,9 @@ def run(
                 row["router_ttft_ms"] = via_router[0]
                 row["router_reported_ttft_ms"] = via_router[1].usage.time_to_first_token_ms
             rows.append(row)
+        # What the disaggregated requests' decode node counted (its next heartbeat).
+        time.sleep(1.5)
+        first_tokens = decode_counters(cluster.redis_url, "decode-1" if same_gpu else "decode-0")
     keys = rows[0].keys()
     summary = {f"median_{k}": median([r[k] for r in rows]) for k in keys}
     if not same_gpu:
@@ -212,6 +236,10 @@ def run(
     summary["transfer_share_of_ttft"] = (
         summary["median_kv_transfer_ms"] / summary["median_direct_ttft_ms"]
     )
+    # Of every remote request (warm-ups included): first tokens that came on the
+    # KV channel, and requests that decoded from one before the Prefill's reply.
+    summary["remote_requests"] = args.warmup + args.requests
+    summary["kv_first_tokens"], summary["decoded_before_reply"] = first_tokens
     return {
         "local_gpu": args.local_gpu,
         "kv_stream_layers": stream_layers,
@@ -298,7 +326,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{s['median_prefill_hop_ms']:.2f} ms (medians of each), "
             f"reply to first message {s['median_decode_first_output_ms']:.2f} ms\n"
             f"  local prefill p50: queue {s['median_local_queue_ms']:.2f} ms, compute "
-            f"{s['median_local_compute_ms']:.2f} ms",
+            f"{s['median_local_compute_ms']:.2f} ms\n"
+            f"  first tokens on the KV channel {s['kv_first_tokens']} of "
+            f"{s['remote_requests']} remote requests, decoded before the reply "
+            f"{s['decoded_before_reply']}",
             flush=True,
         )
     model = args.shape or args.model

@@ -94,6 +94,9 @@ class FaultPoint(enum.Enum):
     # Prefill node: after every engine step (a slow or busy accelerator), so
     # that requests behind a long prompt wait in the queue for a while.
     PREFILL_STEP = "prefill_step"
+    # Prefill node: a computed and sent request's reply held (its decode node
+    # has the KV and, where it asked, the first token on the KV channel long before).
+    PREFILL_REPLY = "prefill_reply"
 
 
 @dataclass(slots=True, frozen=True)

@@ -134,10 +134,12 @@ class KVLanding(LandingCore):
         peer: str,
         peer_tp: int = 1,
         reservation_id: int | None = None,
+        first_token: bool = False,
     ) -> tuple[int, int]:
         """Register a reservation; returns (reservation id, channel epoch).
         ``reservation_id``: the one ``expect`` gave for it (TransferError, the
-        id closed, when its channel failed since)."""
+        id closed, when its channel failed since). ``first_token``: its Prefill
+        asks for the first token on the channel (``first_token``)."""
         loop = asyncio.get_running_loop()
         expected = None
         if reservation_id is None:
@@ -158,6 +160,7 @@ class KVLanding(LandingCore):
             landed=loop.create_future(),
             loop=loop,
             ranks_left=self.tp_size - 1,
+            first_token=loop.create_future() if first_token else None,
         )
         self._pending[reservation_id] = pending
         if expected is not None:
@@ -180,6 +183,33 @@ class KVLanding(LandingCore):
     async def wait(self, reservation_id: int, timeout_s: float) -> None:
         """Until the KV landed (TimeoutError, TransferError otherwise)."""
         await asyncio.wait_for(self._pending[reservation_id].landed, timeout_s)
+
+    def first_token(self, reservation_id: int) -> asyncio.Future | None:
+        """(first token, cached prompt tokens) once they landed behind the KV,
+        where the Prefill asked for them (None: the prefill node had none). It
+        may never come (an older release, a tensor-parallel prefill node): the
+        reply brings them then."""
+        return self._pending[reservation_id].first_token
+
+    async def check_token(
+        self, reservation_id: int, token_id: int, cached_tokens: int, timeout_s: float
+    ) -> None:
+        """With ``--verify-kv``, once the KV landed and the reply came: the first
+        token on the channel and its cache hit, if one was announced, must be
+        the reply's (TransferError otherwise)."""
+        pending = self._pending[reservation_id]
+        if pending.first_token is None or not pending.token_announced:
+            return
+        try:  # it lands right behind the KV
+            came = await asyncio.wait_for(asyncio.shield(pending.first_token), timeout_s)
+        except TimeoutError:
+            raise TransferError("the first token announced on the KV channel never came") from None
+        if came is not None and came != (token_id, cached_tokens):
+            self.stats.checksum_mismatches += 1
+            raise TransferError(
+                f"the first token and cache hit on the KV channel {came} are not the "
+                f"reply's {(token_id, cached_tokens)}"
+            )
 
     def check(self, reservation_id: int, expected_digest: bytes) -> None:
         """With ``--verify-kv``: every chunk that landed must be what the prefill node sent."""

@@ -55,6 +55,11 @@ class PendingKV:
     landed: asyncio.Future | None = None
     loop: asyncio.AbstractEventLoop | None = None
     ranks_left: int = 0
+    # Rank 0, where the Prefill asked for it: (first token, the prefill node's
+    # cached prompt tokens) once it landed behind the KV (protocol.FLAG_TOKEN),
+    # None if the prefill node had none to send; and whether a header announced it.
+    first_token: asyncio.Future | None = None
+    token_announced: bool = False
 
     def resolve(self, error: BaseException | None = None) -> None:
         def done() -> None:
@@ -63,6 +68,13 @@ class PendingKV:
                     self.landed.set_result(None)
                 else:
                     self.landed.set_exception(error)
+
+        self.loop.call_soon_threadsafe(done)
+
+    def give_token(self, token: tuple[int, int] | None) -> None:
+        def done() -> None:
+            if not self.first_token.done():
+                self.first_token.set_result(token)
 
         self.loop.call_soon_threadsafe(done)
 
@@ -139,6 +151,7 @@ class LandingCore:
                 seg.dropped = True
             else:
                 pending.state = TransferState.STREAMING
+                pending.token_announced |= header.has_token
                 blocks = pending.reservation.block_ids[header.block_start : header.block_end]
                 seg.index = block_index(blocks, self._runner.device)
                 seg.pending = pending
@@ -172,6 +185,20 @@ class LandingCore:
             self._failed(pending, error)
         elif complete:
             self._landed(pending)
+
+    def on_first_token(self, peer: str, seg: _Segment, token_id: int) -> None:
+        """The prompt's first token, behind its last segment's chunks: taken once
+        all of the reservation's KV landed on this rank (-1: the prefill node
+        had none to send; the reply brings it)."""
+        pending = seg.pending
+        if pending is None or seg.dropped or pending.first_token is None:
+            return
+        if token_id >= 0:
+            self.stats.kv_first_tokens += 1
+        with pending.lock:
+            if pending.state is not TransferState.LANDED:
+                return  # committed from the reply already, failed or gone
+        pending.give_token((token_id, seg.header.cached_tokens) if token_id >= 0 else None)
 
     def _place(self, pending: PendingKV, index, desc: ChunkDesc, data, stream) -> None:
         runner = self._runner

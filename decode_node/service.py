@@ -10,7 +10,8 @@ import grpc
 from common.grpc_server import abort_from_exception
 from common.reliability import FAILED_NODE_KEY
 from decode_node import session
-from decode_node.worker import DecodeWorker, PrefillFailed
+from decode_node.prefill_call import PrefillFailed
+from decode_node.worker import DecodeWorker
 from proto import internal_pb2, internal_pb2_grpc
 
 

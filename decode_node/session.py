@@ -23,7 +23,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from common.request_session import RequestSession
-from decode_node.worker import DecodeWorker, PrefillFailed
+from decode_node.prefill_call import PrefillFailed
+from decode_node.worker import DecodeWorker
 from proto import internal_pb2
 
 

@@ -19,9 +19,14 @@ Life cycle of a request on a decode node:
    reservation; if it is still waiting, the payload is scattered into its
    blocks (on the receiver's stream) and the reservation is LANDED; if it is
    gone (cancelled, failed), the payload is dropped and nothing is written.
-5. With both the KV and the Prefill reply (first token, cache hit, timings) in
-   hand, the engine thread commits the request: it joins the running batch and
-   the first token is processed like any other (text, stop conditions).
+5. With the KV and the first token in hand, the engine thread commits the
+   request: it joins the running batch and the first token is processed like
+   any other (text, stop conditions). The token comes with the Prefill reply
+   (with the cache hit and the timings), or, where this node asked for it
+   (``first_token_on_kv``: both nodes of one rank, no logprobs, no
+   ``--verify-kv``), on the KV channel right behind the prompt's last chunk,
+   usually before the reply: the reply is then awaited only before the Final,
+   which reports its timings.
 6. Each engine step yields at most one message per request, relayed as
    ``GenerateResponse`` deltas; the stream ends with the Final message.
 Any failure or cancellation aborts the engine request (freeing reserved or
@@ -57,6 +62,7 @@ from common.wire import (
     token_logprobs_from_proto,
 )
 from decode_node.kv_landing import KVLanding
+from decode_node.prefill_call import PrefillFailed, prefill_command, prefill_timings
 from decode_node.prefill_session import PrefillSessionClient, PrefillStreams
 from decode_node.stats import DecodeStats
 from engine.engine_thread import EngineThread
@@ -65,25 +71,6 @@ from engine.request_stream import RequestStream, settled
 from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2
 
 logger = logging.getLogger(__name__)
-
-
-class PrefillFailed(RuntimeError):
-    """The named prefill node did not deliver the prompt's KV (unreachable,
-    stalled past the lease, overloaded, channel failure). Nothing was sent to
-    the client yet, so the router may safely retry on another prefill node."""
-
-    def __init__(self, node_id: str, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"prefill node {node_id} failed: {message}")
-        self.node_id = node_id
-        self.code = code
-
-    @property
-    def status_code(self) -> grpc.StatusCode:
-        """What the router is told: RESOURCE_EXHAUSTED (the prefill node is full)
-        or UNAVAILABLE, both of which it retries on another prefill node."""
-        if self.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return self.code
-        return grpc.StatusCode.UNAVAILABLE
 
 
 class DecodeWorker:
@@ -141,6 +128,7 @@ class DecodeWorker:
         remote = req.HasField("prefill") and params.n == 1 and params.prompt_logprobs is None
         self.stats.requests += 1
         self._stages[rid] = Stage.QUEUED
+        reply: asyncio.Future | None = None  # the Prefill's, while it has not come
         try:
             if remote:
                 usage.prefill_node = req.prefill.node_id
@@ -150,11 +138,11 @@ class DecodeWorker:
                     deadline,
                     usage,
                     arrived,
+                    params.logprobs is None,
                 )
-                usage.timing.prefill_queue_ms = reply.queue_ms
-                usage.timing.prefill_compute_ms = reply.compute_ms
-                usage.timing.kv_transfer_ms = reply.transfer_ms
-                usage.timing.prefill_node_ms = reply.node_ms
+                if reply.done():
+                    prefill_timings(reply, usage)
+                    reply = None
                 self.stats.remote_prefills += 1
             else:
                 await asyncio.wrap_future(
@@ -179,6 +167,11 @@ class DecodeWorker:
                     usage.timing.prefill_queue_ms = phases.queue_s * 1e3
                     usage.timing.prefill_compute_ms = phases.prefill_s * 1e3
                 usage.cached_tokens = out.num_cached_tokens
+                if out.finished and reply is not None:
+                    # The Final reports the Prefill's timings: its reply first.
+                    await asyncio.wait((reply,))
+                    prefill_timings(reply, usage)
+                    reply = None
                 for resp in output_to_responses(out, rid, state, usage):
                     yield resp
         except NoCapacity:
@@ -190,6 +183,8 @@ class DecodeWorker:
             self.engine.call(lambda e: self._abort(e, rid, stage))
             raise
         finally:
+            if reply is not None:
+                reply.cancel()  # ended before the Final: nothing more is wanted of it
             self._stages.pop(rid, None)
 
     async def _reserve(self, rid: str, stream: RequestStream, prompt, params) -> Reservation:
@@ -225,13 +220,17 @@ class DecodeWorker:
         deadline: float | None,
         usage: pdserve_pb2.Usage,
         arrived: float,
-    ) -> tuple[internal_pb2.PrefillResponse, float]:
-        """The reservation, the Prefill and the KV's landing; returns the reply
-        and when it came (time.monotonic()). ``usage.timing`` gets the call's
-        own times. Where the prefill node takes a Prefill whose blocks follow
-        (its session said so; this node has one rank), the Prefill goes first
-        and the reservation's blocks after it, so that the prompt computes
-        while the blocks are reserved here; else the reservation goes first."""
+        token_on_kv: bool,
+    ) -> tuple[asyncio.Future, float]:
+        """The reservation, the Prefill, the KV's landing and the commit; returns
+        the reply (a future, not done yet where the first token came on the KV
+        channel) and when the first token came (time.monotonic()).
+        ``usage.timing`` gets the call's own times. Where the prefill node takes a
+        Prefill whose blocks follow (its session said so; this node has one
+        rank), the Prefill goes first and the reservation's blocks after it, so
+        that the prompt computes while the blocks are reserved here; else the
+        reservation goes first. ``token_on_kv``: the request wants no logprobs
+        (the first token's come with the reply only)."""
         peer = req.prefill.node_id
         peer_tp = max(1, req.prefill.tensor_parallel_size)
         landing = self.landing
@@ -242,6 +241,7 @@ class DecodeWorker:
                 "--verify-kv checks transfers between nodes of tensor-parallel size 1 only",
             )
         rid = req.request_id
+        token_on_kv = token_on_kv and peer_tp == 1 and landing.tp_size == 1
         session = None
         if self.prefill_streams is PrefillStreams.SESSION:
             session = self._session(req.prefill)
@@ -256,21 +256,8 @@ class DecodeWorker:
             and landing.tp_size == 1
             and self.engine.idle
         )
-        # Built in place: a constructor given the prompt's repeated field
-        # converts it id by id, and each enclosing constructor copies it again
-        # (111 against 6 us for 2048 ids on the VM, 0.16 ms on the GPU host).
-        command = internal_pb2.PrefillSessionCommand()
-        request = command.start.request
-        request.request_id = rid
-        request.prompt_token_ids.extend(req.prompt_token_ids)
-        request.sampling.CopyFrom(req.sampling)
-        request.cache_salt = req.cache_salt
-        request.resume_offset = req.resume_offset
-        destination = request.destination
-        destination.node_id = self.node_id
-        destination.store_host = landing.receiver.host
-        destination.store_port = landing.receiver.port
-        destination.tensor_parallel_size = landing.tp_size
+        command = prefill_command(req, landing, self.node_id, token_on_kv)
+        request, destination = command.start.request, command.start.request.destination
         # The lease bounds how long the blocks stay reserved for this prefill
         # node, whatever the client's deadline: a stalled or dead node cannot
         # pin them, and the router can retry elsewhere (nothing was sent yet).
@@ -278,6 +265,7 @@ class DecodeWorker:
         end = lease_end if deadline is None else min(deadline, lease_end)
         reservation_id: int | None = None
         reply: asyncio.Future | None = None
+        keep_reply = False  # handed back with the request committed
         try:
             try:
                 if follow:
@@ -296,7 +284,9 @@ class DecodeWorker:
                         self.stats.early_prefills += 1
                         reservation = await reserve()
                         try:
-                            landing.open(rid, reservation, peer, peer_tp, reservation_id)
+                            landing.open(
+                                rid, reservation, peer, peer_tp, reservation_id, token_on_kv
+                            )
                         except TransferError as e:  # its channel failed meanwhile
                             raise PrefillFailed(peer, grpc.StatusCode.UNAVAILABLE, str(e)) from e
                         session.send_blocks(
@@ -304,17 +294,34 @@ class DecodeWorker:
                         )
                 else:
                     reservation = await reserve()
-                    reservation_id, epoch = landing.open(rid, reservation, peer, peer_tp)
+                    reservation_id, epoch = landing.open(
+                        rid, reservation, peer, peer_tp, first_token=token_on_kv
+                    )
                     destination.channel_epoch = epoch
                     destination.reservation_id = reservation_id
                     destination.first_block = reservation.first_block
                     destination.num_blocks = len(reservation.block_ids)
                     sent = time.monotonic()
                 usage.timing.decode_admit_ms = (sent - arrived) * 1e3
-                if reply is not None:
-                    resp = await reply
+                if reply is None:
+                    reply = asyncio.ensure_future(
+                        self._prefill(req.prefill, command, max(0.0, end - sent))
+                    )
+                first = landing.first_token(reservation_id)
+                # With --verify-kv the reply (its checksum) is awaited, and the
+                # token on the channel checked against the reply's.
+                fast = first is not None and not landing.verify_transfers
+                if fast:
+                    # Retrieved even when the Final no longer awaits it (no warning).
+                    reply.add_done_callback(lambda f: f.cancelled() or f.exception())
+                    await asyncio.wait((reply, first), return_when=asyncio.FIRST_COMPLETED)
+                if fast and first.done() and first.result() is not None:
+                    first_token, cached_tokens = first.result()
+                    resp = None  # it may come later; the Final waits for it
+                    self.stats.decoded_before_reply += 1
                 else:
-                    resp = await self._prefill(req.prefill, command, max(0.0, end - sent))
+                    resp = await reply
+                    first_token, cached_tokens = resp.first_token_id, resp.cached_tokens
                 replied = time.monotonic()
                 usage.timing.prefill_call_ms = (replied - sent) * 1e3
             except grpc.aio.AioRpcError as e:
@@ -340,13 +347,16 @@ class DecodeWorker:
                 ) from None
             except TransferError as e:
                 raise PrefillFailed(peer, grpc.StatusCode.UNAVAILABLE, str(e)) from e
-            landing.check(reservation_id, resp.kv_checksum)
+            if resp is not None and landing.verify_transfers:  # a mismatch fails the request
+                landing.check(reservation_id, resp.kv_checksum)
+                left = max(0.0, end - time.monotonic())
+                await landing.check_token(reservation_id, first_token, cached_tokens, left)
             self._stages[req.request_id] = Stage.ADMISSION
             if delay := self.faults.get(FaultPoint.DECODE_BEFORE_COMMIT):
                 await asyncio.sleep(delay)
             first_logprobs = (
                 token_logprobs_from_proto(resp.first_logprobs)
-                if resp.HasField("first_logprobs")
+                if resp is not None and resp.HasField("first_logprobs")
                 else None
             )
             # Inline when it can be, the first token then already in the
@@ -354,14 +364,15 @@ class DecodeWorker:
             await settled(
                 self.engine.call(
                     lambda e: landing.commit(
-                        e, reservation_id, resp.first_token_id, first_logprobs, resp.cached_tokens
+                        e, reservation_id, first_token, first_logprobs, cached_tokens
                     ),
                     inline=True,
                 )
             )
-            return resp, replied
+            keep_reply = True
+            return reply, replied
         finally:
-            if reply is not None and not reply.done():
+            if reply is not None and not reply.done() and not keep_reply:
                 reply.cancel()  # the session cancels the Prefill on the node
             if reservation_id is not None:
                 landing.close(reservation_id)

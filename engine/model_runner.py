@@ -17,13 +17,7 @@ import torch
 from engine.async_step import InFlightStep, patch_indices
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, LoadFormat
 from engine.cuda_graphs import DecodeGraphs
-from engine.device import (
-    GiB,
-    available_host_memory,
-    default_dtype,
-    resolve_device,
-    resolve_dtype,
-)
+from engine.device import GiB, available_host_memory, default_dtype, resolve_device, resolve_dtype
 from engine.kernel_warmup import warm_up_kernels
 from engine.kv_blocks import Range, gather_blocks, scatter_blocks
 from engine.kv_writes import KVWriteObserver
@@ -334,6 +328,8 @@ class ModelRunner:
                 row = cached(seqs[i].seq_id)
                 rows.append(row if row is not None else self._sampling_row(seqs[i]))
             samples = self.sampler.sample(logits_of(hidden), rows)
+            if after_layer is not None:  # the observer may send first tokens (kv_writes.py)
+                self.kv_observer.step_sampled(samples.token_ids, sampling)
         prompt_logprobs = None
         for row, start, lo, hi in prompt_parts:
             if prompt_logprobs is None:

@@ -45,6 +45,8 @@ class Streamed:
     sent_upto: int  # blocks before this went out with an earlier step
     # The two above until the decode node's reservation came (late_blocks.py).
     late: LateBlocks | None = None
+    # The decode node asked for the first token on the KV channel (one rank only).
+    first_token: bool = False
 
 
 @dataclass(slots=True)
@@ -63,6 +65,11 @@ class StepSegment:
     # before its first_block are dropped from the segment once they came
     # (``KVStreamer._resolve``, at the step's first due chunk). Never handed to other ranks.
     late: LateBlocks | None = None
+    # Rank 0 of one: the batch row whose sample is the prompt's first token,
+    # sent after the segment's chunks (protocol.FLAG_TOKEN), and the prompt
+    # tokens this node served from its cache; -1: no token goes.
+    sample_row: int = -1
+    cached_tokens: int = 0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

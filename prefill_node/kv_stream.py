@@ -15,11 +15,12 @@ group of ``layers_per_chunk`` layers is done (``layer_done``), their KV of
 those blocks and heads is gathered into a fresh buffer -- on a GPU on a
 stream of its own, behind the layers, which the engine's stream waits for at
 the step's last layer, so the blocks may be reused by any later step -- and
-queued as one chunk; the sender's thread
-(its own stream) puts it on the wire while the next layers compute. After the
-prompt's last layer only its last chunk is left. With ``last_layers`` only a
-step's last layers stream like this; the layers before them go as one chunk
-once they all ran (``layer_spans`` says why).
+queued as one chunk; the sender's thread (its own stream) puts it on the wire
+while the next layers compute. After the prompt's last layer only its last
+chunk is left, and the first token if the decode node asked for it
+(prefill_node/first_tokens.py). With ``last_layers`` only a step's last layers
+stream like this; the layers before them go as one chunk once they all ran
+(``layer_spans`` says why).
 
 Tensor parallelism: rank 0 plans (it has the scheduler's batch and the
 requests' destinations) and hands each step's segments to the other ranks
@@ -51,13 +52,14 @@ import torch
 
 from common.kv_transfer.channel import TransferError
 from common.kv_transfer.pairing import kv_pairs, sends_of
-from common.kv_transfer.protocol import SegmentHeader, wire_order
+from common.kv_transfer.protocol import FLAG_TOKEN, SegmentHeader, token_order, wire_order
 from common.kv_transfer.sender import KVSender
 from common.kv_transfer.ticket import Destination, OutgoingSegment, TransferTicket
 from engine.kv_blocks import block_index, gather_blocks, kv_unit_bytes
 from engine.kv_writes import LayerDone
 from engine.scheduler import ScheduledBatch
 from engine.tp_layout import kv_head_range
+from prefill_node.first_tokens import FirstTokens
 from prefill_node.kv_plan import StepSegment, Streamed, layer_spans
 from prefill_node.late_blocks import WAIT_S, LateBlocks
 
@@ -117,6 +119,7 @@ class KVStreamer:
         # The other ranks: rank 0's plan for the next step, and each request's ticket.
         self._next_plan: list[StepSegment] | None = None
         self._tickets: dict[str, TransferTicket] = {}
+        self.first_tokens = FirstTokens(sender)  # the step's, sent once sampled
 
     def _parts(self, dest: Destination) -> int:
         """The decode ranks this rank sends to (one pair each: pairing.py)."""
@@ -134,13 +137,22 @@ class KVStreamer:
         deadline: float,
         verify: bool,
         late: LateBlocks | None = None,
+        first_token: bool = False,
     ) -> TransferTicket:
         """A Prefill's transfer; with ``late``, ``first_block`` and
-        ``num_blocks`` are the decode node's still to come."""
+        ``num_blocks`` are the decode node's still to come. ``first_token``: it
+        asked for the first token on the channel (first_tokens.py), which goes
+        between nodes of one rank only; elsewhere it comes with the reply."""
         ticket = TransferTicket(request_id, dest, deadline, verify, self._parts(dest))
         self._epochs[dest.node_id] = dest.epoch
         self._streams[request_id] = Streamed(
-            ticket, reservation_id, first_block, num_blocks, first_block, late
+            ticket,
+            reservation_id,
+            first_block,
+            num_blocks,
+            first_block,
+            late,
+            first_token and self.tp_size == 1 and dest.tensor_parallel_size == 1,
         )
         return ticket
 
@@ -193,6 +205,7 @@ class KVStreamer:
 
     # ----------------------------------------------------------- the hook
     def begin_step(self, batch: ScheduledBatch | None) -> LayerDone | None:
+        self.first_tokens.clear()
         if batch is None:  # another rank: rank 0 sent the plan before the step
             plan, self._next_plan = self._next_plan, None
         else:
@@ -204,7 +217,7 @@ class KVStreamer:
     def _plan(self, batch: ScheduledBatch) -> list[StepSegment]:
         plan = []
         until = time.monotonic() + WAIT_S  # for the blocks still to come, all of them
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             streamed = self._streams.get(seq.request_id)
             if streamed is None or not streamed.ticket.alive:
                 continue
@@ -245,6 +258,8 @@ class KVStreamer:
                     list(seq.block_table[start:stop]),
                     streamed.ticket.deadline,
                     late,
+                    row if final and streamed.first_token else -1,
+                    seq.num_cached_tokens,
                 )
             )
         return plan
@@ -366,6 +381,7 @@ class KVStreamer:
                     (seg.dest, pair.receiver), [[] for _ in self.spans]
                 )
                 for span, (layer_start, layer_end, per_chunk) in enumerate(self.spans):
+                    token = seg.sample_row >= 0 and layer_end == self.num_layers
                     header = SegmentHeader(
                         seg.reservation_id,
                         seg.block_start,
@@ -376,20 +392,24 @@ class KVStreamer:
                         pair.head_start,
                         pair.head_end,
                         self.unit_bytes,
+                        flags=FLAG_TOKEN if token else 0,
+                        cached_tokens=seg.cached_tokens if token else 0,
                     )
                     segment = OutgoingSegment(header, ticket, seg.final)
-                    per_span[span].append((segment, idx))
+                    per_span[span].append((segment, idx, seg.sample_row))
         groups = []
         due: dict[int, list] = defaultdict(list)
         for (dest, receiver), per_span in members_of.items():
             members = [m for span in per_span for m in span]
-            group = self.sender.prepare_group(dest, [s for s, _ in members], receiver)
+            group = self.sender.prepare_group(dest, [m[0] for m in members], receiver)
             groups.append(group)
-            headers = [s.header for s, _ in members]
+            headers = [m[0].header for m in members]
             for i, desc in wire_order(headers):
-                segment, idx = members[i]
+                segment, idx, _ = members[i]
                 last = segment.final and desc.layer_end == self.num_layers
                 due[desc.layer_end - 1].append((group, segment, desc, idx, last))
+            for i in token_order(headers):
+                self.first_tokens.add(group, members[i][0], members[i][2])
         return groups, due
 
     def _post(self, groups: list) -> None:
@@ -425,3 +445,6 @@ class KVStreamer:
                 self.sender.send_chunk(group, segment, desc, data, ready, now, last)
         if gather is not None and layer == self.num_layers - 1:
             torch.cuda.current_stream(gather.device).wait_stream(gather)
+
+    def step_sampled(self, token_ids: torch.Tensor, rows: list[int]) -> None:
+        self.first_tokens.send(token_ids, rows)

@@ -204,7 +204,9 @@ class PrefillWorker:
                 self.engine.add(
                     rid,
                     stream.sink,
-                    lambda e: self._admit(e, rid, prompt, params, target, dest, deadline, late),
+                    lambda e: self._admit(
+                        e, rid, prompt, params, target, dest, deadline, late, req.first_token_on_kv
+                    ),
                 )
             )
             transfer = asyncio.wrap_future(ticket.done)
@@ -242,6 +244,8 @@ class PrefillWorker:
             # behind whatever the request queued (an admission still pending
             # included), so that it follows all of the request's segments.
             self.engine.call(lambda e: self._finish(e, rid, target, dest.reservation_id))
+        if delay := self.faults.get(FaultPoint.PREFILL_REPLY):
+            await asyncio.sleep(delay)
         self.stats.transferred(report.num_bytes, report.wire_s)
         phases = PromptPhases.of(out.metrics)
         if phases is not None:  # always, with a first token; never a made-up zero
@@ -301,6 +305,7 @@ class PrefillWorker:
         dest: internal_pb2.KVDestination,
         deadline: float | None,
         late: LateBlocks | None,
+        dest_wants_token: bool,
     ) -> TransferTicket:
         """On the engine thread: queue the prompt if the queue has room, open its stream."""
         try:
@@ -318,6 +323,7 @@ class PrefillWorker:
             deadline if deadline is not None else time.monotonic() + self.sender.timeout_s,
             self.verify_transfers,
             late,
+            first_token=dest_wants_token,
         )
 
     def _abort(self, engine: LLMEngine, rid: str, sending: bool) -> None:

@@ -86,7 +86,7 @@ class NodeRef(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "destination", "resume_offset", "blocks_follow")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "destination", "resume_offset", "blocks_follow", "first_token_on_kv")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class PrefillRequest(_message.Message):
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ON_KV_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
@@ -101,7 +102,8 @@ class PrefillRequest(_message.Message):
     destination: KVDestination
     resume_offset: int
     blocks_follow: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., resume_offset: _Optional[int] = ..., blocks_follow: _Optional[bool] = ...) -> None: ...
+    first_token_on_kv: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., resume_offset: _Optional[int] = ..., blocks_follow: _Optional[bool] = ..., first_token_on_kv: _Optional[bool] = ...) -> None: ...
 
 class PrefillSessionCommand(_message.Message):
     __slots__ = ("start", "cancel", "blocks")

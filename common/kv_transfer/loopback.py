@@ -50,7 +50,7 @@ class LoopbackSender:
         self,
         group: _Group,
         segment: OutgoingSegment,
-        desc: ChunkDesc,
+        desc: ChunkDesc | None,
         data: torch.Tensor,
         ready,
         ready_at: float,
@@ -58,6 +58,9 @@ class LoopbackSender:
     ) -> None:
         ticket = segment.ticket
         context = group.contexts[group.segments.index(segment)]
+        if desc is None:  # a first token (protocol.FLAG_TOKEN)
+            self.sink.on_first_token(PEER, context, int(data.view(-1)[0]))
+            return
         self.sink.on_chunk(PEER, context, desc, data.view(-1).view(torch.uint8), None)
         if ticket is not None:
             if ticket.verify:
@@ -89,6 +92,8 @@ class LoopbackLanding:
     reservations: dict[int, _Reservation] = field(default_factory=dict)
     chunks: list[tuple[int, ChunkDesc]] = field(default_factory=list)  # what landed, in order
     digests: dict[int, list[bytes]] = field(default_factory=dict)
+    # Reservation id -> (first token, the prefill node's cached prompt tokens).
+    first_tokens: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def expect(self, reservation_id: int, block_ids: list[int], first_block: int) -> None:
         kv = self.runner.kv_cache
@@ -115,16 +120,23 @@ class LoopbackLanding:
             if (error := res.coverage.accept(h)) is not None:
                 raise ValueError(error)
             blocks = res.block_ids[h.block_start : h.block_end]
-            contexts.append((h.reservation_id, block_index(blocks, self.runner.device)))
+            index = block_index(blocks, self.runner.device)
+            contexts.append((h.reservation_id, index, h.cached_tokens))
         return contexts
 
     def on_chunk(self, peer: str, context, desc: ChunkDesc, data: torch.Tensor, stream) -> None:
-        reservation_id, index = context
+        reservation_id, index, _ = context
         self.runner.scatter_kv(index, data, desc.layers, desc.heads)
         landed = self.runner.gather_kv(index, desc.layers, desc.heads)
         self.digests[reservation_id].append(checksum(landed))
         self.reservations[reservation_id].coverage.land(desc)
         self.chunks.append((reservation_id, desc))
+
+    def on_first_token(self, peer: str, context, token_id: int) -> None:
+        reservation_id, _, cached_tokens = context
+        if self.reservations[reservation_id].coverage.units_left:
+            raise ValueError(f"a first token before reservation {reservation_id}'s KV")
+        self.first_tokens[reservation_id] = (token_id, cached_tokens)
 
     def on_peer_failed(self, peer: str, error: Exception, epoch: int) -> None:
         raise error

@@ -22,6 +22,15 @@ its receive. Groups never
 interleave: a group's headers go out only after every chunk of the group
 before it.
 
+A segment with flag TOKEN is its prompt's last and asks for more: after the
+group's chunks comes one message per such segment, in header order, of
+``TOKEN_BYTES`` (one int64: the token the prefill node sampled after the
+prompt's last layer), and its header's ``cached_tokens`` says how many prompt
+tokens the prefill node served from its prefix cache. With them the decode node
+can start decoding without the Prefill's reply (a host hop and a gRPC message
+later). Only where the Prefill asked (``PrefillRequest.first_token_on_kv``):
+a receiver that did not ask would refuse the flag.
+
 An *end* header (flag END, no blocks, no chunks, a group of its own) closes a
 reservation's stream on one pair channel: each sending rank of the prefill node
 sends one, naming the KV heads it was to send, to each decode rank it pairs
@@ -44,6 +53,8 @@ import torch
 MAGIC = 0x7064_7376_6B76_0002  # "pdsvkv", format 2 (format 1: one header + one payload)
 HEADER_WORDS = 16
 FLAG_END = 1
+FLAG_TOKEN = 2
+TOKEN_BYTES = 8  # the first-token message: one int64
 
 # Sanity bounds on what a header may announce (a corrupt stream must not make
 # the receiver allocate terabytes; real values are far below these).
@@ -52,6 +63,7 @@ MAX_LAYERS = 1 << 12
 MAX_HEADS = 1 << 12
 MAX_UNIT_BYTES = 1 << 30
 MAX_GROUP = 1 << 12
+MAX_TOKENS = 1 << 40
 
 
 class TransferState(enum.Enum):
@@ -109,7 +121,8 @@ class SegmentHeader:
     unit_bytes: int = 0  # bytes of one block x layer x head, K and V (a layout check)
     group_size: int = 1  # headers in this group
     group_index: int = 0  # this header's place in it
-    flags: int = 0  # FLAG_END: the reservation's stream ends here (no blocks)
+    flags: int = 0  # FLAG_END: the stream ends here (no blocks); FLAG_TOKEN: a token follows
+    cached_tokens: int = 0  # FLAG_TOKEN: prompt tokens the prefill node had cached
 
     @classmethod
     def end(cls, reservation_id: int, heads: tuple[int, int] = (0, 0)) -> SegmentHeader:
@@ -120,6 +133,10 @@ class SegmentHeader:
     @property
     def is_end(self) -> bool:
         return bool(self.flags & FLAG_END)
+
+    @property
+    def has_token(self) -> bool:
+        return bool(self.flags & FLAG_TOKEN)
 
     @property
     def heads(self) -> tuple[int, int]:
@@ -163,6 +180,7 @@ class SegmentHeader:
             self.group_size,
             self.group_index,
             self.flags,
+            self.cached_tokens,
         ]
 
     def to_tensor(self) -> torch.Tensor:
@@ -178,7 +196,7 @@ class SegmentHeader:
         """Parse and bound-check; ValueError for anything that is not a sane header."""
         if len(words) != HEADER_WORDS or words[0] != MAGIC:
             raise ValueError(f"not a KV segment header (magic {words[0]:#x})")
-        header = cls(*words[1:13])
+        header = cls(*words[1:14])
         header._check()
         return header
 
@@ -193,7 +211,10 @@ class SegmentHeader:
             and (end or self.head_start < self.head_end)
             and (end or 0 < self.unit_bytes <= MAX_UNIT_BYTES)
             and self.layers_per_chunk >= 1
-            and self.flags & ~FLAG_END == 0
+            and self.flags & ~(FLAG_END | FLAG_TOKEN) == 0
+            and not (end and self.has_token)
+            and 0 <= self.cached_tokens <= MAX_TOKENS
+            and (self.has_token or self.cached_tokens == 0)
         )
         if not ok:
             raise ValueError(f"KV segment header out of bounds: {self}")
@@ -206,3 +227,13 @@ def wire_order(headers: Sequence[SegmentHeader]) -> list[tuple[int, ChunkDesc]]:
     for c in range(max((len(chunks) for chunks in per_segment), default=0)):
         order.extend((i, chunks[c]) for i, chunks in enumerate(per_segment) if c < len(chunks))
     return order
+
+
+def token_order(headers: Sequence[SegmentHeader]) -> list[int]:
+    """The segments (indices) whose first token follows a group's chunks, in the order they travel."""
+    return [i for i, h in enumerate(headers) if h.has_token]
+
+
+def group_messages(headers: Sequence[SegmentHeader]) -> int:
+    """How many messages follow a group's headers: its chunks, then its tokens."""
+    return len(wire_order(headers)) + len(token_order(headers))

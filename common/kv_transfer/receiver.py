@@ -16,7 +16,8 @@ rather than left blocking its channel). For each group it reads the k headers,
 hands them to the sink (``on_group``), posts every chunk's receive at once into
 one buffer -- sizes and order follow from the headers (protocol.wire_order) --
 and hands each chunk to the sink (``on_chunk``) as soon as it landed, while the
-later ones are still on the wire. A failure or a passed deadline closes the
+later ones are still on the wire; then each first token the group carries
+(``on_first_token``). A failure or a passed deadline closes the
 channel, bumps the node's epoch (the next transfer rebuilds the group) and
 reports the peer (``on_peer_failed``) so that waiting reservations fail fast.
 """
@@ -36,7 +37,13 @@ import torch
 import torch.distributed as dist
 
 from common.kv_transfer.channel import RECEIVER, PairChannel, TransferError, pair_key
-from common.kv_transfer.protocol import ChunkDesc, SegmentHeader, wire_order
+from common.kv_transfer.protocol import (
+    TOKEN_BYTES,
+    ChunkDesc,
+    SegmentHeader,
+    token_order,
+    wire_order,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +68,10 @@ class KVSink(Protocol):
         data: torch.Tensor,
         stream: torch.cuda.Stream | None,
     ) -> None: ...
+
+    def on_first_token(self, peer: str, segment: object, token_id: int) -> None:
+        """The prompt's first token, after its last segment's chunks (FLAG_TOKEN)."""
+        ...
 
     def on_peer_failed(self, peer: str, error: Exception, epoch: int) -> None:
         """The channel from one of ``peer``'s ranks failed under ``epoch``."""
@@ -269,6 +280,7 @@ class KVReceiver:
             logger.exception("handling KV segment headers from %s failed", peer.node_id)
             contexts = [None] * len(headers)
         plan = wire_order(headers)
+        tokens = token_order(headers)
         sizes = [desc.units * headers[i].unit_bytes for i, desc in plan]
         if not plan:
             return
@@ -279,14 +291,23 @@ class KVReceiver:
             )
         # All receives are posted before any chunk can leave the sender: the
         # sender emits the group's chunks only after its layers ran.
+        sizes += [TOKEN_BYTES] * len(tokens)
         views = list(self._buffer(peer, sum(sizes)).split(sizes))
         works = [channel.post_recv(v) for v in views]
-        for (i, desc), view, work in zip(plan, views, works, strict=True):
+        for (i, desc), view, work in zip(plan, views, works, strict=False):
             channel.wait(work, time.monotonic() + self.timeout_s)
             try:
                 self.sink.on_chunk(peer.node_id, contexts[i], desc, view, self.stream)
             except Exception:  # the channel is fine; this one chunk was not wanted
                 logger.exception("handling a KV chunk from %s failed", peer.node_id)
+        for i, view, work in zip(tokens, views[len(plan) :], works[len(plan) :], strict=True):
+            channel.wait(work, time.monotonic() + self.timeout_s)
+            # Its bytes to the host (behind the receiver's stream only).
+            token_id = int.from_bytes(view.cpu().numpy().tobytes(), "little", signed=True)
+            try:
+                self.sink.on_first_token(peer.node_id, contexts[i], token_id)
+            except Exception:
+                logger.exception("handling a first token from %s failed", peer.node_id)
 
     def _buffer(self, peer: _Peer, num_bytes: int) -> torch.Tensor:
         """The peer's receive buffer, reused from group to group: fresh host memory

@@ -7,8 +7,9 @@ KV heads to the decode ranks that need them (pairing.py).
 Each link sends what is queued on it, in queue order, which is the wire order
 (protocol.py): a step's group of headers just before its first chunk (on a CPU
 when the step is launched: prefill_node/kv_stream.py), each chunk as soon as
-its layers ran (on a GPU: after the event recorded behind them), and a
-request's end header after its last chunk. Groups are all or nothing: a
+its layers ran (on a GPU: after the event recorded behind them), the first
+tokens the group carries once sampled, and a request's end header after its
+last chunk. Groups are all or nothing: a
 group whose requests are all gone (cancelled, failed, past their deadline)
 before its first header leaves is skipped whole; once its headers are out every
 one of its chunks follows, whatever becomes of the requests, because the
@@ -47,7 +48,7 @@ from common.kv_transfer.channel import (
     pair_key,
 )
 from common.kv_transfer.checksum import checksum
-from common.kv_transfer.protocol import ChunkDesc, SegmentHeader, wire_order
+from common.kv_transfer.protocol import ChunkDesc, SegmentHeader, group_messages
 from common.kv_transfer.ticket import Destination, OutgoingSegment, number_group
 from common.reliability import FaultDelays, FaultPoint
 
@@ -68,7 +69,7 @@ class _Group:
 class _Chunk:
     group: _Group
     segment: OutgoingSegment
-    desc: ChunkDesc
+    desc: ChunkDesc | None  # None: a first token (protocol.FLAG_TOKEN)
     data: torch.Tensor
     ready: torch.cuda.Event | None  # GPU: recorded behind the gather (timing-enabled)
     ready_at: float  # CPU: host time the chunk's layers were done
@@ -176,7 +177,7 @@ class _Link:
         if channel is None or channel.closed or group is not self.current:
             raise TransferError("KV stream out of step: a chunk without its group")
         ticket = chunk.segment.ticket
-        if ticket is not None and ticket.verify:
+        if ticket is not None and ticket.verify and chunk.desc is not None:
             if chunk.ready is not None:
                 chunk.ready.synchronize()  # --verify-kv only: it reads the chunk on the host
             ticket.digests.append(checksum(chunk.data))
@@ -355,7 +356,7 @@ class KVSender:
         """``open_group`` without the queueing: everything that can fail (the
         link's thread is started here), so that ``post_group`` cannot."""
         number_group(segments)
-        group = _Group(dest, segments, len(wire_order([s.header for s in segments])))
+        group = _Group(dest, segments, group_messages([s.header for s in segments]))
         group.receiver_rank = receiver_rank
         self._link(dest.node_id, receiver_rank)
         return group
@@ -368,13 +369,14 @@ class KVSender:
         self,
         group: _Group,
         segment: OutgoingSegment,
-        desc: ChunkDesc,
+        desc: ChunkDesc | None,
         data: torch.Tensor,
         ready: torch.cuda.Event | None,
         ready_at: float,
         last: bool,
     ) -> None:
-        """Queue one chunk, in wire order (``protocol.wire_order``) within its group."""
+        """Queue one chunk, in wire order (``protocol.wire_order``) within its
+        group; ``desc`` None: a segment's first token, after every chunk."""
         chunk = _Chunk(group, segment, desc, data, ready, ready_at, last)
         self._link(group.dest.node_id, group.receiver_rank).queue.put(chunk)
 

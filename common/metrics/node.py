@@ -84,6 +84,15 @@ COUNTERS: dict[str, tuple[str, str] | None] = {
         "Prefills sent before their blocks were reserved, the blocks following on the "
         "PrefillSession while the prompt computes (decode).",
     ),
+    "kv_first_tokens": (
+        "pdserve_kv_first_tokens_total",
+        "First tokens that came on the KV channel behind the prompt's KV (decode).",
+    ),
+    "decoded_before_reply": (
+        "pdserve_decoded_before_reply_total",
+        "Disaggregated requests that started decoding from the first token on the KV "
+        "channel, before the Prefill's reply came (decode).",
+    ),
     "rejected": (
         "pdserve_requests_rejected_total",
         "Requests refused for lack of room: queue full, no KV blocks or slots "

@@ -103,6 +103,9 @@ def test_worker_extension_calls_run_on_every_other_rank_in_order_with_the_steps(
         def begin_step(self, batch):
             return lambda layer: None
 
+        def step_sampled(self, token_ids, rows):
+            pass  # only rank 0 samples; this test watches the other ranks
+
     engine.call_workers("record", {"path": str(path), "tag": "first"})
     engine.call_workers("watch_layers", {"path": str(path)})
     engine.observe_kv_writes(RankZero())

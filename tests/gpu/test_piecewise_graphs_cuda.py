@@ -174,6 +174,9 @@ def test_a_streamed_prefill_keeps_its_piecewise_graphs_and_sees_each_layer_writt
             blocks[:] = batch.seqs[0].block_table
             return hook
 
+        def step_sampled(self, token_ids, rows):
+            pass  # this test reads the KV, not the samples
+
     engine.observe_kv_writes(Observer())
     prompt = [RNG.randrange(1, 10000) for _ in range(300)]
     # hold_kv: the blocks stay the request's after it finishes, as on a prefill node.

@@ -4,9 +4,11 @@ The demo model (3 KV heads) on a real cluster (Redis, router, nodes and their
 ranks in their own processes, KV over gloo): prefill-0 and decode-1 run with
 ``--tensor-parallel-size 3`` (one KV head per rank), prefill-1 and decode-0
 with 1. Draining the others picks the pair under test, so each of
-TP 3 -> 1, 1 -> 3 and 3 -> 3 carries real prompts: every rank of the decode
-node receives exactly its heads from the prefill ranks that hold them, and the
-text equals HF transformers'. Every block is free on every node after.
+TP 3 -> 1, 1 -> 3, 3 -> 3 and 1 -> 1 carries real prompts: every rank of the
+decode node receives exactly its heads from the prefill ranks that hold them,
+and the text equals HF transformers'. Between nodes of one rank (and only
+there) the first token comes on the KV channel, before the Prefill's reply
+(no ``--verify-kv`` here, so the decode node decodes from it at once). Every block is free on every node after.
 prefill-0 streams only each step's last 4 layers, the layers before in one
 chunk (``--kv-stream-last-layers 4``, a GPU's default); prefill-1 every layer.
 """
@@ -88,6 +90,10 @@ def landed_bytes(cluster, decode: str) -> int:
     return nodes(cluster)[decode].kv_transfer_bytes
 
 
+def kv_first_tokens(cluster, decode: str) -> int:
+    return nodes(cluster)[decode].kv_first_tokens
+
+
 def block_bytes(demo_model_dir) -> int:
     from engine.models.config import ModelArchConfig
 
@@ -108,8 +114,13 @@ def test_each_node_registers_its_tensor_parallel_size_and_pdctl_shows_it(cluster
 
 @pytest.mark.parametrize(
     ("prefill", "decode"),
-    [("prefill-0", "decode-0"), ("prefill-1", "decode-1"), ("prefill-0", "decode-1")],
-    ids=["tp3-to-tp1", "tp1-to-tp3", "tp3-to-tp3"],
+    [
+        ("prefill-0", "decode-0"),
+        ("prefill-1", "decode-1"),
+        ("prefill-0", "decode-1"),
+        ("prefill-1", "decode-0"),
+    ],
+    ids=["tp3-to-tp1", "tp1-to-tp3", "tp3-to-tp3", "tp1-to-tp1"],
 )
 def test_text_equals_hf_across_tensor_parallel_sizes(
     cluster, hf_demo, demo_tokenizer, demo_model_dir, prefill, decode
@@ -118,6 +129,7 @@ def test_text_equals_hf_across_tensor_parallel_sizes(
     only(cluster, prefill, decode)
     try:
         before = landed_bytes(cluster, decode)
+        tokens_before = kv_first_tokens(cluster, decode)
         blocks = 0
         for text in PROMPTS:
             ids = tokenizer.encode(f"[{prefill} to {decode}] {text}")  # new to every cache
@@ -127,8 +139,11 @@ def test_text_equals_hf_across_tensor_parallel_sizes(
             assert (final.usage.prefill_node, final.usage.decode_node) == (prefill, decode)
         wait_idle(cluster, timeout_s=30)
         deadline = time.monotonic() + 5
-        while landed_bytes(cluster, decode) - before < blocks * block_bytes(demo_model_dir):
-            assert time.monotonic() < deadline, "the decode node did not count every head landed"
+        one_rank = TP[prefill] == TP[decode] == 1
+        while landed_bytes(cluster, decode) - before < blocks * block_bytes(demo_model_dir) or (
+            one_rank and kv_first_tokens(cluster, decode) - tokens_before < len(PROMPTS)
+        ):
+            assert time.monotonic() < deadline, "the decode node did not count all that landed"
             time.sleep(0.1)
     finally:
         only(cluster)
@@ -136,3 +151,9 @@ def test_text_equals_hf_across_tensor_parallel_sizes(
     assert landed_bytes(cluster, decode) - before == blocks * block_bytes(demo_model_dir)
     infos = nodes(cluster)
     assert infos[decode].kv_transfer_failures == infos[decode].kv_late_transfers == 0
+    # The decode node (of one rank) asks every prefill node of one rank for the
+    # first token on the channel (and decodes from it if the reply has not come
+    # yet: tests/faults/test_first_token_on_kv.py); a tensor-parallel one sends
+    # none, and the reply brings it.
+    expected = len(PROMPTS) if one_rank else 0
+    assert infos[decode].kv_first_tokens - tokens_before == expected

@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from common.reliability import FAILED_NODE_KEY
+from decode_node.prefill_call import PrefillFailed
 from decode_node.session import DecodeSession
-from decode_node.worker import PrefillFailed
 from pdserve.redis_server import free_port
 from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2
 from router.node_session import NodeSession, SessionCall

@@ -1,0 +1,71 @@
+"""What a decode node sends a prefill node, and what it makes of the answer
+(the request path is decode_node/worker.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from proto import internal_pb2, pdserve_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillFailed(RuntimeError):
+    """The named prefill node did not deliver the prompt's KV (unreachable,
+    stalled past the lease, overloaded, channel failure). Nothing was sent to
+    the client yet, so the router may safely retry on another prefill node."""
+
+    def __init__(self, node_id: str, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"prefill node {node_id} failed: {message}")
+        self.node_id = node_id
+        self.code = code
+
+    @property
+    def status_code(self) -> grpc.StatusCode:
+        """What the router is told: RESOURCE_EXHAUSTED (the prefill node is full)
+        or UNAVAILABLE, both of which it retries on another prefill node."""
+        if self.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return self.code
+        return grpc.StatusCode.UNAVAILABLE
+
+
+def prefill_command(
+    req: internal_pb2.DecodeRequest, landing, node_id: str, token_on_kv: bool
+) -> internal_pb2.PrefillSessionCommand:
+    """The Prefill of ``req`` as a session's start command (a Prefill call sends
+    its request), its destination this node's receiver with no blocks yet."""
+    # Built in place: a constructor given the prompt's repeated field
+    # converts it id by id, and each enclosing constructor copies it again
+    # (111 against 6 us for 2048 ids on the VM, 0.16 ms on the GPU host).
+    command = internal_pb2.PrefillSessionCommand()
+    request = command.start.request
+    request.request_id = req.request_id
+    request.prompt_token_ids.extend(req.prompt_token_ids)
+    request.sampling.CopyFrom(req.sampling)
+    request.cache_salt = req.cache_salt
+    request.resume_offset = req.resume_offset
+    request.first_token_on_kv = token_on_kv
+    destination = request.destination
+    destination.node_id = node_id
+    destination.store_host = landing.receiver.host
+    destination.store_port = landing.receiver.port
+    destination.tensor_parallel_size = landing.tp_size
+    return command
+
+
+def prefill_timings(reply: asyncio.Future, usage: pdserve_pb2.Usage) -> None:
+    """The Prefill's own times into ``usage``, from its reply. A reply that
+    failed after the first token came on the KV channel (the prefill node died
+    after sending it) leaves them unset: the KV and the token had all come."""
+    if reply.cancelled() or reply.exception() is not None:
+        if not reply.cancelled():
+            logger.warning("a Prefill's reply failed after its first token: %s", reply.exception())
+        return
+    resp = reply.result()
+    usage.timing.prefill_queue_ms = resp.queue_ms
+    usage.timing.prefill_compute_ms = resp.compute_ms
+    usage.timing.kv_transfer_ms = resp.transfer_ms
+    usage.timing.prefill_node_ms = resp.node_ms
