@@ -259,7 +259,7 @@ class KVStreamer:
                     streamed.ticket.deadline,
                     late,
                     row if final and streamed.first_token else -1,
-                    seq.num_cached_tokens,
+                    max(0, seq.num_cached_tokens),  # -1: not admitted yet (never here)
                 )
             )
         return plan

@@ -104,10 +104,16 @@ def disaggregated(
         rid = next(_reservation_ids)
         landing.expect(rid, res.block_ids, res.first_block)
         p.add_request(request_id, prompt_ids, prefill_params(params), hold_kv=True)
+        deadline = time.monotonic() + 60
         ticket = streamer.open(
-            request_id, DEST, rid, res.first_block, len(res.block_ids), time.monotonic() + 60, True
+            request_id, DEST, rid, res.first_block, len(res.block_ids), deadline, True, None, True
         )
         first = run_until_finished(p, request_id)
+        # The first token came on the channel too, behind the KV, with the cache hit.
+        assert landing.first_tokens[rid] == (
+            first.outputs[0].token_ids[0],
+            first.num_cached_tokens,
+        )
         report = ticket.done.result(timeout=0)  # the last chunk went with the last layer
         assert landing.landed(rid)
         assert report.digest == chain(landing.digests[rid])  # bit-identical, chunk by chunk

@@ -26,6 +26,7 @@ from common.kv_transfer import (
     TransferTicket,
     wire_order,
 )
+from common.kv_transfer.protocol import FLAG_TOKEN, token_order
 from pdserve.redis_server import free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -36,6 +37,10 @@ UNIT = 64  # bytes per block x layer x head in these scripts
 def chunk_bytes(rid: int, desc) -> torch.Tensor:
     g = torch.Generator().manual_seed(rid * 1_000_003 + desc.layer_start * 1009 + desc.block_start)
     return torch.randint(0, 256, (desc.units * UNIT,), generator=g, dtype=torch.uint8)
+
+
+def first_token_of(rid: int) -> int:
+    return rid * 10 + 7
 
 
 def segment(rid, b0, b1, layers=(0, 4), per_chunk=2, heads=(0, 2)) -> SegmentHeader:
@@ -80,6 +85,9 @@ def sender_main(port, epochs, script, results, exit_after_chunks=None) -> None:
             if exit_after_chunks is not None and sent == exit_after_chunks:
                 time.sleep(1.0)  # let it leave, then die mid-group
                 os._exit(0)
+        for i in token_order(headers):  # the first tokens it announced, after its chunks
+            token = torch.tensor([first_token_of(headers[i].reservation_id)])
+            sender.send_chunk(group, segments[i], None, token, None, time.monotonic(), False)
     out = {}
     for rid, t in tickets.items():
         try:
@@ -97,6 +105,7 @@ class Collector:
         self.chunks: list[tuple[int, object, torch.Tensor]] = []
         self.headers: list[SegmentHeader] = []
         self.failed: list[str] = []
+        self.tokens: list[tuple[int, int, int]] = []  # (reservation, token, chunks landed before)
         self.event = threading.Event()
 
     def on_group(self, peer, headers):
@@ -106,6 +115,9 @@ class Collector:
     def on_chunk(self, peer, rid, desc, data, stream):
         self.chunks.append((rid, desc, data.clone()))
         self.event.set()
+
+    def on_first_token(self, peer, rid, token_id):
+        self.tokens.append((rid, token_id, len(self.chunks)))
 
     def on_peer_failed(self, peer, error, epoch):
         self.failed.append(peer)
@@ -240,3 +252,32 @@ def test_sender_reports_a_peer_that_never_listens_and_a_passed_deadline():
         live.done.result(timeout=30)
     sender.close()
     del store
+
+
+def test_first_tokens_follow_their_groups_chunks_and_the_channel_stays_in_step(receiver):
+    rx, col, port = receiver
+    token = {"flags": FLAG_TOKEN, "cached_tokens": 32}
+    group1 = [
+        (SegmentHeader(20, 0, 2, 0, 4, 2, 0, 2, UNIT, **token), False),
+        (segment(21, 0, 1), False),  # no token asked for this one
+        (SegmentHeader(22, 1, 3, 0, 4, 1, 0, 2, UNIT, **token), False),
+    ]
+    group2 = [(segment(23, 0, 1), False)]
+    script = [("group", group1), ("group", group2)] + [("end", r) for r in (20, 21, 22, 23)]
+    proc, epochs, results = start_sender(port, script)
+    epoch = rx.expect("prefill-a", 20)
+    for rid in (21, 22, 23):
+        rx.expect("prefill-a", rid)
+    epochs.put(epoch)
+    report = results.get(timeout=60)
+    proc.join(30)
+    wait_until(lambda: not rx._peers["prefill-a", 0].awaiting)
+    chunks_1 = len(wire_order([h for h, _ in group1]))
+    # In header order, each after every chunk of its group, and none for 21.
+    assert col.tokens == [(20, first_token_of(20), chunks_1), (22, first_token_of(22), chunks_1)]
+    assert [h.cached_tokens for h in col.headers if h.has_token] == [32, 32]
+    # The next group landed in step, bit-identical.
+    assert [rid for rid, _, _ in col.chunks][chunks_1:] == [23, 23]
+    for rid, desc, data in col.chunks:
+        assert torch.equal(data, chunk_bytes(rid, desc))
+    assert all(r[0] == "ok" for r in report.values()) and col.failed == []

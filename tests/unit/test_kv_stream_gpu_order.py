@@ -39,6 +39,9 @@ class _Sink:
     def on_chunk(self, peer, context, desc, data, stream) -> None:
         assert self.headers, "a chunk before its group's headers"
 
+    def on_first_token(self, peer, context, token_id) -> None:
+        assert self.headers, "a first token before its group's headers"
+
 
 class _Recording(LoopbackSender):
     def __init__(self, log: list, fail_prepare: bool = False) -> None:
@@ -60,7 +63,10 @@ class _Recording(LoopbackSender):
         super().post_group(group)
 
     def send_chunk(self, group, segment, desc, data, ready, ready_at, last) -> None:
-        self.log.append(("chunk", desc.layer_start, desc.layer_end))
+        if desc is None:  # a first token
+            self.log.append(("token", segment.header.reservation_id, int(data[0])))
+        else:
+            self.log.append(("chunk", desc.layer_start, desc.layer_end))
         self.data.append(data)
         super().send_chunk(group, segment, desc, data, ready, ready_at, last)
 
@@ -314,3 +320,47 @@ def test_a_chunk_of_blocks_the_decode_node_holds_sends_nothing_and_the_next_goes
     assert {(h.block_start, h.block_end) for h in sender.headers} == {(2, 3)}
     assert torch.equal(torch.cat(sender.data, dim=1), _kv_of(streamer, [3]))
     assert ticket.done.result(timeout=0).num_bytes == NUM_LAYERS * 2 * streamer.unit_bytes
+
+
+@pytest.mark.parametrize("cpu", [False, True], ids=["gpu-order", "cpu-order"])
+def test_a_first_token_asked_for_goes_after_the_prompts_last_chunk_once_sampled(cpu):
+    log: list = []
+    sender = _Recording(log)
+    streamer = _streamer(sender, 1, 2)
+    streamer.headers_at_once = cpu
+    deadline = time.monotonic() + 30
+    # "r" asks for its first token on the channel, "s" does not; "t" asks but
+    # (never expected) does not sample in the step: -1 keeps the channel in step.
+    streamer.open("r", DEST, 7, 0, 3, deadline, False, first_token=True)
+    streamer.open("s", DEST, 8, 0, 3, deadline, False)
+    streamer.open("t", DEST, 9, 0, 3, deadline, False, first_token=True)
+    seqs = [_seq("s"), _seq("r"), _seq("t")]
+    seqs[1].num_cached_tokens = 4
+    layer_done = streamer.begin_step(ScheduledBatch(seqs, [12, 12, 12]))
+    for layer in range(NUM_LAYERS):
+        layer_done(layer)
+    assert not any(e[0] == "token" for e in log if isinstance(e, tuple))  # not before sampling
+    flagged = [h for h in sender.headers if h.has_token]
+    # Only the last span of the ones that asked, with this node's cache hit.
+    assert [(h.reservation_id, h.layer_start, h.cached_tokens) for h in flagged] == [
+        (7, 4, 4),
+        (9, 4, 0),
+    ]
+    streamer.step_sampled(torch.tensor([11, 42, 5]), [0, 1])  # row 2 did not sample
+    assert log[-2:] == [("token", 7, 42), ("token", 9, -1)]  # after every chunk, header order
+    streamer.step_sampled(torch.tensor([1]), [0])  # the next step: nothing more goes
+    assert log[-1] == ("token", 9, -1)
+
+
+def test_a_tensor_parallel_destination_gets_no_first_token():
+    log: list = []
+    sender = _Recording(log)
+    streamer = _streamer(sender, 1, 0)
+    dest = Destination("decode-0", "127.0.0.1", 0, 0, tensor_parallel_size=2)
+    streamer.open("r", dest, 7, 0, 3, time.monotonic() + 30, False, first_token=True)
+    layer_done = streamer.begin_step(ScheduledBatch([_seq("r")], [12]))
+    for layer in range(NUM_LAYERS):
+        layer_done(layer)
+    streamer.step_sampled(torch.tensor([42]), [0])
+    assert not any(h.has_token for h in sender.headers)
+    assert not any(e[0] == "token" for e in log if isinstance(e, tuple))

@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from common.kv_transfer.coverage import Coverage
-from common.kv_transfer.protocol import HEADER_WORDS, ChunkDesc, SegmentHeader, wire_order
+from common.kv_transfer.protocol import (
+    FLAG_TOKEN,
+    HEADER_WORDS,
+    ChunkDesc,
+    SegmentHeader,
+    group_messages,
+    token_order,
+    wire_order,
+)
 from engine.kv_blocks import gather_blocks, kv_unit_bytes, scatter_blocks
 
 
@@ -33,6 +41,25 @@ def test_header_round_trip_and_rejection():
         (12, 4),  # unknown flag
     ]:
         bad = h.to_tensor()
+        bad[field] = value
+        with pytest.raises(ValueError, match="out of bounds"):
+            SegmentHeader.from_tensor(bad)
+
+
+def test_a_first_token_header_round_trips_and_adds_one_message_after_the_chunks():
+    h = seg(rid=9, flags=FLAG_TOKEN, cached_tokens=48)
+    assert h.has_token and SegmentHeader.from_tensor(h.to_tensor()) == h
+    plain = seg(rid=8, layers=(0, 4), per_chunk=2)
+    assert token_order([plain, h, seg(rid=7, flags=FLAG_TOKEN)]) == [1, 2]
+    # Its chunks as without the flag; one message more per token, after them.
+    assert h.chunks() == seg(rid=9).chunks()
+    assert group_messages([plain, h]) == len(wire_order([plain, h])) + 1 == 4
+    for field, value in [
+        (12, FLAG_TOKEN | 1),  # an end header never carries a token
+        (13, 5),  # a cache hit without a token
+        (13, -1),
+    ]:
+        bad = (h if field == 12 else seg()).to_tensor()
         bad[field] = value
         with pytest.raises(ValueError, match="out of bounds"):
             SegmentHeader.from_tensor(bad)

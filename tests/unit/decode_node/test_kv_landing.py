@@ -10,9 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.kv_transfer import TransferError
+from common.kv_transfer import SegmentHeader, TransferError
+from common.kv_transfer.protocol import FLAG_TOKEN
 from decode_node.kv_landing import KVLanding
 from decode_node.stats import DecodeStats
+from engine.kv_blocks import kv_unit_bytes, scatter_blocks
 from engine.llm_engine import Reservation
 from pdserve.redis_server import free_port
 
@@ -25,11 +27,15 @@ PEER = "prefill-0"
 def landing():
     # What KVLanding reads of a model runner: a [2, layers, blocks, block_size,
     # heads, head_dim] cache, its head layout, one rank, the device.
+    kv = torch.zeros(2, 2, 8, 4, 2, 4)
     runner = SimpleNamespace(
-        kv_cache=torch.zeros(2, 2, 8, 4, 2, 4),
+        kv_cache=kv,
         layout=SimpleNamespace(kv_heads=range(0, 2), num_kv_heads=2),
         tp=SimpleNamespace(size=1),
         device=torch.device("cpu"),
+        scatter_kv=lambda index, data, layers, heads: scatter_blocks(
+            kv, index, data, layers, heads
+        ),
     )
     landing = KVLanding("decode-0", runner, "127.0.0.1", free_port(), DecodeStats(), 5.0, False)
     yield landing
@@ -78,5 +84,45 @@ def test_a_channel_that_failed_before_the_reservation_refuses_the_id(landing):
             landing.open("r", _reservation(), PEER, 1, rid)
         assert landing._expected == {} and landing._pending == {}
         landing.close(rid)  # the request path's finally: nothing left to do
+
+    asyncio.run(main())
+
+
+def _land_with_token(landing: KVLanding, rid: int, token_id: int) -> None:
+    """What the receiver's thread does with a group of one segment that carries
+    the prompt's first token: its header, its one chunk, then the token."""
+    unit = kv_unit_bytes(landing._runner.kv_cache)
+    header = SegmentHeader(rid, 1, 3, 0, 2, 2, 0, 2, unit, flags=FLAG_TOKEN, cached_tokens=4)
+    [seg] = landing.on_group(PEER, [header])
+    [desc] = header.chunks()
+    landing.on_chunk(PEER, seg, desc, torch.ones(desc.units * unit, dtype=torch.uint8), None)
+    landing.on_first_token(PEER, seg, token_id)
+
+
+def test_a_first_token_behind_the_kv_comes_with_its_cache_hit_and_verify_checks_it(landing):
+    async def main():
+        rid, _ = landing.open("r", _reservation(), PEER, first_token=True)
+        first = landing.first_token(rid)
+        _land_with_token(landing, rid, 42)
+        await landing.wait(rid, 1)  # the KV, then the token
+        assert landing._runner.kv_cache[:, :, 4:6].view(torch.uint8).eq(1).all()
+        assert await asyncio.wait_for(first, 1) == (42, 4)
+        assert landing.stats.kv_first_tokens == 1
+        await landing.check_token(rid, 42, 4, 1)  # --verify-kv: the reply's, so fine
+        with pytest.raises(TransferError, match=r"\(42, 4\) are not the reply's \(41, 4\)"):
+            await landing.check_token(rid, 41, 4, 1)
+        assert landing.stats.checksum_mismatches == 1
+        landing.close(rid)
+        # A prefill node that had no token to send (-1): the reply's is taken.
+        rid, _ = landing.open("r", _reservation(), PEER, first_token=True)
+        _land_with_token(landing, rid, -1)
+        assert await asyncio.wait_for(landing.first_token(rid), 1) is None
+        await landing.check_token(rid, 41, 4, 1)  # nothing to check
+        assert landing.stats.kv_first_tokens == 1
+        landing.close(rid)
+        # Not asked for: no future, nothing taken (an older decode node never sees the flag).
+        rid, _ = landing.open("r", _reservation(), PEER)
+        assert landing.first_token(rid) is None
+        landing.close(rid)
 
     asyncio.run(main())
