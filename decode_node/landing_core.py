@@ -225,8 +225,11 @@ class LandingCore:
         return TransferError(message)
 
     def fail_peer(self, peer: str, error: Exception) -> None:
-        """Every open reservation from ``peer`` fails (its channel broke)."""
+        """Every open reservation from ``peer`` fails (its channel broke); a first
+        token still awaited from it will not come (the reply brings it)."""
         for pending in list(self._pending.values()):
+            if pending.peer == peer and pending.first_token is not None:
+                pending.give_token(None)  # a no-op once it came
             with pending.lock:
                 if pending.peer != peer or pending.state not in OPEN:
                     continue

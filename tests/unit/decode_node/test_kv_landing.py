@@ -126,3 +126,21 @@ def test_a_first_token_behind_the_kv_comes_with_its_cache_hit_and_verify_checks_
         landing.close(rid)
 
     asyncio.run(main())
+
+
+def test_a_first_token_that_a_broken_channel_will_not_bring_is_given_up_on(landing):
+    async def main():
+        rid, _ = landing.open("r", _reservation(), PEER, first_token=True)
+        unit = kv_unit_bytes(landing._runner.kv_cache)
+        header = SegmentHeader(rid, 1, 3, 0, 2, 2, 0, 2, unit, flags=FLAG_TOKEN)
+        [seg] = landing.on_group(PEER, [header])
+        [desc] = header.chunks()
+        landing.on_chunk(PEER, seg, desc, torch.ones(desc.units * unit, dtype=torch.uint8), None)
+        await landing.wait(rid, 1)  # every chunk landed; the channel breaks before the token
+        landing.on_peer_failed(PEER, TransferError("reset by peer"), 0)
+        assert await asyncio.wait_for(landing.first_token(rid), 1) is None
+        await landing.check_token(rid, 41, 0, 1)  # --verify-kv does not wait for it
+        assert landing.stats.transfer_failures == 0  # the KV had all come: nothing failed
+        landing.close(rid)
+
+    asyncio.run(main())
