@@ -188,8 +188,10 @@ class KVLanding(LandingCore):
         """(first token, cached prompt tokens) once they landed behind the KV,
         where the Prefill asked for them (None: the prefill node had none). It
         may never come (an older release, a tensor-parallel prefill node): the
-        reply brings them then."""
-        return self._pending[reservation_id].first_token
+        reply brings them then. None too for an id whose Prefill failed before
+        its blocks were reserved (never opened): its reply's error is raised."""
+        pending = self._pending.get(reservation_id)
+        return pending.first_token if pending is not None else None
 
     async def check_token(
         self, reservation_id: int, token_id: int, cached_tokens: int, timeout_s: float

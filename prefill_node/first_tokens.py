@@ -42,15 +42,18 @@ class FirstTokens:
         due, self._due = self._due, []
         if not due:
             return
-        ready = None
-        if token_ids.is_cuda:
-            ready = torch.cuda.Event(enable_timing=True)  # the link's stream waits for it
-            ready.record()
-        now = time.monotonic()
-        for group, segment, row in due:
+        tokens = []
+        for _, _, row in due:
             if row in rows:
                 j = rows.index(row)
-                token = token_ids[j : j + 1]
+                tokens.append(token_ids[j : j + 1])
             else:
-                token = torch.full((1,), -1, dtype=torch.int64, device=token_ids.device)
+                tokens.append(torch.full((1,), -1, dtype=torch.int64, device=token_ids.device))
+        ready = None
+        if token_ids.is_cuda:
+            # Behind the sampling and the fills above: the link's stream waits for it.
+            ready = torch.cuda.Event(enable_timing=True)
+            ready.record()
+        now = time.monotonic()
+        for (group, segment, _), token in zip(due, tokens, strict=True):
             self.sender.send_chunk(group, segment, None, token, ready, now, False)

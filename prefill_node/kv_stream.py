@@ -345,13 +345,13 @@ class KVStreamer:
         return layer_done
 
     def _prepare_or_fail(self, plan: list[StepSegment]) -> tuple[list, dict[int, list]]:
-        """``_prepare`` from inside the forward: what it cannot prepare fails
-        the step's transfers, never the step."""
+        """``_prepare`` inside the forward: a failure fails the step's transfers, not the step."""
         try:
             return self._prepare(plan)
         except Exception as e:  # any failure is the transfers', reported on their tickets
             logger.exception("preparing a step's KV groups failed; its transfers fail")
             error = TransferError(f"preparing the step's KV groups failed: {e}")
+            self.first_tokens.clear()  # announced by no header that went out
             for seg in plan:
                 # The tickets there are; none is made here (making one may be what failed).
                 if self.tp_rank == 0:

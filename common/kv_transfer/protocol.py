@@ -29,7 +29,7 @@ prompt's last layer), and its header's ``cached_tokens`` says how many prompt
 tokens the prefill node served from its prefix cache. With them the decode node
 can start decoding without the Prefill's reply (a host hop and a gRPC message
 later). Only where the Prefill asked (``PrefillRequest.first_token_on_kv``):
-a receiver that did not ask would refuse the flag.
+a receiver of an older release would refuse the flag.
 
 An *end* header (flag END, no blocks, no chunks, a group of its own) closes a
 reservation's stream on one pair channel: each sending rank of the prefill node

@@ -66,6 +66,9 @@ def test_an_id_given_before_the_reservation_is_awaited_then_opened_under_the_sam
 def test_an_id_never_opened_lingers_for_its_end_header_and_expires_nothing(landing):
     async def main():
         rid, _ = landing.expect(PEER)
+        # Its Prefill failed before the reservation: no token to wait for, the
+        # request path raises the reply's error (not a KeyError).
+        assert landing.first_token(rid) is None
         landing.expire(rid)  # a Prefill that timed out before the reservation
         assert landing.stats.leases_expired == 0
         landing.close(rid)  # the decode node had no room: the Prefill was cancelled
