@@ -23,10 +23,11 @@ Life cycle of a request on a decode node:
    request: it joins the running batch and the first token is processed like
    any other (text, stop conditions). The token comes with the Prefill reply
    (with the cache hit and the timings), or, where this node asked for it
-   (``first_token_on_kv``: both nodes of one rank, no logprobs, no
-   ``--verify-kv``), on the KV channel right behind the prompt's last chunk,
-   usually before the reply: the reply is then awaited only before the Final,
-   which reports its timings.
+   (``first_token_on_kv``: both nodes of one rank, no logprobs), on the KV
+   channel right behind the prompt's last chunk, usually before the reply:
+   the reply is then awaited only before the Final, which reports its
+   timings. With ``--verify-kv`` the reply comes first and the channel's
+   token is checked against it.
 6. Each engine step yields at most one message per request, relayed as
    ``GenerateResponse`` deltas; the stream ends with the Final message.
 Any failure or cancellation aborts the engine request (freeing reserved or
@@ -230,7 +231,7 @@ class DecodeWorker:
         rank), the Prefill goes first and the reservation's blocks after it, so
         that the prompt computes while the blocks are reserved here; else the
         reservation goes first. ``token_on_kv``: the request wants no logprobs
-        (the first token's come with the reply only)."""
+        (the first token's logprobs come with the reply only)."""
         peer = req.prefill.node_id
         peer_tp = max(1, req.prefill.tensor_parallel_size)
         landing = self.landing

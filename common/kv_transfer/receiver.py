@@ -294,13 +294,14 @@ class KVReceiver:
         sizes += [TOKEN_BYTES] * len(tokens)
         views = list(self._buffer(peer, sum(sizes)).split(sizes))
         works = [channel.post_recv(v) for v in views]
-        for (i, desc), view, work in zip(plan, views, works, strict=False):
+        n = len(plan)
+        for (i, desc), view, work in zip(plan, views[:n], works[:n], strict=True):
             channel.wait(work, time.monotonic() + self.timeout_s)
             try:
                 self.sink.on_chunk(peer.node_id, contexts[i], desc, view, self.stream)
             except Exception:  # the channel is fine; this one chunk was not wanted
                 logger.exception("handling a KV chunk from %s failed", peer.node_id)
-        for i, view, work in zip(tokens, views[len(plan) :], works[len(plan) :], strict=True):
+        for i, view, work in zip(tokens, views[n:], works[n:], strict=True):
             channel.wait(work, time.monotonic() + self.timeout_s)
             # Its bytes to the host (behind the receiver's stream only).
             token_id = int.from_bytes(view.cpu().numpy().tobytes(), "little", signed=True)
