@@ -261,16 +261,23 @@ class BlockManager:
 
         In bulk because a prompt takes all its blocks at once, on a node's
         critical path: 128 of them for 2048 tokens, one Python call each cost a
-        decode node's reservation 0.3 ms (docs/performance.md, "The Prefill hop")."""
+        decode node's reservation 0.3 ms (docs/performance.md, "The Prefill hop").
+
+        In ascending order: which block holds which of the prompt's positions is
+        free to choose, and runs of consecutive ids let a KV transfer gather them
+        on the copy engines (engine/kv_blocks.py) -- freed blocks come back to
+        the pools tail first, in descending order."""
         uncached = self._free_uncached
         if n <= len(uncached):
-            return [uncached.popleft() for _ in range(n)]
-        taken = list(uncached)
-        uncached.clear()
-        popitem = self._free_cached.popitem
-        evicted = [popitem(last=False)[0] for _ in range(n - len(taken))]
-        self._unhash_evicted(evicted)
-        taken += evicted
+            taken = [uncached.popleft() for _ in range(n)]
+        else:
+            taken = list(uncached)
+            uncached.clear()
+            popitem = self._free_cached.popitem
+            evicted = [popitem(last=False)[0] for _ in range(n - len(taken))]
+            self._unhash_evicted(evicted)
+            taken += evicted
+        taken.sort()
         return taken
 
     def _unhash_evicted(self, block_ids: list[int]) -> None:

@@ -8,6 +8,10 @@ and head-sliced) view moves every K and V of any number of blocks in a single
 kernel. The ranges are what a streamed transfer sends per message (a group of
 layers as soon as they are computed; with tensor parallelism, only the heads a
 rank holds).
+
+On a GPU a gather beside the forward goes on the copy engines instead where
+the blocks are few runs of consecutive ids (``block_runs``; copy_engine.py
+says why): per run, each K or V half is one pitched copy, a row per layer.
 """
 
 from __future__ import annotations
@@ -17,7 +21,12 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.copy_engine import CopyEngine
+
 Range = tuple[int, int]  # [start, end)
+Run = tuple[int, int]  # (first block id, number of blocks)
+# More runs than this go by kernel: each run is two driver calls on the host.
+MAX_COPY_RUNS = 8
 
 
 def block_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -26,6 +35,22 @@ def block_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return idx.pin_memory().to(device, non_blocking=True)
     return idx.to(device)
+
+
+def block_runs(block_ids: Sequence[int]) -> list[Run]:
+    """The ids as runs of consecutive ascending ids, in order."""
+    runs: list[Run] = []
+    start = prev = None
+    for b in block_ids:
+        if prev is not None and b == prev + 1:
+            prev = b
+            continue
+        if start is not None:
+            runs.append((start, prev - start + 1))
+        start = prev = b
+    if start is not None:
+        runs.append((start, prev - start + 1))
+    return runs
 
 
 def kv_unit_bytes(kv_cache: torch.Tensor) -> int:
@@ -50,22 +75,62 @@ def gather_blocks(
     layers: Range | None = None,
     heads: Range | None = None,
     on: torch.cuda.Stream | None = None,
+    runs: Sequence[Run] | None = None,
+    copier: CopyEngine | None = None,
 ) -> torch.Tensor:
     """``[2, layers, len(block_ids), block_size, heads, head_dim]``, contiguous.
 
     ``on`` (a GPU): run the copy on that stream, into memory of the current
     stream's pool (a side stream's pool would hold its own cache of such
-    buffers, memory the engine's budget does not count)."""
+    buffers, memory the engine's budget does not count); with ``copier`` and
+    the ids' ``runs`` (``block_runs``) on its copy engines where it can."""
     view = _view(kv_cache, layers, heads)
     idx = _index(block_ids, kv_cache.device)
     if on is None:
         return view.index_select(2, idx).contiguous()
     out = view.new_empty((*view.shape[:2], idx.numel(), *view.shape[3:]))
     out.record_stream(on)
+    if copier is not None and runs is not None and _copy_runs(view, out, runs, copier, on):
+        return out
     idx.record_stream(on)
     with torch.cuda.stream(on):
         torch.index_select(view, 2, idx, out=out)
     return out
+
+
+def _copy_runs(
+    view: torch.Tensor,
+    out: torch.Tensor,
+    runs: Sequence[Run],
+    copier: CopyEngine,
+    on: torch.cuda.Stream,
+) -> bool:
+    """``gather_blocks`` by pitched copies, one per run and K/V half: a row per
+    layer, the run's blocks' bytes. False (for the kernel) where a block's
+    bytes are not one span (a head range of the cache's), where there are too
+    many runs, or where the driver refused."""
+    block_elems = math.prod(view.shape[3:])
+    if (
+        len(runs) > MAX_COPY_RUNS
+        or view.stride(2) != block_elems
+        or view.stride(3) * view.shape[3] != block_elems
+    ):
+        return False
+    size = view.element_size()
+    block_bytes = block_elems * size
+    src_base, dst_base = view.data_ptr(), out.data_ptr()
+    src_pitch, dst_pitch = view.stride(1) * size, out.stride(1) * size
+    stream = on.cuda_stream
+    for half in range(view.shape[0]):
+        src_half = src_base + half * view.stride(0) * size
+        dst = dst_base + half * out.stride(0) * size
+        for first, count in runs:
+            src = src_half + first * block_bytes
+            width = count * block_bytes
+            if not copier.copy_2d(dst, dst_pitch, src, src_pitch, width, view.shape[1], stream):
+                return False
+            dst += width
+    return True
 
 
 def scatter_blocks(

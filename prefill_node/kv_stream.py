@@ -12,13 +12,11 @@ decode rank form a group, whose headers are queued on the sender before the
 step is launched -- on a GPU the group is prepared at the first layer's hook
 and queued with the step's first chunk (``_emit`` says why). Then, as each
 group of ``layers_per_chunk`` layers is done (``layer_done``), their KV of
-those blocks and heads is gathered into a fresh buffer -- on a GPU on a
-stream of its own, behind the layers, which the engine's stream waits for at
-the step's last layer, so the blocks may be reused by any later step -- and
-queued as one chunk; the sender's thread (its own stream) puts it on the wire
-while the next layers compute. After the prompt's last layer only its last
-chunk is left, and the first token if the decode node asked for it
-(prefill_node/first_tokens.py). With ``last_layers`` only a step's last layers
+those blocks and heads is gathered into a fresh buffer (on a GPU on a stream
+of its own: ``_layer_done``) and queued as one chunk; the sender's thread puts
+it on the wire while the next layers compute. After the prompt's last layer
+only its last chunk is left, and the first token if the decode node asked for
+it (first_tokens.py). With ``last_layers`` only a step's last layers
 stream like this; the layers before them go as one chunk once they all ran
 (``layer_spans`` says why).
 
@@ -28,16 +26,14 @@ requests' destinations) and hands each step's segments to the other ranks
 (prefill_node/tp_rank.py) is asked with no batch and emits its heads of the
 same segments. ``finish`` ends a reservation's stream on every rank the same way.
 
-Blocks that follow (prefill_node/late_blocks.py): a Prefill the decode node
-sent before reserving its blocks is planned without them; on a GPU its step's
-groups are prepared at the first due chunk's hook, once they came.
+Blocks that follow (late_blocks.py): a Prefill sent before the decode node's
+reservation is planned without them; on a GPU its step's groups are prepared
+at the first due chunk's hook, once they came.
 
-Chunked prefill: a long prompt streams chunk by chunk; a block cut by a chunk
-boundary goes with the chunk that fills it. Prefix hits on this node need no
-case of their own: they go with the first segment, and each layer's chunk is
-gathered behind that layer, so a hit on blocks another prompt computes in the
-same step (the scheduler offers a prompt's blocks when it plans the step) is
-read once that layer has written them.
+Chunked prefill: a block cut by a chunk boundary goes with the chunk that
+fills it. Prefix hits go with the first segment; each layer's chunk is gathered
+behind that layer, so a hit on blocks another prompt computes in the same step
+is read once that layer has written them.
 """
 
 from __future__ import annotations
@@ -55,7 +51,8 @@ from common.kv_transfer.pairing import kv_pairs, sends_of
 from common.kv_transfer.protocol import FLAG_TOKEN, SegmentHeader, token_order, wire_order
 from common.kv_transfer.sender import KVSender
 from common.kv_transfer.ticket import Destination, OutgoingSegment, TransferTicket
-from engine.kv_blocks import block_index, gather_blocks, kv_unit_bytes
+from engine.copy_engine import CopyEngine
+from engine.kv_blocks import block_index, block_runs, gather_blocks, kv_unit_bytes
 from engine.kv_writes import LayerDone
 from engine.scheduler import ScheduledBatch
 from engine.tp_layout import kv_head_range
@@ -110,8 +107,11 @@ class KVStreamer:
         # Blocks that come after a step's launch are waited for at its first due
         # chunk (a GPU, one rank: late_blocks.py says why); otherwise before it.
         self.defer_blocks = not self.headers_at_once and call_workers is None
-        # On a GPU chunks are gathered on a stream of their own (``_layer_done`` says why).
+        # On a GPU chunks are gathered on a stream of their own (``_layer_done`` says
+        # why), on the copy engines where the blocks allow (engine/copy_engine.py).
         self.gather_stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
+        self._gathering = False  # a gather the engine's stream has not waited for yet
+        self.copier = CopyEngine.load(kv_cache.device.index) if kv_cache.is_cuda else None
         self._streams: dict[str, Streamed] = {}  # rank 0
         # Decode node -> the channel epoch its latest Prefill named: one step's
         # group for a node is sent on one channel, the newest.
@@ -191,12 +191,16 @@ class KVStreamer:
             ticket.cancel()
         self._end(dest, reservation_id)
 
-    def _ticket_for(self, seg: StepSegment) -> TransferTicket | None:
+    def _known_ticket(self, request_id: str) -> TransferTicket | None:
         if self.tp_rank == 0:
-            streamed = self._streams.get(seg.request_id)
+            streamed = self._streams.get(request_id)
             return streamed.ticket if streamed is not None else None
-        ticket = self._tickets.get(seg.request_id)
-        if ticket is None:
+        return self._tickets.get(request_id)
+
+    def _ticket_for(self, seg: StepSegment) -> TransferTicket | None:
+        """Rank 0's ticket of the segment's request; another rank's, made at its first segment."""
+        ticket = self._known_ticket(seg.request_id)
+        if ticket is None and self.tp_rank != 0:
             ticket = TransferTicket(
                 seg.request_id, seg.dest, seg.deadline, False, self._parts(seg.dest)
             )
@@ -206,6 +210,9 @@ class KVStreamer:
     # ----------------------------------------------------------- the hook
     def begin_step(self, batch: ScheduledBatch | None) -> LayerDone | None:
         self.first_tokens.clear()
+        if self._gathering:  # the last step's gathers are read before this step writes
+            torch.cuda.current_stream(self.gather_stream.device).wait_stream(self.gather_stream)
+            self._gathering = False
         if batch is None:  # another rank: rank 0 sent the plan before the step
             plan, self._next_plan = self._next_plan, None
         else:
@@ -308,20 +315,16 @@ class KVStreamer:
         groups are prepared and queued now, before the step is launched, so
         that the receiver is ready before the first chunk.
 
-        On a GPU nothing of it runs before the launch: the step's device time
-        starts when it is launched, and preparing a group (a block index
-        copied to the device, the headers, the sender's link) took 0.3 ms of
-        host time there, during which the device sat idle before the first
-        layer. At the first layer's hook the host is ahead of the device by
-        that layer, so the groups are prepared then; a failure fails the
-        step's transfers (their Prefills fail, as on a broken channel), not
-        the step. They are queued with the step's first chunk, at the hook of
-        the layer that completes it: with the first layers held
-        (``last_layers``) or the whole step sent after its last layer, the
-        link then carries nothing of the step before its first chunk, and the
-        receiver posts that chunk's receive once it has read the headers
-        (the chunk's send waits for it within the layers left). With every
-        layer streamed that is layer 0's hook."""
+        On a GPU nothing of it runs before the launch: preparing a group (a
+        block index copied to the device, the headers, the sender's link) took
+        0.3 ms of host time while the device sat idle before the first layer.
+        At the first layer's hook the host is ahead of the device by that
+        layer, so the groups are prepared then; a failure fails the step's
+        transfers, not the step. They are queued with the step's first chunk,
+        at the hook of the layer that completes it: the link carries nothing
+        of the step before then, and the receiver posts that chunk's receive
+        once it has read the headers (the send waits for it within the layers
+        left). With every layer streamed that is layer 0's hook."""
         if self.headers_at_once:
             groups, due = self._prepare(plan)
             self._post(groups)
@@ -354,11 +357,7 @@ class KVStreamer:
             self.first_tokens.clear()  # announced by no header that went out
             for seg in plan:
                 # The tickets there are; none is made here (making one may be what failed).
-                if self.tp_rank == 0:
-                    streamed = self._streams.get(seg.request_id)
-                    ticket = streamed.ticket if streamed is not None else None
-                else:
-                    ticket = self._tickets.get(seg.request_id)
+                ticket = self._known_ticket(seg.request_id)
                 if ticket is not None:
                     ticket.fail(error)
             return [], {}
@@ -375,7 +374,7 @@ class KVStreamer:
             if ticket is None or not ticket.alive:
                 continue
             pairs = kv_pairs(self.num_kv_heads, self.tp_size, seg.dest.tensor_parallel_size)
-            idx = block_index(seg.block_ids, self.kv_cache.device)
+            idx = (block_index(seg.block_ids, self.kv_cache.device), block_runs(seg.block_ids))
             for pair in sends_of(pairs, self.tp_rank):
                 per_span = members_of.setdefault(
                     (seg.dest, pair.receiver), [[] for _ in self.spans]
@@ -419,23 +418,26 @@ class KVStreamer:
     def _layer_done(self, layer: int, chunks) -> None:
         """Gather and queue the chunks whose last layer ``layer`` is.
 
-        On a GPU the gathers run on a stream of their own, after the layer: on
-        the engine's stream the held chunk's gather (28 layers' blocks) held
-        the next layer back by 0.44-0.48 ms of device time (8B, 2048 tokens,
-        docs/performance.md); beside it, it shares the device with that layer.
-        The engine's stream waits for every gather of the step at its last
-        layer, so nothing after the step (a later step's KV writes into blocks
-        freed meanwhile: an abort, a preemption) touches a block before it was
-        read."""
+        On a GPU the gathers run on a stream of their own, after the layer, on
+        the copy engines where they can: on the engine's stream the held chunk's
+        gather (28 layers' blocks, 8B, 2048 tokens) held the next layer back by
+        0.44-0.48 ms (docs/performance.md). The engine's stream waits for them
+        before the next step (``begin_step``), not at the last layer (the step's
+        sampling need not wait for the last chunk's gather), so that no later
+        step's KV writes (into blocks freed by an abort, a preemption) touch a
+        block before it was read."""
         gather = self.gather_stream
         if chunks:
             now = time.monotonic()
             base = self.my_heads.start  # header heads are global, the cache holds this rank's
             if gather is not None:
                 gather.wait_stream(torch.cuda.current_stream(gather.device))
-            for group, segment, desc, idx, last in chunks:
+                self._gathering = True
+            for group, segment, desc, (idx, runs), last in chunks:
                 heads = (desc.head_start - base, desc.head_end - base)
-                data = gather_blocks(self.kv_cache, idx, desc.layers, heads, on=gather)
+                data = gather_blocks(
+                    self.kv_cache, idx, desc.layers, heads, gather, runs, self.copier
+                )
                 ready = None
                 if gather is not None:
                     # Timing-enabled: the sender measures its wire time and what
@@ -443,8 +445,6 @@ class KVStreamer:
                     ready = torch.cuda.Event(enable_timing=True)
                     ready.record(gather)
                 self.sender.send_chunk(group, segment, desc, data, ready, now, last)
-        if gather is not None and layer == self.num_layers - 1:
-            torch.cuda.current_stream(gather.device).wait_stream(gather)
 
     def step_sampled(self, token_ids: torch.Tensor, rows: list[int]) -> None:
         self.first_tokens.send(token_ids, rows)

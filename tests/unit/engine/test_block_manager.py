@@ -129,7 +129,8 @@ def test_uncached_blocks_are_reused_before_cached_ones_then_lru():
 
 def test_one_allocation_takes_uncached_then_lru_blocks_in_order_and_reports_evictions():
     # A prompt takes all its blocks in one allocation (in bulk): the never-cached
-    # ones first, then cached ones least recently freed first, each unhashed.
+    # ones first, then cached ones least recently freed first, each unhashed;
+    # the prompt holds them in ascending order (runs for a KV transfer's copies).
     bm = BlockManager(7, BS, record_events=True)
     a = make_seq(list(range(12)), BS)  # 3 cached blocks
     b = make_seq(list(range(50, 58)), BS)  # 2 more
@@ -144,7 +145,7 @@ def test_one_allocation_takes_uncached_then_lru_blocks_in_order_and_reports_evic
     assert lru == b_blocks[::-1] + a_blocks[::-1]  # tails first, as freed
     c = make_seq(24, BS, hashed=False)
     assert bm.allocate_slots(c, 20)  # 5 blocks: 2 never cached, then 3 from the LRU
-    assert c.block_table == uncached + lru[:3]
+    assert c.block_table == sorted(uncached + lru[:3])
     assert all(bm.blocks[i].ref_count == 1 for i in c.block_table)
     removed = bm.take_events().removed
     assert set(removed) == set(b.block_hashes[:2]) | {a.block_hashes[2]}
@@ -152,6 +153,24 @@ def test_one_allocation_takes_uncached_then_lru_blocks_in_order_and_reports_evic
     assert len(bm.find_cached_prefix(again)) == 2  # a's first two blocks survived
     bm.check_invariants()
     assert_prefix_closed(bm)
+
+
+def test_blocks_freed_tail_first_come_back_as_one_ascending_run():
+    # A freed prompt's blocks sit in the pools in descending order; the next
+    # prompt of that size gets them back ascending: one run of consecutive ids.
+    bm = BlockManager(16, BS)
+    a = make_seq(list(range(4 * BS)), BS)
+    computed(bm, a)
+    first = list(a.block_table)
+    assert first == list(range(first[0], first[0] + 4))
+    filler = make_seq(12 * BS, BS, hashed=False)
+    assert bm.allocate_slots(filler, 12 * BS)  # the never-cached blocks, all of them
+    bm.free(a)
+    assert list(bm._free_cached) == first[::-1]
+    b = make_seq(4 * BS, BS, hashed=False)
+    assert bm.allocate_slots(b, 4 * BS)
+    assert b.block_table == first
+    bm.check_invariants()
 
 
 def test_hash_hit_with_different_tokens_is_rejected():

@@ -1,0 +1,146 @@
+"""The KV gather on the copy engines (engine/copy_engine.py, engine/kv_blocks.py):
+bit for bit the blocks ``index_select`` takes, for one run, several, a layer
+range, a KV-head range (kernels), too many runs (kernels) and a pitch the
+driver refuses (kernels); and the prefill node's streamer, whose gathers the
+next step waits for before it writes KV. Run on a GPU host: ``python -m pytest tests/gpu -m gpu``."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from common.kv_transfer.loopback import LoopbackSender
+from common.kv_transfer.ticket import Destination
+from engine.copy_engine import CopyEngine
+from engine.kv_blocks import MAX_COPY_RUNS, _copy_runs, block_runs, gather_blocks
+from prefill_node.kv_plan import StepSegment
+from prefill_node.kv_stream import KVStreamer
+
+pytestmark = pytest.mark.gpu
+
+LAYERS, BLOCKS, BS, HEADS, DIM = 6, 64, 16, 4, 32
+
+
+@pytest.fixture(scope="module")
+def cache():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shape = (2, LAYERS, BLOCKS, BS, HEADS, DIM)
+    return torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def copier(cache):
+    engine = CopyEngine.load(cache.device.index)
+    assert engine is not None and engine.max_pitch > 0
+    return engine
+
+
+def _gather(cache, ids, layers, heads, copier):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    out = gather_blocks(cache, ids, layers, heads, stream, block_runs(ids), copier)
+    torch.cuda.current_stream().wait_stream(stream)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("ids", "layers"),
+    [
+        (list(range(10, 42)), None),  # one run, every layer
+        (list(range(10, 42)), (0, 4)),  # the held layers
+        (list(range(10, 42)), (5, 6)),  # one streamed layer
+        ([3, 4, 5, 40, 41, 7, 60, 61, 62, 63], (1, 5)),  # several runs
+    ],
+)
+def test_copies_equal_index_select(cache, copier, ids, layers):
+    expected = gather_blocks(cache, ids, layers)
+    view = cache if layers is None else cache[:, layers[0] : layers[1]]
+    out = torch.empty_like(expected)
+    stream = torch.cuda.current_stream()
+    assert _copy_runs(view, out, block_runs(ids), copier, stream)  # the copy engines took it
+    assert torch.equal(out, expected)
+    assert torch.equal(_gather(cache, ids, layers, None, copier), expected)
+
+
+def test_what_copies_cannot_take_goes_by_kernel_and_is_still_right(cache, copier):
+    stream = torch.cuda.current_stream()
+    many = list(range(0, 2 * (MAX_COPY_RUNS + 1), 2))  # every other block: a run each
+    sliced = list(range(8, 24))
+    for ids, heads in [(many, None), (sliced, (1, 3))]:
+        expected = gather_blocks(cache, ids, (0, 3), heads)
+        view = cache[:, 0:3, :, :, heads[0] : heads[1]] if heads else cache[:, 0:3]
+        assert not _copy_runs(view, torch.empty_like(expected), block_runs(ids), copier, stream)
+        assert torch.equal(_gather(cache, ids, (0, 3), heads, copier), expected)
+    refusing = CopyEngine.load(cache.device.index)
+    refusing.max_pitch = 1  # every pitch over the limit: the driver is never asked
+    view = cache[:, 0:3]
+    expected = gather_blocks(cache, sliced, (0, 3))
+    assert not _copy_runs(view, torch.empty_like(expected), block_runs(sliced), refusing, stream)
+    assert torch.equal(_gather(cache, sliced, (0, 3), None, refusing), expected)
+
+
+def test_random_runs_on_a_busy_stream(cache, copier):
+    # Gathers queued behind other work on a side stream, as the streamer does.
+    rng = random.Random(1)
+    for _ in range(20):
+        start = rng.randrange(0, BLOCKS - 20)
+        ids = list(range(start, start + rng.randrange(1, 20)))
+        cut = rng.randrange(0, len(ids))
+        ids = ids[cut:] + ids[:cut]  # two runs
+        layers = (rng.randrange(0, 3), rng.randrange(3, LAYERS + 1))
+        torch.cuda._sleep(1_000_000)  # the engine's stream busy: the copies must wait
+        assert torch.equal(
+            _gather(cache, ids, layers, None, copier), gather_blocks(cache, ids, layers)
+        )
+
+
+class _Keep(LoopbackSender):
+    """Keeps each chunk the streamer queues (on the device, unread)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.chunks: list = []
+
+    def post_group(self, group) -> None:
+        group.contexts = [None] * len(group.segments)
+
+    def send_chunk(self, group, segment, desc, data, ready, ready_at, last) -> None:
+        self.chunks.append((desc, data))
+
+
+def test_the_next_step_waits_for_the_streamers_gathers_before_writing_kv(cache):
+    kv = cache.clone()
+    sender = _Keep()
+    streamer = KVStreamer(kv, BS, sender, 1, last_layers=2)
+    assert streamer.copier is not None
+    blocks = [20, 21, 22, 23, 40]
+    expected = kv[:, :, blocks].clone()
+    torch.empty_like(expected).zero_()  # loads the fill kernel (a first load synchronises)
+    deadline = time.monotonic() + 30
+    dest = Destination("decode-0", "127.0.0.1", 0, 0)
+    for request_id in ("warm-up", "r"):  # the first fills the allocators' caches
+        sender.chunks.clear()
+        streamer.open(request_id, dest, 7, 0, len(blocks), deadline, False)
+        segment = StepSegment(request_id, dest, 7, 0, len(blocks), True, blocks, deadline)
+        layer_done = streamer._emit([segment])
+        with torch.cuda.stream(streamer.gather_stream):
+            torch.cuda._sleep(500_000_000)  # the gathers queue behind this (about 0.25 s)
+            slept = torch.cuda.Event()
+            slept.record()
+        for layer in range(LAYERS):
+            layer_done(layer)
+        assert streamer.begin_step(None) is None  # the next step: nothing of its own to stream
+        if request_id == "warm-up":
+            torch.cuda.synchronize()
+    kv.zero_()  # the next step's KV writes, on the engine's stream
+    # Queued while the gathers still waited (nothing on the way synchronised).
+    assert not slept.query()
+    torch.cuda.synchronize()
+    assert [(d.layer_start, d.layer_end) for d, _ in sender.chunks] == [(0, 4), (4, 5), (5, 6)]
+    for desc, data in sender.chunks:
+        assert torch.equal(data, expected[:, desc.layer_start : desc.layer_end])
