@@ -88,7 +88,8 @@ class CopyEngine:
         """Queue ``height`` rows of ``width`` bytes, ``src_pitch`` apart at the
         device address ``src``, to ``dst`` (rows ``dst_pitch`` apart) on
         ``stream`` (its handle). False when the driver refused it (nothing was
-        queued): a pitch over the limit, no context on this thread."""
+        queued): a pitch over the limit, or a refusal by the driver, after
+        which every copy is refused."""
         if max(src_pitch, dst_pitch) > self.max_pitch:
             return False
         m = _Memcpy2D()
@@ -98,5 +99,12 @@ class CopyEngine:
         m.WidthInBytes, m.Height = width, height
         status = self._copy(ctypes.byref(m), stream)
         if status != 0:
-            logger.warning("cuMemcpy2DAsync refused a KV gather (CUresult %d)", status)
+            # Not asked again: what the driver refused once (no context on this
+            # thread, say) it would refuse for every chunk, each a log line.
+            logger.warning(
+                "cuMemcpy2DAsync refused a KV gather (CUresult %d): KV chunks are "
+                "gathered by kernels from now on",
+                status,
+            )
+            self.max_pitch = 0
         return status == 0

@@ -4,6 +4,8 @@ go on the copy engines; the copies themselves are tested on a GPU
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -39,3 +41,44 @@ def test_a_cpu_gather_ignores_runs_and_takes_the_blocks_in_order():
     ids = [5, 6, 1]
     out = gather_blocks(kv, ids, (1, 3), None, None, block_runs(ids), None)
     assert torch.equal(out, kv[:, 1:3, ids])
+
+
+class _Driver:
+    """Stands in for libcuda on a host without one: C-callable functions through
+    ctypes, as ``CopyEngine`` calls them; the copy is refused with ``status``."""
+
+    def __init__(self, status: int, max_pitch: int = (1 << 31) - 1) -> None:
+        self.calls = 0
+
+        def attribute(out, attribute, device):
+            out[0] = max_pitch
+            return 0
+
+        def copy(params, stream):
+            self.calls += 1
+            return status
+
+        self.cuDeviceGetAttribute = ctypes.CFUNCTYPE(
+            ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int
+        )(attribute)
+        self.cuMemcpy2DAsync_v2 = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(
+            copy
+        )
+
+
+def test_a_copy_the_driver_refuses_turns_the_copy_engines_off_for_good():
+    driver = _Driver(status=1)  # CUDA_ERROR_INVALID_VALUE
+    engine = CopyEngine(driver, 0)
+    assert engine.max_pitch == (1 << 31) - 1
+    assert not engine.copy_2d(4096, 8192, 8192, 8192, 4096, 4, 0)
+    assert engine.max_pitch == 0
+    assert not engine.copy_2d(4096, 8192, 8192, 8192, 4096, 4, 0)
+    assert driver.calls == 1  # never asked again: no log line per chunk
+
+
+def test_a_pitch_over_the_devices_limit_is_not_asked_for():
+    driver = _Driver(status=0, max_pitch=1 << 20)
+    engine = CopyEngine(driver, 0)
+    assert engine.copy_2d(0, 1 << 20, 0, 1 << 20, 4096, 4, 0)
+    assert not engine.copy_2d(0, 1 << 20, 0, (1 << 20) + 1, 4096, 4, 0)
+    assert driver.calls == 1 and engine.max_pitch == 1 << 20  # a limit is not a refusal
