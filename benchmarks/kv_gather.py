@@ -2,8 +2,9 @@
 
     python benchmarks/kv_gather.py --shape llama-3.1-8b --tokens 512,2048 --held-layers 28
 
-One GPU. A paged KV cache of the shape's geometry; a prompt's blocks, either
-consecutive (one run) or scattered. Per way (``--modes``, interleaved round
+One GPU. A paged KV cache of the shape's geometry (``--cache-blocks``: its
+layer stride is the copies' pitch); a prompt's blocks, either consecutive (one
+run) or scattered. Per way (``--modes``, interleaved round
 by round so that a drift of the GPU falls on all alike):
 
 - ``none``: the layers alone (the baseline);
@@ -41,14 +42,16 @@ MODES = ("none", "kernel", "copy_engine")
 def _measure(args, tokens: int, scattered: bool) -> dict[str, Any]:
     import torch
 
-    from engine.copy_engine import CopyEngine
-    from engine.kv_blocks import block_runs, gather_blocks
+    from engine.kv_blocks import block_runs, cache_copier, gather_blocks
 
     device = torch.device("cuda")
     g = geometry(args.shape)
     bs = args.block_size
     num_blocks = -(-tokens // bs)
-    total_blocks = max(4 * num_blocks, 1024)
+    # A serving node's cache is far larger: its layer stride is the copies' pitch.
+    total_blocks = args.cache_blocks or max(4 * num_blocks, 1024)
+    if total_blocks < num_blocks:
+        raise SystemExit(f"--cache-blocks: at least the prompt's {num_blocks}")
     cache = torch.randn(
         2, g["layers"], total_blocks, bs, g["kv_heads"], g["head_dim"],
         device=device, dtype=torch.bfloat16,
@@ -59,9 +62,9 @@ def _measure(args, tokens: int, scattered: bool) -> dict[str, Any]:
         ids = list(range(num_blocks, 2 * num_blocks))
     runs = block_runs(ids)
     idx = torch.tensor(ids, device=device)
-    copier = CopyEngine.load(device.index or 0)
+    copier = cache_copier(cache)
     if copier is None:
-        raise SystemExit("no CUDA driver library: the copy engines cannot be asked")
+        raise SystemExit("the copy engines cannot be asked (no driver library, or the pitch)")
     held = (0, args.held_layers)
     layer = layer_fn({"compute": "shape"}, g, tokens, device)
     side = torch.cuda.Stream(device)
@@ -139,6 +142,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--held-layers", type=int, default=28, help="layers in the gathered chunk")
     p.add_argument("--layers", type=int, default=4, help="layers computing beside the gather")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=0,
+        help="blocks in the paged cache (0: four times the prompt's, at least 1024); "
+        "an 8B shape on an H200 serves some 50,000",
+    )
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out-dir", type=Path)

@@ -2,14 +2,15 @@
 
 Why: a streamed KV chunk is gathered out of the paged cache before it goes on
 the wire, beside the forward's next layers. ``index_select`` does it with an
-SM kernel that takes the layers' SMs and moved the held chunk of a 2048-token
-Llama-3.1-8B prompt (28 layers, 235 MB) in 0.54 ms on an H200; where the
-prompt's blocks are consecutive each K or V half of it is one pitched copy
-(a row per layer, the layer's blocks' bytes), which the copy engines move in
-0.20 ms and which slowed four layers computing beside it by 0.11 ms against
-``index_select``'s 0.33 (docs/performance.md, "The held chunk on the copy
-engines"). torch has no pitched copy, so ``cuMemcpy2DAsync`` is called through
-ctypes; anything it refuses is the caller's to copy another way.
+SM kernel that shares the SMs with those layers: the held chunk of a
+2048-token Llama-3.1-8B prompt (28 layers, 235 MB) took 0.69 ms on an H200 and
+slowed four layers computing beside it by 0.49 ms. Where the prompt's blocks
+are consecutive each K or V half of it is one pitched copy (a row per layer,
+the layer's blocks' bytes), which the copy engines moved in 0.34 ms, slowing
+the same layers by 0.12 ms (they still share the memory; docs/performance.md,
+"The held chunk on the copy engines"). torch has no pitched copy, so
+``cuMemcpy2DAsync`` is called through ctypes; anything it refuses is the
+caller's to copy another way.
 """
 
 from __future__ import annotations
@@ -48,31 +49,47 @@ class _Memcpy2D(ctypes.Structure):
 
 class CopyEngine:
     """The driver's pitched copy for one device (its ordinal), or ``None`` from
-    ``load`` where the driver library is missing (a CPU host)."""
+    ``load`` where the driver library is missing (a CPU host) or the rows are
+    too far apart."""
 
     def __init__(self, driver: ctypes.CDLL, device_index: int) -> None:
         self._copy = driver.cuMemcpy2DAsync_v2
         self._copy.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
         self._copy.restype = ctypes.c_int
-        pitch = ctypes.c_int(0)
-        get = driver.cuDeviceGetAttribute
-        get.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
-        get.restype = ctypes.c_int
-        status = get(ctypes.byref(pitch), _ATTRIBUTE_MAX_PITCH, device_index)
+        get_device, get_attribute = driver.cuDeviceGet, driver.cuDeviceGetAttribute
+        get_device.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        get_attribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+        get_device.restype = get_attribute.restype = ctypes.c_int
+        device, pitch = ctypes.c_int(0), ctypes.c_int(0)
+        status = get_device(ctypes.byref(device), device_index)
+        if status == 0:
+            status = get_attribute(ctypes.byref(pitch), _ATTRIBUTE_MAX_PITCH, device.value)
+        if status != 0:
+            raise OSError(
+                f"the CUDA driver did not say device {device_index}'s pitch limit: {status}"
+            )
         # A pitch over the device's limit is refused: a cache of many blocks has
         # a layer stride that large (then the caller copies another way).
-        self.max_pitch = pitch.value if status == 0 else 0
+        self.max_pitch = pitch.value
 
     @classmethod
-    def load(cls, device_index: int) -> CopyEngine | None:
+    def load(cls, device_index: int, row_pitch: int) -> CopyEngine | None:
+        """For copies whose source rows are ``row_pitch`` bytes apart (a KV
+        cache's layer stride); None where they cannot be made."""
         try:
             engine = cls(ctypes.CDLL("libcuda.so.1"), device_index)
         except (OSError, AttributeError) as e:
             logger.info("no copy-engine copies (%s): KV chunks are gathered by kernels", e)
             return None
-        logger.info(
-            "KV chunks of consecutive blocks go on the copy engines (pitch <= %d)", engine.max_pitch
-        )
+        if row_pitch > engine.max_pitch:
+            logger.warning(
+                "the KV cache's layer stride (%d bytes) is over the copy engines' pitch limit "
+                "(%d): KV chunks are gathered by kernels, beside the forward's layers",
+                row_pitch,
+                engine.max_pitch,
+            )
+            return None
+        logger.info("KV chunks of consecutive blocks go on the copy engines")
         return engine
 
     def copy_2d(

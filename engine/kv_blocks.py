@@ -53,6 +53,14 @@ def block_runs(block_ids: Sequence[int]) -> list[Run]:
     return runs
 
 
+def cache_copier(kv_cache: torch.Tensor) -> CopyEngine | None:
+    """The copy engines for gathers out of ``kv_cache`` (a GPU's), or None: its
+    rows are a layer's blocks, a layer stride apart."""
+    if not kv_cache.is_cuda:
+        return None
+    return CopyEngine.load(kv_cache.device.index, kv_cache.stride(1) * kv_cache.element_size())
+
+
 def kv_unit_bytes(kv_cache: torch.Tensor) -> int:
     """Bytes of one block of one layer of one KV head, K and V: the unit of a transfer."""
     return 2 * kv_cache.shape[3] * kv_cache.shape[5] * kv_cache.element_size()
@@ -106,15 +114,21 @@ def _copy_runs(
     on: torch.cuda.Stream,
 ) -> bool:
     """``gather_blocks`` by pitched copies, one per run and K/V half: a row per
-    layer, the run's blocks' bytes. False (for the kernel) where a block's
-    bytes are not one span (a head range of the cache's), where there are too
-    many runs, or where the driver refused."""
-    block_elems = math.prod(view.shape[3:])
-    if (
-        len(runs) > MAX_COPY_RUNS
-        or view.stride(2) != block_elems
-        or view.stride(3) * view.shape[3] != block_elems
-    ):
+    layer, the run's blocks' bytes. False (for the kernel, which also fails
+    loudly on ids out of range) where a block's bytes are not one contiguous
+    span in the cache's order (a head range of the cache's), where there are
+    too many runs or they do not fit the output and the cache, or where the
+    driver refused."""
+    if len(runs) > MAX_COPY_RUNS or sum(n for _, n in runs) != out.shape[2]:
+        return False
+    if any(first < 0 or n < 1 or first + n > view.shape[2] for first, n in runs):
+        return False
+    block_elems = 1  # each block's elements contiguous, in the cache's order
+    for d in range(view.dim() - 1, 2, -1):
+        if view.stride(d) != block_elems:
+            return False
+        block_elems *= view.shape[d]
+    if view.stride(2) != block_elems:
         return False
     size = view.element_size()
     block_bytes = block_elems * size

@@ -51,8 +51,7 @@ from common.kv_transfer.pairing import kv_pairs, sends_of
 from common.kv_transfer.protocol import FLAG_TOKEN, SegmentHeader, token_order, wire_order
 from common.kv_transfer.sender import KVSender
 from common.kv_transfer.ticket import Destination, OutgoingSegment, TransferTicket
-from engine.copy_engine import CopyEngine
-from engine.kv_blocks import block_index, block_runs, gather_blocks, kv_unit_bytes
+from engine.kv_blocks import block_index, block_runs, cache_copier, gather_blocks, kv_unit_bytes
 from engine.kv_writes import LayerDone
 from engine.scheduler import ScheduledBatch
 from engine.tp_layout import kv_head_range
@@ -110,7 +109,7 @@ class KVStreamer:
         # On a GPU chunks are gathered on a stream of their own (``_layer_done`` says
         # why), on the copy engines where the blocks allow (engine/copy_engine.py).
         self.gather_stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
-        self.copier = CopyEngine.load(kv_cache.device.index) if kv_cache.is_cuda else None
+        self.copier = cache_copier(kv_cache)
         self._streams: dict[str, Streamed] = {}  # rank 0
         # Decode node -> the channel epoch its latest Prefill named: one step's
         # group for a node is sent on one channel, the newest.

@@ -1,8 +1,9 @@
 """The KV gather on the copy engines (engine/copy_engine.py, engine/kv_blocks.py):
 bit for bit the blocks ``index_select`` takes, for one run, several, a layer
-range, a KV-head range (kernels), too many runs (kernels) and a pitch the
-driver refuses (kernels); and the prefill node's streamer, whose gathers the
-next step waits for before it writes KV. Run on a GPU host: ``python -m pytest tests/gpu -m gpu``."""
+range, behind work on the engine's stream; a KV-head range, too many runs and
+a pitch over the limit go by kernel; a copy the driver refuses turns them
+off; and the prefill node's streamer gathers on them, read before the next
+step writes KV. Run on a GPU host: ``python -m pytest tests/gpu -m gpu``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from common.kv_transfer.loopback import LoopbackSender
 from common.kv_transfer.ticket import Destination
 from engine.copy_engine import CopyEngine
-from engine.kv_blocks import MAX_COPY_RUNS, _copy_runs, block_runs, gather_blocks
+from engine.kv_blocks import MAX_COPY_RUNS, _copy_runs, block_runs, cache_copier, gather_blocks
 from prefill_node.kv_plan import StepSegment
 from prefill_node.kv_stream import KVStreamer
 
@@ -33,11 +34,25 @@ def cache():
     return torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
 
 
-@pytest.fixture(scope="module")
+class _Counting(CopyEngine):
+    """The real copy engines, counting the copies queued on them."""
+
+    def __init__(self, device_index: int) -> None:
+        import ctypes
+
+        super().__init__(ctypes.CDLL("libcuda.so.1"), device_index)
+        self.copies = 0
+
+    def copy_2d(self, *args) -> bool:
+        done = super().copy_2d(*args)
+        self.copies += done
+        return done
+
+
+@pytest.fixture
 def copier(cache):
-    engine = CopyEngine.load(cache.device.index)
-    assert engine is not None and engine.max_pitch > 0
-    return engine
+    assert cache_copier(cache) is not None  # the driver's, with this cache's pitch
+    return _Counting(cache.device.index)
 
 
 def _gather(cache, ids, layers, heads, copier):
@@ -64,7 +79,10 @@ def test_copies_equal_index_select(cache, copier, ids, layers):
     stream = torch.cuda.current_stream()
     assert _copy_runs(view, out, block_runs(ids), copier, stream)  # the copy engines took it
     assert torch.equal(out, expected)
+    copies = copier.copies
+    assert copies == 2 * len(block_runs(ids))
     assert torch.equal(_gather(cache, ids, layers, None, copier), expected)
+    assert copier.copies == 2 * copies  # through gather_blocks too
 
 
 def test_what_copies_cannot_take_goes_by_kernel_and_is_still_right(cache, copier):
@@ -76,27 +94,45 @@ def test_what_copies_cannot_take_goes_by_kernel_and_is_still_right(cache, copier
         view = cache[:, 0:3, :, :, heads[0] : heads[1]] if heads else cache[:, 0:3]
         assert not _copy_runs(view, torch.empty_like(expected), block_runs(ids), copier, stream)
         assert torch.equal(_gather(cache, ids, (0, 3), heads, copier), expected)
-    refusing = CopyEngine.load(cache.device.index)
-    refusing.max_pitch = 1  # every pitch over the limit: the driver is never asked
+    assert copier.copies == 0
+    pitch = cache.stride(1) * cache.element_size()
+    assert CopyEngine.load(cache.device.index, copier.max_pitch + 1) is None
+    limited = _Counting(cache.device.index)
+    limited.max_pitch = pitch - 1  # this cache's layer stride over the limit: never asked
     view = cache[:, 0:3]
     expected = gather_blocks(cache, sliced, (0, 3))
-    assert not _copy_runs(view, torch.empty_like(expected), block_runs(sliced), refusing, stream)
-    assert torch.equal(_gather(cache, sliced, (0, 3), None, refusing), expected)
+    assert not _copy_runs(view, torch.empty_like(expected), block_runs(sliced), limited, stream)
+    assert torch.equal(_gather(cache, sliced, (0, 3), None, limited), expected)
+    assert limited.copies == 0 and limited.max_pitch == pitch - 1
 
 
-def test_random_runs_on_a_busy_stream(cache, copier):
-    # Gathers queued behind other work on a side stream, as the streamer does.
+def test_a_copy_the_driver_refuses_turns_the_copy_engines_off(cache, copier):
+    stream = torch.cuda.current_stream().cuda_stream
+    scratch = torch.zeros(4096, dtype=torch.uint8, device=cache.device)
+    # Rows wider than their pitch: the driver checks that before it queues anything.
+    assert not copier.copy_2d(scratch.data_ptr(), 256, scratch.data_ptr(), 256, 512, 2, stream)
+    assert copier.max_pitch == 0  # never asked again
+    ids = list(range(8, 24))
+    assert torch.equal(_gather(cache, ids, (0, 3), None, copier), gather_blocks(cache, ids, (0, 3)))
+    torch.cuda.synchronize()  # the context is fine
+
+
+def test_random_runs_behind_the_layer_that_writes_them(cache, copier):
+    # Gathers on a side stream behind the engine's stream, as the streamer's:
+    # each reads what the engine's stream wrote just before (after a delay).
     rng = random.Random(1)
-    for _ in range(20):
+    kv = cache.clone()
+    for i in range(20):
         start = rng.randrange(0, BLOCKS - 20)
         ids = list(range(start, start + rng.randrange(1, 20)))
         cut = rng.randrange(0, len(ids))
         ids = ids[cut:] + ids[:cut]  # two runs
         layers = (rng.randrange(0, 3), rng.randrange(3, LAYERS + 1))
-        torch.cuda._sleep(1_000_000)  # the engine's stream busy: the copies must wait
-        assert torch.equal(
-            _gather(cache, ids, layers, None, copier), gather_blocks(cache, ids, layers)
-        )
+        torch.cuda._sleep(10_000_000)  # the engine's stream busy, then its KV writes
+        kv[:, :, ids] = float(i + 1)
+        out = _gather(kv, ids, layers, None, copier)
+        assert torch.equal(out, torch.full_like(out, float(i + 1)))
+    assert copier.copies > 0
 
 
 class _Keep(LoopbackSender):
@@ -117,7 +153,7 @@ def test_the_next_step_waits_for_the_streamers_gathers_before_writing_kv(cache):
     kv = cache.clone()
     sender = _Keep()
     streamer = KVStreamer(kv, BS, sender, 1, last_layers=2)
-    assert streamer.copier is not None
+    streamer.copier = _Counting(kv.device.index)
     blocks = [20, 21, 22, 23, 40]
     expected = kv[:, :, blocks].clone()
     torch.empty_like(expected).zero_()  # loads the fill kernel (a first load synchronises)
@@ -144,3 +180,4 @@ def test_the_next_step_waits_for_the_streamers_gathers_before_writing_kv(cache):
     assert [(d.layer_start, d.layer_end) for d, _ in sender.chunks] == [(0, 4), (4, 5), (5, 6)]
     for desc, data in sender.chunks:
         assert torch.equal(data, expected[:, desc.layer_start : desc.layer_end])
+    assert streamer.copier.copies == 2 * (2 * 2 * 3)  # 2 requests: 2 runs, K/V, 3 chunks

@@ -1,6 +1,8 @@
-"""Runs of block ids (engine/kv_blocks.py), which decide where a KV gather can
-go on the copy engines; the copies themselves are tested on a GPU
-(tests/gpu/test_copy_engine_cuda.py)."""
+"""Runs of block ids and the copy-engine gather's bookkeeping (engine/kv_blocks.py,
+engine/copy_engine.py), on a host without a GPU: the driver's pitched copy is
+stood in for by one that does what cuMemcpy2DAsync does, on host memory, so
+that every offset, pitch and width the gather computes is checked against
+``index_select``. The real copies: tests/gpu/test_copy_engine_cuda.py."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import ctypes
 import pytest
 import torch
 
-from engine.copy_engine import CopyEngine
-from engine.kv_blocks import block_runs, gather_blocks
+from engine.copy_engine import CopyEngine, _Memcpy2D
+from engine.kv_blocks import MAX_COPY_RUNS, _copy_runs, block_runs, gather_blocks
 
 
 @pytest.mark.parametrize(
@@ -29,56 +31,149 @@ def test_runs_of_consecutive_ascending_ids(ids, runs):
     assert [b for first, n in runs for b in range(first, first + n)] == ids
 
 
-def test_no_copy_engine_without_a_driver_library():
-    # This CI host has no NVIDIA driver: the gather stays on kernels (or the CPU).
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA host: tests/gpu covers the copies")
-    assert CopyEngine.load(0) is None
-
-
-def test_a_cpu_gather_ignores_runs_and_takes_the_blocks_in_order():
-    kv = torch.arange(2 * 3 * 8 * 2 * 2 * 4, dtype=torch.float32).view(2, 3, 8, 2, 2, 4)
-    ids = [5, 6, 1]
-    out = gather_blocks(kv, ids, (1, 3), None, None, block_runs(ids), None)
-    assert torch.equal(out, kv[:, 1:3, ids])
-
-
 class _Driver:
-    """Stands in for libcuda on a host without one: C-callable functions through
-    ctypes, as ``CopyEngine`` calls them; the copy is refused with ``status``."""
+    """libcuda's three calls as ``CopyEngine`` makes them (C functions through
+    ctypes); the pitched copy done with memmove on host addresses, or refused
+    with ``status``."""
 
-    def __init__(self, status: int, max_pitch: int = (1 << 31) - 1) -> None:
-        self.calls = 0
+    def __init__(self, status: int = 0, max_pitch: int = (1 << 31) - 1) -> None:
+        self.copies: list[tuple[int, int, int, int, int, int]] = []
+
+        def device(out, ordinal):
+            out[0] = ordinal
+            return 0
 
         def attribute(out, attribute, device):
+            assert attribute == 11  # CU_DEVICE_ATTRIBUTE_MAX_PITCH
             out[0] = max_pitch
             return 0
 
         def copy(params, stream):
-            self.calls += 1
-            return status
+            m = ctypes.cast(params, ctypes.POINTER(_Memcpy2D)).contents
+            assert (m.srcMemoryType, m.dstMemoryType) == (2, 2)  # CU_MEMORYTYPE_DEVICE
+            assert m.srcXInBytes == m.srcY == m.dstXInBytes == m.dstY == 0
+            self.copies.append(
+                (m.srcDevice, m.srcPitch, m.dstDevice, m.dstPitch, m.WidthInBytes, m.Height)
+            )
+            if status != 0:
+                return status
+            for row in range(m.Height):
+                ctypes.memmove(
+                    m.dstDevice + row * m.dstPitch, m.srcDevice + row * m.srcPitch, m.WidthInBytes
+                )
+            return 0
 
+        int_p = ctypes.POINTER(ctypes.c_int)
+        self.cuDeviceGet = ctypes.CFUNCTYPE(ctypes.c_int, int_p, ctypes.c_int)(device)
         self.cuDeviceGetAttribute = ctypes.CFUNCTYPE(
-            ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int
+            ctypes.c_int, int_p, ctypes.c_int, ctypes.c_int
         )(attribute)
         self.cuMemcpy2DAsync_v2 = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(
             copy
         )
 
 
+class _Stream:
+    cuda_stream = 0
+
+
+def _cache(dtype=torch.float32) -> torch.Tensor:
+    # [2, layers, blocks, block_size, kv_heads, head_dim]
+    n = 2 * 5 * 40 * 4 * 3 * 8
+    return torch.arange(n, dtype=torch.int64).remainder(251).to(dtype).view(2, 5, 40, 4, 3, 8)
+
+
+def test_the_struct_is_the_drivers():
+    assert ctypes.sizeof(_Memcpy2D) == 128  # CUDA_MEMCPY2D_v2 on a 64-bit host
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize(
+    ("ids", "layers"),
+    [
+        (list(range(10, 26)), None),  # one run, every layer
+        (list(range(10, 26)), (0, 3)),  # held layers
+        (list(range(10, 26)), (4, 5)),  # one layer
+        ([3, 4, 5, 30, 31, 7, 38, 39], (1, 4)),  # several runs
+    ],
+)
+def test_the_copies_take_the_blocks_index_select_takes(dtype, ids, layers):
+    cache = _cache(dtype)
+    driver = _Driver()
+    engine = CopyEngine(driver, 0)
+    expected = gather_blocks(cache, ids, layers)
+    view = cache if layers is None else cache[:, layers[0] : layers[1]]
+    out = torch.full_like(expected, 7)
+    assert _copy_runs(view, out, block_runs(ids), engine, _Stream())
+    assert torch.equal(out, expected)
+    assert len(driver.copies) == 2 * len(block_runs(ids))  # per run and K/V half
+    row = view.shape[3] * view.shape[4] * view.shape[5] * view.element_size()
+    assert all(c[1] == cache.stride(1) * cache.element_size() for c in driver.copies)
+    assert all(c[3] == len(ids) * row for c in driver.copies)  # the output's layer stride
+    assert all(c[5] == view.shape[1] for c in driver.copies)  # a row per layer
+
+
+@pytest.mark.parametrize(
+    ("case", "ids", "runs"),
+    [
+        ("too many runs", list(range(0, 2 * (MAX_COPY_RUNS + 1), 2)), None),
+        ("runs longer than the ids", [4, 5, 6], [(4, 4)]),
+        ("a run past the cache", [38, 39], [(38, 3)]),
+        ("a negative id", [0, 1], [(-1, 2)]),
+    ],
+)
+def test_what_the_copies_cannot_take_is_left_to_the_kernel(case, ids, runs):
+    cache = _cache()
+    driver = _Driver()
+    out = torch.empty(2, 5, len(ids), 4, 3, 8)
+    assert not _copy_runs(cache, out, runs or block_runs(ids), CopyEngine(driver, 0), _Stream())
+    assert driver.copies == []  # nothing queued
+
+
+def test_a_view_whose_blocks_are_not_contiguous_is_left_to_the_kernel():
+    cache = _cache()
+    driver, ids = _Driver(), list(range(8, 16))
+    engine = CopyEngine(driver, 0)
+    heads = cache[:, :, :, :, 1:3]  # a KV-head range
+    swapped = cache.transpose(4, 5).contiguous().transpose(4, 5)  # same shape, other order
+    for view in (heads, swapped):
+        out = torch.empty(2, 5, len(ids), *view.shape[3:])
+        assert not _copy_runs(view, out, block_runs(ids), engine, _Stream())
+    assert driver.copies == []
+
+
 def test_a_copy_the_driver_refuses_turns_the_copy_engines_off_for_good():
     driver = _Driver(status=1)  # CUDA_ERROR_INVALID_VALUE
     engine = CopyEngine(driver, 0)
-    assert engine.max_pitch == (1 << 31) - 1
-    assert not engine.copy_2d(4096, 8192, 8192, 8192, 4096, 4, 0)
+    cache, ids = _cache(), list(range(8, 16))
+    out = torch.empty(2, 5, len(ids), 4, 3, 8)
+    assert not _copy_runs(cache, out, block_runs(ids), engine, _Stream())
     assert engine.max_pitch == 0
-    assert not engine.copy_2d(4096, 8192, 8192, 8192, 4096, 4, 0)
-    assert driver.calls == 1  # never asked again: no log line per chunk
+    assert not _copy_runs(cache, out, block_runs(ids), engine, _Stream())
+    assert len(driver.copies) == 1  # never asked again: no log line per chunk
 
 
 def test_a_pitch_over_the_devices_limit_is_not_asked_for():
-    driver = _Driver(status=0, max_pitch=1 << 20)
+    cache, ids = _cache(), list(range(8, 16))
+    pitch = cache.stride(1) * cache.element_size()
+    driver = _Driver(max_pitch=pitch - 1)
     engine = CopyEngine(driver, 0)
-    assert engine.copy_2d(0, 1 << 20, 0, 1 << 20, 4096, 4, 0)
-    assert not engine.copy_2d(0, 1 << 20, 0, (1 << 20) + 1, 4096, 4, 0)
-    assert driver.calls == 1 and engine.max_pitch == 1 << 20  # a limit is not a refusal
+    out = torch.empty(2, 5, len(ids), 4, 3, 8)
+    assert not _copy_runs(cache, out, block_runs(ids), engine, _Stream())
+    assert driver.copies == [] and engine.max_pitch == pitch - 1  # a limit is not a refusal
+
+
+def test_no_copy_engine_without_a_driver_library():
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        assert CopyEngine.load(0, 1 << 20) is None
+    else:
+        pytest.skip("this host has a CUDA driver library: tests/gpu covers the copies")
+
+
+def test_a_cpu_gather_takes_the_blocks_in_order_whatever_runs_it_is_given():
+    cache = _cache()
+    ids = [5, 6, 1]
+    out = gather_blocks(cache, ids, (1, 3), None, None, block_runs(ids), None)
+    assert torch.equal(out, cache[:, 1:3, ids])
