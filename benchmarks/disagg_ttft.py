@@ -57,9 +57,10 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def decode_counters(redis_url: str, node_id: str) -> tuple[int, int]:
+def node_counters(redis_url: str, decode_id: str) -> tuple[int, int, int]:
     """A decode node's first tokens on the KV channel and requests decoded before
-    the reply, from its last heartbeat."""
+    the reply, and prefill-0's KV chunks gathered by the copy engines, from
+    their last heartbeats."""
     import asyncio
 
     from common.cluster import Cluster
@@ -67,12 +68,13 @@ def decode_counters(redis_url: str, node_id: str) -> tuple[int, int]:
     async def read():
         cluster = Cluster.from_url(redis_url)
         try:
-            return {n.node_id: n for n in await cluster.nodes()}[node_id]
+            nodes = {n.node_id: n for n in await cluster.nodes()}
+            return nodes[decode_id], nodes["prefill-0"]
         finally:
             await cluster.close()
 
-    info = asyncio.run(read())
-    return info.kv_first_tokens, info.decoded_before_reply
+    decode, prefill = asyncio.run(read())
+    return decode.kv_first_tokens, decode.decoded_before_reply, prefill.kv_gathers_copy_engine
 
 
 def run(
@@ -223,7 +225,7 @@ def run(
             rows.append(row)
         # What the disaggregated requests' decode node counted (its next heartbeat).
         time.sleep(1.5)
-        first_tokens = decode_counters(cluster.redis_url, "decode-1" if same_gpu else "decode-0")
+        counters = node_counters(cluster.redis_url, "decode-1" if same_gpu else "decode-0")
     keys = rows[0].keys()
     summary = {f"median_{k}": median([r[k] for r in rows]) for k in keys}
     if not same_gpu:
@@ -239,7 +241,9 @@ def run(
     # Of every remote request (warm-ups included): first tokens that came on the
     # KV channel, and requests that decoded from one before the Prefill's reply.
     summary["remote_requests"] = args.warmup + args.requests
-    summary["kv_first_tokens"], summary["decoded_before_reply"] = first_tokens
+    summary["kv_first_tokens"], summary["decoded_before_reply"] = counters[:2]
+    # KV chunks prefill-0 gathered by its GPU's copy engines (0: by kernels, or a CPU).
+    summary["kv_gathers_copy_engine"] = counters[2]
     return {
         "local_gpu": args.local_gpu,
         "kv_stream_layers": stream_layers,
@@ -329,7 +333,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{s['median_local_compute_ms']:.2f} ms\n"
             f"  first tokens on the KV channel {s['kv_first_tokens']} of "
             f"{s['remote_requests']} remote requests, decoded before the reply "
-            f"{s['decoded_before_reply']}",
+            f"{s['decoded_before_reply']}; KV chunks gathered by the copy engines "
+            f"{s['kv_gathers_copy_engine']}",
             flush=True,
         )
     model = args.shape or args.model

@@ -92,6 +92,7 @@ class NodeInfo:
     kv_first_tokens: int = 0  # decode node: first tokens that came on the KV channel
     decoded_before_reply: int = 0  # decode node: committed with one before the Prefill's reply
     rejected: int = 0  # refused for lack of room (RESOURCE_EXHAUSTED)
+    kv_gathers_copy_engine: int = 0  # prefill node: KV chunks gathered by the copy engines
 
     def to_fields(self) -> dict[str, str]:
         out = {}

@@ -71,6 +71,7 @@ class CopyEngine:
         # A pitch over the device's limit is refused: a cache of many blocks has
         # a layer stride that large (then the caller copies another way).
         self.max_pitch = pitch.value
+        self.gathers = 0  # KV gathers done by its copies (engine/kv_blocks.py counts them)
 
     @classmethod
     def load(cls, device_index: int, row_pitch: int) -> CopyEngine | None:

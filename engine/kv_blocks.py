@@ -99,6 +99,7 @@ def gather_blocks(
     out = view.new_empty((*view.shape[:2], idx.numel(), *view.shape[3:]))
     out.record_stream(on)
     if copier is not None and runs is not None and _copy_runs(view, out, runs, copier, on):
+        copier.gathers += 1
         return out
     idx.record_stream(on)
     with torch.cuda.stream(on):

@@ -51,6 +51,7 @@ from common.reliability import (
     deadline_passed,
 )
 from common.wire import sampling_params_from_proto, token_ids_of, token_logprobs_to_proto
+from engine.copy_engine import CopyEngine
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
 from engine.request_stream import RequestStream
@@ -92,6 +93,8 @@ class PrefillStats:
     bandwidth: Histogram = field(default_factory=lambda: Histogram(KV_BANDWIDTH_BUCKETS))
     # Per Prefill call: its prompt's queue and prefill time here.
     phases: PhaseHistograms = field(default_factory=PhaseHistograms)
+    # The streamer's copy engines (a GPU's; rank 0's of a tensor-parallel node).
+    copier: CopyEngine | None = None
 
     def transferred(self, num_bytes: int, seconds: float) -> None:
         self.transfers += 1
@@ -117,6 +120,7 @@ class PrefillStats:
             "kv_transfer_failures": self.transfers_failed,
             "kv_transfer_bytes": self.bytes_sent,
             "kv_transfer_us": self.transfer_us,
+            "kv_gathers_copy_engine": self.copier.gathers if self.copier is not None else 0,
         }
 
 
@@ -155,6 +159,7 @@ class PrefillWorker:
             call_workers=llm_engine.call_workers if tp.size > 1 else None,
         )
         llm_engine.observe_kv_writes(self.streamer)
+        self.stats.copier = self.streamer.copier
         if tp.size > 1:
             # The other ranks' senders and streamers (prefill_node/tp_rank.py).
             setup = {

@@ -93,6 +93,11 @@ COUNTERS: dict[str, tuple[str, str] | None] = {
         "Disaggregated requests that started decoding from the first token on the KV "
         "channel, before the Prefill's reply came (decode).",
     ),
+    "kv_gathers_copy_engine": (
+        "pdserve_kv_gathers_copy_engine_total",
+        "KV chunks gathered out of the cache by the GPU's copy engines, not by a kernel "
+        "beside the forward (prefill; rank 0 of a tensor-parallel node).",
+    ),
     "rejected": (
         "pdserve_requests_rejected_total",
         "Requests refused for lack of room: queue full, no KV blocks or slots "

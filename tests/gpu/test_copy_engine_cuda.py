@@ -83,6 +83,7 @@ def test_copies_equal_index_select(cache, copier, ids, layers):
     assert copies == 2 * len(block_runs(ids))
     assert torch.equal(_gather(cache, ids, layers, None, copier), expected)
     assert copier.copies == 2 * copies  # through gather_blocks too
+    assert copier.gathers == 1  # the prefill node's pdserve_kv_gathers_copy_engine_total
 
 
 def test_what_copies_cannot_take_goes_by_kernel_and_is_still_right(cache, copier):
@@ -181,3 +182,4 @@ def test_the_next_step_waits_for_the_streamers_gathers_before_writing_kv(cache):
     for desc, data in sender.chunks:
         assert torch.equal(data, expected[:, desc.layer_start : desc.layer_end])
     assert streamer.copier.copies == 2 * (2 * 2 * 3)  # 2 requests: 2 runs, K/V, 3 chunks
+    assert streamer.copier.gathers == 2 * 3

@@ -243,7 +243,18 @@ def test_prefill_node_exports_counters_transfer_histograms_and_redis_errors():
     assert value(s, "pdserve_heartbeats_total") == 9
     assert value(s, "pdserve_heartbeat_consecutive_failures") == 2
     assert value(s, "pdserve_redis_errors_total", op="heartbeat", role="prefill") == 5
+    assert value(s, "pdserve_kv_gathers_copy_engine_total") == 0  # no GPU: no copy engines
     assert not [k for k in s if k[0] == "pdserve_kv_transfer_us_total"]
+
+
+def test_a_prefill_node_exports_its_copy_engines_gathers():
+    copier = SimpleNamespace(gathers=0)  # engine/copy_engine.py's count, read at scrape time
+    stats = PrefillStats(copier=copier)
+    engine = SimpleNamespace(stats=engine_stats(), alive=True)
+    collector = NodeCollector(node_info(), engine, None, stats.counters, stats.histograms)
+    assert value(scrape(collector), "pdserve_kv_gathers_copy_engine_total") == 0
+    copier.gathers = 12
+    assert value(scrape(collector), "pdserve_kv_gathers_copy_engine_total") == 12
 
 
 def test_decode_node_exports_its_counters():
