@@ -369,7 +369,9 @@ class KVStreamer:
             if ticket is None or not ticket.alive:
                 continue
             pairs = kv_pairs(self.num_kv_heads, self.tp_size, seg.dest.tensor_parallel_size)
-            idx = (block_index(seg.block_ids, self.kv_cache.device), block_runs(seg.block_ids))
+            # The runs matter only to the copy engines (none on a CPU).
+            runs = block_runs(seg.block_ids) if self.copier is not None else None
+            idx = (block_index(seg.block_ids, self.kv_cache.device), runs)
             for pair in sends_of(pairs, self.tp_rank):
                 per_span = members_of.setdefault(
                     (seg.dest, pair.receiver), [[] for _ in self.spans]
