@@ -46,6 +46,7 @@ from common.kv_transfer.channel import (
     PairChannel,
     TransferError,
     pair_key,
+    tighten_timer_slack,
 )
 from common.kv_transfer.checksum import checksum
 from common.kv_transfer.protocol import ChunkDesc, SegmentHeader, group_messages
@@ -119,6 +120,7 @@ class _Link:
     def _run(self) -> None:
         if self.cuda:
             torch.cuda.set_device(self.owner.device)  # a new thread starts on device 0
+        tighten_timer_slack()
         while True:
             try:
                 if self.cuda:
