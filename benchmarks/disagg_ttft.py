@@ -14,7 +14,9 @@ Each round sends the same kind of request three times, interleaved: through the 
 naming the prefill node (what the router would send); and straight to the
 decode node naming none, so that it prefills the prompt itself (a local
 prefill, the baseline of the disaggregation tax). Prompts are random token ids,
-new each time (no prefix-cache hits). Reports median TTFTs (router minus direct
+new each time (no prefix-cache hits); with ``--same-prompt`` a round's two direct
+requests share one (they go to different nodes), so that the paths are compared
+on the same data. Reports median TTFTs (router minus direct
 is the router's and its extra hop's cost; direct over local the
 disaggregation's), and the breakdown the nodes report: prefill queue, prefill
 compute, the KV transfer left after the prompt's last layer, and the decode
@@ -163,9 +165,9 @@ def run(
                     final = response.final
             return ttft, final
 
-        def direct(remote: bool) -> tuple[float, pdserve_pb2.Final]:
+        def direct(remote: bool, ids: list[int]) -> tuple[float, pdserve_pb2.Final]:
             req = internal_pb2.DecodeRequest(
-                request_id=uuid.uuid4().hex, prompt_token_ids=prompt(), sampling=sampling
+                request_id=uuid.uuid4().hex, prompt_token_ids=ids, sampling=sampling
             )
             if remote:
                 req.prefill.CopyFrom(prefill_ref)
@@ -191,9 +193,11 @@ def run(
                     )
                 )
             pause()
-            remote = direct(True)
+            ids = prompt()
+            remote = direct(True, ids)
             pause()
-            local = direct(False)
+            # Another node each (decode-1 and prefill-0, decode-0): no prefix-cache hit.
+            local = direct(False, ids if args.same_prompt else prompt())
             if i < args.warmup:
                 continue
             assert remote[1].usage.prefill_node == "prefill-0" and not local[1].usage.prefill_node
@@ -218,6 +222,10 @@ def run(
                 "decode_first_output_ms": t.decode_first_output_ms,
                 "local_queue_ms": lt.prefill_queue_ms,
                 "local_compute_ms": lt.prefill_compute_ms,
+                "paired_ttft_diff_ms": remote[0] - local[0],
+                # 0 for both: every prompt is computed (another node's cache, if shared).
+                "direct_cached_tokens": remote[1].usage.cached_tokens,
+                "local_cached_tokens": local[1].usage.cached_tokens,
             }
             if via_router is not None:
                 row["router_ttft_ms"] = via_router[0]
@@ -235,6 +243,10 @@ def run(
     summary["disaggregated_vs_local"] = (
         summary["median_direct_ttft_ms"] / summary["median_local_ttft_ms"]
     )
+    # The spread of a round's direct-minus-local TTFT: how far one run's medians can move.
+    diffs = sorted(r["paired_ttft_diff_ms"] for r in rows)
+    summary["paired_ttft_diff_p25_ms"] = diffs[len(diffs) // 4]
+    summary["paired_ttft_diff_p75_ms"] = diffs[(3 * len(diffs)) // 4]
     summary["transfer_share_of_ttft"] = (
         summary["median_kv_transfer_ms"] / summary["median_direct_ttft_ms"]
     )
@@ -287,6 +299,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "node's (a second decode node shares it; no router requests)",
     )
     p.add_argument(
+        "--same-prompt",
+        action="store_true",
+        help="with --local-gpu prefill: a round's disaggregated and local requests get the "
+        "same prompt (on other nodes, so no prefix-cache hit), so that the two paths are "
+        "compared on the same data",
+    )
+    p.add_argument(
         "--num-kvcache-blocks",
         type=int,
         default=1024,
@@ -294,6 +313,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument("--out-dir", type=Path)
     args = p.parse_args(argv)
+    if args.same_prompt and args.local_gpu != "prefill":
+        # One decode node would take both requests of a round: the second would hit
+        # the first's prefix cache.
+        p.error("--same-prompt needs --local-gpu prefill (a decode node for each path)")
     results = []
     lasts = [None] if args.kv_stream_last_layers is None else args.kv_stream_last_layers.split(",")
     settings = [
@@ -331,6 +354,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"reply to first message {s['median_decode_first_output_ms']:.2f} ms\n"
             f"  local prefill p50: queue {s['median_local_queue_ms']:.2f} ms, compute "
             f"{s['median_local_compute_ms']:.2f} ms\n"
+            f"  direct - local TTFT per round: p25 {s['paired_ttft_diff_p25_ms']:.2f}, p50 "
+            f"{s['median_paired_ttft_diff_ms']:.2f}, p75 {s['paired_ttft_diff_p75_ms']:.2f} ms\n"
             f"  first tokens on the KV channel {s['kv_first_tokens']} of "
             f"{s['remote_requests']} remote requests, decoded before the reply "
             f"{s['decoded_before_reply']}; KV chunks gathered by the copy engines "
