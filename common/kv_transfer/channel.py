@@ -9,9 +9,7 @@ failure closes the channel for good (the epoch moves on and a new one is built).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
-import sys
 import time
 
 import torch
@@ -22,31 +20,12 @@ from common.kv_transfer.protocol import HEADER_WORDS, SegmentHeader
 SENDER, RECEIVER = 0, 1
 # NCCL work completes asynchronously on a stream: the host polls it this often.
 POLL_S = 0.00005
-# Linux wakes a sleeping thread up to its timer slack late (50 us by default), which
-# makes a 50 us poll some 100 us: on the first token's path the decode node's
-# receiver polls for the prompt's last chunk and then its token.
-POLL_TIMER_SLACK_NS = 1000
-_PR_SET_TIMERSLACK = 29
 
 
 def pair_key(sender_node: str, sender_rank: int, receiver_rank: int, epoch: int) -> str:
     """The rendezvous key of one pair channel: a prefill node's rank and a
     decode node's rank (whose rank 0 hosts the store), under one epoch."""
     return f"pair/{sender_node}/{sender_rank}-{receiver_rank}/{epoch}"
-
-
-def tighten_timer_slack() -> bool:
-    """The calling thread's timer slack down to POLL_TIMER_SLACK_NS, so that its
-    POLL_S sleeps end on time; for the threads that poll transfers. False where
-    the system has no such setting (not Linux) or refused it: the polls are
-    then as before, only later."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_TIMERSLACK, POLL_TIMER_SLACK_NS, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 class TransferError(RuntimeError):

@@ -36,13 +36,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from common.kv_transfer.channel import (
-    RECEIVER,
-    PairChannel,
-    TransferError,
-    pair_key,
-    tighten_timer_slack,
-)
+from common.kv_transfer.channel import RECEIVER, PairChannel, TransferError, pair_key
 from common.kv_transfer.protocol import (
     TOKEN_BYTES,
     ChunkDesc,
@@ -227,7 +221,6 @@ class KVReceiver:
     def _run(self, peer: _Peer) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # a new thread starts on device 0
-        tighten_timer_slack()
         while not self._closed:
             with peer.cond:
                 while not peer.wants_data() and not self._closed:

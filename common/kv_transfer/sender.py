@@ -46,7 +46,6 @@ from common.kv_transfer.channel import (
     PairChannel,
     TransferError,
     pair_key,
-    tighten_timer_slack,
 )
 from common.kv_transfer.checksum import checksum
 from common.kv_transfer.protocol import ChunkDesc, SegmentHeader, group_messages
@@ -120,7 +119,6 @@ class _Link:
     def _run(self) -> None:
         if self.cuda:
             torch.cuda.set_device(self.owner.device)  # a new thread starts on device 0
-        tighten_timer_slack()
         while True:
             try:
                 if self.cuda:
