@@ -223,7 +223,8 @@ def run(
                 "local_queue_ms": lt.prefill_queue_ms,
                 "local_compute_ms": lt.prefill_compute_ms,
                 "paired_ttft_diff_ms": remote[0] - local[0],
-                # 0 for both: every prompt is computed (another node's cache, if shared).
+                # 0 on both paths: prompts are new each round, and a shared one
+                # (--same-prompt) goes to two different nodes.
                 "direct_cached_tokens": remote[1].usage.cached_tokens,
                 "local_cached_tokens": local[1].usage.cached_tokens,
             }
