@@ -12,7 +12,9 @@ by round so that a drift of the GPU falls on all alike):
   ``index_select`` on a side stream (the prefill node's way before the copy
   engines, and still its way for blocks that are not few runs);
 - ``copy_engine``: the same call with the ids' runs and an
-  ``engine.copy_engine.CopyEngine``: one pitched copy per run and K/V half.
+  ``engine.copy_engine.CopyEngine``: one pitched copy per run and K/V half
+  (``--per-layer-copies``: one per layer too, as for a cache whose layer
+  stride is over the driver's pitch limit, which would not fit one GPU here).
 
 What is timed (CUDA events, medians): the gather of the first
 ``--held-layers`` layers' blocks alone, and ``--layers`` of the shape's layers
@@ -64,7 +66,10 @@ def _measure(args, tokens: int, scattered: bool) -> dict[str, Any]:
     idx = torch.tensor(ids, device=device)
     copier = cache_copier(cache)
     if copier is None:
-        raise SystemExit("the copy engines cannot be asked (no driver library, or the pitch)")
+        raise SystemExit("the copy engines cannot be asked (no CUDA driver library)")
+    if args.per_layer_copies:
+        # As if this cache's layer stride were over the limit: a copy per layer.
+        copier.max_pitch = min(copier.max_pitch, cache.stride(1) * cache.element_size() - 1)
     held = (0, args.held_layers)
     layer = layer_fn({"compute": "shape"}, g, tokens, device)
     side = torch.cuda.Stream(device)
@@ -148,6 +153,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=0,
         help="blocks in the paged cache (0: four times the prompt's, at least 1024); "
         "an 8B shape on an H200 serves some 50,000",
+    )
+    p.add_argument(
+        "--per-layer-copies",
+        action="store_true",
+        help="the copy engines copy a layer per call, as for a cache over their pitch limit",
     )
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)

@@ -10,7 +10,10 @@ the layer's blocks' bytes), which the copy engines moved in 0.34 ms, slowing
 the same layers by 0.12 ms (they still share the memory; docs/performance.md,
 "The held chunk on the copy engines"). torch has no pitched copy, so
 ``cuMemcpy2DAsync`` is called through ctypes; anything it refuses is the
-caller's to copy another way.
+caller's to copy another way. The driver takes pitches up to a limit (2 GiB
+on current GPUs); a cache whose layer stride is over it (many blocks: a small
+model's cache, a large GPU's) is copied a row, a layer, per call instead
+(engine/kv_blocks.py).
 """
 
 from __future__ import annotations
@@ -49,8 +52,7 @@ class _Memcpy2D(ctypes.Structure):
 
 class CopyEngine:
     """The driver's pitched copy for one device (its ordinal), or ``None`` from
-    ``load`` where the driver library is missing (a CPU host) or the rows are
-    too far apart."""
+    ``load`` where the driver library is missing (a CPU host)."""
 
     def __init__(self, driver: ctypes.CDLL, device_index: int) -> None:
         self._copy = driver.cuMemcpy2DAsync_v2
@@ -69,28 +71,30 @@ class CopyEngine:
                 f"the CUDA driver did not say device {device_index}'s pitch limit: {status}"
             )
         # A pitch over the device's limit is refused: a cache of many blocks has
-        # a layer stride that large (then the caller copies another way).
+        # a layer stride that large (then the caller copies a row at a time).
         self.max_pitch = pitch.value
+        # The driver refused a copy: none is asked for again (``copy_2d``).
+        self.refused = False
         self.gathers = 0  # KV gathers done by its copies (engine/kv_blocks.py counts them)
 
     @classmethod
     def load(cls, device_index: int, row_pitch: int) -> CopyEngine | None:
         """For copies whose source rows are ``row_pitch`` bytes apart (a KV
-        cache's layer stride); None where they cannot be made."""
+        cache's layer stride); None where the driver cannot be asked."""
         try:
             engine = cls(ctypes.CDLL("libcuda.so.1"), device_index)
         except (OSError, AttributeError) as e:
             logger.info("no copy-engine copies (%s): KV chunks are gathered by kernels", e)
             return None
         if row_pitch > engine.max_pitch:
-            logger.warning(
-                "the KV cache's layer stride (%d bytes) is over the copy engines' pitch limit "
-                "(%d): KV chunks are gathered by kernels, beside the forward's layers",
+            logger.info(
+                "KV chunks of consecutive blocks go on the copy engines, a layer per copy "
+                "(the cache's layer stride, %d bytes, is over their pitch limit, %d)",
                 row_pitch,
                 engine.max_pitch,
             )
-            return None
-        logger.info("KV chunks of consecutive blocks go on the copy engines")
+        else:
+            logger.info("KV chunks of consecutive blocks go on the copy engines")
         return engine
 
     def copy_2d(
@@ -108,7 +112,7 @@ class CopyEngine:
         ``stream`` (its handle). False when the driver refused it (nothing was
         queued): a pitch over the limit, or a refusal by the driver, after
         which every copy is refused."""
-        if max(src_pitch, dst_pitch) > self.max_pitch:
+        if self.refused or max(src_pitch, dst_pitch) > self.max_pitch:
             return False
         m = _Memcpy2D()
         m.srcMemoryType = m.dstMemoryType = _MEMORYTYPE_DEVICE
@@ -124,5 +128,5 @@ class CopyEngine:
                 "gathered by kernels from now on",
                 status,
             )
-            self.max_pitch = 0
+            self.refused = True
         return status == 0

@@ -11,7 +11,9 @@ rank holds).
 
 On a GPU a gather beside the forward goes on the copy engines instead where
 the blocks are few runs of consecutive ids (``block_runs``; copy_engine.py
-says why): per run, each K or V half is one pitched copy, a row per layer.
+says why): per run, each K or V half is one pitched copy, a row per layer
+(or, where the cache's layer stride is over the driver's pitch limit, a copy
+per layer).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ Range = tuple[int, int]  # [start, end)
 Run = tuple[int, int]  # (first block id, number of blocks)
 # More runs than this go by kernel: each run is two driver calls on the host.
 MAX_COPY_RUNS = 8
+# Nor more driver calls than this for one gather (a copy per layer: 2 x layers
+# per run), each some microseconds of the engine thread's time.
+MAX_COPIES = 64
 
 
 def block_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -54,8 +59,8 @@ def block_runs(block_ids: Sequence[int]) -> list[Run]:
 
 
 def cache_copier(kv_cache: torch.Tensor) -> CopyEngine | None:
-    """The copy engines for gathers out of ``kv_cache`` (a GPU's), or None: its
-    rows are a layer's blocks, a layer stride apart."""
+    """The copy engines for gathers out of ``kv_cache`` (a GPU's), or None (a CPU,
+    or no driver library): its rows are a layer's blocks, a layer stride apart."""
     if not kv_cache.is_cuda:
         return None
     return CopyEngine.load(kv_cache.device.index, kv_cache.stride(1) * kv_cache.element_size())
@@ -115,11 +120,12 @@ def _copy_runs(
     on: torch.cuda.Stream,
 ) -> bool:
     """``gather_blocks`` by pitched copies, one per run and K/V half: a row per
-    layer, the run's blocks' bytes. False (for the kernel, which also fails
+    layer, the run's blocks' bytes; a copy per layer too where the layer stride
+    is over the driver's pitch limit. False (for the kernel, which also fails
     loudly on ids out of range) where a block's bytes are not one contiguous
     span in the cache's order (a head range of the cache's), where there are
-    too many runs or they do not fit the output and the cache, or where the
-    driver refused."""
+    too many runs (or copies) or they do not fit the output and the cache, or
+    where the driver refused."""
     if len(runs) > MAX_COPY_RUNS or sum(n for _, n in runs) != out.shape[2]:
         return False
     if any(first < 0 or n < 1 or first + n > view.shape[2] for first, n in runs):
@@ -135,6 +141,11 @@ def _copy_runs(
     block_bytes = block_elems * size
     src_base, dst_base = view.data_ptr(), out.data_ptr()
     src_pitch, dst_pitch = view.stride(1) * size, out.stride(1) * size
+    layers = view.shape[1]
+    # Rows a stride over the pitch limit apart: a copy per layer (one row each).
+    per_layer = src_pitch > copier.max_pitch
+    if len(runs) * view.shape[0] * (layers if per_layer else 1) > MAX_COPIES:
+        return False
     stream = on.cuda_stream
     for half in range(view.shape[0]):
         src_half = src_base + half * view.stride(0) * size
@@ -142,8 +153,15 @@ def _copy_runs(
         for first, count in runs:
             src = src_half + first * block_bytes
             width = count * block_bytes
-            if not copier.copy_2d(dst, dst_pitch, src, src_pitch, width, view.shape[1], stream):
-                return False
+            if not per_layer:
+                if not copier.copy_2d(dst, dst_pitch, src, src_pitch, width, layers, stream):
+                    return False
+            else:
+                for layer in range(layers):
+                    at, to = src + layer * src_pitch, dst + layer * dst_pitch
+                    # One row: its pitch is only checked against the width.
+                    if not copier.copy_2d(to, width, at, width, width, 1, stream):
+                        return False
             dst += width
     return True
 

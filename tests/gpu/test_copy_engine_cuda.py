@@ -1,8 +1,8 @@
 """The KV gather on the copy engines (engine/copy_engine.py, engine/kv_blocks.py):
 bit for bit the blocks ``index_select`` takes, for one run, several, a layer
-range, behind work on the engine's stream; a KV-head range, too many runs and
-a pitch over the limit go by kernel; a copy the driver refuses turns them
-off; and the prefill node's streamer gathers on them, read before the next
+range, behind work on the engine's stream, and a copy per layer for a cache
+whose layer stride is over the driver's pitch limit; a KV-head range and too
+many runs go by kernel; a copy the driver refuses turns them off; and the prefill node's streamer gathers on them, read before the next
 step writes KV. Run on a GPU host: ``python -m pytest tests/gpu -m gpu``."""
 
 from __future__ import annotations
@@ -96,15 +96,40 @@ def test_what_copies_cannot_take_goes_by_kernel_and_is_still_right(cache, copier
         assert not _copy_runs(view, torch.empty_like(expected), block_runs(ids), copier, stream)
         assert torch.equal(_gather(cache, ids, (0, 3), heads, copier), expected)
     assert copier.copies == 0
+
+
+def test_a_layer_stride_over_the_limit_goes_a_layer_per_copy(cache):
+    # This cache's stride taken for one over the limit (the real one: the next test).
     pitch = cache.stride(1) * cache.element_size()
-    assert CopyEngine.load(cache.device.index, copier.max_pitch + 1) is None
     limited = _Counting(cache.device.index)
-    limited.max_pitch = pitch - 1  # this cache's layer stride over the limit: never asked
-    view = cache[:, 0:3]
-    expected = gather_blocks(cache, sliced, (0, 3))
-    assert not _copy_runs(view, torch.empty_like(expected), block_runs(sliced), limited, stream)
-    assert torch.equal(_gather(cache, sliced, (0, 3), None, limited), expected)
-    assert limited.copies == 0 and limited.max_pitch == pitch - 1
+    limited.max_pitch = pitch - 1
+    ids = [3, 4, 5, 40, 41]  # two runs
+    expected = gather_blocks(cache, ids, (0, 3))
+    assert torch.equal(_gather(cache, ids, (0, 3), None, limited), expected)
+    assert limited.copies == 2 * 2 * 3 and not limited.refused  # runs x K/V x layers
+
+
+def test_a_cache_over_the_devices_pitch_limit_is_gathered_by_copies():
+    # A layer stride over the driver's limit (2 GiB on current GPUs): ~9 GB of cache.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    probe = _Counting(torch.cuda.current_device())
+    block_bytes = BS * 8 * 128 * 2  # bf16, 8 heads of 128
+    blocks = probe.max_pitch // block_bytes + 2
+    big = torch.empty((2, 2, blocks, BS, 8, 128), device="cuda", dtype=torch.bfloat16)
+    try:
+        assert big.stride(1) * big.element_size() > probe.max_pitch
+        ids = list(range(blocks - 40, blocks))  # the far end of each layer
+        big[:, :, ids[0] :].normal_()
+        copier = cache_copier(big)
+        assert copier is not None and isinstance(copier, CopyEngine)
+        counting = _Counting(big.device.index)
+        expected = gather_blocks(big, ids)
+        assert torch.equal(_gather(big, ids, None, None, counting), expected)
+        assert counting.copies == 2 * 2 and counting.gathers == 1  # K/V x layers, one run
+    finally:
+        del big
+        torch.cuda.empty_cache()
 
 
 def test_a_copy_the_driver_refuses_turns_the_copy_engines_off(cache, copier):
@@ -112,7 +137,7 @@ def test_a_copy_the_driver_refuses_turns_the_copy_engines_off(cache, copier):
     scratch = torch.zeros(4096, dtype=torch.uint8, device=cache.device)
     # Rows wider than their pitch: the driver checks that before it queues anything.
     assert not copier.copy_2d(scratch.data_ptr(), 256, scratch.data_ptr(), 256, 512, 2, stream)
-    assert copier.max_pitch == 0  # never asked again
+    assert copier.refused  # never asked again
     ids = list(range(8, 24))
     assert torch.equal(_gather(cache, ids, (0, 3), None, copier), gather_blocks(cache, ids, (0, 3)))
     torch.cuda.synchronize()  # the context is fine

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.copy_engine import CopyEngine, _Memcpy2D
-from engine.kv_blocks import MAX_COPY_RUNS, _copy_runs, block_runs, gather_blocks
+from engine.kv_blocks import MAX_COPIES, MAX_COPY_RUNS, _copy_runs, block_runs, gather_blocks
 
 
 @pytest.mark.parametrize(
@@ -148,19 +148,46 @@ def test_a_copy_the_driver_refuses_turns_the_copy_engines_off_for_good():
     cache, ids = _cache(), list(range(8, 16))
     out = torch.empty(2, 5, len(ids), 4, 3, 8)
     assert not _copy_runs(cache, out, block_runs(ids), engine, _Stream())
-    assert engine.max_pitch == 0
+    assert engine.refused
     assert not _copy_runs(cache, out, block_runs(ids), engine, _Stream())
     assert len(driver.copies) == 1  # never asked again: no log line per chunk
 
 
-def test_a_pitch_over_the_devices_limit_is_not_asked_for():
-    cache, ids = _cache(), list(range(8, 16))
-    pitch = cache.stride(1) * cache.element_size()
-    driver = _Driver(max_pitch=pitch - 1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("ids", "layers"),
+    [
+        (list(range(10, 26)), None),  # one run, every layer
+        (list(range(10, 26)), (0, 3)),  # held layers
+        (list(range(10, 26)), (4, 5)),  # one layer
+        ([3, 4, 5, 30, 31, 7, 38, 39], (1, 4)),  # several runs
+    ],
+)
+def test_a_layer_stride_over_the_pitch_limit_is_copied_a_layer_at_a_time(dtype, ids, layers):
+    # A large cache's layer stride is over the driver's limit (2 GiB): a copy per layer.
+    cache = _cache(dtype)
+    driver = _Driver(max_pitch=cache.stride(1) * cache.element_size() - 1)
     engine = CopyEngine(driver, 0)
+    expected = gather_blocks(cache, ids, layers)
+    view = cache if layers is None else cache[:, layers[0] : layers[1]]
+    out = torch.full_like(expected, 7)
+    assert _copy_runs(view, out, block_runs(ids), engine, _Stream())
+    assert torch.equal(out, expected)
+    assert not engine.refused  # a limit is not a refusal
+    # Per run, K/V half and layer; one row each, its pitches within the limit.
+    assert len(driver.copies) == 2 * len(block_runs(ids)) * view.shape[1]
+    assert all(c[5] == 1 and c[1] == c[3] == c[4] for c in driver.copies)
+
+
+def test_more_copies_a_layer_at_a_time_than_the_cap_are_left_to_the_kernel():
+    cache = _cache()  # 5 layers: 10 copies per run
+    driver = _Driver(max_pitch=cache.stride(1) * cache.element_size() - 1)
+    runs = MAX_COPIES // 10 + 1
+    ids = [b for r in range(runs) for b in (3 * r, 3 * r + 1)]
+    assert runs <= MAX_COPY_RUNS and len(block_runs(ids)) == runs
     out = torch.empty(2, 5, len(ids), 4, 3, 8)
-    assert not _copy_runs(cache, out, block_runs(ids), engine, _Stream())
-    assert driver.copies == [] and engine.max_pitch == pitch - 1  # a limit is not a refusal
+    assert not _copy_runs(cache, out, block_runs(ids), CopyEngine(driver, 0), _Stream())
+    assert driver.copies == []
 
 
 def test_no_copy_engine_without_a_driver_library():
