@@ -32,6 +32,11 @@ MAX_COPY_RUNS = 8
 # Nor more driver calls than this for one gather (a copy per layer: 2 x layers
 # per run), each some microseconds of the engine thread's time.
 MAX_COPIES = 64
+# A copy per layer only of runs this large: 28 layers' copies of 1 MB (a
+# 512-token 8B prompt) slowed four layers beside them by 0.28-0.66 ms, more
+# than the kernel's 0.11-0.19; of 4 MB (2048 tokens) by 0.03-0.06 ms, against
+# the kernel's 0.47-0.51 (one H200, docs/performance.md).
+MIN_LAYER_COPY_BYTES = 4 << 20
 
 
 def block_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -124,8 +129,8 @@ def _copy_runs(
     is over the driver's pitch limit. False (for the kernel, which also fails
     loudly on ids out of range) where a block's bytes are not one contiguous
     span in the cache's order (a head range of the cache's), where there are
-    too many runs (or copies) or they do not fit the output and the cache, or
-    where the driver refused."""
+    too many runs (or copies), runs too short to copy a layer at a time, or
+    runs that do not fit the output and the cache, or where the driver refused."""
     if len(runs) > MAX_COPY_RUNS or sum(n for _, n in runs) != out.shape[2]:
         return False
     if any(first < 0 or n < 1 or first + n > view.shape[2] for first, n in runs):
@@ -144,6 +149,8 @@ def _copy_runs(
     layers = view.shape[1]
     # Rows a stride over the pitch limit apart: a copy per layer (one row each).
     per_layer = src_pitch > copier.max_pitch
+    if per_layer and min(n for _, n in runs) * block_bytes < MIN_LAYER_COPY_BYTES:
+        return False
     if len(runs) * view.shape[0] * (layers if per_layer else 1) > MAX_COPIES:
         return False
     stream = on.cuda_stream

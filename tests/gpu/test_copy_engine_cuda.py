@@ -15,6 +15,7 @@ import torch
 
 from common.kv_transfer.loopback import LoopbackSender
 from common.kv_transfer.ticket import Destination
+from engine import kv_blocks
 from engine.copy_engine import CopyEngine
 from engine.kv_blocks import MAX_COPY_RUNS, _copy_runs, block_runs, cache_copier, gather_blocks
 from prefill_node.kv_plan import StepSegment
@@ -98,8 +99,10 @@ def test_what_copies_cannot_take_goes_by_kernel_and_is_still_right(cache, copier
     assert copier.copies == 0
 
 
-def test_a_layer_stride_over_the_limit_goes_a_layer_per_copy(cache):
-    # This cache's stride taken for one over the limit (the real one: the next test).
+def test_a_layer_stride_over_the_limit_goes_a_layer_per_copy(cache, monkeypatch):
+    # This cache's stride taken for one over the limit (the real one: the next test),
+    # its small blocks copied a layer at a time all the same.
+    monkeypatch.setattr(kv_blocks, "MIN_LAYER_COPY_BYTES", 0)
     pitch = cache.stride(1) * cache.element_size()
     limited = _Counting(cache.device.index)
     limited.max_pitch = pitch - 1
@@ -119,7 +122,8 @@ def test_a_cache_over_the_devices_pitch_limit_is_gathered_by_copies():
     big = torch.empty((2, 2, blocks, BS, 8, 128), device="cuda", dtype=torch.bfloat16)
     try:
         assert big.stride(1) * big.element_size() > probe.max_pitch
-        ids = list(range(blocks - 40, blocks))  # the far end of each layer
+        # The far end of each layer, a run of MIN_LAYER_COPY_BYTES (4 MiB): by copies.
+        ids = list(range(blocks - kv_blocks.MIN_LAYER_COPY_BYTES // block_bytes, blocks))
         big[:, :, ids[0] :].normal_()
         copier = cache_copier(big)
         assert copier is not None and isinstance(copier, CopyEngine)
@@ -127,6 +131,10 @@ def test_a_cache_over_the_devices_pitch_limit_is_gathered_by_copies():
         expected = gather_blocks(big, ids)
         assert torch.equal(_gather(big, ids, None, None, counting), expected)
         assert counting.copies == 2 * 2 and counting.gathers == 1  # K/V x layers, one run
+        # A shorter run: by kernel (copies of a layer's few blocks cost the SMs more).
+        short = ids[-16:]
+        assert torch.equal(_gather(big, short, None, None, counting), gather_blocks(big, short))
+        assert counting.copies == 2 * 2 and counting.gathers == 1
     finally:
         del big
         torch.cuda.empty_cache()

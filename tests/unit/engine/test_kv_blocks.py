@@ -11,6 +11,7 @@ import ctypes
 import pytest
 import torch
 
+from engine import kv_blocks
 from engine.copy_engine import CopyEngine, _Memcpy2D
 from engine.kv_blocks import MAX_COPIES, MAX_COPY_RUNS, _copy_runs, block_runs, gather_blocks
 
@@ -163,8 +164,12 @@ def test_a_copy_the_driver_refuses_turns_the_copy_engines_off_for_good():
         ([3, 4, 5, 30, 31, 7, 38, 39], (1, 4)),  # several runs
     ],
 )
-def test_a_layer_stride_over_the_pitch_limit_is_copied_a_layer_at_a_time(dtype, ids, layers):
-    # A large cache's layer stride is over the driver's limit (2 GiB): a copy per layer.
+def test_a_layer_stride_over_the_pitch_limit_is_copied_a_layer_at_a_time(
+    dtype, ids, layers, monkeypatch
+):
+    # A large cache's layer stride is over the driver's limit (2 GiB): a copy per
+    # layer, of runs of any size here (these blocks are bytes, not megabytes).
+    monkeypatch.setattr(kv_blocks, "MIN_LAYER_COPY_BYTES", 0)
     cache = _cache(dtype)
     driver = _Driver(max_pitch=cache.stride(1) * cache.element_size() - 1)
     engine = CopyEngine(driver, 0)
@@ -179,7 +184,24 @@ def test_a_layer_stride_over_the_pitch_limit_is_copied_a_layer_at_a_time(dtype, 
     assert all(c[5] == 1 and c[1] == c[3] == c[4] for c in driver.copies)
 
 
-def test_more_copies_a_layer_at_a_time_than_the_cap_are_left_to_the_kernel():
+def test_runs_too_short_to_copy_a_layer_at_a_time_are_left_to_the_kernel(monkeypatch):
+    cache = _cache()
+    block_bytes = 4 * 3 * 8 * cache.element_size()
+    monkeypatch.setattr(kv_blocks, "MIN_LAYER_COPY_BYTES", 4 * block_bytes)
+    driver = _Driver(max_pitch=cache.stride(1) * cache.element_size() - 1)
+    engine = CopyEngine(driver, 0)
+    short = [3, 4, 5, 10, 11, 12, 13]  # a run of 3 blocks: under the minimum
+    out = torch.empty(2, 5, len(short), 4, 3, 8)
+    assert not _copy_runs(cache, out, block_runs(short), engine, _Stream())
+    assert driver.copies == []
+    long = [3, 4, 5, 6, 10, 11, 12, 13]  # both runs at the minimum
+    out = torch.empty(2, 5, len(long), 4, 3, 8)
+    assert _copy_runs(cache, out, block_runs(long), engine, _Stream())
+    assert torch.equal(out, gather_blocks(cache, long))
+
+
+def test_more_copies_a_layer_at_a_time_than_the_cap_are_left_to_the_kernel(monkeypatch):
+    monkeypatch.setattr(kv_blocks, "MIN_LAYER_COPY_BYTES", 0)
     cache = _cache()  # 5 layers: 10 copies per run
     driver = _Driver(max_pitch=cache.stride(1) * cache.element_size() - 1)
     runs = MAX_COPIES // 10 + 1
