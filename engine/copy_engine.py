@@ -88,8 +88,9 @@ class CopyEngine:
             return None
         if row_pitch > engine.max_pitch:
             logger.info(
-                "KV chunks of consecutive blocks go on the copy engines, a layer per copy "
-                "(the cache's layer stride, %d bytes, is over their pitch limit, %d)",
+                "KV chunks of consecutive blocks go on the copy engines a layer per copy, "
+                "where a layer's run is 4 MiB or more (the cache's layer stride, %d bytes, "
+                "is over their pitch limit, %d)",
                 row_pitch,
                 engine.max_pitch,
             )

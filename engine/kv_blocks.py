@@ -149,7 +149,7 @@ def _copy_runs(
     layers = view.shape[1]
     # Rows a stride over the pitch limit apart: a copy per layer (one row each).
     per_layer = src_pitch > copier.max_pitch
-    if per_layer and min(n for _, n in runs) * block_bytes < MIN_LAYER_COPY_BYTES:
+    if per_layer and min((n for _, n in runs), default=0) * block_bytes < MIN_LAYER_COPY_BYTES:
         return False
     if len(runs) * view.shape[0] * (layers if per_layer else 1) > MAX_COPIES:
         return False
