@@ -84,29 +84,36 @@ def _cache(dtype=torch.float32) -> torch.Tensor:
     return torch.arange(n, dtype=torch.int64).remainder(251).to(dtype).view(2, 5, 40, 4, 3, 8)
 
 
-def test_the_struct_is_the_drivers():
-    assert ctypes.sizeof(_Memcpy2D) == 128  # CUDA_MEMCPY2D_v2 on a 64-bit host
+# (block ids, layer range) of the gathers the copies are checked on.
+GATHERS = [
+    (list(range(10, 26)), None),  # one run, every layer
+    (list(range(10, 26)), (0, 3)),  # held layers
+    (list(range(10, 26)), (4, 5)),  # one layer
+    ([3, 4, 5, 30, 31, 7, 38, 39], (1, 4)),  # several runs
+]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
-@pytest.mark.parametrize(
-    ("ids", "layers"),
-    [
-        (list(range(10, 26)), None),  # one run, every layer
-        (list(range(10, 26)), (0, 3)),  # held layers
-        (list(range(10, 26)), (4, 5)),  # one layer
-        ([3, 4, 5, 30, 31, 7, 38, 39], (1, 4)),  # several runs
-    ],
-)
-def test_the_copies_take_the_blocks_index_select_takes(dtype, ids, layers):
-    cache = _cache(dtype)
-    driver = _Driver()
+def _copied(cache, ids, layers, driver):
+    """The layer range's view and the engine, once the copies equalled index_select's."""
     engine = CopyEngine(driver, 0)
     expected = gather_blocks(cache, ids, layers)
     view = cache if layers is None else cache[:, layers[0] : layers[1]]
     out = torch.full_like(expected, 7)
     assert _copy_runs(view, out, block_runs(ids), engine, _Stream())
     assert torch.equal(out, expected)
+    return view, engine
+
+
+def test_the_struct_is_the_drivers():
+    assert ctypes.sizeof(_Memcpy2D) == 128  # CUDA_MEMCPY2D_v2 on a 64-bit host
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize(("ids", "layers"), GATHERS)
+def test_the_copies_take_the_blocks_index_select_takes(dtype, ids, layers):
+    cache = _cache(dtype)
+    driver = _Driver()
+    view, _ = _copied(cache, ids, layers, driver)
     assert len(driver.copies) == 2 * len(block_runs(ids))  # per run and K/V half
     row = view.shape[3] * view.shape[4] * view.shape[5] * view.element_size()
     assert all(c[1] == cache.stride(1) * cache.element_size() for c in driver.copies)
@@ -155,15 +162,7 @@ def test_a_copy_the_driver_refuses_turns_the_copy_engines_off_for_good():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    ("ids", "layers"),
-    [
-        (list(range(10, 26)), None),  # one run, every layer
-        (list(range(10, 26)), (0, 3)),  # held layers
-        (list(range(10, 26)), (4, 5)),  # one layer
-        ([3, 4, 5, 30, 31, 7, 38, 39], (1, 4)),  # several runs
-    ],
-)
+@pytest.mark.parametrize(("ids", "layers"), GATHERS)
 def test_a_layer_stride_over_the_pitch_limit_is_copied_a_layer_at_a_time(
     dtype, ids, layers, monkeypatch
 ):
@@ -172,12 +171,7 @@ def test_a_layer_stride_over_the_pitch_limit_is_copied_a_layer_at_a_time(
     monkeypatch.setattr(kv_blocks, "MIN_LAYER_COPY_BYTES", 0)
     cache = _cache(dtype)
     driver = _Driver(max_pitch=cache.stride(1) * cache.element_size() - 1)
-    engine = CopyEngine(driver, 0)
-    expected = gather_blocks(cache, ids, layers)
-    view = cache if layers is None else cache[:, layers[0] : layers[1]]
-    out = torch.full_like(expected, 7)
-    assert _copy_runs(view, out, block_runs(ids), engine, _Stream())
-    assert torch.equal(out, expected)
+    view, engine = _copied(cache, ids, layers, driver)
     assert not engine.refused  # a limit is not a refusal
     # Per run, K/V half and layer; one row each, its pitches within the limit.
     assert len(driver.copies) == 2 * len(block_runs(ids)) * view.shape[1]
