@@ -78,25 +78,15 @@ class CopyEngine:
         self.gathers = 0  # KV gathers done by its copies (engine/kv_blocks.py counts them)
 
     @classmethod
-    def load(cls, device_index: int, row_pitch: int) -> CopyEngine | None:
-        """For copies whose source rows are ``row_pitch`` bytes apart (a KV
-        cache's layer stride); None where the driver cannot be asked."""
+    def load(cls, device_index: int) -> CopyEngine | None:
+        """The copy engines of device ``device_index``; None where the driver
+        cannot be asked (engine/kv_blocks.py's ``cache_copier`` says how a KV
+        cache uses them)."""
         try:
-            engine = cls(ctypes.CDLL("libcuda.so.1"), device_index)
+            return cls(ctypes.CDLL("libcuda.so.1"), device_index)
         except (OSError, AttributeError) as e:
             logger.info("no copy-engine copies (%s): KV chunks are gathered by kernels", e)
             return None
-        if row_pitch > engine.max_pitch:
-            logger.info(
-                "KV chunks of consecutive blocks go on the copy engines a layer per copy, "
-                "where a layer's run is 4 MiB or more (the cache's layer stride, %d bytes, "
-                "is over their pitch limit, %d)",
-                row_pitch,
-                engine.max_pitch,
-            )
-        else:
-            logger.info("KV chunks of consecutive blocks go on the copy engines")
-        return engine
 
     def copy_2d(
         self,

@@ -18,12 +18,15 @@ per layer).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
 import torch
 
 from engine.copy_engine import CopyEngine
+
+logger = logging.getLogger(__name__)
 
 Range = tuple[int, int]  # [start, end)
 Run = tuple[int, int]  # (first block id, number of blocks)
@@ -68,7 +71,22 @@ def cache_copier(kv_cache: torch.Tensor) -> CopyEngine | None:
     or no driver library): its rows are a layer's blocks, a layer stride apart."""
     if not kv_cache.is_cuda:
         return None
-    return CopyEngine.load(kv_cache.device.index, kv_cache.stride(1) * kv_cache.element_size())
+    copier = CopyEngine.load(kv_cache.device.index)
+    if copier is None:
+        return None
+    stride = kv_cache.stride(1) * kv_cache.element_size()
+    if stride > copier.max_pitch:
+        logger.info(
+            "KV chunks of consecutive blocks go on the copy engines a layer per copy, "
+            "where a layer's run is %d bytes or more (the cache's layer stride, %d bytes, "
+            "is over their pitch limit, %d)",
+            MIN_LAYER_COPY_BYTES,
+            stride,
+            copier.max_pitch,
+        )
+    else:
+        logger.info("KV chunks of consecutive blocks go on the copy engines")
+    return copier
 
 
 def kv_unit_bytes(kv_cache: torch.Tensor) -> int:
@@ -149,6 +167,7 @@ def _copy_runs(
     layers = view.shape[1]
     # Rows a stride over the pitch limit apart: a copy per layer (one row each).
     per_layer = src_pitch > copier.max_pitch
+    height = 1 if per_layer else max(layers, 1)  # rows per copy
     if per_layer and min((n for _, n in runs), default=0) * block_bytes < MIN_LAYER_COPY_BYTES:
         return False
     if len(runs) * view.shape[0] * (layers if per_layer else 1) > MAX_COPIES:
@@ -160,15 +179,13 @@ def _copy_runs(
         for first, count in runs:
             src = src_half + first * block_bytes
             width = count * block_bytes
-            if not per_layer:
-                if not copier.copy_2d(dst, dst_pitch, src, src_pitch, width, layers, stream):
+            # One copy of every layer's row, or one per layer (one row: its
+            # pitch is only checked against the width).
+            pitches = (width, width) if per_layer else (dst_pitch, src_pitch)
+            for layer in range(0, layers, height):
+                at, to = src + layer * src_pitch, dst + layer * dst_pitch
+                if not copier.copy_2d(to, pitches[0], at, pitches[1], width, height, stream):
                     return False
-            else:
-                for layer in range(layers):
-                    at, to = src + layer * src_pitch, dst + layer * dst_pitch
-                    # One row: its pitch is only checked against the width.
-                    if not copier.copy_2d(to, width, at, width, width, 1, stream):
-                        return False
             dst += width
     return True
 

@@ -2,8 +2,9 @@
 bit for bit the blocks ``index_select`` takes, for one run, several, a layer
 range, behind work on the engine's stream, and a copy per layer for a cache
 whose layer stride is over the driver's pitch limit; a KV-head range and too
-many runs go by kernel; a copy the driver refuses turns them off; and the prefill node's streamer gathers on them, read before the next
-step writes KV. Run on a GPU host: ``python -m pytest tests/gpu -m gpu``."""
+many runs go by kernel; a copy the driver refuses turns them off; and the
+prefill node's streamer gathers on them, read before the next step writes KV.
+Run on a GPU host: ``python -m pytest tests/gpu -m gpu``."""
 
 from __future__ import annotations
 
