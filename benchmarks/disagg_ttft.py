@@ -8,8 +8,13 @@ launcher; one GPU per node when there are GPUs), once per ``--kv-stream-layers``
 value (the prefill node's layers per KV chunk; 0: each step's KV in one chunk
 after its last layer), ``--kv-stream-last-layers`` value (only the last N
 layers streamed, the ones before in one chunk) and ``--prefill-streams`` value
-(the decode node's Prefills over one PrefillSession, or a call each),
-``--repeat`` times in turn.
+(the decode node's Prefills over one PrefillSession, or a call each) and
+``--prefill-dispatch`` value (``router``: the disaggregated requests' Prefills
+go from the client straight to the prefill node, beside the request to the
+decode node, through the router's own PrefillDispatcher, as the router does
+with ``--prefill-dispatch router``, which the cluster's router then runs with;
+the first round's goes the decode node's way, so that the prefill node knows
+its KV channel), ``--repeat`` times in turn.
 Each round sends the same kind of request three times, interleaved: through the router; straight to the decode node's Decode RPC
 naming the prefill node (what the router would send); and straight to the
 decode node naming none, so that it prefills the prompt itself (a local
@@ -59,10 +64,64 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def node_counters(redis_url: str, decode_id: str) -> tuple[int, int, int]:
-    """A decode node's first tokens on the KV channel and requests decoded before
-    the reply, and prefill-0's KV chunks gathered by the copy engines, from
-    their last heartbeats."""
+class ClientDispatch:
+    """The router's PrefillDispatcher (router/dispatch.py) driven from this
+    synchronous client: its session with the prefill node on an event loop of
+    its own thread."""
+
+    def __init__(self, prefill) -> None:
+        import asyncio
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.prefill = prefill
+        self.dispatcher = self._call(self._start())
+
+    async def _start(self):
+        import grpc
+
+        from router.dispatch import PrefillDispatcher
+
+        channels: dict = {}
+        dispatcher = PrefillDispatcher(
+            lambda address: channels.setdefault(address, grpc.aio.insecure_channel(address))
+        )
+        await dispatcher.session(self.prefill).open()
+        return dispatcher
+
+    def _call(self, coro):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def send(self, request, decode_id: str):
+        """Send ``request``'s Prefill (its reservation id set in it before this
+        returns; the write goes on meanwhile); a concurrent future of its reply."""
+        import asyncio
+
+        async def start():
+            session = self.dispatcher.session(self.prefill)
+            return self.dispatcher.send(session, request, decode_id, 600.0)
+
+        async def wait(reply):
+            return await reply
+
+        reply = self._call(start())
+        return asyncio.run_coroutine_threadsafe(wait(reply), self.loop)
+
+    def close(self) -> None:
+        self._call(self.dispatcher.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def node_counters(redis_url: str, decode_id: str) -> tuple[int, int, int, int]:
+    """A decode node's first tokens on the KV channel, requests decoded before
+    the reply and requests whose Prefill the client (router) sent, and
+    prefill-0's KV chunks gathered by the copy engines, from their last
+    heartbeats."""
     import asyncio
 
     from common.cluster import Cluster
@@ -76,14 +135,24 @@ def node_counters(redis_url: str, decode_id: str) -> tuple[int, int, int]:
             await cluster.close()
 
     decode, prefill = asyncio.run(read())
-    return decode.kv_first_tokens, decode.decoded_before_reply, prefill.kv_gathers_copy_engine
+    return (
+        decode.kv_first_tokens,
+        decode.decoded_before_reply,
+        decode.dispatched_prefills,
+        prefill.kv_gathers_copy_engine,
+    )
 
 
 def run(
-    args: argparse.Namespace, stream_layers: int, last_layers: int | None, streams: str | None
+    args: argparse.Namespace,
+    stream_layers: int,
+    last_layers: int | None,
+    streams: str | None,
+    dispatch: str,
 ) -> dict[str, Any]:
     import grpc
 
+    from common.wire import prefill_reply_timings
     from engine.models.config import ModelArchConfig
     from engine.models.shapes import write_shape_dir
     from pdserve.launcher import ClusterSpec, LocalCluster
@@ -95,7 +164,7 @@ def run(
     engine_args = ["--max-model-len", str(args.max_model_len)]
     if same_gpu:
         engine_args += ["--num-kvcache-blocks", str(args.num_kvcache_blocks)]
-    router_args = []
+    router_args = ["--prefill-dispatch", dispatch]
     if args.shape:
         model = str(write_shape_dir(args.shape, Path(tmp) / args.shape))
         engine_args += ["--load-format", "dummy", "--skip-tokenizer-init"]
@@ -151,6 +220,8 @@ def run(
         prefill_ref = internal_pb2.NodeRef(
             node_id="prefill-0", address=by_name["prefill-0"].address
         )
+        remote_id = "decode-1" if same_gpu else "decode-0"
+        client_dispatch = ClientDispatch(prefill_ref) if dispatch == "router" else None
 
         def prompt() -> list[int]:
             return [rng.randrange(100, min(vocab, 30000)) for _ in range(args.prompt_tokens)]
@@ -165,14 +236,19 @@ def run(
                     final = response.final
             return ttft, final
 
-        def direct(remote: bool, ids: list[int]) -> tuple[float, pdserve_pb2.Final]:
+        def direct(remote: bool, ids: list[int], first: bool) -> tuple[float, pdserve_pb2.Final]:
             req = internal_pb2.DecodeRequest(
                 request_id=uuid.uuid4().hex, prompt_token_ids=ids, sampling=sampling
             )
             if remote:
                 req.prefill.CopyFrom(prefill_ref)
             node = remote_decode if remote else local_decode
-            return first_token_ms(node.Decode(req, timeout=600))
+            if not remote or client_dispatch is None or first:
+                return first_token_ms(node.Decode(req, timeout=600))
+            reply = client_dispatch.send(req, remote_id)
+            ttft, final = first_token_ms(node.Decode(req, timeout=600))
+            prefill_reply_timings(reply.result(60), final.usage)  # as the router merges them
+            return ttft, final
 
         def pause() -> None:
             # Each path's GPU starts from the same idle (clocks, power), not
@@ -194,10 +270,10 @@ def run(
                 )
             pause()
             ids = prompt()
-            remote = direct(True, ids)
+            remote = direct(True, ids, i == 0)
             pause()
             # Another node each (decode-1 and prefill-0, decode-0): no prefix-cache hit.
-            local = direct(False, ids if args.same_prompt else prompt())
+            local = direct(False, ids if args.same_prompt else prompt(), i == 0)
             if i < args.warmup:
                 continue
             assert remote[1].usage.prefill_node == "prefill-0" and not local[1].usage.prefill_node
@@ -234,7 +310,9 @@ def run(
             rows.append(row)
         # What the disaggregated requests' decode node counted (its next heartbeat).
         time.sleep(1.5)
-        counters = node_counters(cluster.redis_url, "decode-1" if same_gpu else "decode-0")
+        counters = node_counters(cluster.redis_url, remote_id)
+        if client_dispatch is not None:
+            client_dispatch.close()
     keys = rows[0].keys()
     summary = {f"median_{k}": median([r[k] for r in rows]) for k in keys}
     if not same_gpu:
@@ -255,13 +333,16 @@ def run(
     # KV channel, and requests that decoded from one before the Prefill's reply.
     summary["remote_requests"] = args.warmup + args.requests
     summary["kv_first_tokens"], summary["decoded_before_reply"] = counters[:2]
+    # Of them, those whose Prefill the client (router or this script) sent.
+    summary["dispatched_prefills"] = counters[2]
     # KV chunks prefill-0 gathered by its GPU's copy engines (0: by kernels, or a CPU).
-    summary["kv_gathers_copy_engine"] = counters[2]
+    summary["kv_gathers_copy_engine"] = counters[3]
     return {
         "local_gpu": args.local_gpu,
         "kv_stream_layers": stream_layers,
         "kv_stream_last_layers": last_layers,
         "prefill_streams": streams,
+        "prefill_dispatch": dispatch,
         "rows": rows,
         "summary": summary,
     }
@@ -284,6 +365,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=None,
         help="the decode nodes' --prefill-streams values to compare, e.g. session,call "
         "(default: the nodes' own default)",
+    )
+    p.add_argument(
+        "--prefill-dispatch",
+        default="decode",
+        help="who sends the disaggregated requests' Prefills, values to compare, e.g. "
+        "decode,router (router: the client, and the cluster's router, beside the request)",
     )
     p.add_argument(
         "--repeat", type=int, default=1, help="run the settings in turn this many times (ABAB)"
@@ -320,14 +407,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error("--same-prompt needs --local-gpu prefill (a decode node for each path)")
     results = []
     lasts = [None] if args.kv_stream_last_layers is None else args.kv_stream_last_layers.split(",")
+    dispatches = args.prefill_dispatch.split(",")
+    if not set(dispatches) <= {"decode", "router"}:
+        p.error(f"--prefill-dispatch takes decode and router, got {args.prefill_dispatch}")
     settings = [
-        (int(layers), None if last is None else int(last), streams)
+        (int(layers), None if last is None else int(last), streams, dispatch)
         for layers in args.kv_stream_layers.split(",")
         for last in lasts
         for streams in ([None] if args.prefill_streams is None else args.prefill_streams.split(","))
+        for dispatch in dispatches
     ]
-    for layers, last, streams in settings * args.repeat:
-        result = run(args, layers, last, streams)
+    for layers, last, streams, dispatch in settings * args.repeat:
+        result = run(args, layers, last, streams, dispatch)
         results.append(result)
         s = result["summary"]
         shown = "default" if last is None else last
@@ -339,7 +430,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         print(
             f"--kv-stream-layers {layers} --kv-stream-last-layers {shown} --local-gpu "
-            f"{args.local_gpu} --prefill-streams {streams or 'default'}: TTFT p50 {via_router}"
+            f"{args.local_gpu} --prefill-streams {streams or 'default'} --prefill-dispatch "
+            f"{dispatch}: TTFT p50 {via_router}"
             f"direct to the decode node {s['median_direct_ttft_ms']:.2f} ms, local prefill "
             f"{s['median_local_ttft_ms']:.2f} ms -> disaggregated/local "
             f"{s['disaggregated_vs_local']:.3f}x{router_hop}\n"
@@ -359,7 +451,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{s['median_paired_ttft_diff_ms']:.2f}, p75 {s['paired_ttft_diff_p75_ms']:.2f} ms\n"
             f"  first tokens on the KV channel {s['kv_first_tokens']} of "
             f"{s['remote_requests']} remote requests, decoded before the reply "
-            f"{s['decoded_before_reply']}; KV chunks gathered by the copy engines "
+            f"{s['decoded_before_reply']}, Prefill from the client {s['dispatched_prefills']}; "
+            f"KV chunks gathered by the copy engines "
             f"{s['kv_gathers_copy_engine']}",
             flush=True,
         )

@@ -31,6 +31,13 @@ class NoCapacity(RuntimeError):
     right now (RESOURCE_EXHAUSTED: the client may retry later or elsewhere)."""
 
 
+class StaleChannel(RuntimeError):
+    """A Prefill the router sent names a decode node whose KV channel with this
+    prefill node is not the one the decode node has (none yet, or it failed or
+    restarted since): FAILED_PRECONDITION, and the router sends the request
+    the decode node's way, which rebuilds the channel."""
+
+
 class Stage(enum.Enum):
     """Where a request stands on one node."""
 

@@ -2,7 +2,7 @@
 message on it (common/request_session.py is the serving end).
 
 A router keeps one DecodeSession per decode node (router/node_session.py), a
-decode node one PrefillSession per prefill node (decode_node/prefill_session.py).
+decode node one PrefillSession per prefill node (common/prefill_session_client.py).
 This is what they share: opening the call once for every request that asks
 meanwhile, and only after the node's first (empty) batch; bounded writes, one at
 a time; ``cancel`` commands; one reader task that hands each event to its
@@ -86,6 +86,11 @@ class SessionClient:
             self._call.cancel()
         if self._reader is not None:
             await asyncio.gather(self._reader, return_exceptions=True)
+
+    async def open(self) -> bool:
+        """Open the session now if it is not (``_opened``): what the node says of
+        itself (its first batch) is known once it returns."""
+        return await self._opened()
 
     async def _opened(self) -> bool:
         """Whether a request goes on the session, opening it first if need be;

@@ -38,6 +38,19 @@ _FINISH = {
     FinishReason.ABORT: pdserve_pb2.FINISH_REASON_ABORT,
 }
 
+# A router's reservation ids (DecodeRequest.prefill_reservation_id, for the
+# Prefills it sends itself) are this and up, under 2**63 (the KV headers' int64);
+# a decode node counts its own up from 1, so that the two never meet.
+FIRST_ROUTER_RESERVATION_ID = 1 << 62
+
+
+def prefill_reply_timings(resp, usage) -> None:
+    """A Prefill reply's own times into a request's ``usage.timing``."""
+    usage.timing.prefill_queue_ms = resp.queue_ms
+    usage.timing.prefill_compute_ms = resp.compute_ms
+    usage.timing.kv_transfer_ms = resp.transfer_ms
+    usage.timing.prefill_node_ms = resp.node_ms
+
 
 def token_ids_of(repeated) -> list[int]:
     """A message's repeated token ids as a list. A slice builds the list in one C

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 from common.kv_transfer import KVReceiver, TransferError, TransferState
 from common.kv_transfer.checksum import chain
 from common.kv_transfer.pairing import kv_pairs, receives_of
+from common.wire import FIRST_ROUTER_RESERVATION_ID
 from decode_node.landing_core import OPEN, LandingCore, PendingKV
 from decode_node.rank_reports import Report, ReportListener
 from decode_node.stats import DecodeStats
@@ -107,14 +108,26 @@ class KVLanding(LandingCore):
             engine.call(lambda e: e.call_workers("setup", setup)).result()
 
     # ------------------------------------------------------- request path
-    def expect(self, peer: str, peer_tp: int = 1) -> tuple[int, int]:
+    def expect(
+        self, peer: str, peer_tp: int = 1, reservation_id: int | None = None
+    ) -> tuple[int, int]:
         """A transfer from ``peer`` whose blocks are not reserved yet (``open``
         registers them under the id); returns (reservation id, channel epoch).
         The receiver reads the peer's stream for it from now on: the prefill node
-        ends it with an end header even when no blocks ever come (``close``)."""
+        ends it with an end header even when no blocks ever come (``close``).
+        ``reservation_id``: a router's, for a Prefill it sent itself (from
+        FIRST_ROUTER_RESERVATION_ID up, so never one of this node's own)."""
         if self.tp_size > 1:
             raise ValueError("the other ranks learn a reservation with its blocks: open() it")
-        reservation_id = next(self._reservation_ids)
+        if reservation_id is None:
+            reservation_id = next(self._reservation_ids)
+        elif not FIRST_ROUTER_RESERVATION_ID <= reservation_id < 1 << 63:
+            raise ValueError(
+                f"a router's reservation id is from {FIRST_ROUTER_RESERVATION_ID} up, "
+                f"under 2**63; got {reservation_id}"
+            )
+        elif reservation_id in self._expected or reservation_id in self._pending:
+            raise ValueError(f"reservation id {reservation_id} is in use")
         peer_tp = max(1, peer_tp)
         epoch = self._expect(peer, peer_tp, reservation_id)
         self._expected[reservation_id] = (peer, peer_tp, epoch)

@@ -10,7 +10,7 @@ from common.node import run_node, start_node_engine
 from common.node_flags import add_node_arguments, fault_delays
 from common.ports import PlannedPort
 from common.tls import TLSConfig
-from decode_node.prefill_session import PrefillStreams
+from decode_node.prefill_call import PrefillStreams
 from decode_node.service import DecodeNodeServicer
 from decode_node.worker import DecodeWorker
 from proto import internal_pb2, internal_pb2_grpc

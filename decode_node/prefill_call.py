@@ -4,13 +4,25 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 
 import grpc
 
+from common.wire import prefill_reply_timings
 from proto import internal_pb2, pdserve_pb2
 
 logger = logging.getLogger(__name__)
+
+
+class PrefillStreams(enum.Enum):
+    """How a decode node sends its Prefills (--prefill-streams)."""
+
+    SESSION = "session"  # every Prefill to a prefill node over one PrefillSession call
+    CALL = "call"  # one Prefill call per request
+
+    def __str__(self) -> str:  # argparse shows choices by str()
+        return self.value
 
 
 class PrefillFailed(RuntimeError):
@@ -64,8 +76,22 @@ def prefill_timings(reply: asyncio.Future, usage: pdserve_pb2.Usage) -> None:
         if not reply.cancelled():
             logger.warning("a Prefill's reply failed after its first token: %s", reply.exception())
         return
-    resp = reply.result()
-    usage.timing.prefill_queue_ms = resp.queue_ms
-    usage.timing.prefill_compute_ms = resp.compute_ms
-    usage.timing.kv_transfer_ms = resp.transfer_ms
-    usage.timing.prefill_node_ms = resp.node_ms
+    prefill_reply_timings(reply.result(), usage)
+
+
+async def first_token_of(landing, stats, reservation_id: int, reply: asyncio.Future):
+    """(first token, cached prompt tokens, the reply or None where the token came
+    on the KV channel first: the Final waits for the reply then)."""
+    first = landing.first_token(reservation_id)
+    # With --verify-kv the reply (its checksum) is awaited, and the token on
+    # the channel checked against the reply's.
+    fast = first is not None and not landing.verify_transfers
+    if fast:
+        # Retrieved even when the Final no longer awaits it (no warning).
+        reply.add_done_callback(lambda f: f.cancelled() or f.exception())
+        await asyncio.wait((reply, first), return_when=asyncio.FIRST_COMPLETED)
+    if fast and first.done() and first.result() is not None:
+        stats.decoded_before_reply += 1
+        return *first.result(), None
+    resp = await reply
+    return resp.first_token_id, resp.cached_tokens, resp

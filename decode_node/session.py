@@ -35,6 +35,9 @@ class DecodeSession(RequestSession):
         super().__init__()
         self.worker = worker
 
+    def hello(self) -> internal_pb2.SessionBatch:
+        return internal_pb2.SessionBatch(takes_dispatched=self.worker.takes_dispatched)
+
     async def handle(
         self, request: internal_pb2.DecodeRequest, deadline: float | None
     ) -> AsyncIterator[internal_pb2.SessionEvent]:

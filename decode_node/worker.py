@@ -13,7 +13,7 @@ Life cycle of a request on a decode node:
 3. The receiver is told to expect a transfer from that prefill node, and the
    node asks it to ``Prefill`` with the channel epoch, the reservation id and
    the first block it lacks: a message on its PrefillSession with that node
-   (decode_node/prefill_session.py), or a call of its own
+   (common/prefill_session_client.py), or a call of its own
    (``--prefill-streams call``).
 4. The transfer arrives on the receiver's thread: the header names the
    reservation; if it is still waiting, the payload is scattered into its
@@ -46,6 +46,7 @@ import grpc
 from common.grpc_server import CLIENT_OPTIONS
 from common.kv_transfer import TransferError
 from common.metrics.phases import PromptPhases
+from common.prefill_session_client import PrefillSessionClient
 from common.reliability import (
     FaultDelays,
     FaultPoint,
@@ -62,9 +63,15 @@ from common.wire import (
     token_ids_of,
     token_logprobs_from_proto,
 )
+from decode_node.dispatched import dispatched_prefill
 from decode_node.kv_landing import KVLanding
-from decode_node.prefill_call import PrefillFailed, prefill_command, prefill_timings
-from decode_node.prefill_session import PrefillSessionClient, PrefillStreams
+from decode_node.prefill_call import (
+    PrefillFailed,
+    PrefillStreams,
+    first_token_of,
+    prefill_command,
+    prefill_timings,
+)
 from decode_node.stats import DecodeStats
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine, Reservation
@@ -97,6 +104,10 @@ class DecodeWorker:
         self.kv_lease_s = kv_lease_s
         self.max_queued = max_queued
         self.faults = faults or FaultDelays()
+        # Takes requests whose Prefill the router sent (DecodeRequest.prefill_reservation_id):
+        # their first token comes on the KV channel only, which needs one rank;
+        # --verify-kv needs the reply's checksums, which go to the router then.
+        self.takes_dispatched = engine.engine.model_runner.tp.size == 1 and not verify_transfers
         self.stats = DecodeStats()
         self._stages: dict[str, Stage] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -141,7 +152,7 @@ class DecodeWorker:
                     arrived,
                     params.logprobs is None,
                 )
-                if reply.done():
+                if reply is not None and reply.done():  # None: the router has it
                     prefill_timings(reply, usage)
                     reply = None
                 self.stats.remote_prefills += 1
@@ -243,8 +254,14 @@ class DecodeWorker:
             )
         rid = req.request_id
         token_on_kv = token_on_kv and peer_tp == 1 and landing.tp_size == 1
+        dispatched = req.prefill_reservation_id != 0  # the router sent the Prefill
+        if dispatched and not (self.takes_dispatched and token_on_kv):
+            raise ValueError(
+                "a request whose Prefill the router sent needs a decode and a prefill node "
+                "of one rank each, no --verify-kv here and no logprobs"
+            )
         session = None
-        if self.prefill_streams is PrefillStreams.SESSION:
+        if dispatched or self.prefill_streams is PrefillStreams.SESSION:
             session = self._session(req.prefill)
         # Only while this node's engine thread is idle: the reservation then
         # runs inline right after the Prefill's write and its blocks follow
@@ -257,8 +274,9 @@ class DecodeWorker:
             and landing.tp_size == 1
             and self.engine.idle
         )
-        command = prefill_command(req, landing, self.node_id, token_on_kv)
-        request, destination = command.start.request, command.start.request.destination
+        if not dispatched:
+            command = prefill_command(req, landing, self.node_id, token_on_kv)
+            request, destination = command.start.request, command.start.request.destination
         # The lease bounds how long the blocks stay reserved for this prefill
         # node, whatever the client's deadline: a stalled or dead node cannot
         # pin them, and the router can retry elsewhere (nothing was sent yet).
@@ -269,7 +287,13 @@ class DecodeWorker:
         keep_reply = False  # handed back with the request committed
         try:
             try:
-                if follow:
+                if dispatched:
+                    self.stats.dispatched_prefills += 1
+                    reservation_id, replied, first_token, cached_tokens = await dispatched_prefill(
+                        landing, req, reserve, session, end, deadline
+                    )
+                    sent, resp = arrived, None
+                elif follow:
                     reservation_id, destination.channel_epoch = landing.expect(peer, peer_tp)
                     destination.reservation_id = reservation_id
                     request.blocks_follow = True
@@ -304,26 +328,17 @@ class DecodeWorker:
                     destination.num_blocks = len(reservation.block_ids)
                     sent = time.monotonic()
                 usage.timing.decode_admit_ms = (sent - arrived) * 1e3
-                if reply is None:
+                if dispatched:
+                    pass  # the router has the reply
+                elif reply is None:
                     reply = asyncio.ensure_future(
                         self._prefill(req.prefill, command, max(0.0, end - sent))
                     )
-                first = landing.first_token(reservation_id)
-                # With --verify-kv the reply (its checksum) is awaited, and the
-                # token on the channel checked against the reply's.
-                fast = first is not None and not landing.verify_transfers
-                if fast:
-                    # Retrieved even when the Final no longer awaits it (no warning).
-                    reply.add_done_callback(lambda f: f.cancelled() or f.exception())
-                    await asyncio.wait((reply, first), return_when=asyncio.FIRST_COMPLETED)
-                if fast and first.done() and first.result() is not None:
-                    first_token, cached_tokens = first.result()
-                    resp = None  # it may come later; the Final waits for it
-                    self.stats.decoded_before_reply += 1
-                else:
-                    resp = await reply
-                    first_token, cached_tokens = resp.first_token_id, resp.cached_tokens
-                replied = time.monotonic()
+                if not dispatched:
+                    first_token, cached_tokens, resp = await first_token_of(
+                        landing, self.stats, reservation_id, reply
+                    )
+                    replied = time.monotonic()
                 usage.timing.prefill_call_ms = (replied - sent) * 1e3
             except grpc.aio.AioRpcError as e:
                 if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED and end == deadline:

@@ -26,9 +26,8 @@ requests' destinations) and hands each step's segments to the other ranks
 (prefill_node/tp_rank.py) is asked with no batch and emits its heads of the
 same segments. ``finish`` ends a reservation's stream on every rank the same way.
 
-Blocks that follow (late_blocks.py): a Prefill sent before the decode node's
-reservation is planned without them; on a GPU its step's groups are prepared
-at the first due chunk's hook, once they came.
+Blocks that follow (late_blocks.py) are planned without; on a GPU their step's
+groups are prepared at the first due chunk's hook, once they came.
 
 Chunked prefill: a block cut by a chunk boundary goes with the chunk that
 fills it. Prefix hits go with the first segment; each layer's chunk is gathered
@@ -154,13 +153,15 @@ class KVStreamer:
         )
         return ticket
 
-    def finish(self, request_id: str, dest: Destination, reservation_id: int) -> None:
-        """A Prefill is done, whatever became of it (sent, failed, aborted, refused):
-        nothing more of it goes out but its end headers, which follow everything
-        queued for it, from every rank. Called exactly once per Prefill."""
+    def finish(self, request_id: str, dest: Destination | None, reservation_id: int) -> None:
+        """A Prefill is done, whatever became of it: nothing more of it goes out but its
+        end headers, behind all it queued, from every rank (none for ``dest`` None: a
+        router's Prefill whose blocks never came). Called exactly once per Prefill."""
         streamed = self._streams.pop(request_id, None)
         if streamed is not None:
             streamed.ticket.cancel()  # a no-op once settled
+        if dest is None:
+            return
         self._end(dest, reservation_id)
         if self.call_workers is not None:
             self.call_workers(

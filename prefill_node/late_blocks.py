@@ -14,6 +14,13 @@ Why: the decode node's reservation (its prefix lookup and the allocation of a
 prompt's blocks, 0.6 ms for 2048 tokens) was on every disaggregated request's
 time to first token, before the prefill node heard of the request.
 
+A router may send the Prefill itself (``PrefillRequest.dispatched``), at the
+same time as its request to the decode node: the decode node's blocks then come
+on that node's own session, before or after the router's Prefill, with the
+decode node's channel epoch, which must be the one this node's Prefill uses
+(``LateBoard``). Why: the decode node's admission and the Prefill's leg from
+it (about 1 ms on the GPU host) were on every disaggregated first token.
+
 Set on the event loop's thread (``set``, ``fail``), waited for on the engine
 thread (``wait``); the event orders the fields' writes before their reads.
 """
@@ -21,8 +28,11 @@ thread (``wait``); the event orders the fields' writes before their reads.
 from __future__ import annotations
 
 import threading
+import time
 
 from common.kv_transfer.channel import TransferError
+from common.reliability import StaleChannel
+from proto import internal_pb2
 
 # How long the engine thread waits for a step's late blocks at most (all of
 # them). A decode node sends a Prefill before its reservation only while its
@@ -48,24 +58,59 @@ def check_blocks(first_block: int, num_blocks: int, num_tokens: int, block_size:
 
 
 class LateBlocks:
-    __slots__ = ("_event", "block_size", "error", "first_block", "num_blocks", "num_tokens")
+    __slots__ = (
+        "_event",
+        "block_size",
+        "epoch",
+        "error",
+        "first_block",
+        "num_blocks",
+        "num_tokens",
+        "reservation_id",
+    )
 
-    def __init__(self, num_tokens: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_tokens: int,
+        block_size: int,
+        epoch: int | None = None,
+        reservation_id: int = 0,
+    ) -> None:
         self.num_tokens, self.block_size = num_tokens, block_size  # the prompt here
+        # A dispatched Prefill's: the channel epoch it sends on and its
+        # reservation id, which its blocks must name. None: not checked.
+        self.epoch, self.reservation_id = epoch, reservation_id
         self.first_block = 0
         self.num_blocks = 0
         self.error: Exception | None = None
         self._event = threading.Event()
 
     @property
+    def came(self) -> bool:
+        """The blocks came and fit (the decode node expects this stream)."""
+        return self._event.is_set() and self.error is None
+
+    @property
     def ready(self) -> bool:
         """The blocks came, or the wait for them is over."""
         return self._event.is_set()
 
-    def set(self, first_block: int, num_blocks: int) -> None:
-        """The decode node's reservation; one that does not fit the prompt fails it."""
+    def set(self, first_block: int, num_blocks: int, epoch: int | None = None) -> None:
+        """The decode node's reservation; one that does not fit the prompt fails
+        it, and so does an ``epoch`` other than a dispatched Prefill's channel's."""
         if self._event.is_set():
             return  # a repeat, or too late (the Prefill ended)
+        if self.epoch is not None and epoch != self.epoch:
+            # The decode node's channel with this node is not the one this
+            # Prefill would send on (it failed or restarted since): nothing sent
+            # there would land. The router retries with the decode node's Prefill.
+            self.fail(
+                StaleChannel(
+                    f"the decode node's KV channel (epoch {epoch}) is not this node's "
+                    f"(epoch {self.epoch}): it moved on"
+                )
+            )
+            return
         try:
             check_blocks(first_block, num_blocks, self.num_tokens, self.block_size)
         except ValueError as e:
@@ -90,3 +135,56 @@ class LateBlocks:
         if self.error is not None:
             raise self.error
         return self.first_block, self.num_blocks
+
+
+class LateBoard:
+    """The node's running Prefills whose blocks follow, by request id, whichever
+    session brought them; and a dispatched Prefill's blocks that came first
+    (the decode node's session was quicker than the router's), kept for
+    ``WAIT_S`` at most. Event loop's thread only."""
+
+    def __init__(self) -> None:
+        self._late: dict[str, LateBlocks] = {}
+        # request_id -> (its blocks, when they came)
+        self._early: dict[str, tuple[internal_pb2.PrefillBlocks, float]] = {}
+
+    def open(self, request_id: str, late: LateBlocks) -> None:
+        """A Prefill whose blocks follow started; blocks that came first are its."""
+        self._late[request_id] = late
+        early = self._early.pop(request_id, None)
+        if early is not None:
+            self._give(late, early[0])
+
+    def close(self, request_id: str, late: LateBlocks) -> None:
+        """It ended (wakes a wait for its blocks)."""
+        late.fail(TransferError("the Prefill ended before the decode node's blocks came"))
+        if self._late.get(request_id) is late:
+            del self._late[request_id]
+
+    def blocks(self, blocks: internal_pb2.PrefillBlocks) -> None:
+        """A decode node's ``blocks`` command, on any session."""
+        late = self._late.get(blocks.request_id)
+        if late is not None:
+            self._give(late, blocks)
+        elif blocks.HasField("channel_epoch"):
+            # A dispatched Prefill's, ahead of it (or after it ended: dropped
+            # after WAIT_S). A decode node's own Prefill always comes first on
+            # its session, so its blocks are never kept.
+            now = time.monotonic()
+            for rid, (_, came) in list(self._early.items()):
+                if now - came > WAIT_S:
+                    del self._early[rid]
+            self._early[blocks.request_id] = (blocks, now)
+
+    @staticmethod
+    def _give(late: LateBlocks, blocks: internal_pb2.PrefillBlocks) -> None:
+        if late.epoch is not None and blocks.reservation_id != late.reservation_id:
+            late.fail(
+                ValueError(
+                    f"the decode node's blocks name reservation {blocks.reservation_id}, "
+                    f"the Prefill {late.reservation_id}"
+                )
+            )
+            return
+        epoch = blocks.channel_epoch if blocks.HasField("channel_epoch") else None
+        late.set(blocks.first_block, blocks.num_blocks, epoch)

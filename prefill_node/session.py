@@ -1,7 +1,7 @@
 """A decode node's PrefillSession on a prefill node: many Prefills over one call.
 
 Life of a session: a decode node opens one PrefillSession per prefill node it
-uses and keeps it (decode_node/prefill_session.py is that end;
+uses and keeps it (common/prefill_session_client.py is that end;
 common/request_session.py the machinery shared with DecodeSession). Each
 Prefill comes as a ``start`` command and runs here as its own task, the very
 ``PrefillWorker.prefill`` a Prefill call runs; its reply and then its end
@@ -11,7 +11,10 @@ its blocks), as cancelling its call would; the call ending aborts them all.
 A Prefill started with ``blocks_follow`` (which the session's first batch
 offers) computes at once; its ``blocks`` command, the decode node's
 reservation, comes after and is handed to its transfer
-(prefill_node/late_blocks.py).
+(prefill_node/late_blocks.py). A router's session brings Prefills it sent
+beside its request to the decode node (``dispatched``): their blocks come on
+that decode node's own session, so blocks are matched node-wide
+(``PrefillWorker.board``).
 
 Why: a Prefill call's two legs are on every disaggregated request's time to
 first token, and a message each way on an open call costs both nodes' loops
@@ -25,7 +28,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from common.kv_transfer import TransferError
 from common.request_session import RequestSession
 from prefill_node.late_blocks import LateBlocks
 from prefill_node.worker import PrefillWorker
@@ -38,10 +40,12 @@ class PrefillSession(RequestSession):
     def __init__(self, worker: PrefillWorker) -> None:
         super().__init__()
         self.worker = worker
-        self._late: dict[str, LateBlocks] = {}  # running Prefills whose blocks follow
+        self._late: dict[str, LateBlocks] = {}  # this session's Prefills whose blocks follow
 
     def hello(self) -> internal_pb2.PrefillSessionBatch:
-        return internal_pb2.PrefillSessionBatch(blocks_follow=True)
+        return internal_pb2.PrefillSessionBatch(
+            blocks_follow=True, dispatched=self.worker.takes_dispatched
+        )
 
     def _start(self, start: internal_pb2.PrefillSessionStart) -> asyncio.Task | None:
         task = super()._start(start)
@@ -50,10 +54,12 @@ class PrefillSession(RequestSession):
             return task
         rid = request.request_id
         late = self._late[rid] = self.worker.late_blocks(request)
+        board = self.worker.board
+        board.open(rid, late)
 
         def ended(_: asyncio.Task) -> None:
             # Also when the task was cancelled before it ran (no finally of its own).
-            late.fail(TransferError("the Prefill ended before the decode node's blocks came"))
+            board.close(rid, late)
             if self._late.get(rid) is late:
                 del self._late[rid]
 
@@ -62,10 +68,9 @@ class PrefillSession(RequestSession):
 
     def other_command(self, which: str, command: internal_pb2.PrefillSessionCommand) -> None:
         if which == "blocks":
-            blocks = command.blocks
-            late = self._late.get(blocks.request_id)
-            if late is not None:  # else it ended meanwhile (its end header went regardless)
-                late.set(blocks.first_block, blocks.num_blocks)
+            # Any session's Prefill (a router's, dispatched); one that ended
+            # meanwhile sent its end header regardless.
+            self.worker.board.blocks(command.blocks)
 
     async def handle(
         self, request: internal_pb2.PrefillRequest, deadline: float | None

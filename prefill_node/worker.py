@@ -47,6 +47,7 @@ from common.reliability import (
     FaultPoint,
     NoCapacity,
     Stage,
+    StaleChannel,
     check_queue,
     deadline_passed,
 )
@@ -58,7 +59,7 @@ from engine.request_stream import RequestStream
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sequence import FinishReason
 from prefill_node.kv_stream import KVStreamer
-from prefill_node.late_blocks import LateBlocks, check_blocks
+from prefill_node.late_blocks import LateBlocks, LateBoard, check_blocks
 from proto import internal_pb2
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,13 @@ class PrefillWorker:
         runner = llm_engine.model_runner
         self.block_size = runner.block_size
         tp = runner.tp
+        self.board = LateBoard()  # Prefills whose blocks follow, on any session
+        # Decode node -> where its latest own Prefill said its KV goes (the
+        # channel epoch with it): a router's Prefill (dispatched) uses that.
+        self._dests: dict[str, Destination] = {}
+        # A router may send Prefills here (the first token then goes on the KV
+        # channel, which needs one rank; --verify-kv needs the decode node's own).
+        self.takes_dispatched = tp.size == 1 and not verify_transfers
         self.streamer = KVStreamer(
             runner.kv_cache,
             runner.block_size,
@@ -173,8 +181,41 @@ class PrefillWorker:
             engine.after_step.append(lambda outputs: time.sleep(step_delay))
 
     def late_blocks(self, req: internal_pb2.PrefillRequest) -> LateBlocks:
-        """Where a Prefill started with ``blocks_follow`` waits for its blocks."""
-        return LateBlocks(len(req.prompt_token_ids), self.block_size)
+        """Where a Prefill started with ``blocks_follow`` waits for its blocks (a
+        dispatched one's must name the epoch of the channel it will send on)."""
+        num_tokens = len(req.prompt_token_ids)
+        if not req.dispatched:
+            return LateBlocks(num_tokens, self.block_size)
+        known = self._dests.get(req.destination.node_id)
+        epoch = known.epoch if known is not None else -1  # -1: refused in ``prefill``
+        return LateBlocks(num_tokens, self.block_size, epoch, req.destination.reservation_id)
+
+    def _target(self, req: internal_pb2.PrefillRequest) -> Destination:
+        """Where the KV goes: the decode node's own Prefill says so (and is
+        remembered); a router's (dispatched) goes on the channel the decode
+        node's latest Prefill named (StaleChannel where there is none)."""
+        dest = req.destination
+        if req.dispatched:
+            if not self.takes_dispatched:
+                raise ValueError(
+                    "this prefill node takes no Prefill from a router (tensor parallelism "
+                    "or --verify-kv): its decode node sends it"
+                )
+            if not req.blocks_follow or not req.first_token_on_kv:
+                raise ValueError("a router's Prefill has its blocks follow and its token on KV")
+            known = self._dests.get(dest.node_id)
+            if known is None:
+                raise StaleChannel(f"no KV channel to decode node {dest.node_id} yet")
+            return known
+        target = Destination(
+            dest.node_id,
+            dest.store_host,
+            dest.store_port,
+            dest.channel_epoch,
+            max(1, dest.tensor_parallel_size),
+        )
+        self._dests[dest.node_id] = target
+        return target
 
     async def prefill(
         self,
@@ -188,13 +229,7 @@ class PrefillWorker:
         rid = req.request_id
         ids = token_ids_of(req.prompt_token_ids)
         dest = req.destination
-        target = Destination(
-            dest.node_id,
-            dest.store_host,
-            dest.store_port,
-            dest.channel_epoch,
-            max(1, dest.tensor_parallel_size),
-        )
+        target = self._target(req)
         params = prefill_params(sampling_params_from_proto(req.sampling))
         params.resume_offset = req.resume_offset  # a migrated stream's seeded draws
         prompt = {"prompt_token_ids": ids}
@@ -247,8 +282,11 @@ class PrefillWorker:
             self.stats.requests += 1
             # Exactly one end header per Prefill, queued on the engine thread
             # behind whatever the request queued (an admission still pending
-            # included), so that it follows all of the request's segments.
-            self.engine.call(lambda e: self._finish(e, rid, target, dest.reservation_id))
+            # included), so that it follows all of the request's segments. A
+            # router's Prefill whose blocks never came has none: the channel it
+            # names may not be the decode node's (and its rendezvous would wait).
+            end = target if not req.dispatched or (late is not None and late.came) else None
+            self.engine.call(lambda e: self._finish(e, rid, end, dest.reservation_id))
         if delay := self.faults.get(FaultPoint.PREFILL_REPLY):
             await asyncio.sleep(delay)
         self.stats.transferred(report.num_bytes, report.wire_s)
@@ -344,7 +382,7 @@ class PrefillWorker:
         engine.abort_request(rid)
 
     def _finish(
-        self, engine: LLMEngine, rid: str, target: Destination, reservation_id: int
+        self, engine: LLMEngine, rid: str, target: Destination | None, reservation_id: int
     ) -> None:
         """On the engine thread: the held blocks (if any are left) go back to the
         pool and the reservation's stream ends."""

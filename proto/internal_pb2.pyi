@@ -18,20 +18,22 @@ class NodeFlushResponse(_message.Message):
     def __init__(self, blocks_flushed: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "prefill", "resume_offset")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "prefill", "resume_offset", "prefill_reservation_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
     cache_salt: str
     prefill: NodeRef
     resume_offset: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., prefill: _Optional[_Union[NodeRef, _Mapping]] = ..., resume_offset: _Optional[int] = ...) -> None: ...
+    prefill_reservation_id: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., prefill: _Optional[_Union[NodeRef, _Mapping]] = ..., resume_offset: _Optional[int] = ..., prefill_reservation_id: _Optional[int] = ...) -> None: ...
 
 class SessionCommand(_message.Message):
     __slots__ = ("start", "cancel")
@@ -50,10 +52,12 @@ class SessionStart(_message.Message):
     def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class SessionBatch(_message.Message):
-    __slots__ = ("events",)
+    __slots__ = ("events", "takes_dispatched")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    TAKES_DISPATCHED_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[SessionEvent]
-    def __init__(self, events: _Optional[_Iterable[_Union[SessionEvent, _Mapping]]] = ...) -> None: ...
+    takes_dispatched: bool
+    def __init__(self, events: _Optional[_Iterable[_Union[SessionEvent, _Mapping]]] = ..., takes_dispatched: _Optional[bool] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("request_id", "response", "end")
@@ -86,7 +90,7 @@ class NodeRef(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "destination", "resume_offset", "blocks_follow", "first_token_on_kv")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "destination", "resume_offset", "blocks_follow", "first_token_on_kv", "dispatched")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +99,7 @@ class PrefillRequest(_message.Message):
     RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ON_KV_FIELD_NUMBER: _ClassVar[int]
+    DISPATCHED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
@@ -103,7 +108,8 @@ class PrefillRequest(_message.Message):
     resume_offset: int
     blocks_follow: bool
     first_token_on_kv: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., resume_offset: _Optional[int] = ..., blocks_follow: _Optional[bool] = ..., first_token_on_kv: _Optional[bool] = ...) -> None: ...
+    dispatched: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., resume_offset: _Optional[int] = ..., blocks_follow: _Optional[bool] = ..., first_token_on_kv: _Optional[bool] = ..., dispatched: _Optional[bool] = ...) -> None: ...
 
 class PrefillSessionCommand(_message.Message):
     __slots__ = ("start", "cancel", "blocks")
@@ -116,14 +122,18 @@ class PrefillSessionCommand(_message.Message):
     def __init__(self, start: _Optional[_Union[PrefillSessionStart, _Mapping]] = ..., cancel: _Optional[str] = ..., blocks: _Optional[_Union[PrefillBlocks, _Mapping]] = ...) -> None: ...
 
 class PrefillBlocks(_message.Message):
-    __slots__ = ("request_id", "first_block", "num_blocks")
+    __slots__ = ("request_id", "first_block", "num_blocks", "channel_epoch", "reservation_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_block: int
     num_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    channel_epoch: int
+    reservation_id: int
+    def __init__(self, request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., channel_epoch: _Optional[int] = ..., reservation_id: _Optional[int] = ...) -> None: ...
 
 class PrefillSessionStart(_message.Message):
     __slots__ = ("request", "timeout_s")
@@ -134,12 +144,14 @@ class PrefillSessionStart(_message.Message):
     def __init__(self, request: _Optional[_Union[PrefillRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class PrefillSessionBatch(_message.Message):
-    __slots__ = ("events", "blocks_follow")
+    __slots__ = ("events", "blocks_follow", "dispatched")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    DISPATCHED_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[PrefillSessionEvent]
     blocks_follow: bool
-    def __init__(self, events: _Optional[_Iterable[_Union[PrefillSessionEvent, _Mapping]]] = ..., blocks_follow: _Optional[bool] = ...) -> None: ...
+    dispatched: bool
+    def __init__(self, events: _Optional[_Iterable[_Union[PrefillSessionEvent, _Mapping]]] = ..., blocks_follow: _Optional[bool] = ..., dispatched: _Optional[bool] = ...) -> None: ...
 
 class PrefillSessionEvent(_message.Message):
     __slots__ = ("request_id", "response", "end")

@@ -30,6 +30,7 @@ from common.tls import TLSConfig, add_tls_arguments
 from engine.config import EngineConfig
 from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2
 from router.admin import AdminServicer
+from router.dispatch import PrefillDispatch
 from router.frontend import Frontend
 from router.metrics import RouterCollector
 from router.node_session import NodeStreams
@@ -169,6 +170,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(what nodes of older releases serve; session falls back to it by itself) "
         "[PDSERVE_NODE_STREAMS]",
     )
+    p.add_argument(
+        "--prefill-dispatch",
+        type=PrefillDispatch,
+        choices=list(PrefillDispatch),
+        default=env("PDSERVE_PREFILL_DISPATCH", PrefillDispatch.DECODE.value),
+        help="decode: a disaggregated request's decode node sends its Prefill to the "
+        "prefill node; router: the router sends it, beside the request to the decode node "
+        "(sessions, nodes of one rank, no logprobs; router/dispatch.py) [PDSERVE_PREFILL_DISPATCH]",
+    )
     add_metrics_arguments(p)
     add_gc_arguments(p)
     add_routing_arguments(p)
@@ -255,6 +265,7 @@ async def serve(args: argparse.Namespace) -> int:
         tls=tls,
         access_log=not args.no_access_log,
         node_streams=args.node_streams,
+        dispatch_prefills=args.prefill_dispatch is PrefillDispatch.ROUTER,
     )
 
     # Clients' mistakes get INVALID_ARGUMENT naming them, even those the servicer

@@ -96,6 +96,15 @@ class SessionCall:
         self._wake()
         return True
 
+    def fail(self, error: grpc.aio.AioRpcError) -> None:
+        """End the request here with ``error`` and cancel it on the node (the
+        Prefill the router sent for it failed: router/dispatch.py); a no-op
+        once it ended."""
+        if self._ended or self._cancelled:
+            return
+        self._session._cancel(self.request.request_id)
+        self._end(error)
+
     def subscribe(self, sink) -> None:
         """From now on hand each item (a response, then EOF or the error) to
         ``sink(item)`` as it arrives, instead of keeping it for read(): the
@@ -136,6 +145,9 @@ class NodeSession(SessionClient):
         super().__init__(node_id)
         self._stub = internal_pb2_grpc.DecodeNodeStub(channel)
         self._calls: dict[str, SessionCall] = {}
+        # The open session's node takes requests whose Prefill the router sends
+        # (its first batch said so); False while none is open.
+        self.takes_dispatched = False
 
     async def start(self, command: internal_pb2.SessionCommand, timeout: float | None):
         """The stream of ``command.start.request``: a SessionCall, or a Decode call
@@ -163,6 +175,9 @@ class NodeSession(SessionClient):
     # ------------------------------------------------ SessionClient's hooks
     def _new_call(self):
         return self._stub.DecodeSession()
+
+    def _on_hello(self, hello: internal_pb2.SessionBatch | None) -> None:
+        self.takes_dispatched = hello is not None and hello.takes_dispatched
 
     def _cancel_command(self, rid: str) -> internal_pb2.SessionCommand:
         return internal_pb2.SessionCommand(cancel=rid)

@@ -14,8 +14,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.grpc_server import CLIENT_OPTIONS
 from common.reliability import FAILED_NODE_KEY as _FAILED_NODE_KEY
 from common.tls import NO_TLS, TLSConfig, make_channel
+from common.wire import prefill_reply_timings
 from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from router.access_log import AccessEntry, log_access
+from router.dispatch import PrefillDispatcher, eligible, failed_by_prefill
 from router.frontend import Frontend
 from router.migration import Seam, StreamProgress, held_back, migratable
 from router.node_session import NodeSession, NodeStreams
@@ -54,6 +56,7 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         tls: TLSConfig = NO_TLS,
         access_log: bool = True,
         node_streams: NodeStreams = NodeStreams.SESSION,
+        dispatch_prefills: bool = False,
     ) -> None:
         self.frontend = frontend
         self.node_streams = node_streams
@@ -62,6 +65,8 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         self.tls = tls  # for the calls to nodes (Decode, and the admin API's NodeControl)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._sessions: dict[str, NodeSession] = {}  # by decode node address
+        # --prefill-dispatch router: Prefills sent from here (router/dispatch.py).
+        self.dispatcher = PrefillDispatcher(self.channel) if dispatch_prefills else None
         # Per node address: when its last liveness probe started, and the probe.
         self._probes: dict[str, tuple[float, asyncio.Future]] = {}
 
@@ -256,6 +261,8 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
     async def close(self) -> None:
         for session in self._sessions.values():
             await session.close()
+        if self.dispatcher is not None:
+            await self.dispatcher.close()
         for channel in self._channels.values():
             await channel.close()
 
@@ -280,6 +287,7 @@ class _Attempt:
         self.usage = None
         self.error: grpc.aio.AioRpcError | None = None
         self.channel: grpc.aio.Channel | None = None
+        self.prefill_reply: asyncio.Future | None = None  # the Prefill sent from here
 
     async def relay(self):
         route = self.routed.decision
@@ -304,7 +312,11 @@ class _Attempt:
         call = None
         try:
             if on_session:
-                call = await self.servicer.session(route.decode).start(command, timeout)
+                session = self.servicer.session(route.decode)
+                self.send_prefill(session, downstream, timeout)
+                call = await session.start(command, timeout)
+                if self.prefill_reply is not None:
+                    self.prefill_reply.add_done_callback(lambda f: self.prefill_ended(f, call))
             else:
                 stub = internal_pb2_grpc.DecodeNodeStub(self.channel)
                 call = stub.Decode(downstream, timeout=timeout)
@@ -329,6 +341,15 @@ class _Attempt:
                     trace.on_tokens(new_tokens, now)
                     if response.HasField("final"):
                         self.usage = response.final.usage
+                        reply = self.prefill_reply
+                        # A Prefill that failed after the token left no timings.
+                        if (
+                            reply is not None
+                            and reply.done()
+                            and not reply.cancelled()
+                            and reply.exception() is None
+                        ):
+                            prefill_reply_timings(reply.result(), self.usage)
                         self.usage.time_to_first_token_ms = (
                             (trace.first_token - trace.start) * 1e3 if trace.first_token else 0.0
                         )
@@ -347,7 +368,32 @@ class _Attempt:
         finally:
             if call is not None:
                 call.cancel()  # a no-op once the stream ended; else the client left
+            if self.prefill_reply is not None and not self.prefill_reply.done():
+                self.prefill_reply.cancel()  # the session cancels it on the node
+            dispatcher = self.servicer.dispatcher
+            if self.status is grpc.StatusCode.OK and route.prefill and dispatcher is not None:
+                dispatcher.served(route.prefill.node_id, route.decode.node_id)
             self.routing.inflight.finish(dispatch)
+
+    def send_prefill(self, session, downstream, timeout: float | None) -> None:
+        """Send the request's Prefill from here where it may (router/dispatch.py)."""
+        dispatcher, prefill = self.servicer.dispatcher, self.routed.decision.prefill
+        if dispatcher is None or prefill is None or not eligible(self.parsed.params):
+            return
+        psession = dispatcher.usable(prefill, self.routed.decision.decode, session.takes_dispatched)
+        if psession is not None:
+            self.prefill_reply = dispatcher.send(psession, downstream, session.node_id, timeout)
+
+    def prefill_ended(self, reply: asyncio.Future, call) -> None:
+        """The Prefill sent from here failing before the first token ends the
+        request on the decode node with its status, the prefill node at fault."""
+        if reply.cancelled() or reply.exception() is None or self.received:
+            return
+        route = self.routed.decision
+        error = failed_by_prefill(reply.exception(), route.prefill.node_id)
+        if error.code() is grpc.StatusCode.FAILED_PRECONDITION:
+            self.servicer.dispatcher.stale(route.prefill.node_id, route.decode.node_id)
+        call.fail(error)
 
     def decode_unreachable(self) -> bool:
         # A decode node answers UNAVAILABLE itself only to name a failed prefill
@@ -359,10 +405,16 @@ class _Attempt:
         """Whether the failure allows another attempt (nothing was sent to the
         client, the cause is a node, not the request); adds the node at fault to ``avoid``."""
         code = self.error.code()
-        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
-            return False
         route = self.routed.decision
         failed = dict(self.error.trailing_metadata() or ()).get(_FAILED_NODE_KEY)
+        if (
+            code is grpc.StatusCode.FAILED_PRECONDITION
+            and self.prefill_reply is not None
+            and failed == route.prefill.node_id
+        ):
+            return True  # the pair's channel moved on: the decode node sends it next
+        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            return False
         if failed:  # the decode node is fine; its prefill node failed
             avoid.add(failed)
             if code is grpc.StatusCode.UNAVAILABLE:

@@ -84,6 +84,11 @@ COUNTERS: dict[str, tuple[str, str] | None] = {
         "Prefills sent before their blocks were reserved, the blocks following on the "
         "PrefillSession while the prompt computes (decode).",
     ),
+    "dispatched_prefills": (
+        "pdserve_dispatched_prefills_total",
+        "Disaggregated requests whose Prefill the router sent to the prefill node "
+        "itself, beside the request (decode).",
+    ),
     "kv_first_tokens": (
         "pdserve_kv_first_tokens_total",
         "First tokens that came on the KV channel behind the prompt's KV (decode).",

@@ -1,7 +1,7 @@
 """PrefillSession end to end over a real grpc.aio server on localhost: the prefill
 node's servicer (prefill_node/service.py, its session prefill_node/session.py)
 around a scripted worker, and the decode node's PrefillSessionClient
-(decode_node/prefill_session.py) standing for Prefill calls."""
+(common/prefill_session_client.py) standing for Prefill calls."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import grpc
 import pytest
 
 from common.kv_transfer import TransferError
+from common.prefill_session_client import PrefillSessionClient
 from common.reliability import NoCapacity
-from decode_node.prefill_session import PrefillSessionClient
 from pdserve.redis_server import free_port
-from prefill_node.late_blocks import LateBlocks
+from prefill_node.late_blocks import LateBlocks, LateBoard
 from prefill_node.service import PrefillNodeServicer
 from proto import internal_pb2, internal_pb2_grpc
 
@@ -35,9 +35,17 @@ class Worker:
         self.deadlines: dict[str, float | None] = {}
         self.lates: dict[str, LateBlocks] = {}
         self.woken: dict[str, Exception] = {}  # what woke a thread waiting for blocks
+        self.requests: dict[str, internal_pb2.PrefillRequest] = {}
+        self.board = LateBoard()  # PrefillWorker's: blocks matched on any session
+        self.takes_dispatched = False
 
     def late_blocks(self, request) -> LateBlocks:
-        late = self.lates[request.request_id] = LateBlocks(len(request.prompt_token_ids), 16)
+        # A router's Prefill (dispatched) sends on a channel of epoch 7.
+        epoch = 7 if request.dispatched else None
+        late = LateBlocks(
+            len(request.prompt_token_ids), 16, epoch, request.destination.reservation_id
+        )
+        self.lates[request.request_id] = late
         return late
 
     def _wait(self, rid: str, late: LateBlocks) -> tuple[int, int]:
@@ -50,6 +58,7 @@ class Worker:
     async def prefill(self, request, deadline, late=None):
         rid = request.request_id
         self.started.append(rid)
+        self.requests[rid] = request
         self.deadlines[rid] = deadline
         kind = request.prompt_token_ids[0]
         try:

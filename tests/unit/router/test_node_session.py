@@ -29,6 +29,7 @@ class Worker:
         self.step = step
         self.closed: list[str] = []  # requests whose stream was closed early
         self.deadlines: dict[str, float | None] = {}
+        self.takes_dispatched = True  # said in the session's first batch
 
     async def decode(self, request, deadline):
         rid = request.request_id
@@ -127,6 +128,7 @@ def test_many_requests_share_one_call_and_a_step_is_one_batch():
         async with _session_with(node) as session:
             calls = [await session.start(_request(f"r{i}", tokens=4), None) for i in range(8)]
             assert all(isinstance(c, SessionCall) for c in calls)
+            assert session.takes_dispatched  # its first batch said so
             readers = [asyncio.ensure_future(_tokens(c)) for c in calls]
             for _ in range(4):  # four "engine steps", each releasing every request's token
                 await asyncio.sleep(0.05)

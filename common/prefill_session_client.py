@@ -1,6 +1,9 @@
-"""The decode node's end of PrefillSession: one long-lived call per prefill node,
+"""The client end of PrefillSession: one long-lived call per prefill node,
 every Prefill a message on it (prefill_node/session.py is the other end;
 common/session_client.py the machinery shared with the router's DecodeSession).
+A decode node keeps one per prefill node for the Prefills it sends; a router
+with ``--prefill-dispatch router`` one for those it sends itself
+(router/dispatch.py).
 
 ``PrefillSessionClient.prefill(command, timeout)`` stands for a Prefill call:
 it returns the reply, or raises the ``grpc.aio.AioRpcError`` the call would
@@ -19,7 +22,6 @@ loops less than a new call (docs/performance.md, "The Prefill hop").
 from __future__ import annotations
 
 import asyncio
-import enum
 from collections.abc import Callable
 
 import grpc
@@ -28,18 +30,8 @@ from common.session_client import CODES, OK_CODE, SessionClient, status_error
 from proto import internal_pb2, internal_pb2_grpc
 
 
-class PrefillStreams(enum.Enum):
-    """How a decode node sends its Prefills (--prefill-streams)."""
-
-    SESSION = "session"  # every Prefill to a prefill node over one PrefillSession call
-    CALL = "call"  # one Prefill call per request
-
-    def __str__(self) -> str:  # argparse shows choices by str()
-        return self.value
-
-
 class PrefillSessionClient(SessionClient):
-    """The decode node's session with one prefill node."""
+    """A decode node's or a router's session with one prefill node."""
 
     kind = "prefill node"
     call_name = "PrefillSession"
@@ -57,6 +49,8 @@ class PrefillSessionClient(SessionClient):
         # The open session's node takes Prefills whose blocks follow (its
         # first batch said so); False while none is open.
         self.blocks_follow = False
+        # ... and Prefills a router sends itself (PrefillRequest.dispatched).
+        self.dispatched = False
 
     async def prefill(
         self,
@@ -114,12 +108,31 @@ class PrefillSessionClient(SessionClient):
         command.blocks.num_blocks = num_blocks
         self._write_soon(command)
 
+    async def send_dispatched_blocks(
+        self, rid: str, reservation, epoch: int, reservation_id: int, timeout: float
+    ) -> None:
+        """The reserved blocks of a Prefill the router sent (``reservation_id``
+        its), with this node's channel ``epoch`` for the prefill node; opens the
+        session if need be (UNAVAILABLE where it cannot)."""
+        command = internal_pb2.PrefillSessionCommand()
+        blocks = command.blocks
+        blocks.request_id = rid
+        blocks.first_block = reservation.first_block
+        blocks.num_blocks = len(reservation.block_ids)
+        blocks.channel_epoch = epoch
+        blocks.reservation_id = reservation_id
+        async with asyncio.timeout(max(0.0, timeout)):
+            if not await self._opened():
+                raise self.lost("serves no PrefillSession (an older release)")
+        await self._send(command)
+
     # ------------------------------------------------ SessionClient's hooks
     def _new_call(self):
         return self._stub.PrefillSession()
 
     def _on_hello(self, hello: internal_pb2.PrefillSessionBatch | None) -> None:
         self.blocks_follow = hello is not None and hello.blocks_follow
+        self.dispatched = hello is not None and hello.dispatched
 
     def _cancel_command(self, rid: str) -> internal_pb2.PrefillSessionCommand:
         return internal_pb2.PrefillSessionCommand(cancel=rid)

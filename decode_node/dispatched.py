@@ -1,0 +1,76 @@
+"""A request whose Prefill the router sent itself (DecodeRequest.prefill_reservation_id).
+
+The router sends the Prefill to the prefill node at the same time as the
+request here, under a reservation id of its own (from
+FIRST_ROUTER_RESERVATION_ID up), and the prefill node computes at once, on the
+KV channel it already has with this node. Here: expect that reservation on the
+channel, reserve the prompt's blocks, send them on this node's own
+PrefillSession with the prefill node, with this node's channel epoch (the
+prefill node fails the Prefill where its channel is not that one), and await
+the first token, which comes on the KV channel behind the prompt's last chunk.
+The Prefill's reply goes to the router, which fails the request here (cancels
+it) where the Prefill failed.
+
+Why: the decode node's admission and the Prefill's leg from here to the
+prefill node (about 1 ms on the GPU host) were on every disaggregated first
+token, before the prefill node heard of the request (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from common.kv_transfer import TransferError
+from common.prefill_session_client import PrefillSessionClient
+from decode_node.kv_landing import KVLanding
+from decode_node.prefill_call import PrefillFailed
+from engine.llm_engine import Reservation
+from proto import internal_pb2
+
+
+async def dispatched_prefill(
+    landing: KVLanding,
+    req: internal_pb2.DecodeRequest,
+    reserve: Callable[[], Awaitable[Reservation]],
+    session: PrefillSessionClient,
+    end: float,
+    deadline: float | None,
+) -> tuple[int, float, int, int]:
+    """Returns (reservation id, when the first token came, the token, cached
+    prompt tokens); the reservation is open (the caller closes it). ``end``:
+    the lease's end or the client's deadline, whichever comes first."""
+    peer = req.prefill.node_id
+    reservation_id, epoch = landing.expect(peer, 1, req.prefill_reservation_id)
+    try:
+        reservation = await reserve()
+        try:
+            landing.open(req.request_id, reservation, peer, 1, reservation_id, True)
+        except TransferError as e:  # its channel failed meanwhile
+            raise PrefillFailed(peer, grpc.StatusCode.UNAVAILABLE, str(e)) from e
+        first = landing.first_token(reservation_id)
+        await session.send_dispatched_blocks(
+            req.request_id, reservation, epoch, reservation_id, end - time.monotonic()
+        )
+        try:
+            async with asyncio.timeout_at(end):
+                came = await first
+        except TimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise  # the client's own deadline: no retry
+            landing.expire(reservation_id)
+            raise PrefillFailed(
+                peer, grpc.StatusCode.DEADLINE_EXCEEDED, "no KV within the lease"
+            ) from None
+        except TransferError as e:
+            raise PrefillFailed(peer, grpc.StatusCode.UNAVAILABLE, str(e)) from e
+    except BaseException:
+        landing.close(reservation_id)  # expected, or opened: nothing lands in it now
+        raise
+    if came is None:
+        landing.close(reservation_id)
+        raise PrefillFailed(peer, grpc.StatusCode.UNAVAILABLE, "no first token on the KV channel")
+    return reservation_id, time.monotonic(), *came
