@@ -87,6 +87,11 @@ class SessionClient:
         if self._reader is not None:
             await asyncio.gather(self._reader, return_exceptions=True)
 
+    @property
+    def is_open(self) -> bool:
+        """A session is open now (what its node said of itself holds)."""
+        return self._call is not None
+
     async def open(self) -> bool:
         """Open the session now if it is not (``_opened``): what the node says of
         itself (its first batch) is known once it returns."""

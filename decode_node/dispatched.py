@@ -3,8 +3,8 @@
 The router sends the Prefill to the prefill node at the same time as the
 request here, under a reservation id of its own (from
 FIRST_ROUTER_RESERVATION_ID up), and the prefill node computes at once, on the
-KV channel it already has with this node. Here: expect that reservation on the
-channel, reserve the prompt's blocks, send them on this node's own
+KV channel it already has with this node. Here: reserve the prompt's blocks,
+expect that reservation on the channel, send the blocks on this node's own
 PrefillSession with the prefill node, with this node's channel epoch (the
 prefill node fails the Prefill where its channel is not that one), and await
 the first token, which comes on the KV channel behind the prompt's last chunk.
@@ -44,9 +44,11 @@ async def dispatched_prefill(
     prompt tokens); the reservation is open (the caller closes it). ``end``:
     the lease's end or the client's deadline, whichever comes first."""
     peer = req.prefill.node_id
+    # Reserved first: a node with no room expects nothing (the prefill node sends
+    # nothing for this reservation before the blocks, which follow the expectation).
+    reservation = await reserve()
     reservation_id, epoch = landing.expect(peer, 1, req.prefill_reservation_id)
     try:
-        reservation = await reserve()
         try:
             landing.open(req.request_id, reservation, peer, 1, reservation_id, True)
         except TransferError as e:  # its channel failed meanwhile

@@ -82,13 +82,17 @@ class PrefillDispatcher:
 
     def usable(self, prefill, decode, decode_takes: bool) -> PrefillSessionClient | None:
         """The session to send this pair's Prefill on, or None (the decode node
-        sends it). Opens the prefill node's session in the background the
-        first time, so that a later request finds it open."""
+        sends it). Opens the prefill node's session in the background where
+        none is open, so that a later request finds it open."""
         if prefill.tensor_parallel_size > 1 or not decode_takes:
             return None
         session = self.session(prefill)
         if not session.dispatched:
-            if session.supported is None and prefill.address not in self._warming:
+            # None open (the first use, or the node restarted since): open one
+            # for the next request. A node that serves none, or one that said it
+            # takes no such Prefill, is left alone.
+            fresh = not session.is_open and session.supported is not False
+            if fresh and prefill.address not in self._warming:
                 self._warming.add(prefill.address)
                 task = asyncio.ensure_future(self._warm(session, prefill.address))
                 task.add_done_callback(lambda f: f.cancelled() or f.exception())

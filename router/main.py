@@ -174,10 +174,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--prefill-dispatch",
         type=PrefillDispatch,
         choices=list(PrefillDispatch),
-        default=env("PDSERVE_PREFILL_DISPATCH", PrefillDispatch.DECODE.value),
-        help="decode: a disaggregated request's decode node sends its Prefill to the "
-        "prefill node; router: the router sends it, beside the request to the decode node "
-        "(sessions, nodes of one rank, no logprobs; router/dispatch.py) [PDSERVE_PREFILL_DISPATCH]",
+        default=env("PDSERVE_PREFILL_DISPATCH", PrefillDispatch.ROUTER.value),
+        help="router: the router sends a disaggregated request's Prefill to the prefill node "
+        "itself, beside the request to the decode node, where it can (sessions, nodes of one "
+        "rank, no logprobs, nothing else of this router's on the decode node; "
+        "router/dispatch.py); decode: the decode node sends it, once it admitted the request "
+        "[PDSERVE_PREFILL_DISPATCH]",
     )
     add_metrics_arguments(p)
     add_gc_arguments(p)

@@ -168,6 +168,11 @@ class NodeSession(SessionClient):
         await self._send(command)
         return call
 
+    @property
+    def in_flight(self) -> int:
+        """This router's requests on the node now (their streams not ended)."""
+        return len(self._calls)
+
     def _cancel(self, rid: str) -> None:
         if self._calls.pop(rid, None) is not None:
             self._send_cancel(rid)

@@ -56,7 +56,7 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         tls: TLSConfig = NO_TLS,
         access_log: bool = True,
         node_streams: NodeStreams = NodeStreams.SESSION,
-        dispatch_prefills: bool = False,
+        dispatch_prefills: bool = True,
     ) -> None:
         self.frontend = frontend
         self.node_streams = node_streams
@@ -376,9 +376,16 @@ class _Attempt:
             self.routing.inflight.finish(dispatch)
 
     def send_prefill(self, session, downstream, timeout: float | None) -> None:
-        """Send the request's Prefill from here where it may (router/dispatch.py)."""
+        """Send the request's Prefill from here where it may (router/dispatch.py):
+        where this router has nothing else in flight on the decode node."""
         dispatcher, prefill = self.servicer.dispatcher, self.routed.decision.prefill
         if dispatcher is None or prefill is None or not eligible(self.parsed.params):
+            return
+        if session.in_flight:
+            # The decode node is likely in the middle of a step: it would reserve
+            # the blocks only after it, and the prefill node's engine would wait
+            # for them at the prompt's first due chunk (late_blocks.py). Its own
+            # Prefill waits for the reservation instead, holding up nothing else.
             return
         psession = dispatcher.usable(prefill, self.routed.decision.decode, session.takes_dispatched)
         if psession is not None:

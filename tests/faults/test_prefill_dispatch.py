@@ -224,6 +224,13 @@ def test_a_prefill_node_killed_mid_transfer_is_retried_on_the_other(
     assert_idle(cluster, expect_nodes=2)
     cluster.restart(victim)
     wait_for(lambda: "prefill-1" in nodes(cluster), 10, "restarted node registered")
+    # The router's session with it opens anew, and its Prefills go from the
+    # router again once the pair served a request the decode node's way.
+    only(cluster, "prefill-1")
+    try:
+        warm(cluster, demo_tokenizer, "prefill-1")
+    finally:
+        only(cluster, None)
 
 
 def test_a_restarted_decode_nodes_new_channel_gets_the_decode_nodes_prefill(
