@@ -27,7 +27,7 @@ import grpc
 from common.kv_transfer import TransferError
 from common.prefill_session_client import PrefillSessionClient
 from decode_node.kv_landing import KVLanding
-from decode_node.prefill_call import PrefillFailed
+from decode_node.prefill_call import PrefillFailed, lease_ended
 from engine.llm_engine import Reservation
 from proto import internal_pb2
 
@@ -61,12 +61,9 @@ async def dispatched_prefill(
             async with asyncio.timeout_at(end):
                 came = await first
         except TimeoutError:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise  # the client's own deadline: no retry
-            landing.expire(reservation_id)
-            raise PrefillFailed(
-                peer, grpc.StatusCode.DEADLINE_EXCEEDED, "no KV within the lease"
-            ) from None
+            if (failed := lease_ended(landing, peer, reservation_id, deadline, "no KV")) is None:
+                raise
+            raise failed from None
         except TransferError as e:
             raise PrefillFailed(peer, grpc.StatusCode.UNAVAILABLE, str(e)) from e
     except BaseException:

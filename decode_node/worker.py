@@ -69,6 +69,7 @@ from decode_node.prefill_call import (
     PrefillFailed,
     PrefillStreams,
     first_token_of,
+    lease_ended,
     prefill_command,
     prefill_timings,
 )
@@ -355,12 +356,10 @@ class DecodeWorker:
             try:
                 await landing.wait(reservation_id, max(0.0, end - time.monotonic()))
             except TimeoutError:
-                if deadline is not None and time.monotonic() >= deadline:
+                failed = lease_ended(landing, peer, reservation_id, deadline, "the KV did not land")
+                if failed is None:
                     raise
-                landing.expire(reservation_id)
-                raise PrefillFailed(
-                    peer, grpc.StatusCode.DEADLINE_EXCEEDED, "the KV did not land within the lease"
-                ) from None
+                raise failed from None
             except TransferError as e:
                 raise PrefillFailed(peer, grpc.StatusCode.UNAVAILABLE, str(e)) from e
             if resp is not None and landing.verify_transfers:  # a mismatch fails the request

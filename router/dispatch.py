@@ -35,7 +35,7 @@ import secrets
 
 import grpc
 
-from common.prefill_session_client import PrefillSessionClient
+from common.prefill_session_client import PrefillSessionClient, start_command
 from common.reliability import FAILED_NODE_KEY
 from common.session_client import status_error
 from common.wire import FIRST_ROUTER_RESERVATION_ID
@@ -118,13 +118,8 @@ class PrefillDispatcher:
         the future is its reply, or fails with the Prefill's status."""
         reservation_id = self._next_id
         self._next_id += 1
-        command = internal_pb2.PrefillSessionCommand()
+        command = start_command(request)
         prefill = command.start.request
-        prefill.request_id = request.request_id
-        prefill.prompt_token_ids.extend(request.prompt_token_ids)
-        prefill.sampling.CopyFrom(request.sampling)
-        prefill.cache_salt = request.cache_salt
-        prefill.resume_offset = request.resume_offset
         prefill.blocks_follow = prefill.first_token_on_kv = prefill.dispatched = True
         prefill.destination.node_id = decode_node_id
         prefill.destination.reservation_id = reservation_id

@@ -14,25 +14,17 @@ def test_the_same_prompt_needs_a_decode_node_per_path():
         main(["--shape", "tiny", "--same-prompt"])
 
 
+def same_prompt_run(tmp_path, *extra: str) -> dict:
+    """A short run on a tiny shape: 3 rounds after 1 warm-up, the same prompt on both paths."""
+    return main(
+        ["--shape", "tiny", "--prompt-tokens", "64", "--requests", "3", "--warmup", "1"]
+        + ["--local-gpu", "prefill", "--same-prompt", "--out-dir", str(tmp_path), *extra]
+    )
+
+
 @pytest.mark.slow
 def test_a_same_prompt_run_pairs_the_paths_round_by_round(tmp_path):
-    record = main(
-        [
-            "--shape",
-            "tiny",
-            "--prompt-tokens",
-            "64",
-            "--requests",
-            "3",
-            "--warmup",
-            "1",
-            "--local-gpu",
-            "prefill",
-            "--same-prompt",
-            "--out-dir",
-            str(tmp_path),
-        ]
-    )
+    record = same_prompt_run(tmp_path)
     assert record["parameters"]["same_prompt"] is True
     (run,) = record["results"]["runs"]
     rows, s = run["rows"], run["summary"]
@@ -51,25 +43,7 @@ def test_a_same_prompt_run_pairs_the_paths_round_by_round(tmp_path):
 
 @pytest.mark.slow
 def test_a_run_with_the_prefill_from_the_client_sends_it_beside_the_request(tmp_path):
-    record = main(
-        [
-            "--shape",
-            "tiny",
-            "--prompt-tokens",
-            "64",
-            "--requests",
-            "3",
-            "--warmup",
-            "1",
-            "--local-gpu",
-            "prefill",
-            "--same-prompt",
-            "--prefill-dispatch",
-            "router",
-            "--out-dir",
-            str(tmp_path),
-        ]
-    )
+    record = same_prompt_run(tmp_path, "--prefill-dispatch", "router")
     (run,) = record["results"]["runs"]
     rows, s = run["rows"], run["summary"]
     assert run["prefill_dispatch"] == "router"
