@@ -83,6 +83,7 @@ class PrefillSessionClient(SessionClient):
         node was replaced by an older release meanwhile)."""
         request = command.start.request
         loop = asyncio.get_running_loop()
+        kind = "Prefills a router sends" if request.dispatched else "Prefills whose blocks follow"
         deadline = loop.time() + timeout
         rid = request.request_id
         reply: asyncio.Future | None = None
@@ -92,7 +93,9 @@ class PrefillSessionClient(SessionClient):
             async with asyncio.timeout_at(deadline):
                 opened = await self._opened()
                 if request.blocks_follow and not (opened and self.blocks_follow):
-                    raise self.lost("no longer takes Prefills whose blocks follow")
+                    raise self.lost(f"no longer takes {kind}")
+                if request.dispatched and not (opened and self.dispatched):
+                    raise self.lost(f"no longer takes {kind}")
                 if not opened:
                     left = max(0.0, deadline - loop.time())
                     return await self._stub.Prefill(request, timeout=left)
@@ -125,18 +128,17 @@ class PrefillSessionClient(SessionClient):
         self._write_soon(command)
 
     async def send_dispatched_blocks(
-        self, rid: str, reservation, epoch: int, reservation_id: int, timeout: float
+        self, rid: str, reservation, destination: internal_pb2.KVDestination, timeout: float
     ) -> None:
-        """The reserved blocks of a Prefill the router sent (``reservation_id``
-        its), with this node's channel ``epoch`` for the prefill node; opens the
-        session if need be (UNAVAILABLE where it cannot)."""
+        """The reserved blocks of a Prefill the router sent, with this node's KV
+        channel for the prefill node and the router's reservation id
+        (``destination``); opens the session if need be (UNAVAILABLE where it cannot)."""
         command = internal_pb2.PrefillSessionCommand()
         blocks = command.blocks
         blocks.request_id = rid
         blocks.first_block = reservation.first_block
         blocks.num_blocks = len(reservation.block_ids)
-        blocks.channel_epoch = epoch
-        blocks.reservation_id = reservation_id
+        blocks.destination.CopyFrom(destination)
         async with asyncio.timeout(max(0.0, timeout)):
             if not await self._opened():
                 raise self.lost("serves no PrefillSession (an older release)")

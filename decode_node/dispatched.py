@@ -5,8 +5,9 @@ request here, under a reservation id of its own (from
 FIRST_ROUTER_RESERVATION_ID up), and the prefill node computes at once, on the
 KV channel it already has with this node. Here: reserve the prompt's blocks,
 expect that reservation on the channel, send the blocks on this node's own
-PrefillSession with the prefill node, with this node's channel epoch (the
-prefill node fails the Prefill where its channel is not that one), and await
+PrefillSession with the prefill node, with this node's channel (the prefill
+node fails the Prefill where its channel is not that one, and ends the
+reservation's stream on it whatever became of the Prefill), and await
 the first token, which comes on the KV channel behind the prompt's last chunk.
 The Prefill's reply goes to the router, which fails the request here (cancels
 it) where the Prefill failed.
@@ -19,6 +20,7 @@ token, before the prefill node heard of the request (docs/performance.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
@@ -37,6 +39,7 @@ async def dispatched_prefill(
     req: internal_pb2.DecodeRequest,
     reserve: Callable[[], Awaitable[Reservation]],
     session: PrefillSessionClient,
+    node_id: str,
     end: float,
     deadline: float | None,
 ) -> tuple[int, float, int, int]:
@@ -54,12 +57,24 @@ async def dispatched_prefill(
         except TransferError as e:  # its channel failed meanwhile
             raise PrefillFailed(peer, grpc.StatusCode.UNAVAILABLE, str(e)) from e
         first = landing.first_token(reservation_id)
+        destination = internal_pb2.KVDestination(
+            node_id=node_id,
+            store_host=landing.receiver.host,
+            store_port=landing.receiver.port,
+            channel_epoch=epoch,
+            reservation_id=reservation_id,
+            tensor_parallel_size=1,
+        )
         await session.send_dispatched_blocks(
-            req.request_id, reservation, epoch, reservation_id, end - time.monotonic()
+            req.request_id, reservation, destination, end - time.monotonic()
         )
         try:
             async with asyncio.timeout_at(end):
                 came = await first
+            if came is None:  # none will come: the KV's own failure (if any) says why
+                with contextlib.suppress(TimeoutError):
+                    await landing.wait(reservation_id, 0)
+                raise TransferError("no first token on the KV channel")
         except TimeoutError:
             if (failed := lease_ended(landing, peer, reservation_id, deadline, "no KV")) is None:
                 raise
@@ -69,7 +84,4 @@ async def dispatched_prefill(
     except BaseException:
         landing.close(reservation_id)  # expected, or opened: nothing lands in it now
         raise
-    if came is None:
-        landing.close(reservation_id)
-        raise PrefillFailed(peer, grpc.StatusCode.UNAVAILABLE, "no first token on the KV channel")
     return reservation_id, time.monotonic(), *came

@@ -163,6 +163,10 @@ class KVLanding(LandingCore):
                 # Nothing comes on that epoch any more (its channel failed).
                 self._unexpect(peer, expected[1], reservation_id)
                 raise TransferError(f"the KV channel from {peer} failed since the Prefill went")
+        landed = loop.create_future()
+        # Retrieved even where the request path is gone when its failure comes
+        # (a channel failure resolves it a loop turn later): no warning at exit.
+        landed.add_done_callback(lambda f: f.cancelled() or f.exception())
         pending = PendingKV(
             request_id,
             reservation,
@@ -170,7 +174,7 @@ class KVLanding(LandingCore):
             self._coverage(reservation),
             peer_tp=max(1, peer_tp),
             reservation_id=reservation_id,
-            landed=loop.create_future(),
+            landed=landed,
             loop=loop,
             ranks_left=self.tp_size - 1,
             first_token=loop.create_future() if first_token else None,

@@ -291,7 +291,7 @@ class DecodeWorker:
                 if dispatched:
                     self.stats.dispatched_prefills += 1
                     reservation_id, replied, first_token, cached_tokens = await dispatched_prefill(
-                        landing, req, reserve, session, end, deadline
+                        landing, req, reserve, session, self.node_id, end, deadline
                     )
                     sent, resp = arrived, None
                 elif follow:

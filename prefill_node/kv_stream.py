@@ -162,7 +162,7 @@ class KVStreamer:
             streamed.ticket.cancel()  # a no-op once settled
         if dest is None:
             return
-        self._end(dest, reservation_id)
+        self.end(dest, reservation_id)
         if self.call_workers is not None:
             self.call_workers(
                 "kv_finish",
@@ -173,7 +173,7 @@ class KVStreamer:
                 },
             )
 
-    def _end(self, dest: Destination, reservation_id: int) -> None:
+    def end(self, dest: Destination, reservation_id: int) -> None:
         pairs = kv_pairs(self.num_kv_heads, self.tp_size, dest.tensor_parallel_size)
         for pair in sends_of(pairs, self.tp_rank):
             heads = (pair.head_start, pair.head_end)
@@ -188,7 +188,7 @@ class KVStreamer:
         ticket = self._tickets.pop(request_id, None)
         if ticket is not None:
             ticket.cancel()
-        self._end(dest, reservation_id)
+        self.end(dest, reservation_id)
 
     def _known_ticket(self, request_id: str) -> TransferTicket | None:
         if self.tp_rank == 0:

@@ -27,10 +27,12 @@ thread (``wait``); the event orders the fields' writes before their reads.
 
 from __future__ import annotations
 
+import asyncio
 import threading
-import time
+from collections.abc import Callable
 
 from common.kv_transfer.channel import TransferError
+from common.kv_transfer.ticket import Destination
 from common.reliability import StaleChannel
 from proto import internal_pb2
 
@@ -61,25 +63,26 @@ class LateBlocks:
     __slots__ = (
         "_event",
         "block_size",
-        "epoch",
         "error",
         "first_block",
         "num_blocks",
         "num_tokens",
         "reservation_id",
+        "target",
     )
 
     def __init__(
         self,
         num_tokens: int,
         block_size: int,
-        epoch: int | None = None,
+        target: Destination | None = None,
         reservation_id: int = 0,
     ) -> None:
         self.num_tokens, self.block_size = num_tokens, block_size  # the prompt here
-        # A dispatched Prefill's: the channel epoch it sends on and its
-        # reservation id, which its blocks must name. None: not checked.
-        self.epoch, self.reservation_id = epoch, reservation_id
+        # A dispatched Prefill's: the channel it sends on (resolved once, when
+        # it came) and its reservation id, which its blocks must name. None:
+        # the decode node's own Prefill, whose blocks are not checked so.
+        self.target, self.reservation_id = target, reservation_id
         self.first_block = 0
         self.num_blocks = 0
         self.error: Exception | None = None
@@ -100,14 +103,14 @@ class LateBlocks:
         it, and so does an ``epoch`` other than a dispatched Prefill's channel's."""
         if self._event.is_set():
             return  # a repeat, or too late (the Prefill ended)
-        if self.epoch is not None and epoch != self.epoch:
+        if self.target is not None and epoch != self.target.epoch:
             # The decode node's channel with this node is not the one this
             # Prefill would send on (it failed or restarted since): nothing sent
             # there would land. The router retries with the decode node's Prefill.
             self.fail(
                 StaleChannel(
                     f"the decode node's KV channel (epoch {epoch}) is not this node's "
-                    f"(epoch {self.epoch}): it moved on"
+                    f"(epoch {self.target.epoch}): it moved on"
                 )
             )
             return
@@ -139,20 +142,30 @@ class LateBlocks:
 
 class LateBoard:
     """The node's running Prefills whose blocks follow, by request id, whichever
-    session brought them; and a dispatched Prefill's blocks that came first
-    (the decode node's session was quicker than the router's), kept for
-    ``WAIT_S`` at most. Event loop's thread only."""
+    session brought them; and the blocks of dispatched Prefills (they carry the
+    decode node's channel, ``PrefillBlocks.destination``) that came first (the
+    decode node's session was quicker than the router's), kept for ``WAIT_S``.
 
-    def __init__(self) -> None:
+    The decode node expects a dispatched Prefill's stream from when it sent its
+    blocks, so that stream ends with an end header on the channel the blocks
+    name whatever becomes of the Prefill: the Prefill sends it where its blocks
+    came and fit (``LateBlocks.came``); the board hands it to ``orphaned``
+    (decode node's destination, reservation id) where they did not (another
+    channel, a Prefill that failed or ended, one that never came). Event loop's
+    thread only."""
+
+    def __init__(self, orphaned: Callable[[internal_pb2.KVDestination], None]) -> None:
+        self._orphaned = orphaned
         self._late: dict[str, LateBlocks] = {}
-        # request_id -> (its blocks, when they came)
-        self._early: dict[str, tuple[internal_pb2.PrefillBlocks, float]] = {}
+        # request_id -> blocks that came before their Prefill, and their timer
+        self._early: dict[str, tuple[internal_pb2.PrefillBlocks, asyncio.TimerHandle]] = {}
 
     def open(self, request_id: str, late: LateBlocks) -> None:
         """A Prefill whose blocks follow started; blocks that came first are its."""
         self._late[request_id] = late
         early = self._early.pop(request_id, None)
         if early is not None:
+            early[1].cancel()
             self._give(late, early[0])
 
     def close(self, request_id: str, late: LateBlocks) -> None:
@@ -166,25 +179,40 @@ class LateBoard:
         late = self._late.get(blocks.request_id)
         if late is not None:
             self._give(late, blocks)
-        elif blocks.HasField("channel_epoch"):
-            # A dispatched Prefill's, ahead of it (or after it ended: dropped
-            # after WAIT_S). A decode node's own Prefill always comes first on
-            # its session, so its blocks are never kept.
-            now = time.monotonic()
-            for rid, (_, came) in list(self._early.items()):
-                if now - came > WAIT_S:
-                    del self._early[rid]
-            self._early[blocks.request_id] = (blocks, now)
+        elif blocks.HasField("destination"):
+            # A dispatched Prefill's, ahead of it or after it ended. A decode
+            # node's own Prefill always comes first on its session, so its
+            # blocks are never kept (another Prefill of the id must not get them).
+            rid = blocks.request_id
+            if (old := self._early.pop(rid, None)) is not None:
+                old[1].cancel()
+                self._orphaned(old[0].destination)
+            timer = asyncio.get_running_loop().call_later(WAIT_S, self._expire, rid)
+            self._early[rid] = (blocks, timer)
 
-    @staticmethod
-    def _give(late: LateBlocks, blocks: internal_pb2.PrefillBlocks) -> None:
-        if late.epoch is not None and blocks.reservation_id != late.reservation_id:
+    def _expire(self, request_id: str) -> None:
+        early = self._early.pop(request_id, None)
+        if early is not None:
+            self._orphaned(early[0].destination)  # its Prefill never came
+
+    def _give(self, late: LateBlocks, blocks: internal_pb2.PrefillBlocks) -> None:
+        dispatched = blocks.HasField("destination")
+        if not dispatched:
+            late.set(blocks.first_block, blocks.num_blocks)
+            return
+        dest = blocks.destination
+        if late.ready:
+            if not late.came:  # it failed or ended: its stream ends here
+                self._orphaned(dest)
+            return  # else a repeat
+        if late.target is None or dest.reservation_id != late.reservation_id:
             late.fail(
                 ValueError(
-                    f"the decode node's blocks name reservation {blocks.reservation_id}, "
+                    f"the decode node's blocks name reservation {dest.reservation_id}, "
                     f"the Prefill {late.reservation_id}"
                 )
             )
-            return
-        epoch = blocks.channel_epoch if blocks.HasField("channel_epoch") else None
-        late.set(blocks.first_block, blocks.num_blocks, epoch)
+        else:
+            late.set(blocks.first_block, blocks.num_blocks, dest.channel_epoch)
+        if not late.came:
+            self._orphaned(dest)

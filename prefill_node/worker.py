@@ -148,7 +148,8 @@ class PrefillWorker:
         runner = llm_engine.model_runner
         self.block_size = runner.block_size
         tp = runner.tp
-        self.board = LateBoard()  # Prefills whose blocks follow, on any session
+        # Prefills whose blocks follow, on any session (prefill_node/late_blocks.py).
+        self.board = LateBoard(self._orphaned)
         # Decode node -> where its latest own Prefill said its KV goes (the
         # channel epoch with it): a router's Prefill (dispatched) uses that.
         self._dests: dict[str, Destination] = {}
@@ -186,14 +187,28 @@ class PrefillWorker:
         num_tokens = len(req.prompt_token_ids)
         if not req.dispatched:
             return LateBlocks(num_tokens, self.block_size)
-        known = self._dests.get(req.destination.node_id)
-        epoch = known.epoch if known is not None else -1  # -1: refused in ``prefill``
-        return LateBlocks(num_tokens, self.block_size, epoch, req.destination.reservation_id)
+        known = self._dests.get(req.destination.node_id)  # None: refused in ``prefill``
+        return LateBlocks(num_tokens, self.block_size, known, req.destination.reservation_id)
 
-    def _target(self, req: internal_pb2.PrefillRequest) -> Destination:
+    def _orphaned(self, dest: internal_pb2.KVDestination) -> None:
+        """A dispatched Prefill's blocks went to no Prefill that sends (another
+        channel, a Prefill that failed, ended or never came): the decode node
+        expects the reservation's stream there, so it ends there. That channel is
+        the decode node's now: the next router's Prefill for it sends on it."""
+        target = Destination(
+            dest.node_id,
+            dest.store_host,
+            dest.store_port,
+            dest.channel_epoch,
+            max(1, dest.tensor_parallel_size),
+        )
+        self._dests[dest.node_id] = target
+        self.engine.call(lambda e: self.streamer.end(target, dest.reservation_id))
+
+    def _target(self, req: internal_pb2.PrefillRequest, late: LateBlocks | None) -> Destination:
         """Where the KV goes: the decode node's own Prefill says so (and is
         remembered); a router's (dispatched) goes on the channel the decode
-        node's latest Prefill named (StaleChannel where there is none)."""
+        node's latest Prefill named when it came (StaleChannel where there is none)."""
         dest = req.destination
         if req.dispatched:
             if not self.takes_dispatched:
@@ -203,10 +218,9 @@ class PrefillWorker:
                 )
             if not req.blocks_follow or not req.first_token_on_kv:
                 raise ValueError("a router's Prefill has its blocks follow and its token on KV")
-            known = self._dests.get(dest.node_id)
-            if known is None:
+            if late is None or late.target is None:
                 raise StaleChannel(f"no KV channel to decode node {dest.node_id} yet")
-            return known
+            return late.target
         target = Destination(
             dest.node_id,
             dest.store_host,
@@ -229,7 +243,7 @@ class PrefillWorker:
         rid = req.request_id
         ids = token_ids_of(req.prompt_token_ids)
         dest = req.destination
-        target = self._target(req)
+        target = self._target(req, late)
         params = prefill_params(sampling_params_from_proto(req.sampling))
         params.resume_offset = req.resume_offset  # a migrated stream's seeded draws
         prompt = {"prompt_token_ids": ids}

@@ -122,18 +122,16 @@ class PrefillSessionCommand(_message.Message):
     def __init__(self, start: _Optional[_Union[PrefillSessionStart, _Mapping]] = ..., cancel: _Optional[str] = ..., blocks: _Optional[_Union[PrefillBlocks, _Mapping]] = ...) -> None: ...
 
 class PrefillBlocks(_message.Message):
-    __slots__ = ("request_id", "first_block", "num_blocks", "channel_epoch", "reservation_id")
+    __slots__ = ("request_id", "first_block", "num_blocks", "destination")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    CHANNEL_EPOCH_FIELD_NUMBER: _ClassVar[int]
-    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_block: int
     num_blocks: int
-    channel_epoch: int
-    reservation_id: int
-    def __init__(self, request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., channel_epoch: _Optional[int] = ..., reservation_id: _Optional[int] = ...) -> None: ...
+    destination: KVDestination
+    def __init__(self, request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
 
 class PrefillSessionStart(_message.Message):
     __slots__ = ("request", "timeout_s")

@@ -18,9 +18,11 @@ the decode node's way (whose Prefill named the channel the router's Prefill
 then uses). Otherwise, and while the sessions are opening, the decode node
 sends the Prefill as before.
 
-Failures: a Prefill that fails before the request's first token ends the
-request on the decode node (a cancel) with the prefill node's status, named as
-the failed node, so that the router retries as for any prefill node's failure;
+Failures: a Prefill that fails before the decode node sent anything for the
+request ends the request on the decode node (a cancel), the prefill node named
+as the failed node, UNAVAILABLE (or RESOURCE_EXHAUSTED: it is full), as the
+decode node reports its own Prefill's failure, so that the router retries
+elsewhere;
 a prefill node whose channel to that decode node is not the decode node's any
 more (FAILED_PRECONDITION: one of them restarted, or the channel failed) is not
 avoided, and the pair goes the decode node's way until it served a request so.
@@ -70,13 +72,15 @@ class PrefillDispatcher:
         # (several routers) and a count (never reused by this one).
         span = 1 << 61
         self._next_id = FIRST_ROUTER_RESERVATION_ID + secrets.randbelow(span)
-        self.sent = 0  # Prefills sent (pdserve_router_dispatched_prefills_total)
 
     def session(self, node) -> PrefillSessionClient:
         session = self._sessions.get(node.address)
         if session is None:
+            node_id = node.node_id
+            # A lost session (the node died, restarted or stalled) takes the
+            # channels it named with it: its pairs go the decode node's way again.
             session = self._sessions[node.address] = PrefillSessionClient(
-                self._channel_of(node.address), node.node_id
+                self._channel_of(node.address), node_id, on_lost=lambda: self.forget(node_id)
             )
         return session
 
@@ -124,7 +128,6 @@ class PrefillDispatcher:
         prefill.destination.node_id = decode_node_id
         prefill.destination.reservation_id = reservation_id
         request.prefill_reservation_id = reservation_id
-        self.sent += 1
         reply = asyncio.ensure_future(
             session.prefill(command, PREFILL_TIMEOUT_S if timeout is None else timeout)
         )
@@ -140,6 +143,10 @@ class PrefillDispatcher:
         """The prefill node's channel to the decode node is not the decode node's."""
         self._pairs.discard((prefill_id, decode_id))
 
+    def forget(self, prefill_id: str) -> None:
+        """The prefill node's session was lost: none of its pairs is known now."""
+        self._pairs = {pair for pair in self._pairs if pair[0] != prefill_id}
+
     async def close(self) -> None:
         for session in self._sessions.values():
             await session.close()
@@ -151,13 +158,22 @@ def eligible(params) -> bool:
     return params.n == 1 and params.logprobs is None and params.prompt_logprobs is None
 
 
+# A Prefill's statuses the router tells apart; any other is the prefill node's
+# failure (UNAVAILABLE), as a decode node reports its own Prefill's (PrefillFailed).
+KEPT_CODES = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION)
+
+
 def failed_by_prefill(error: BaseException, prefill_id: str) -> grpc.aio.AioRpcError:
-    """The Prefill's failure as the decode node's call would have ended: its
-    status, the prefill node named as the one at fault."""
+    """The Prefill's failure as the decode node's call would have ended: the
+    prefill node named as the one at fault, RESOURCE_EXHAUSTED (it is full),
+    FAILED_PRECONDITION (its channel to the decode node is not the decode
+    node's) or UNAVAILABLE (anything else: the router retries elsewhere)."""
     if isinstance(error, grpc.aio.AioRpcError):
         code, details = error.code(), error.details() or error.code().name
     else:
         code, details = grpc.StatusCode.UNAVAILABLE, f"{type(error).__name__}: {error}"
+    if code not in KEPT_CODES:
+        code = grpc.StatusCode.UNAVAILABLE
     if not details.startswith(f"prefill node {prefill_id}"):  # the session's own say so
         details = f"prefill node {prefill_id}: {details}"
     return status_error(code, details, ((FAILED_NODE_KEY, prefill_id),))

@@ -55,6 +55,7 @@ class SessionCall:
     """One request on a node's session, read like its own Decode call."""
 
     __slots__ = (
+        "_answered",
         "_cancelled",
         "_ended",
         "_items",
@@ -71,6 +72,7 @@ class SessionCall:
         self._waiter: asyncio.Future | None = None
         self._ended = False  # its end (or the session's) arrived
         self._cancelled = False
+        self._answered = False  # a response of the node's arrived
         self._sink = None  # subscribe()'s callback
 
     async def read(self):
@@ -99,8 +101,9 @@ class SessionCall:
     def fail(self, error: grpc.aio.AioRpcError) -> None:
         """End the request here with ``error`` and cancel it on the node (the
         Prefill the router sent for it failed: router/dispatch.py); a no-op
-        once it ended."""
-        if self._ended or self._cancelled:
+        once it ended or the node answered (its first token came: the stream
+        stands, as a decode node's does where its Prefill fails after the token)."""
+        if self._ended or self._cancelled or self._answered:
             return
         self._session._cancel(self.request.request_id)
         self._end(error)
@@ -115,6 +118,7 @@ class SessionCall:
 
     # ------------------------------------------------ from the session's reader
     def _deliver(self, item) -> None:
+        self._answered = True
         if self._sink is not None:
             self._sink(item)
             return

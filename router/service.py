@@ -20,7 +20,7 @@ from router.access_log import AccessEntry, log_access
 from router.dispatch import PrefillDispatcher, eligible, failed_by_prefill
 from router.frontend import Frontend
 from router.migration import Seam, StreamProgress, held_back, migratable
-from router.node_session import NodeSession, NodeStreams
+from router.node_session import NodeSession, NodeStreams, SessionCall
 from router.policy import NoRoute
 from router.relay import node_messages
 from router.routing import Routing
@@ -37,6 +37,9 @@ PROBE_TTL_S = 1.0
 # (its grpc-timeout counted from when the call arrived) ends this much later at
 # most, so a cancel this close to it is the deadline's doing.
 DEADLINE_SLACK_S = 0.25
+# How long a Final waits for the reply of the Prefill the router sent (its
+# timings), which comes about when the first token does.
+REPLY_WAIT_S = 2.0
 
 
 class RequestFailed(Exception):
@@ -336,20 +339,14 @@ class _Attempt:
                     response.request_id = self.client_id
                     seam_stop = self.progress.rewrite(response)  # text only: same tokens
                     new_tokens = self.progress.observe(response)
+                    first_message = trace.first_token is None
                     if new_tokens and trace.first_token is None:
                         self.routing.inflight.first_token(dispatch)
                     trace.on_tokens(new_tokens, now)
                     if response.HasField("final"):
                         self.usage = response.final.usage
-                        reply = self.prefill_reply
-                        # A Prefill that failed after the token left no timings.
-                        if (
-                            reply is not None
-                            and reply.done()
-                            and not reply.cancelled()
-                            and reply.exception() is None
-                        ):
-                            prefill_reply_timings(reply.result(), self.usage)
+                        if self.prefill_reply is not None:
+                            await self.reply_timings(first_message)
                         self.usage.time_to_first_token_ms = (
                             (trace.first_token - trace.start) * 1e3 if trace.first_token else 0.0
                         )
@@ -368,10 +365,12 @@ class _Attempt:
         finally:
             if call is not None:
                 call.cancel()  # a no-op once the stream ended; else the client left
-            if self.prefill_reply is not None and not self.prefill_reply.done():
-                self.prefill_reply.cancel()  # the session cancels it on the node
+            reply = self.prefill_reply
+            if reply is not None and not reply.done() and self.status is not grpc.StatusCode.OK:
+                reply.cancel()  # the session cancels it on the node
             dispatcher = self.servicer.dispatcher
-            if self.status is grpc.StatusCode.OK and route.prefill and dispatcher is not None:
+            served = self.usage is not None and self.usage.prefill_node
+            if self.status is grpc.StatusCode.OK and dispatcher and served:
                 dispatcher.served(route.prefill.node_id, route.decode.node_id)
             self.routing.inflight.finish(dispatch)
 
@@ -391,6 +390,16 @@ class _Attempt:
         if psession is not None:
             self.prefill_reply = dispatcher.send(psession, downstream, session.node_id, timeout)
 
+    async def reply_timings(self, first_message: bool) -> None:
+        """The Prefill's timings onto the Final, from its reply: awaited for a
+        while unless the Final is the first message (its token waits for no
+        one); a Prefill that failed after the token left none."""
+        reply = self.prefill_reply
+        if not reply.done() and not first_message:
+            await asyncio.wait((reply,), timeout=REPLY_WAIT_S)
+        if reply.done() and not reply.cancelled() and reply.exception() is None:
+            prefill_reply_timings(reply.result(), self.usage)
+
     def prefill_ended(self, reply: asyncio.Future, call) -> None:
         """The Prefill sent from here failing before the first token ends the
         request on the decode node with its status, the prefill node at fault."""
@@ -400,7 +409,8 @@ class _Attempt:
         error = failed_by_prefill(reply.exception(), route.prefill.node_id)
         if error.code() is grpc.StatusCode.FAILED_PRECONDITION:
             self.servicer.dispatcher.stale(route.prefill.node_id, route.decode.node_id)
-        call.fail(error)
+        if isinstance(call, SessionCall):  # a call of its own only where sessions are not served
+            call.fail(error)
 
     def decode_unreachable(self) -> bool:
         # A decode node answers UNAVAILABLE itself only to name a failed prefill

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -38,6 +39,7 @@ pytestmark = pytest.mark.timeout(900)
 
 TRANSFER_PAUSE_S = 2.0
 LEASE_S = 5.0
+TRANSFER_TIMEOUT_S = 5.0
 TTL_S = 3.0
 TOKENS = 12
 BLOCK = 16
@@ -67,7 +69,12 @@ def cluster(demo_model_dir, tmp_path_factory):
                 "PDSERVE_MAX_NUM_SEQS": "8",
             },
             "prefill-1": {"PDSERVE_FAULT_DELAYS": f"transfer_mid={TRANSFER_PAUSE_S}"},
-            "decode-0": {"PDSERVE_KV_LEASE_S": str(LEASE_S)},
+            "decode-0": {
+                "PDSERVE_KV_LEASE_S": str(LEASE_S),
+                # A reservation expected with no end header to come would fail
+                # the idle channel this long after (the last test waits for it).
+                "PDSERVE_TRANSFER_TIMEOUT_S": str(TRANSFER_TIMEOUT_S),
+            },
         },
     )
     with LocalCluster(s) as c:
@@ -268,7 +275,19 @@ def test_a_restarted_decode_nodes_new_channel_gets_the_decode_nodes_prefill(
         # node's way (not counted): one each.
         assert settled(cluster, "dispatched_prefills") - dispatched == 1
         assert settled(cluster, "aborted_prefill") - aborted == 1
+        # The refused Prefill's stream ended on the decode node's channel (the
+        # prefill node sent its end header there): nothing lingers to fail the
+        # idle channel a transfer timeout later.
+        failures = channel_failures(cluster)
+        time.sleep(TRANSFER_TIMEOUT_S + 2)
+        assert channel_failures(cluster) == failures
         # From then on the pair goes the router's way again.
         warm(cluster, demo_tokenizer, "prefill-0")
     finally:
         only(cluster, None)
+
+
+def channel_failures(cluster) -> int:
+    """KV channel failures decode-0 logged (its log spans its restarts)."""
+    log = Path(cluster.spec.log_dir) / "decode-0.log"
+    return log.read_text(errors="replace").count("KV channel from prefill-0")

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from common.kv_transfer import TransferError
+from common.kv_transfer.ticket import Destination
 from common.prefill_session_client import PrefillSessionClient
 from common.reliability import NoCapacity
 from pdserve.redis_server import free_port
@@ -36,14 +37,16 @@ class Worker:
         self.lates: dict[str, LateBlocks] = {}
         self.woken: dict[str, Exception] = {}  # what woke a thread waiting for blocks
         self.requests: dict[str, internal_pb2.PrefillRequest] = {}
-        self.board = LateBoard()  # PrefillWorker's: blocks matched on any session
+        # PrefillWorker's: blocks matched on any session; the streams it ended.
+        self.orphaned: list[internal_pb2.KVDestination] = []
+        self.board = LateBoard(self.orphaned.append)
         self.takes_dispatched = False
 
     def late_blocks(self, request) -> LateBlocks:
         # A router's Prefill (dispatched) sends on a channel of epoch 7.
-        epoch = 7 if request.dispatched else None
+        target = Destination("decode-0", "127.0.0.1", 1, 7) if request.dispatched else None
         late = LateBlocks(
-            len(request.prompt_token_ids), 16, epoch, request.destination.reservation_id
+            len(request.prompt_token_ids), 16, target, request.destination.reservation_id
         )
         self.lates[request.request_id] = late
         return late

@@ -14,10 +14,11 @@ import grpc
 import pytest
 
 from common.prefill_session_client import PrefillSessionClient
+from common.reliability import FAILED_NODE_KEY
 from common.wire import FIRST_ROUTER_RESERVATION_ID
 from pdserve.redis_server import free_port
 from proto import internal_pb2
-from router.dispatch import PrefillDispatcher, eligible
+from router.dispatch import PrefillDispatcher, eligible, failed_by_prefill
 from tests.unit.decode_node.test_prefill_session import Counting, Worker, _server
 
 pytestmark = pytest.mark.timeout(60)
@@ -57,6 +58,17 @@ def _request(rid: str, length: int = 40) -> internal_pb2.DecodeRequest:
 
 def _reservation(first_block: int, num_blocks: int):
     return SimpleNamespace(first_block=first_block, block_ids=list(range(num_blocks)))
+
+
+def _channel(epoch: int, reservation_id: int) -> internal_pb2.KVDestination:
+    """The decode node's channel, as its blocks name it."""
+    return internal_pb2.KVDestination(
+        node_id="decode-0",
+        store_host="127.0.0.1",
+        store_port=1,
+        channel_epoch=epoch,
+        reservation_id=reservation_id,
+    )
 
 
 def test_only_a_pair_that_served_the_decode_nodes_way_gets_the_routers_prefill():
@@ -104,10 +116,10 @@ def test_the_routers_prefill_takes_the_decode_nodes_blocks_from_its_own_session(
             while "a" not in worker.started:
                 await asyncio.sleep(0.01)
             rid = first.prefill_reservation_id
-            await decode.send_dispatched_blocks("a", _reservation(1, 3), 7, rid, 10.0)
+            await decode.send_dispatched_blocks("a", _reservation(1, 3), _channel(7, rid), 10.0)
             assert (await reply).first_token_id == 1013
             # Blocks ahead of the router's Prefill are kept for it.
-            await decode.send_dispatched_blocks("b", _reservation(0, 3), 7, rid + 1, 10.0)
+            await decode.send_dispatched_blocks("b", _reservation(0, 3), _channel(7, rid + 1), 10.0)
             assert (await dispatcher.send(session, second, "decode-0", 10.0)).first_token_id == 1003
             assert second.prefill_reservation_id == rid + 1  # a count, never reused
         request = worker.requests["a"]
@@ -129,11 +141,13 @@ def test_blocks_on_another_channel_fail_the_routers_prefill_as_a_precondition():
             while "a" not in worker.started:
                 await asyncio.sleep(0.01)
             rid = request.prefill_reservation_id
-            await decode.send_dispatched_blocks("a", _reservation(0, 3), 8, rid, 10.0)
+            await decode.send_dispatched_blocks("a", _reservation(0, 3), _channel(8, rid), 10.0)
             with pytest.raises(grpc.aio.AioRpcError) as stale:
                 await reply
         assert stale.value.code() is grpc.StatusCode.FAILED_PRECONDITION
         assert "moved on" in stale.value.details()
+        # The decode node expects the stream on its own channel: it ends there.
+        assert [(d.channel_epoch, d.reservation_id) for d in worker.orphaned] == [(8, rid)]
 
     run(main())
 
@@ -144,3 +158,29 @@ def test_eligible_requests_are_of_one_sequence_without_logprobs():
     assert not eligible(SimpleNamespace(**{**vars(plain), "n": 2}))
     assert not eligible(SimpleNamespace(**{**vars(plain), "logprobs": 0}))
     assert not eligible(SimpleNamespace(**{**vars(plain), "prompt_logprobs": 1}))
+
+
+@pytest.mark.parametrize(
+    ("code", "reported"),
+    [
+        (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE),
+        (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.FAILED_PRECONDITION),
+    ],
+)
+def test_a_prefills_failure_reads_as_the_decode_nodes_own_would(code, reported):
+    error = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "it broke")
+    failed = failed_by_prefill(error, "prefill-0")
+    assert failed.code() is reported
+    assert failed.details() == "prefill node prefill-0: it broke"
+    assert dict(failed.trailing_metadata())[FAILED_NODE_KEY] == "prefill-0"
+    # A session's own failure names the node already.
+    lost = grpc.aio.AioRpcError(
+        code, grpc.aio.Metadata(), grpc.aio.Metadata(), "prefill node prefill-0: Stream removed"
+    )
+    assert (
+        failed_by_prefill(lost, "prefill-0").details() == "prefill node prefill-0: Stream removed"
+    )
+    assert failed_by_prefill(RuntimeError("x"), "prefill-0").code() is grpc.StatusCode.UNAVAILABLE

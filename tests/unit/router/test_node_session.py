@@ -302,3 +302,36 @@ async def _dead() -> bool:
 async def _first(messages):
     async for message in messages:
         return message
+
+
+def test_failing_a_request_ends_it_with_the_error_until_the_node_answered():
+    # router/dispatch.py: a Prefill the router sent failed. Before the node's
+    # first message the request ends with that error and is cancelled on the
+    # node; after it, the stream stands.
+    async def main():
+        step = asyncio.Event()
+        worker = Worker(step)
+        async with _session_with(Node(worker)) as session:
+            hung = await session.start(_request("hung", kind=3), None)
+            answered = await session.start(_request("answered", tokens=3), None)
+            step.set()
+            first = await answered.read()  # its first message is here
+            step.clear()
+            error = grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata((FAILED_NODE_KEY, "prefill-0")),
+                "prefill node prefill-0: it died",
+            )
+            hung.fail(error)
+            answered.fail(error)
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await hung.read()
+            while "hung" not in worker.closed:  # cancelled on the node too
+                await asyncio.sleep(0.01)
+            step.set()
+            rest = await _tokens(answered)
+        assert failed.value is error
+        assert list(first.deltas[0].token_ids) + rest == [100, 101, 102]
+
+    run(main())
