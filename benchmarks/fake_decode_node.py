@@ -51,6 +51,8 @@ class FakeWorker:
     def __init__(self, interval_s: float = 0.0, lockstep: bool = False) -> None:
         self.interval_s = interval_s
         self.clock = TokenTicks(interval_s) if lockstep and interval_s > 0 else None
+        # It lands no KV: its session says it takes no Prefill a router sends.
+        self.takes_dispatched = False
 
     async def decode(self, request, deadline):
         from proto import pdserve_pb2
