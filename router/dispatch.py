@@ -86,9 +86,10 @@ class PrefillDispatcher:
 
     def usable(self, prefill, decode, decode_takes: bool) -> PrefillSessionClient | None:
         """The session to send this pair's Prefill on, or None (the decode node
-        sends it). Opens the prefill node's session in the background where
-        none is open, so that a later request finds it open."""
-        if prefill.tensor_parallel_size > 1 or not decode_takes:
+        sends it). ``decode_takes``: the decode node may take it now. Opens the
+        prefill node's session in the background where none is open (whatever
+        the decode node says), so that a later request finds it open."""
+        if prefill.tensor_parallel_size > 1:
             return None
         session = self.session(prefill)
         if not session.dispatched:
@@ -100,6 +101,8 @@ class PrefillDispatcher:
                 self._warming.add(prefill.address)
                 task = asyncio.ensure_future(self._warm(session, prefill.address))
                 task.add_done_callback(lambda f: f.cancelled() or f.exception())
+            return None
+        if not decode_takes:
             return None
         if (prefill.node_id, decode.node_id) not in self._pairs:
             return None

@@ -380,13 +380,13 @@ class _Attempt:
         dispatcher, prefill = self.servicer.dispatcher, self.routed.decision.prefill
         if dispatcher is None or prefill is None or not eligible(self.parsed.params):
             return
-        if session.in_flight:
-            # The decode node is likely in the middle of a step: it would reserve
-            # the blocks only after it, and the prefill node's engine would wait
-            # for them at the prompt's first due chunk (late_blocks.py). Its own
-            # Prefill waits for the reservation instead, holding up nothing else.
-            return
-        psession = dispatcher.usable(prefill, self.routed.decision.decode, session.takes_dispatched)
+        # With a request of this router's in flight there, the decode node is
+        # likely in the middle of a step: it would reserve the blocks only after
+        # it, and the prefill node's engine would wait for them at the prompt's
+        # first due chunk (late_blocks.py). Its own Prefill waits for the
+        # reservation instead, holding up nothing else.
+        takes = session.takes_dispatched and not session.in_flight
+        psession = dispatcher.usable(prefill, self.routed.decision.decode, takes)
         if psession is not None:
             self.prefill_reply = dispatcher.send(psession, downstream, session.node_id, timeout)
 

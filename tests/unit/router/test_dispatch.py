@@ -76,11 +76,12 @@ def test_only_a_pair_that_served_the_decode_nodes_way_gets_the_routers_prefill()
         worker = Worker()
         worker.takes_dispatched = True
         async with _two_sessions(worker) as (dispatcher, _, prefill):
-            # The prefill node's session opens in the background on first use.
-            assert dispatcher.usable(prefill, DECODE, decode_takes=True) is None
+            # The prefill node's session opens in the background on first use,
+            # even while the decode node's session does not say it takes any yet.
+            assert dispatcher.usable(prefill, DECODE, decode_takes=False) is None
             session = dispatcher.session(prefill)
-            await session.open()
-            assert session.dispatched
+            while not session.dispatched:
+                await asyncio.sleep(0.01)
             assert dispatcher.usable(prefill, DECODE, decode_takes=True) is None  # no pair yet
             dispatcher.served("prefill-0", "decode-0")
             assert dispatcher.usable(prefill, DECODE, decode_takes=True) is session
