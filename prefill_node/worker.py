@@ -195,15 +195,19 @@ class PrefillWorker:
         channel, a Prefill that failed, ended or never came): the decode node
         expects the reservation's stream there, so it ends there. That channel is
         the decode node's now: the next router's Prefill for it sends on it."""
-        target = Destination(
+        target = self._remember(dest)
+        self.engine.call(lambda e: self.streamer.end(target, dest.reservation_id))
+
+    def _remember(self, dest: internal_pb2.KVDestination) -> Destination:
+        """The decode node's channel as it names it now (a router's next Prefill uses it)."""
+        target = self._dests[dest.node_id] = Destination(
             dest.node_id,
             dest.store_host,
             dest.store_port,
             dest.channel_epoch,
             max(1, dest.tensor_parallel_size),
         )
-        self._dests[dest.node_id] = target
-        self.engine.call(lambda e: self.streamer.end(target, dest.reservation_id))
+        return target
 
     def _target(self, req: internal_pb2.PrefillRequest, late: LateBlocks | None) -> Destination:
         """Where the KV goes: the decode node's own Prefill says so (and is
@@ -221,15 +225,7 @@ class PrefillWorker:
             if late is None or late.target is None:
                 raise StaleChannel(f"no KV channel to decode node {dest.node_id} yet")
             return late.target
-        target = Destination(
-            dest.node_id,
-            dest.store_host,
-            dest.store_port,
-            dest.channel_epoch,
-            max(1, dest.tensor_parallel_size),
-        )
-        self._dests[dest.node_id] = target
-        return target
+        return self._remember(dest)
 
     async def prefill(
         self,
