@@ -405,12 +405,19 @@ class _Attempt:
         request on the decode node with its status, the prefill node at fault."""
         if reply.cancelled() or reply.exception() is None or self.received:
             return
+        error = reply.exception()
+        timed_out = getattr(error, "code", lambda: None)() is grpc.StatusCode.DEADLINE_EXCEEDED
+        if timed_out and self.client_deadline_near():
+            return  # the client's own deadline: the decode node ends the request so too
         route = self.routed.decision
-        error = failed_by_prefill(reply.exception(), route.prefill.node_id)
+        error = failed_by_prefill(error, route.prefill.node_id)
         if error.code() is grpc.StatusCode.FAILED_PRECONDITION:
             self.servicer.dispatcher.stale(route.prefill.node_id, route.decode.node_id)
         if isinstance(call, SessionCall):  # a call of its own only where sessions are not served
             call.fail(error)
+
+    def client_deadline_near(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline - DEADLINE_SLACK_S
 
     def decode_unreachable(self) -> bool:
         # A decode node answers UNAVAILABLE itself only to name a failed prefill
