@@ -92,9 +92,10 @@ class PrefillSessionClient(SessionClient):
                 raise TimeoutError
             async with asyncio.timeout_at(deadline):
                 opened = await self._opened()
-                if request.blocks_follow and not (opened and self.blocks_follow):
-                    raise self.lost(f"no longer takes {kind}")
-                if request.dispatched and not (opened and self.dispatched):
+                takes = (not request.blocks_follow or self.blocks_follow) and (
+                    not request.dispatched or self.dispatched
+                )
+                if (request.blocks_follow or request.dispatched) and not (opened and takes):
                     raise self.lost(f"no longer takes {kind}")
                 if not opened:
                     left = max(0.0, deadline - loop.time())
@@ -121,11 +122,7 @@ class PrefillSessionClient(SessionClient):
         (written after its start: one write at a time, in order)."""
         if self._call is None:
             return  # the session is gone: its reader failed the Prefill
-        command = internal_pb2.PrefillSessionCommand()
-        command.blocks.request_id = rid
-        command.blocks.first_block = first_block
-        command.blocks.num_blocks = num_blocks
-        self._write_soon(command)
+        self._write_soon(_blocks_command(rid, first_block, num_blocks))
 
     async def send_dispatched_blocks(
         self, rid: str, reservation, destination: internal_pb2.KVDestination, timeout: float
@@ -133,12 +130,8 @@ class PrefillSessionClient(SessionClient):
         """The reserved blocks of a Prefill the router sent, with this node's KV
         channel for the prefill node and the router's reservation id
         (``destination``); opens the session if need be (UNAVAILABLE where it cannot)."""
-        command = internal_pb2.PrefillSessionCommand()
-        blocks = command.blocks
-        blocks.request_id = rid
-        blocks.first_block = reservation.first_block
-        blocks.num_blocks = len(reservation.block_ids)
-        blocks.destination.CopyFrom(destination)
+        command = _blocks_command(rid, reservation.first_block, len(reservation.block_ids))
+        command.blocks.destination.CopyFrom(destination)
         async with asyncio.timeout(max(0.0, timeout)):
             if not await self._opened():
                 raise self.lost("serves no PrefillSession (an older release)")
@@ -174,3 +167,13 @@ class PrefillSessionClient(SessionClient):
         for reply in replies.values():
             if not reply.done():
                 reply.set_exception(error)
+
+
+def _blocks_command(
+    rid: str, first_block: int, num_blocks: int
+) -> internal_pb2.PrefillSessionCommand:
+    command = internal_pb2.PrefillSessionCommand()
+    command.blocks.request_id = rid
+    command.blocks.first_block = first_block
+    command.blocks.num_blocks = num_blocks
+    return command

@@ -128,6 +128,10 @@ class LateBlocks:
             self.error = error
             self._event.set()
 
+    def end(self) -> None:
+        """Its Prefill ended: no blocks are awaited any more (wakes a wait)."""
+        self.fail(TransferError("the Prefill ended before the decode node's blocks came"))
+
     def wait(self, timeout_s: float) -> tuple[int, int]:
         """(first_block, num_blocks); raises TransferError when none came in time
         or the Prefill ended first, ValueError when they did not fit."""
@@ -170,7 +174,7 @@ class LateBoard:
 
     def close(self, request_id: str, late: LateBlocks) -> None:
         """It ended (wakes a wait for its blocks)."""
-        late.fail(TransferError("the Prefill ended before the decode node's blocks came"))
+        late.end()
         if self._late.get(request_id) is late:
             del self._late[request_id]
 

@@ -68,8 +68,9 @@ class PrefillSession(RequestSession):
 
     def other_command(self, which: str, command: internal_pb2.PrefillSessionCommand) -> None:
         if which == "blocks":
-            # Any session's Prefill (a router's, dispatched); one that ended
-            # meanwhile sent its end header regardless.
+            # Any session's Prefill (a router's, dispatched). One that ended
+            # meanwhile sent its end header regardless, or, a router's, has the
+            # board send it (late_blocks.py).
             self.worker.board.blocks(command.blocks)
 
     async def handle(

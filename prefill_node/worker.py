@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from common.kv_transfer import (
     Destination,
     KVSender,
-    TransferError,
     TransferReport,
     TransferTicket,
 )
@@ -183,7 +182,8 @@ class PrefillWorker:
 
     def late_blocks(self, req: internal_pb2.PrefillRequest) -> LateBlocks:
         """Where a Prefill started with ``blocks_follow`` waits for its blocks (a
-        dispatched one's must name the epoch of the channel it will send on)."""
+        dispatched one's must name the channel it will send on: the decode
+        node's latest own Prefill's, resolved once, here)."""
         num_tokens = len(req.prompt_token_ids)
         if not req.dispatched:
             return LateBlocks(num_tokens, self.block_size)
@@ -288,13 +288,14 @@ class PrefillWorker:
         finally:
             if late is not None:
                 # Wakes the engine thread if it waits for them (a no-op once they came).
-                late.fail(TransferError("the Prefill ended before the decode node's blocks came"))
+                late.end()
             self.stats.requests += 1
             # Exactly one end header per Prefill, queued on the engine thread
             # behind whatever the request queued (an admission still pending
             # included), so that it follows all of the request's segments. A
-            # router's Prefill whose blocks never came has none: the channel it
-            # names may not be the decode node's (and its rendezvous would wait).
+            # router's Prefill whose blocks did not come (or fit) has none here:
+            # the board ends its stream on the channel its blocks name, if they
+            # come (the one the Prefill names may not be the decode node's).
             end = target if not req.dispatched or (late is not None and late.came) else None
             self.engine.call(lambda e: self._finish(e, rid, end, dest.reservation_id))
         if delay := self.faults.get(FaultPoint.PREFILL_REPLY):

@@ -40,6 +40,7 @@ DEADLINE_SLACK_S = 0.25
 # How long a Final waits for the reply of the Prefill the router sent (its
 # timings), which comes about when the first token does.
 REPLY_WAIT_S = 2.0
+_DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class RequestFailed(Exception):
@@ -406,8 +407,9 @@ class _Attempt:
         if reply.cancelled() or reply.exception() is None or self.received:
             return
         error = reply.exception()
-        timed_out = getattr(error, "code", lambda: None)() is grpc.StatusCode.DEADLINE_EXCEEDED
-        if timed_out and self.client_deadline_near():
+        timed_out = isinstance(error, grpc.aio.AioRpcError) and error.code() is _DEADLINE
+        near = self.deadline is not None and self.deadline - DEADLINE_SLACK_S <= time.monotonic()
+        if timed_out and near:
             return  # the client's own deadline: the decode node ends the request so too
         route = self.routed.decision
         error = failed_by_prefill(error, route.prefill.node_id)
@@ -415,9 +417,6 @@ class _Attempt:
             self.servicer.dispatcher.stale(route.prefill.node_id, route.decode.node_id)
         if isinstance(call, SessionCall):  # a call of its own only where sessions are not served
             call.fail(error)
-
-    def client_deadline_near(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline - DEADLINE_SLACK_S
 
     def decode_unreachable(self) -> bool:
         # A decode node answers UNAVAILABLE itself only to name a failed prefill
