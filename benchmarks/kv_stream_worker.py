@@ -9,6 +9,7 @@ not overlap). Both first time a raw send/recv of the same bytes.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import enum
 import random
@@ -76,11 +77,42 @@ def _run(rank: int, a: dict[str, Any], ports: tuple[int, int], acks) -> dict[str
         device=device,
     )
     out: dict[str, Any] = {"rank": rank, "raw": _raw(rank, a, ports[1], cache, sizes, bs, cuda)}
-    if rank == 0:
-        out["runs"] = _prefill(a, ports[0], cache, sizes, g, device, acks)
-    else:
-        out["landed"] = _decode(a, ports[0], cache, sizes, device, acks)
+    with _traced(a.get("trace_dir"), rank, cuda):
+        if rank == 0:
+            out["runs"] = _prefill(a, ports[0], cache, sizes, g, device, acks)
+        else:
+            out["landed"] = _decode(a, ports[0], cache, sizes, device, acks)
     return out
+
+
+@contextlib.contextmanager
+def _traced(trace_dir: str | None, rank: int, cuda: bool):
+    """With ``trace_dir``: the streamed runs under torch.profiler (host ops of
+    every thread, and on a GPU its kernels and copies), one Chrome trace per
+    rank, gzipped: where a chunk's time goes between the hook and the wire."""
+    if not trace_dir:
+        yield
+        return
+    import gzip
+    import os
+    import shutil
+
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:  # the sender's and receiver's own threads too, not only this one
+        config = _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # a torch without the option: this thread's ops and every kernel
+        config = None
+    with profile(activities=activities, experimental_config=config) as prof:
+        yield
+    os.makedirs(trace_dir, exist_ok=True)
+    path = os.path.join(trace_dir, f"kv_transfer-rank{rank}.json")
+    prof.export_chrome_trace(path)
+    with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(path)
 
 
 def _sync(cuda: bool) -> None:

@@ -30,7 +30,8 @@ after the last layer -- the whole-request transfer):
 - forward: the synthetic forward's duration (what streaming costs the compute),
   and without compute the engine thread's time gathering and queueing chunks.
 
-Medians over ``--iters`` after ``--warmup``.
+Medians over ``--iters`` after ``--warmup``. ``--trace-dir DIR``: each rank's
+streamed runs under torch.profiler, as a gzipped Chrome trace in DIR.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out-dir", type=Path)
+    p.add_argument(
+        "--trace-dir", help="write each rank's Chrome trace (torch.profiler) of the streamed runs"
+    )
     args = p.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.device_count() >= 2 else "cpu"

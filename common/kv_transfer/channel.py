@@ -1,6 +1,6 @@
 """A pairwise process group (rank 0 sends, rank 1 receives), gloo on CPU, NCCL on CUDA.
 
-It moves messages and nothing else: segment headers (16 int64 words) and
+It moves messages and nothing else: a group's segment headers (rows of 16 int64 words) and
 chunks (any tensor, sent as its bytes). Which message comes when is the
 protocol's business (protocol.py); every wait here has a deadline, and any
 failure closes the channel for good (the epoch moves on and a new one is built).
@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common.kv_transfer.protocol import HEADER_WORDS, SegmentHeader
+from common.kv_transfer.protocol import HEADER_BLOCK, HEADER_WORDS, SegmentHeader, header_rows
 
 SENDER, RECEIVER = 0, 1
 # NCCL work completes asynchronously on a stream: the host polls it this often.
@@ -57,14 +57,14 @@ class PairChannel:
                 self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
         except Exception as e:
             raise TransferError(f"pair channel {key} could not connect: {e}") from e
-        self._header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=device)
+        self._block = torch.empty(HEADER_BLOCK, HEADER_WORDS, dtype=torch.int64, device=device)
         self.closed = False
 
     # ----------------------------------------------------------------- sending
     def send_headers(self, headers: list[SegmentHeader]) -> list[dist.Work]:
-        """Post one message per header (a group's headers, in order)."""
-        words = torch.stack([h.to_tensor() for h in headers]).to(self.device)
-        return [self.pg.send([row], self.peer, 0) for row in words]
+        """Post a group's headers: one block, and the rest past it (protocol.py)."""
+        messages = [m for m in header_rows(headers) if m is not None]
+        return [self.pg.send([m.to(self.device)], self.peer, 0) for m in messages]
 
     def send(self, data: torch.Tensor) -> dist.Work:
         """Post one message: ``data``'s bytes (the caller keeps ``data`` alive until done)."""
@@ -72,21 +72,22 @@ class PairChannel:
 
     # --------------------------------------------------------------- receiving
     def recv_group(self, deadline: float) -> list[SegmentHeader]:
-        """A group's headers: the first says how many follow."""
-        self.wait(self.pg.recv([self._header], self.peer, 0), deadline)
-        first = self._parse(self._header.cpu())
+        """A group's headers: the block's first row says how many there are."""
+        self.wait(self.pg.recv([self._block], self.peer, 0), deadline)
+        block = self._block.cpu()
+        first = self._parse(block[0])
         if first.group_index != 0:
             self.close()
             raise TransferError(f"KV stream out of step: a group starts with {first}")
-        headers = [first]
-        if first.group_size > 1:
+        size = first.group_size
+        rows = list(block[1 : min(size, HEADER_BLOCK)])
+        if size > HEADER_BLOCK:
             rest = torch.empty(
-                first.group_size - 1, HEADER_WORDS, dtype=torch.int64, device=self.device
+                size - HEADER_BLOCK, HEADER_WORDS, dtype=torch.int64, device=self.device
             )
-            works = [self.pg.recv([row], self.peer, 0) for row in rest]
-            for work in works:
-                self.wait(work, deadline)
-            headers.extend(self._parse(row) for row in rest.cpu())
+            self.wait(self.pg.recv([rest], self.peer, 0), deadline)
+            rows.extend(rest.cpu())
+        headers = [first] + [self._parse(row) for row in rows]
         for i, h in enumerate(headers):
             if h.group_index != i or h.group_size != first.group_size:
                 self.close()

@@ -13,9 +13,14 @@ A *group* is the segments of one step bound for one pair channel. Ordering rule
 (NCCL and gloo match a pair's sends and receives in posting order, and sizes
 must agree): the sender emits a group's k headers (16 int64 words each, the
 first saying k), then its chunks in ``wire_order``: chunk 0 of every segment in
-header order, then chunk 1 of every segment, and so on. The receiver derives
-the same order and every size from the headers alone, so it posts all of the
-group's receives as soon as the k-th header arrived. The sender emits the
+header order, then chunk 1 of every segment, and so on. The headers travel in
+one message of ``HEADER_BLOCK`` rows (zero rows after the k-th), and those
+past the block's in one more: the receiver keeps a block's receive posted and
+learns k from its first row, so a group of up to ``HEADER_BLOCK`` segments
+costs one host round trip before its chunks' receives, not k (each took 0.2-0.5
+ms of the receiver's host time on a GPU host, while the sender's first chunk
+waited). The receiver derives the same order and every size from the headers
+alone, so it posts all of the group's receives as soon as the headers arrived. The sender emits the
 headers just before the step's first chunk (on a CPU when the step is
 launched) and chunk c only after its layers ran; a chunk's send waits for
 its receive. Groups never
@@ -50,8 +55,10 @@ from dataclasses import dataclass
 
 import torch
 
-MAGIC = 0x7064_7376_6B76_0002  # "pdsvkv", format 2 (format 1: one header + one payload)
+# "pdsvkv", format 3 (2: a message per header; 1: one header + one payload).
+MAGIC = 0x7064_7376_6B76_0003
 HEADER_WORDS = 16
+HEADER_BLOCK = 8  # header rows in a group's first message (1 KiB)
 FLAG_END = 1
 FLAG_TOKEN = 2
 TOKEN_BYTES = 8  # the first-token message: one int64
@@ -183,9 +190,12 @@ class SegmentHeader:
             self.cached_tokens,
         ]
 
-    def to_tensor(self) -> torch.Tensor:
+    def padded_words(self) -> list[int]:
         words = self.words()
-        return torch.tensor(words + [0] * (HEADER_WORDS - len(words)), dtype=torch.int64)
+        return words + [0] * (HEADER_WORDS - len(words))
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.padded_words(), dtype=torch.int64)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> SegmentHeader:
@@ -232,6 +242,16 @@ def wire_order(headers: Sequence[SegmentHeader]) -> list[tuple[int, ChunkDesc]]:
 def token_order(headers: Sequence[SegmentHeader]) -> list[int]:
     """The segments (indices) whose first token follows a group's chunks, in the order they travel."""
     return [i for i, h in enumerate(headers) if h.has_token]
+
+
+def header_rows(headers: Sequence[SegmentHeader]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A group's header messages: a block of ``HEADER_BLOCK`` rows (zeros after
+    the last header) and, for a group larger than that, the rest."""
+    zero = [0] * HEADER_WORDS
+    rows = [h.padded_words() for h in headers]
+    block = torch.tensor((rows + [zero] * HEADER_BLOCK)[:HEADER_BLOCK], dtype=torch.int64)
+    rest = rows[HEADER_BLOCK:]
+    return block, torch.tensor(rest, dtype=torch.int64) if rest else None
 
 
 def group_messages(headers: Sequence[SegmentHeader]) -> int:

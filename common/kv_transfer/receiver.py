@@ -13,9 +13,9 @@ peer is awaited: from ``expect`` until the reservation's end header arrives
 (after ``unexpect`` too, for at most the transfer timeout, so that segments the
 prefill node sent before it learnt of a cancellation are read and dropped
 rather than left blocking its channel). For each group it reads the k headers,
-hands them to the sink (``on_group``), posts every chunk's receive at once into
-one buffer -- sizes and order follow from the headers (protocol.wire_order) --
-and hands each chunk to the sink (``on_chunk``) as soon as it landed, while the
+posts every chunk's receive at once into one buffer -- sizes and order follow
+from the headers (protocol.wire_order) -- then hands the headers to the sink
+(``on_group``), and each chunk (``on_chunk``) as soon as it landed, while the
 later ones are still on the wire; then each first token the group carries
 (``on_first_token``). A failure or a passed deadline closes the
 channel, bumps the node's epoch (the next transfer rebuilds the group) and
@@ -274,26 +274,28 @@ class KVReceiver:
             for h in headers:
                 if h.is_end:
                     peer.awaiting.pop(h.reservation_id, None)
-        try:
-            contexts = self.sink.on_group(peer.node_id, headers)
-        except Exception:  # the channel is fine; the data of this group is unwanted
-            logger.exception("handling KV segment headers from %s failed", peer.node_id)
-            contexts = [None] * len(headers)
         plan = wire_order(headers)
         tokens = token_order(headers)
         sizes = [desc.units * headers[i].unit_bytes for i, desc in plan]
-        if not plan:
-            return
         if sum(sizes) > self.max_group_bytes:
             raise TransferError(
                 f"a KV group of {sum(sizes)} bytes was announced, more than this node's "
                 f"whole KV cache ({self.max_group_bytes})"
             )
-        # All receives are posted before any chunk can leave the sender: the
-        # sender emits the group's chunks only after its layers ran.
+        # Every receive is posted before the sink hears of the group: the
+        # sender's first chunk may be on its way already (its send waits for
+        # the receive), and the sink's work (the landing's lookups and block
+        # indexes) need not come first.
         sizes += [TOKEN_BYTES] * len(tokens)
-        views = list(self._buffer(peer, sum(sizes)).split(sizes))
+        views = list(self._buffer(peer, sum(sizes)).split(sizes)) if plan else []
         works = [channel.post_recv(v) for v in views]
+        try:
+            contexts = self.sink.on_group(peer.node_id, headers)
+        except Exception:  # the channel is fine; the data of this group is unwanted
+            logger.exception("handling KV segment headers from %s failed", peer.node_id)
+            contexts = [None] * len(headers)
+        if not plan:
+            return
         n = len(plan)
         for (i, desc), view, work in zip(plan, views[:n], works[:n], strict=True):
             channel.wait(work, time.monotonic() + self.timeout_s)

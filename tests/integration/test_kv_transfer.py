@@ -26,7 +26,7 @@ from common.kv_transfer import (
     TransferTicket,
     wire_order,
 )
-from common.kv_transfer.protocol import FLAG_TOKEN, token_order
+from common.kv_transfer.protocol import FLAG_TOKEN, HEADER_BLOCK, token_order
 from pdserve.redis_server import free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -176,6 +176,38 @@ def test_groups_land_bit_identical_in_wire_order_and_ends_close_the_streams(rece
     # Both streams ended: no receive is posted for them any more.
     wait_until(lambda: not rx._peers["prefill-a", 0].awaiting)
     assert [h.reservation_id for h in col.headers if h.is_end] == [101, 100]
+    assert col.failed == []
+
+
+def test_a_group_larger_than_a_header_block_and_one_that_fills_it_exactly(receiver):
+    """Headers travel in a block of HEADER_BLOCK rows and one more message for
+    the rest (protocol.py): the group past the block, then one of exactly a
+    block and one of a single segment, land in order on the same channel."""
+    rx, col, port = receiver
+    big = [(segment(200 + i, i, i + 1, per_chunk=4), False) for i in range(HEADER_BLOCK + 3)]
+    full = [(segment(300 + i, i, i + 1), False) for i in range(HEADER_BLOCK)]
+    single = [(segment(400, 0, 2), False)]
+    groups = [big, full, single]
+    rids = [h.reservation_id for group in groups for h, _ in group]
+    script = [("group", g) for g in groups] + [("end", rid) for rid in rids]
+    proc, epochs, results = start_sender(port, script)
+    epoch = rx.expect("prefill-a", rids[0])
+    for rid in rids[1:]:
+        rx.expect("prefill-a", rid)
+    epochs.put(epoch)
+    report = results.get(timeout=60)
+    proc.join(30)
+    expected = []
+    for group in groups:
+        headers = [h for h, _ in group]
+        expected += [(headers[i].reservation_id, desc) for i, desc in wire_order(headers)]
+    wait_until(lambda: len(col.chunks) == len(expected))
+    assert [(rid, desc) for rid, desc, _ in col.chunks] == expected
+    for rid, desc, data in col.chunks:
+        assert torch.equal(data, chunk_bytes(rid, desc))
+    assert all(r[0] == "ok" for r in report.values()) and sorted(report) == sorted(rids)
+    wait_until(lambda: not rx._peers["prefill-a", 0].awaiting)
+    assert [h.reservation_id for h in col.headers if not h.is_end] == rids
     assert col.failed == []
 
 

@@ -8,10 +8,12 @@ import torch
 from common.kv_transfer.coverage import Coverage
 from common.kv_transfer.protocol import (
     FLAG_TOKEN,
+    HEADER_BLOCK,
     HEADER_WORDS,
     ChunkDesc,
     SegmentHeader,
     group_messages,
+    header_rows,
     token_order,
     wire_order,
 )
@@ -44,6 +46,19 @@ def test_header_round_trip_and_rejection():
         bad[field] = value
         with pytest.raises(ValueError, match="out of bounds"):
             SegmentHeader.from_tensor(bad)
+
+
+def test_a_groups_headers_go_as_one_padded_block_and_the_rest_past_it():
+    few = [seg(rid=r).with_group(3, i) for i, r in enumerate((1, 2, 3))]
+    block, rest = header_rows(few)
+    assert block.shape == (HEADER_BLOCK, HEADER_WORDS) and rest is None
+    assert [SegmentHeader.from_tensor(row) for row in block[:3]] == few
+    assert not block[3:].any()  # zero rows after the last header
+    many = [seg(rid=r).with_group(HEADER_BLOCK + 2, r) for r in range(HEADER_BLOCK + 2)]
+    block, rest = header_rows(many)
+    assert rest is not None and rest.shape == (2, HEADER_WORDS)
+    rows = [*block, *rest]
+    assert [SegmentHeader.from_tensor(row) for row in rows] == many
 
 
 def test_a_first_token_header_round_trips_and_adds_one_message_after_the_chunks():
