@@ -218,7 +218,8 @@ def _prefill(a, port, cache, sizes, g, device, acks) -> dict:
     cuda = device.type == "cuda"
     rng = random.Random(0)
     sender = KVSender("prefill-bench", device, timeout_s=120)
-    dest = Destination("decode-bench", "127.0.0.1", port, 0)
+    # Headers framed as a block, as between nodes of this release (protocol.py).
+    dest = Destination("decode-bench", "127.0.0.1", port, 0, header_block=True)
     bs = a["block_size"]
     runs: dict[tuple[int, int, bool], list[dict[str, float]]] = {}
     rid = 0
@@ -326,7 +327,8 @@ def _decode(a, port, cache, sizes, device, acks) -> dict[int, float]:
     runs = len(sizes) * len(a["layers_per_chunk"].split(",")) * 2
     total = runs * (a["warmup"] + a["iters"])
     for rid in range(1, total + 1):
-        receiver.expect("prefill-bench", rid)  # each stream ends with its end header
+        # Each stream ends with its end header; headers framed as a block, as the sender's.
+        receiver.expect("prefill-bench", rid, header_block=True)
     deadline = time.monotonic() + 3600
     while len(landed) < total and time.monotonic() < deadline:
         time.sleep(0.05)

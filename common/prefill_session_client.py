@@ -22,6 +22,7 @@ loops less than a new call (docs/performance.md, "The Prefill hop").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
 import grpc
@@ -67,6 +68,8 @@ class PrefillSessionClient(SessionClient):
         self.blocks_follow = False
         # ... and Prefills a router sends itself (PrefillRequest.dispatched).
         self.dispatched = False
+        # ... and frames KV headers as a block where asked (KVDestination.header_block).
+        self.header_block = False
 
     async def prefill(
         self,
@@ -137,6 +140,17 @@ class PrefillSessionClient(SessionClient):
                 raise self.lost("serves no PrefillSession (an older release)")
         await self._send(command)
 
+    async def learn(self, timeout: float) -> None:
+        """Open the session, where none is, within ``timeout``: what its node
+        takes (its first batch) is then known before a Prefill's destination is
+        named (the KV headers' framing). A node that does not answer is left for
+        the Prefill itself to report, which waits on the same opening."""
+        if self._call is not None or self.supported is False:
+            return
+        with contextlib.suppress(Exception):  # TimeoutError, or the opening's failure
+            async with asyncio.timeout(max(0.0, timeout)):
+                await self._opened()
+
     # ------------------------------------------------ SessionClient's hooks
     def _new_call(self):
         return self._stub.PrefillSession()
@@ -144,6 +158,7 @@ class PrefillSessionClient(SessionClient):
     def _on_hello(self, hello: internal_pb2.PrefillSessionBatch | None) -> None:
         self.blocks_follow = hello is not None and hello.blocks_follow
         self.dispatched = hello is not None and hello.dispatched
+        self.header_block = hello is not None and hello.header_block
 
     def _cancel_command(self, rid: str) -> internal_pb2.PrefillSessionCommand:
         return internal_pb2.PrefillSessionCommand(cancel=rid)

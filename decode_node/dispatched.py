@@ -61,10 +61,10 @@ async def dispatched_prefill(
             node_id=node_id,
             store_host=landing.receiver.host,
             store_port=landing.receiver.port,
-            channel_epoch=epoch,
             reservation_id=reservation_id,
             tensor_parallel_size=1,
         )
+        landing.name_channel(destination, peer, epoch)
         await session.send_dispatched_blocks(
             req.request_id, reservation, destination, end - time.monotonic()
         )

@@ -58,6 +58,7 @@ from engine.llm_engine import LLMEngine, Reservation
 if TYPE_CHECKING:
     from engine.engine_thread import EngineThread
     from engine.sequence import TokenLogprobs
+    from proto import internal_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ class KVLanding(LandingCore):
         self._reservation_ids = itertools.count(1)
         # Ids ``expect`` gave out that ``open`` has not taken yet: (peer, its size, epoch).
         self._expected: dict[int, tuple[str, int, int]] = {}
+        # Prefill node -> its session frames KV headers as a block (``frames_blocks``).
+        self._frames_blocks: dict[str, bool] = {}
         kv = runner.kv_cache
         self.receiver = KVReceiver(
             node_id,
@@ -136,9 +139,22 @@ class KVLanding(LandingCore):
     def _expect(self, peer: str, peer_tp: int, reservation_id: int) -> int:
         epoch = self.receiver.epoch_of(peer)
         pairs = kv_pairs(self.num_kv_heads, peer_tp, self.tp_size)
+        block = self._frames_blocks.get(peer, False)
         for pair in receives_of(pairs, 0):
-            self.receiver.expect(peer, reservation_id, pair.sender, epoch)
+            self.receiver.expect(peer, reservation_id, pair.sender, epoch, block)
         return epoch
+
+    def frames_blocks(self, peer: str, header_block: bool) -> None:
+        """What ``peer``'s open session said of the KV headers' framing
+        (``PrefillSessionBatch.header_block``): the framing of the next channel
+        epoch with it, fixed by that epoch's first expected reservation."""
+        self._frames_blocks[peer] = header_block
+
+    def name_channel(self, destination: internal_pb2.KVDestination, peer: str, epoch: int) -> None:
+        """A Prefill's destination names its channel: the epoch, and how its
+        headers are framed there (the prefill node frames them so)."""
+        destination.channel_epoch = epoch
+        destination.header_block = self.receiver.header_block_of(peer, epoch)
 
     def open(
         self,
@@ -190,6 +206,8 @@ class KVLanding(LandingCore):
                 "peer": peer,
                 "peer_tp": max(1, peer_tp),
                 "epoch": epoch,
+                # Rank 0's framing for the epoch: every rank's channels read it alike.
+                "header_block": self.receiver.header_block_of(peer, epoch),
                 "block_ids": reservation.block_ids,
                 "first_block": reservation.first_block,
                 "num_prompt_tokens": reservation.num_prompt_tokens,

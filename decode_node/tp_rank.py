@@ -87,7 +87,9 @@ class DecodeRank(LandingCore):
             self._announced.notify_all()
         try:
             for pair in self._senders(pending):
-                self.receiver.expect(pending.peer, rid, pair.sender, payload["epoch"])
+                self.receiver.expect(
+                    pending.peer, rid, pair.sender, payload["epoch"], payload["header_block"]
+                )
         except StaleEpoch as e:
             with pending.lock:
                 pending.state = TransferState.FAILED

@@ -264,6 +264,8 @@ class DecodeWorker:
         session = None
         if dispatched or self.prefill_streams is PrefillStreams.SESSION:
             session = self._session(req.prefill)
+            await session.learn(self.kv_lease_s)  # what its node takes, before a destination
+            landing.frames_blocks(peer, session.header_block)
         # Only while this node's engine thread is idle: the reservation then
         # runs inline right after the Prefill's write and its blocks follow
         # within a fraction of a millisecond. Behind a step in flight they
@@ -295,7 +297,8 @@ class DecodeWorker:
                     )
                     sent, resp = arrived, None
                 elif follow:
-                    reservation_id, destination.channel_epoch = landing.expect(peer, peer_tp)
+                    reservation_id, epoch = landing.expect(peer, peer_tp)
+                    landing.name_channel(destination, peer, epoch)
                     destination.reservation_id = reservation_id
                     request.blocks_follow = True
                     sent = time.monotonic()
@@ -323,7 +326,7 @@ class DecodeWorker:
                     reservation_id, epoch = landing.open(
                         rid, reservation, peer, peer_tp, first_token=token_on_kv
                     )
-                    destination.channel_epoch = epoch
+                    landing.name_channel(destination, peer, epoch)
                     destination.reservation_id = reservation_id
                     destination.first_block = reservation.first_block
                     destination.num_blocks = len(reservation.block_ids)

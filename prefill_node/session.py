@@ -44,7 +44,7 @@ class PrefillSession(RequestSession):
 
     def hello(self) -> internal_pb2.PrefillSessionBatch:
         return internal_pb2.PrefillSessionBatch(
-            blocks_follow=True, dispatched=self.worker.takes_dispatched
+            blocks_follow=True, dispatched=self.worker.takes_dispatched, header_block=True
         )
 
     def _start(self, start: internal_pb2.PrefillSessionStart) -> asyncio.Task | None:

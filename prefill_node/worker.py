@@ -206,6 +206,7 @@ class PrefillWorker:
             dest.store_port,
             dest.channel_epoch,
             max(1, dest.tensor_parallel_size),
+            dest.header_block,
         )
         return target
 

@@ -142,14 +142,16 @@ class PrefillSessionStart(_message.Message):
     def __init__(self, request: _Optional[_Union[PrefillRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class PrefillSessionBatch(_message.Message):
-    __slots__ = ("events", "blocks_follow", "dispatched")
+    __slots__ = ("events", "blocks_follow", "dispatched", "header_block")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     DISPATCHED_FIELD_NUMBER: _ClassVar[int]
+    HEADER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[PrefillSessionEvent]
     blocks_follow: bool
     dispatched: bool
-    def __init__(self, events: _Optional[_Iterable[_Union[PrefillSessionEvent, _Mapping]]] = ..., blocks_follow: _Optional[bool] = ..., dispatched: _Optional[bool] = ...) -> None: ...
+    header_block: bool
+    def __init__(self, events: _Optional[_Iterable[_Union[PrefillSessionEvent, _Mapping]]] = ..., blocks_follow: _Optional[bool] = ..., dispatched: _Optional[bool] = ..., header_block: _Optional[bool] = ...) -> None: ...
 
 class PrefillSessionEvent(_message.Message):
     __slots__ = ("request_id", "response", "end")
@@ -162,7 +164,7 @@ class PrefillSessionEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[PrefillResponse, _Mapping]] = ..., end: _Optional[_Union[SessionEnd, _Mapping]] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("node_id", "store_host", "store_port", "channel_epoch", "reservation_id", "first_block", "num_blocks", "tensor_parallel_size")
+    __slots__ = ("node_id", "store_host", "store_port", "channel_epoch", "reservation_id", "first_block", "num_blocks", "tensor_parallel_size", "header_block")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +173,7 @@ class KVDestination(_message.Message):
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEADER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     store_host: str
     store_port: int
@@ -179,7 +182,8 @@ class KVDestination(_message.Message):
     first_block: int
     num_blocks: int
     tensor_parallel_size: int
-    def __init__(self, node_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., channel_epoch: _Optional[int] = ..., reservation_id: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    header_block: bool
+    def __init__(self, node_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., channel_epoch: _Optional[int] = ..., reservation_id: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., header_block: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprobs", "cached_tokens", "queue_ms", "compute_ms", "transfer_ms", "transfer_bytes", "kv_checksum", "node_ms")

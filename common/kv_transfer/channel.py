@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common.kv_transfer.protocol import HEADER_BLOCK, HEADER_WORDS, SegmentHeader, header_rows
+from common.kv_transfer.protocol import HEADER_BLOCK, HEADER_WORDS, SegmentHeader, header_messages
 
 SENDER, RECEIVER = 0, 1
 # NCCL work completes asynchronously on a stream: the host polls it this often.
@@ -61,31 +61,37 @@ class PairChannel:
         self.closed = False
 
     # ----------------------------------------------------------------- sending
-    def send_headers(self, headers: list[SegmentHeader]) -> list[dist.Work]:
-        """Post a group's headers: one block, and the rest past it (protocol.py)."""
-        messages = [m for m in header_rows(headers) if m is not None]
-        return [self.pg.send([m.to(self.device)], self.peer, 0) for m in messages]
+    def send_headers(self, headers: list[SegmentHeader], block: bool) -> list[dist.Work]:
+        """Post a group's headers, framed as a block or a message each (protocol.py)."""
+        messages = header_messages(headers, block)
+        # One copy to the device for all of them, then a view per message.
+        words = torch.cat(messages).to(self.device)
+        views = words.split([len(m) for m in messages])
+        return [self.pg.send([v], self.peer, 0) for v in views]
 
     def send(self, data: torch.Tensor) -> dist.Work:
         """Post one message: ``data``'s bytes (the caller keeps ``data`` alive until done)."""
         return self.pg.send([_bytes_view(data)], self.peer, 0)
 
     # --------------------------------------------------------------- receiving
-    def recv_group(self, deadline: float) -> list[SegmentHeader]:
-        """A group's headers: the block's first row says how many there are."""
-        self.wait(self.pg.recv([self._block], self.peer, 0), deadline)
-        block = self._block.cpu()
-        first = self._parse(block[0])
+    def recv_group(self, deadline: float, block: bool) -> list[SegmentHeader]:
+        """A group's headers, framed as a block or a message each (protocol.py):
+        the first says how many there are."""
+        first_rows = self._block if block else self._block[:1]
+        self.wait(self.pg.recv([first_rows], self.peer, 0), deadline)
+        got = first_rows.cpu()
+        first = self._parse(got[0])
         if first.group_index != 0:
             self.close()
             raise TransferError(f"KV stream out of step: a group starts with {first}")
         size = first.group_size
-        rows = list(block[1 : min(size, HEADER_BLOCK)])
-        if size > HEADER_BLOCK:
-            rest = torch.empty(
-                size - HEADER_BLOCK, HEADER_WORDS, dtype=torch.int64, device=self.device
-            )
-            self.wait(self.pg.recv([rest], self.peer, 0), deadline)
+        rows = list(got[1:size])
+        if size > len(got):
+            rest = torch.empty(size - len(got), HEADER_WORDS, dtype=torch.int64, device=self.device)
+            # As a block: the rest in one message; else a message per header.
+            works = [self.pg.recv([m], self.peer, 0) for m in ([rest] if block else rest.split(1))]
+            for work in works:
+                self.wait(work, deadline)
             rows.extend(rest.cpu())
         headers = [first] + [self._parse(row) for row in rows]
         for i, h in enumerate(headers):

@@ -13,14 +13,18 @@ A *group* is the segments of one step bound for one pair channel. Ordering rule
 (NCCL and gloo match a pair's sends and receives in posting order, and sizes
 must agree): the sender emits a group's k headers (16 int64 words each, the
 first saying k), then its chunks in ``wire_order``: chunk 0 of every segment in
-header order, then chunk 1 of every segment, and so on. The headers travel in
-one message of ``HEADER_BLOCK`` rows (zero rows after the k-th), and those
-past the block's in one more: the receiver keeps a block's receive posted and
-learns k from its first row, so a group of up to ``HEADER_BLOCK`` segments
-costs one host round trip before its chunks' receives, not k (each took 0.2-0.5
-ms of the receiver's host time on a GPU host, while the sender's first chunk
-waited). The receiver derives the same order and every size from the headers
-alone, so it posts all of the group's receives as soon as the headers arrived. The sender emits the
+header order, then chunk 1 of every segment, and so on. The headers travel
+framed one of two ways, fixed per channel epoch by the receiver and named in
+every Prefill's destination (``KVDestination.header_block``): a message per
+header, which every release reads; or, where the prefill node's session said
+it sends them so, one *block* message of ``HEADER_BLOCK`` rows (zero rows
+after the k-th) and those past the block in one more. With blocks the
+receiver keeps a block's receive posted and learns k from its first row, so a
+group of up to ``HEADER_BLOCK`` segments costs one host round trip before its
+chunks' receives, not k (each took 0.2-0.5 ms of the receiver's host time on a
+GPU host while the sender's first chunk waited). The receiver derives the same
+order and every size from the headers alone, so it posts all of the group's
+receives as soon as the headers arrived. The sender emits the
 headers just before the step's first chunk (on a CPU when the step is
 launched) and chunk c only after its layers ran; a chunk's send waits for
 its receive. Groups never
@@ -55,10 +59,11 @@ from dataclasses import dataclass
 
 import torch
 
-# "pdsvkv", format 3 (2: a message per header; 1: one header + one payload).
-MAGIC = 0x7064_7376_6B76_0003
+# "pdsvkv", format 2 (1: one header + one payload). Headers' framing is not
+# part of it: a receiver of any release reads a message per header.
+MAGIC = 0x7064_7376_6B76_0002
 HEADER_WORDS = 16
-HEADER_BLOCK = 8  # header rows in a group's first message (1 KiB)
+HEADER_BLOCK = 8  # header rows in a group's first message, framed as a block (1 KiB)
 FLAG_END = 1
 FLAG_TOKEN = 2
 TOKEN_BYTES = 8  # the first-token message: one int64
@@ -244,14 +249,17 @@ def token_order(headers: Sequence[SegmentHeader]) -> list[int]:
     return [i for i, h in enumerate(headers) if h.has_token]
 
 
-def header_rows(headers: Sequence[SegmentHeader]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A group's header messages: a block of ``HEADER_BLOCK`` rows (zeros after
-    the last header) and, for a group larger than that, the rest."""
-    zero = [0] * HEADER_WORDS
+def header_messages(headers: Sequence[SegmentHeader], block: bool) -> list[torch.Tensor]:
+    """A group's header messages in order, each rows of ``HEADER_WORDS``: with
+    ``block``, a block of ``HEADER_BLOCK`` rows (zeros after the last header)
+    and, for a group larger than that, one of the rest; else a row per header."""
     rows = [h.padded_words() for h in headers]
-    block = torch.tensor((rows + [zero] * HEADER_BLOCK)[:HEADER_BLOCK], dtype=torch.int64)
+    if not block:
+        return list(torch.tensor(rows, dtype=torch.int64).split(1))
+    zero = [0] * HEADER_WORDS
+    first = torch.tensor((rows + [zero] * HEADER_BLOCK)[:HEADER_BLOCK], dtype=torch.int64)
     rest = rows[HEADER_BLOCK:]
-    return block, torch.tensor(rest, dtype=torch.int64) if rest else None
+    return [first] + ([torch.tensor(rest, dtype=torch.int64)] if rest else [])
 
 
 def group_messages(headers: Sequence[SegmentHeader]) -> int:

@@ -12,7 +12,8 @@ A peer's thread keeps a header receive posted while any reservation of that
 peer is awaited: from ``expect`` until the reservation's end header arrives
 (after ``unexpect`` too, for at most the transfer timeout, so that segments the
 prefill node sent before it learnt of a cancellation are read and dropped
-rather than left blocking its channel). For each group it reads the k headers,
+rather than left blocking its channel). For each group it reads the k headers
+(framed as the epoch's first ``expect`` fixed: a block, or a message each),
 posts every chunk's receive at once into one buffer -- sizes and order follow
 from the headers (protocol.wire_order) -- then hands the headers to the sink
 (``on_group``), and each chunk (``on_chunk``) as soon as it landed, while the
@@ -137,6 +138,9 @@ class KVReceiver:
         self._peers: dict[tuple[str, int], _Peer] = {}
         # Prefill node -> its current channel epoch (every pair channel with it).
         self._epochs: dict[str, int] = {}
+        # Prefill node -> (epoch, headers framed as a block): fixed by the
+        # epoch's first ``expect``, since a channel's groups are framed one way.
+        self._framing: dict[str, tuple[int, bool]] = {}
         self._lock = threading.Lock()
         self._closed = False
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -151,11 +155,18 @@ class KVReceiver:
             return epoch
 
     def expect(
-        self, peer_id: str, reservation_id: int, sender_rank: int = 0, epoch: int | None = None
+        self,
+        peer_id: str,
+        reservation_id: int,
+        sender_rank: int = 0,
+        epoch: int | None = None,
+        header_block: bool = False,
     ) -> int:
         """A transfer for ``reservation_id`` will come from ``peer_id``'s rank
         ``sender_rank``; returns the epoch it must use. A rank other than 0 is
-        given the epoch; one older than this rank's is refused (``StaleEpoch``)."""
+        given the epoch; one older than this rank's is refused (``StaleEpoch``).
+        ``header_block``: the peer sends headers framed as a block where asked;
+        the epoch's first ``expect`` fixes its framing (``header_block_of``)."""
         if epoch is None:
             epoch = self.epoch_of(peer_id)
         with self._lock:
@@ -166,6 +177,9 @@ class KVReceiver:
                     f"{peer_id}, which failed here (now {current})"
                 )
             self._epochs[peer_id] = epoch
+            fixed = self._framing.get(peer_id)
+            if fixed is None or fixed[0] != epoch:
+                self._framing[peer_id] = (epoch, header_block)
             key = (peer_id, sender_rank)
             peer = self._peers.get(key)
             if peer is None:
@@ -181,6 +195,15 @@ class KVReceiver:
             peer.awaiting[reservation_id] = None
             peer.cond.notify()
         return epoch
+
+    def header_block_of(self, peer_id: str, epoch: int | None = None) -> bool:
+        """Whether the channels from ``peer_id`` under ``epoch`` (its current one
+        by default) read a group's headers as a block: what a Prefill's
+        destination tells the prefill node (``Destination.header_block``)."""
+        with self._lock:
+            epoch = self._epochs.get(peer_id) if epoch is None else epoch
+            fixed = self._framing.get(peer_id)
+        return fixed is not None and fixed[0] == epoch and fixed[1]
 
     def unexpect(self, peer_id: str, reservation_id: int, sender_rank: int = 0) -> None:
         """The request no longer wants this transfer: keep reading (and dropping)
@@ -243,6 +266,13 @@ class KVReceiver:
                         self.timeout_s,
                     )
                     peer.channel_epoch = epoch
+                    logger.info(
+                        "KV channel from %s rank %d, epoch %d: headers framed %s",
+                        peer.node_id,
+                        peer.rank,
+                        epoch,
+                        "as a block" if self.header_block_of(peer.node_id, epoch) else "one each",
+                    )
                 with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
                     self._receive_group(peer, peer.channel)
             except Exception as e:
@@ -269,7 +299,8 @@ class KVReceiver:
                 peer.receiving = False
 
     def _receive_group(self, peer: _Peer, channel: PairChannel) -> None:
-        headers = channel.recv_group(time.monotonic() + self.timeout_s)
+        block = self.header_block_of(peer.node_id, peer.channel_epoch)
+        headers = channel.recv_group(time.monotonic() + self.timeout_s, block)
         with peer.cond:
             for h in headers:
                 if h.is_end:

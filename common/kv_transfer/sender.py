@@ -170,7 +170,7 @@ class _Link:
         self.current = group  # from here on a failure fails it
         channel = self._channel_for(group.dest)
         now = time.monotonic()
-        works = channel.send_headers([s.header for s in group.segments])
+        works = channel.send_headers([s.header for s in group.segments], group.dest.header_block)
         self.outstanding.extend(_Pending(work, None, now) for work in works)
         if group.segments[0].header.is_end:
             self.current = None

@@ -5,10 +5,12 @@ processes, a real redis-server, KV over gloo channels (started the way
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -142,6 +144,27 @@ def test_sixteen_concurrent_streams_match_the_offline_engine(cluster, offline):
     # Both decode nodes and both prefill nodes took work.
     assert {r[2].usage.decode_node for r in results} == {"decode-0", "decode-1"}
     assert {r[2].usage.prefill_node for r in results} == {"prefill-0", "prefill-1"}
+
+
+def test_kv_headers_are_framed_as_a_block_between_session_nodes(cluster):
+    """Nodes of this release frame a KV group's headers as one block message
+    where the prefill node's session said it does so (decode-0); decode-1 sends
+    a Prefill call per request, knows nothing of its peer when its first
+    channel epoch is fixed, and reads a message per header (what nodes of the
+    previous release send and read) on that epoch."""
+    with ThreadPoolExecutor(16) as pool:  # enough at once for both decode nodes to take some
+        results = list(
+            pool.map(lambda p: collect(cluster.router_address, p, max_tokens=2), PROMPTS)
+        )
+    assert {r[2].usage.decode_node for r in results} == {"decode-0", "decode-1"}
+    log_dir = Path(cluster.spec.log_dir)
+    line = re.compile(r"KV channel from prefill-\d rank 0, epoch \d+: headers framed (.+)")
+
+    def framings(node: str) -> set[str]:
+        return set(line.findall((log_dir / f"{node}.log").read_text()))
+
+    assert framings("decode-0") == {"as a block"}
+    assert "one each" in framings("decode-1")
 
 
 def test_landed_kv_is_bit_identical_to_what_the_prefill_node_sent(cluster):

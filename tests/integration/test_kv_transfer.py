@@ -47,11 +47,12 @@ def segment(rid, b0, b1, layers=(0, 4), per_chunk=2, heads=(0, 2)) -> SegmentHea
     return SegmentHeader(rid, b0, b1, *layers, per_chunk, *heads, UNIT)
 
 
-def sender_main(port, epochs, script, results, exit_after_chunks=None) -> None:
+def sender_main(port, epochs, script, results, exit_after_chunks=None, header_block=False) -> None:
     """Run ``script``: ("group", [(header, cancelled), ...]) or ("end", rid)."""
     sender = KVSender("prefill-a", torch.device("cpu"), timeout_s=10)
     results.put("ready")  # torch is imported: the receiver's rendezvous clock may start
-    dest = Destination("decode-a", "127.0.0.1", port, epochs.get(timeout=60))
+    epoch = epochs.get(timeout=60)
+    dest = Destination("decode-a", "127.0.0.1", port, epoch, header_block=header_block)
     tickets: dict[int, TransferTicket] = {}
     # Each reservation's last chunk in the script settles its ticket.
     last_of: dict[int, tuple[int, int]] = {}
@@ -135,10 +136,11 @@ def receiver():
     rx.close()
 
 
-def start_sender(port: int, script, exit_after_chunks=None):
+def start_sender(port: int, script, exit_after_chunks=None, header_block=False):
     ctx = mp.get_context("spawn")
     epochs, results = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=sender_main, args=(port, epochs, script, results, exit_after_chunks))
+    args = (port, epochs, script, results, exit_after_chunks, header_block)
+    proc = ctx.Process(target=sender_main, args=args)
     proc.start()
     assert results.get(timeout=120) == "ready"
     return proc, epochs, results
@@ -179,10 +181,14 @@ def test_groups_land_bit_identical_in_wire_order_and_ends_close_the_streams(rece
     assert col.failed == []
 
 
-def test_a_group_larger_than_a_header_block_and_one_that_fills_it_exactly(receiver):
-    """Headers travel in a block of HEADER_BLOCK rows and one more message for
-    the rest (protocol.py): the group past the block, then one of exactly a
-    block and one of a single segment, land in order on the same channel."""
+@pytest.mark.parametrize("header_block", [True, False], ids=["block", "message-each"])
+def test_groups_past_a_header_block_filling_it_and_of_one_segment_in_either_framing(
+    receiver, header_block
+):
+    """A group's headers framed as a block of HEADER_BLOCK rows and one more
+    message for the rest, or as a message each (protocol.py), as the epoch's
+    first expectation fixed: the group past the block, then one of exactly a
+    block and one of a single segment, land in order on one channel."""
     rx, col, port = receiver
     big = [(segment(200 + i, i, i + 1, per_chunk=4), False) for i in range(HEADER_BLOCK + 3)]
     full = [(segment(300 + i, i, i + 1), False) for i in range(HEADER_BLOCK)]
@@ -190,10 +196,11 @@ def test_a_group_larger_than_a_header_block_and_one_that_fills_it_exactly(receiv
     groups = [big, full, single]
     rids = [h.reservation_id for group in groups for h, _ in group]
     script = [("group", g) for g in groups] + [("end", rid) for rid in rids]
-    proc, epochs, results = start_sender(port, script)
-    epoch = rx.expect("prefill-a", rids[0])
-    for rid in rids[1:]:
-        rx.expect("prefill-a", rid)
+    proc, epochs, results = start_sender(port, script, header_block=header_block)
+    epoch = rx.expect("prefill-a", rids[0], header_block=header_block)
+    for rid in rids[1:]:  # later expectations cannot change the epoch's framing
+        rx.expect("prefill-a", rid, header_block=not header_block)
+    assert rx.header_block_of("prefill-a") is header_block
     epochs.put(epoch)
     report = results.get(timeout=60)
     proc.join(30)

@@ -13,7 +13,7 @@ from common.kv_transfer.protocol import (
     ChunkDesc,
     SegmentHeader,
     group_messages,
-    header_rows,
+    header_messages,
     token_order,
     wire_order,
 )
@@ -48,17 +48,20 @@ def test_header_round_trip_and_rejection():
             SegmentHeader.from_tensor(bad)
 
 
-def test_a_groups_headers_go_as_one_padded_block_and_the_rest_past_it():
+def test_a_groups_headers_framed_as_a_block_or_a_message_each():
     few = [seg(rid=r).with_group(3, i) for i, r in enumerate((1, 2, 3))]
-    block, rest = header_rows(few)
-    assert block.shape == (HEADER_BLOCK, HEADER_WORDS) and rest is None
+    (block,) = header_messages(few, block=True)
+    assert block.shape == (HEADER_BLOCK, HEADER_WORDS)
     assert [SegmentHeader.from_tensor(row) for row in block[:3]] == few
     assert not block[3:].any()  # zero rows after the last header
     many = [seg(rid=r).with_group(HEADER_BLOCK + 2, r) for r in range(HEADER_BLOCK + 2)]
-    block, rest = header_rows(many)
-    assert rest is not None and rest.shape == (2, HEADER_WORDS)
-    rows = [*block, *rest]
-    assert [SegmentHeader.from_tensor(row) for row in rows] == many
+    block, rest = header_messages(many, block=True)
+    assert rest.shape == (2, HEADER_WORDS)
+    assert [SegmentHeader.from_tensor(row) for row in [*block, *rest]] == many
+    # A message per header: what every release reads, one row of 16 words each.
+    rows = header_messages(few, block=False)
+    assert [r.shape for r in rows] == [(1, HEADER_WORDS)] * 3
+    assert [SegmentHeader.from_tensor(r[0]) for r in rows] == few
 
 
 def test_a_first_token_header_round_trips_and_adds_one_message_after_the_chunks():

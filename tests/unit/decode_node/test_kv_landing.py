@@ -17,6 +17,7 @@ from decode_node.stats import DecodeStats
 from engine.kv_blocks import kv_unit_bytes, scatter_blocks
 from engine.llm_engine import Reservation
 from pdserve.redis_server import free_port
+from proto import internal_pb2
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -87,6 +88,35 @@ def test_a_channel_that_failed_before_the_reservation_refuses_the_id(landing):
             landing.open("r", _reservation(), PEER, 1, rid)
         assert landing._expected == {} and landing._pending == {}
         landing.close(rid)  # the request path's finally: nothing left to do
+
+    asyncio.run(main())
+
+
+def test_an_epochs_header_framing_is_what_its_peer_said_at_its_first_reservation(landing):
+    """A Prefill's destination names the headers' framing of its channel epoch:
+    a block where the peer's session said it frames them so when the epoch's
+    first reservation was expected, a message each otherwise, till a new epoch."""
+
+    async def main():
+        def destination(epoch: int) -> internal_pb2.KVDestination:
+            d = internal_pb2.KVDestination()
+            landing.name_channel(d, PEER, epoch)
+            assert d.channel_epoch == epoch
+            return d
+
+        # Nothing known of the peer (no session, a --prefill-streams call node).
+        rid, epoch = landing.expect(PEER)
+        assert destination(epoch).header_block is False
+        landing.frames_blocks(PEER, True)  # its session opened meanwhile
+        rid2, _ = landing.expect(PEER)
+        assert destination(epoch).header_block is False  # fixed for this epoch
+        landing.reset_peer(PEER)  # the session broke: a new epoch
+        rid3, epoch3 = landing.open("r", _reservation(), PEER, 1)
+        assert epoch3 == epoch + 1 and destination(epoch3).header_block is True
+        landing.frames_blocks(PEER, False)  # a node of an older release took its place
+        assert destination(epoch3).header_block is True  # still this epoch's
+        for r in (rid, rid2, rid3):
+            landing.close(r)
 
     asyncio.run(main())
 

@@ -372,14 +372,17 @@ def test_a_session_says_it_takes_blocks_that_follow_and_an_old_node_does_not():
     async def main():
         async with _client_of(Counting(Worker())) as (client, _):
             assert client.blocks_follow is False  # nothing known before a session opened
+            assert client.header_block is False
             await client.prefill(_command("a"), 10.0)
             assert client.blocks_follow is True
+            assert client.header_block is True  # it frames KV headers as a block where asked
         old = OldNode(Worker())
         async with _client_of(old) as (client, _):
             await client.prefill(_command("a"), 10.0)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await client.prefill(_follow("b"), 10.0)
             assert client.blocks_follow is False and client.supported is False
+            assert client.header_block is False
         assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
         assert old.calls == 1  # the Prefill whose blocks follow never went to it
 
