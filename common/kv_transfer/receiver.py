@@ -180,6 +180,10 @@ class KVReceiver:
             fixed = self._framing.get(peer_id)
             if fixed is None or fixed[0] != epoch:
                 self._framing[peer_id] = (epoch, header_block)
+                framed = "as a block" if header_block else "one each"
+                logger.info(
+                    "KV channels from %s, epoch %d: headers framed %s", peer_id, epoch, framed
+                )
             key = (peer_id, sender_rank)
             peer = self._peers.get(key)
             if peer is None:
@@ -266,13 +270,6 @@ class KVReceiver:
                         self.timeout_s,
                     )
                     peer.channel_epoch = epoch
-                    logger.info(
-                        "KV channel from %s rank %d, epoch %d: headers framed %s",
-                        peer.node_id,
-                        peer.rank,
-                        epoch,
-                        "as a block" if self.header_block_of(peer.node_id, epoch) else "one each",
-                    )
                 with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
                     self._receive_group(peer, peer.channel)
             except Exception as e:

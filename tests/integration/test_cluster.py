@@ -158,7 +158,7 @@ def test_kv_headers_are_framed_as_a_block_between_session_nodes(cluster):
         )
     assert {r[2].usage.decode_node for r in results} == {"decode-0", "decode-1"}
     log_dir = Path(cluster.spec.log_dir)
-    line = re.compile(r"KV channel from prefill-\d rank 0, epoch \d+: headers framed (.+)")
+    line = re.compile(r"KV channels from prefill-\d, epoch \d+: headers framed (.+)")
 
     def framings(node: str) -> set[str]:
         return set(line.findall((log_dir / f"{node}.log").read_text()))
