@@ -47,6 +47,13 @@ def start_command(req: internal_pb2.DecodeRequest) -> internal_pb2.PrefillSessio
     return command
 
 
+# How long a request waits for a new session's first batch before naming its
+# destination (a few milliseconds as a rule). A stalled node costs a request at
+# most this before its Prefill's own timeout starts; its channel epoch then reads
+# a message per header, which every prefill node sends.
+LEARN_WAIT_S = 1.0
+
+
 class PrefillSessionClient(SessionClient):
     """A decode node's or a router's session with one prefill node."""
 
@@ -140,15 +147,15 @@ class PrefillSessionClient(SessionClient):
                 raise self.lost("serves no PrefillSession (an older release)")
         await self._send(command)
 
-    async def learn(self, timeout: float) -> None:
-        """Open the session, where none is, within ``timeout``: what its node
+    async def learn(self) -> None:
+        """Open the session, where none is, for up to LEARN_WAIT_S: what its node
         takes (its first batch) is then known before a Prefill's destination is
         named (the KV headers' framing). A node that does not answer is left for
         the Prefill itself to report, which waits on the same opening."""
         if self._call is not None or self.supported is False:
             return
         with contextlib.suppress(Exception):  # TimeoutError, or the opening's failure
-            async with asyncio.timeout(max(0.0, timeout)):
+            async with asyncio.timeout(LEARN_WAIT_S):
                 await self._opened()
 
     # ------------------------------------------------ SessionClient's hooks

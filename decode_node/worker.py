@@ -264,7 +264,7 @@ class DecodeWorker:
         session = None
         if dispatched or self.prefill_streams is PrefillStreams.SESSION:
             session = self._session(req.prefill)
-            await session.learn(self.kv_lease_s)  # what its node takes, before a destination
+            await session.learn()  # what its node takes, before a destination names it
             landing.frames_blocks(peer, session.header_block)
         # Only while this node's engine thread is idle: the reservation then
         # runs inline right after the Prefill's write and its blocks follow

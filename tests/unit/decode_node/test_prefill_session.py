@@ -11,6 +11,7 @@ import contextlib
 import grpc
 import pytest
 
+from common import prefill_session_client
 from common.kv_transfer import TransferError
 from common.kv_transfer.ticket import Destination
 from common.prefill_session_client import PrefillSessionClient
@@ -363,6 +364,30 @@ def test_the_timeout_covers_opening_the_session():
             took = asyncio.get_running_loop().time() - began
         assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
         assert took < 0.9, f"the open took the Prefill {took:.2f} s past its 0.3 s"
+
+    run(main())
+
+
+def test_learning_what_a_node_takes_waits_a_bounded_while_and_the_prefill_the_rest(monkeypatch):
+    """``learn`` opens the session before a destination is named; a node slow to
+    open it costs at most LEARN_WAIT_S, then the Prefill waits on the same
+    opening (no second one) and its node is known from then on."""
+    monkeypatch.setattr(prefill_session_client, "LEARN_WAIT_S", 0.3)
+
+    async def main():
+        servicer = SlowToOpen(Worker())
+        async with _client_of(servicer) as (client, _):
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            await client.learn()
+            assert 0.25 < loop.time() - began < 0.9
+            assert client.header_block is False  # not known yet: a message per header
+            reply = await client.prefill(_command("a"), 10.0)
+            assert reply.first_token_id == 103 and client.header_block is True
+            assert servicer.sessions_opened == 1
+            began = loop.time()
+            await client.learn()  # open: nothing to wait for
+            assert loop.time() - began < 0.05
 
     run(main())
 
