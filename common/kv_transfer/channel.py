@@ -15,7 +15,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from common.kv_transfer.protocol import HEADER_BLOCK, HEADER_WORDS, SegmentHeader, header_messages
+from common.kv_transfer.protocol import (
+    HEADER_BLOCK,
+    HEADER_WORDS,
+    SegmentHeader,
+    header_message_rows,
+    header_words,
+)
 
 SENDER, RECEIVER = 0, 1
 # NCCL work completes asynchronously on a stream: the host polls it this often.
@@ -63,11 +69,9 @@ class PairChannel:
     # ----------------------------------------------------------------- sending
     def send_headers(self, headers: list[SegmentHeader], block: bool) -> list[dist.Work]:
         """Post a group's headers, framed as a block or a message each (protocol.py)."""
-        messages = header_messages(headers, block)
+        words, sizes = header_words(headers, block)
         # One copy to the device for all of them, then a view per message.
-        words = torch.cat(messages).to(self.device)
-        views = words.split([len(m) for m in messages])
-        return [self.pg.send([v], self.peer, 0) for v in views]
+        return [self.pg.send([m], self.peer, 0) for m in words.to(self.device).split(sizes)]
 
     def send(self, data: torch.Tensor) -> dist.Work:
         """Post one message: ``data``'s bytes (the caller keeps ``data`` alive until done)."""
@@ -77,7 +81,7 @@ class PairChannel:
     def recv_group(self, deadline: float, block: bool) -> list[SegmentHeader]:
         """A group's headers, framed as a block or a message each (protocol.py):
         the first says how many there are."""
-        first_rows = self._block if block else self._block[:1]
+        first_rows = self._block[: header_message_rows(1, block)[0]]
         self.wait(self.pg.recv([first_rows], self.peer, 0), deadline)
         got = first_rows.cpu()
         first = self._parse(got[0])
@@ -86,10 +90,9 @@ class PairChannel:
             raise TransferError(f"KV stream out of step: a group starts with {first}")
         size = first.group_size
         rows = list(got[1:size])
-        if size > len(got):
-            rest = torch.empty(size - len(got), HEADER_WORDS, dtype=torch.int64, device=self.device)
-            # As a block: the rest in one message; else a message per header.
-            works = [self.pg.recv([m], self.peer, 0) for m in ([rest] if block else rest.split(1))]
+        if rest_sizes := header_message_rows(size, block)[1:]:
+            rest = torch.empty(sum(rest_sizes), HEADER_WORDS, dtype=torch.int64, device=self.device)
+            works = [self.pg.recv([m], self.peer, 0) for m in rest.split(rest_sizes)]
             for work in works:
                 self.wait(work, deadline)
             rows.extend(rest.cpu())

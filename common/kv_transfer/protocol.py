@@ -249,17 +249,22 @@ def token_order(headers: Sequence[SegmentHeader]) -> list[int]:
     return [i for i, h in enumerate(headers) if h.has_token]
 
 
-def header_messages(headers: Sequence[SegmentHeader], block: bool) -> list[torch.Tensor]:
-    """A group's header messages in order, each rows of ``HEADER_WORDS``: with
-    ``block``, a block of ``HEADER_BLOCK`` rows (zeros after the last header)
-    and, for a group larger than that, one of the rest; else a row per header."""
-    rows = [h.padded_words() for h in headers]
+def header_message_rows(group_size: int, block: bool) -> list[int]:
+    """How a group's headers travel, both sides' one rule: the rows of each
+    message in order. As a block, ``HEADER_BLOCK`` rows (zeros after the last
+    header) and those past it in one more; else a row per header."""
     if not block:
-        return list(torch.tensor(rows, dtype=torch.int64).split(1))
-    zero = [0] * HEADER_WORDS
-    first = torch.tensor((rows + [zero] * HEADER_BLOCK)[:HEADER_BLOCK], dtype=torch.int64)
-    rest = rows[HEADER_BLOCK:]
-    return [first] + ([torch.tensor(rest, dtype=torch.int64)] if rest else [])
+        return [1] * group_size
+    return [HEADER_BLOCK] + ([group_size - HEADER_BLOCK] if group_size > HEADER_BLOCK else [])
+
+
+def header_words(headers: Sequence[SegmentHeader], block: bool) -> tuple[torch.Tensor, list[int]]:
+    """A group's headers as the rows of ``HEADER_WORDS`` its messages carry,
+    with each message's rows (``header_message_rows``)."""
+    sizes = header_message_rows(len(headers), block)
+    rows = [h.padded_words() for h in headers]
+    rows += [[0] * HEADER_WORDS] * (sum(sizes) - len(rows))
+    return torch.tensor(rows, dtype=torch.int64), sizes
 
 
 def group_messages(headers: Sequence[SegmentHeader]) -> int:

@@ -13,7 +13,8 @@ from common.kv_transfer.protocol import (
     ChunkDesc,
     SegmentHeader,
     group_messages,
-    header_messages,
+    header_message_rows,
+    header_words,
     token_order,
     wire_order,
 )
@@ -50,18 +51,24 @@ def test_header_round_trip_and_rejection():
 
 def test_a_groups_headers_framed_as_a_block_or_a_message_each():
     few = [seg(rid=r).with_group(3, i) for i, r in enumerate((1, 2, 3))]
-    (block,) = header_messages(few, block=True)
-    assert block.shape == (HEADER_BLOCK, HEADER_WORDS)
+    words, sizes = header_words(few, block=True)
+    assert sizes == [HEADER_BLOCK] and words.shape == (HEADER_BLOCK, HEADER_WORDS)
+    (block,) = words.split(sizes)
     assert [SegmentHeader.from_tensor(row) for row in block[:3]] == few
     assert not block[3:].any()  # zero rows after the last header
     many = [seg(rid=r).with_group(HEADER_BLOCK + 2, r) for r in range(HEADER_BLOCK + 2)]
-    block, rest = header_messages(many, block=True)
+    words, sizes = header_words(many, block=True)
+    block, rest = words.split(sizes)
     assert rest.shape == (2, HEADER_WORDS)
     assert [SegmentHeader.from_tensor(row) for row in [*block, *rest]] == many
     # A message per header: what every release reads, one row of 16 words each.
-    rows = header_messages(few, block=False)
+    words, sizes = header_words(few, block=False)
+    rows = words.split(sizes)
     assert [r.shape for r in rows] == [(1, HEADER_WORDS)] * 3
     assert [SegmentHeader.from_tensor(r[0]) for r in rows] == few
+    # The receiver's side of the same rule: the first message before it knows k.
+    assert header_message_rows(1, True) == [HEADER_BLOCK] and header_message_rows(1, False) == [1]
+    assert header_message_rows(HEADER_BLOCK, True) == [HEADER_BLOCK]
 
 
 def test_a_first_token_header_round_trips_and_adds_one_message_after_the_chunks():
