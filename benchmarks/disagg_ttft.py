@@ -72,7 +72,7 @@ def node_counters(redis_url: str, decode_id: str) -> tuple[int, int, int, int]:
     heartbeats."""
     import asyncio
 
-    from common.cluster import Cluster
+    from common.cluster.state import Cluster
 
     async def read():
         cluster = Cluster.from_url(redis_url)

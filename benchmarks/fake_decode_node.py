@@ -97,7 +97,7 @@ async def fake_node(
 ) -> None:
     import grpc
 
-    from common.cluster import Cluster, NodeInfo, NodeRole
+    from common.cluster.state import Cluster, NodeInfo, NodeRole
     from proto import internal_pb2_grpc
 
     server = grpc.aio.server()

@@ -1,5 +1,5 @@
 """How long a full garbage collection pauses a node process, before and after
-``gc.freeze`` (common/gc_heap.py), with requests alive in the engine.
+``gc.freeze`` (common/runtime/gc_heap.py), with requests alive in the engine.
 
     python benchmarks/gc_pauses.py --shape smollm2-135m             # CPU, dummy weights
     python benchmarks/gc_pauses.py --shape llama-3.1-8b --device cuda
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     import decode_node.main  # noqa: F401 - a node's modules: grpc, redis, protobuf
-    import router.openai_api  # noqa: F401 - FastAPI, pydantic: what the router holds
+    import router.http.app  # noqa: F401 - FastAPI, pydantic: what the router holds
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.models.shapes import write_shape_dir

@@ -73,8 +73,8 @@ def edge_cost(runs: int = 20000) -> None:
     from fastapi.sse import format_sse_event
 
     from proto import pdserve_pb2
-    from router.openai_chunks import Assembler
-    from router.openai_schemas import CompletionRequest
+    from router.http.chunks import Assembler
+    from router.http.schemas import CompletionRequest
 
     body = json.dumps({"model": "m", "prompt": PROMPT, "max_tokens": 8, "stream": True}).encode()
     start = time.perf_counter()
@@ -90,7 +90,7 @@ def edge_cost(runs: int = 20000) -> None:
         for chunk in assembler.chunks(0, response):
             format_sse_event(data_str=json.dumps(chunk, separators=(",", ":")))
     chunk_us = (time.perf_counter() - start) / runs * 1e6
-    # What the edge does now (router/openai_chunks.py): the envelope encoded once.
+    # What the edge does now (router/http/chunks.py): the envelope encoded once.
     start = time.perf_counter()
     for _ in range(runs):
         assembler.events(0, response)

@@ -141,7 +141,7 @@ async def fake_node(redis_url: str, port: int, model_id: str, stamps_path: str) 
     """router_relay.py's fake decode node, stamping each request until SIGTERM."""
     import grpc
 
-    from common.cluster import Cluster, NodeInfo, NodeRole
+    from common.cluster.state import Cluster, NodeInfo, NodeRole
     from proto import internal_pb2_grpc
 
     stamps: list[tuple[str, float, float]] = []

@@ -48,7 +48,7 @@ return out
 
 class RoundTrips:
     """Counts the requests redis-py writes to its sockets (a pipeline is one); the routing
-    script's own connection (common/redis_script.py) counts its own."""
+    script's own connection (common/cluster/redis_script.py) counts its own."""
 
     def __init__(self) -> None:
         from redis.asyncio.connection import AbstractConnection
@@ -71,7 +71,7 @@ class RoundTrips:
 async def decision_latency(args: argparse.Namespace) -> dict[str, Any]:
     import gc
 
-    from common.cluster import Cluster, NodeInfo, NodeRole
+    from common.cluster.state import Cluster, NodeInfo, NodeRole
     from engine import block_hash
     from engine.block_hash import BlockHasher
     from pdserve.redis_server import RedisServer
@@ -133,7 +133,7 @@ async def decision_latency(args: argparse.Namespace) -> dict[str, Any]:
         parts: list[tuple[float, float, float]] = []
         await cluster.redis.config_resetstat()
         trips.count = 0
-        lean = getattr(cluster, "route_connection", None)  # common/redis_script.py
+        lean = getattr(cluster, "route_connection", None)  # common/cluster/redis_script.py
         lean_sent = lean.sent if lean is not None else 0
         gc.disable()  # a collection in one sample is noise, not routing
         try:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.event_loop import add_event_loop_argument
-from common.event_loop import run as run_on_loop
+from common.runtime.event_loop import add_event_loop_argument
+from common.runtime.event_loop import run as run_on_loop
 from pdserve.redis_server import free_port
 
 FAKE = Path(__file__).resolve().parent / "serve_fake_server.py"

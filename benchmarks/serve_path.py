@@ -232,7 +232,7 @@ def engine_flags(args) -> list[str]:
 
 
 def engine_kwargs_of(flags: list[str]) -> dict[str, Any]:
-    from common.node_flags import add_engine_flags, engine_kwargs
+    from common.runtime.config import add_engine_flags, engine_kwargs
 
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)

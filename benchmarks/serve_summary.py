@@ -19,7 +19,7 @@ GC_FROZE = re.compile(r"froze (\d+) start-up objects")
 
 def gc_pauses(log_dir: Path) -> dict:
     """Per pdserve process log: objects frozen at start-up and the collector's long
-    pauses once serving (common/gc_heap.py logs each one over 50 ms; those of
+    pauses once serving (common/runtime/gc_heap.py logs each one over 50 ms; those of
     start-up, before the process says it is serving, are left out)."""
     found = {}
     for path in sorted(log_dir.glob("*.log")):

@@ -14,7 +14,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor, ServiceDescr
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.reliability import NoCapacity, StaleChannel
+from common.runtime.reliability import NoCapacity, StaleChannel
 from common.tls import NO_TLS, TLSConfig, make_sync_channel
 
 OVERALL = ""  # the health service's name for the whole server

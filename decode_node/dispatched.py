@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from common.kv_transfer import TransferError
-from common.prefill_session_client import PrefillSessionClient
+from common.sessions.prefill import PrefillSessionClient
 from decode_node.kv_landing import KVLanding
 from decode_node.prefill_call import PrefillFailed, lease_ended
 from engine.llm_engine import Reservation

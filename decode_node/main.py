@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from common.cluster import NodeRole
-from common.node import run_node, start_node_engine
-from common.node_flags import add_node_arguments, fault_delays
-from common.ports import PlannedPort
+from common.cluster.state import NodeRole
+from common.runtime.config import add_node_arguments, fault_delays
+from common.runtime.node import run_node, start_node_engine
+from common.runtime.ports import PlannedPort
 from common.tls import TLSConfig
 from decode_node.prefill_call import PrefillStreams
 from decode_node.service import DecodeNodeServicer

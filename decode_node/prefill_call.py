@@ -10,7 +10,7 @@ import time
 
 import grpc
 
-from common.prefill_session_client import start_command
+from common.sessions.prefill import start_command
 from common.wire import prefill_reply_timings
 from proto import internal_pb2, pdserve_pb2
 

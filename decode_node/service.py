@@ -8,7 +8,7 @@ import time
 import grpc
 
 from common.grpc_server import abort_from_exception
-from common.reliability import FAILED_NODE_KEY
+from common.runtime.reliability import FAILED_NODE_KEY
 from decode_node import session
 from decode_node.prefill_call import PrefillFailed
 from decode_node.worker import DecodeWorker

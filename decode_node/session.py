@@ -1,7 +1,7 @@
 """A router's DecodeSession on a decode node: many requests over one call.
 
 Life of a session: a router opens one DecodeSession per decode node and keeps
-it (common/request_session.py has the machinery). Each request comes as a
+it (common/sessions/server.py has the machinery). Each request comes as a
 ``start`` command and runs here as its own task, the very
 ``DecodeWorker.decode`` a Decode call runs; what it yields goes into the
 session's outbox instead of onto a call of its own. The engine thread hands a
@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from common.request_session import RequestSession
+from common.sessions.server import RequestSession
 from decode_node.prefill_call import PrefillFailed
 from decode_node.worker import DecodeWorker
 from proto import internal_pb2

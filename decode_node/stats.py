@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from common.metrics.histogram import Histogram
 from common.metrics.phases import PhaseHistograms
-from common.reliability import AbortCounters
+from common.runtime.reliability import AbortCounters
 
 
 @dataclass(slots=True)

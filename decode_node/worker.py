@@ -13,7 +13,7 @@ Life cycle of a request on a decode node:
 3. The receiver is told to expect a transfer from that prefill node, and the
    node asks it to ``Prefill`` with the channel epoch, the reservation id and
    the first block it lacks: a message on its PrefillSession with that node
-   (common/prefill_session_client.py), or a call of its own
+   (common/sessions/prefill.py), or a call of its own
    (``--prefill-streams call``).
 4. The transfer arrives on the receiver's thread: the header names the
    reservation; if it is still waiting, the payload is scattered into its
@@ -46,8 +46,7 @@ import grpc
 from common.grpc_server import CLIENT_OPTIONS
 from common.kv_transfer import TransferError
 from common.metrics.phases import PromptPhases
-from common.prefill_session_client import PrefillSessionClient
-from common.reliability import (
+from common.runtime.reliability import (
     FaultDelays,
     FaultPoint,
     NoCapacity,
@@ -55,6 +54,7 @@ from common.reliability import (
     check_queue,
     deadline_passed,
 )
+from common.sessions.prefill import PrefillSessionClient
 from common.tls import NO_TLS, TLSConfig, make_channel
 from common.wire import (
     StreamState,

@@ -16,7 +16,7 @@ A hash is a hint (engine/block_hash.py): before a cached block is reused its
 tokens and its parent hash are compared with the request's.
 
 The set of cached hashes stays prefix-closed: if a block's hash is cached, so
-is its parent's. Routers rely on it (common/cluster.py finds a node's hit by
+is its parent's. Routers rely on it (common/cluster/state.py finds a node's hit by
 binary search). It holds because a hit claims every block before it, freed
 blocks enter the LRU tail first (a parent is always at least as recent as its
 child), a flush drops only evictable blocks, and a block computed twice (two

@@ -24,7 +24,7 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
-    # For throughput lines (common/progress_log.py): tokens run through the
+    # For throughput lines (common/runtime/progress_log.py): tokens run through the
     # model, and tokens sampled; their difference is prompt work.
     num_computed_tokens: int = 0
     num_generated_tokens: int = 0

@@ -106,7 +106,7 @@ def positive_float(value: str) -> float:
 
 
 def cmd_component(args: argparse.Namespace) -> int:
-    from common.event_loop import run
+    from common.runtime.event_loop import run
 
     return run(lambda: args.serve(args), args.event_loop)
 
@@ -174,7 +174,10 @@ def print_ready(cluster, args: argparse.Namespace, tls) -> None:
     from pdserve.generate import command_name
 
     # Commands that work from here: `pdserve` may not be on PATH (an unactivated venv).
-    pdserve, pdctl = command_name("pdserve", "pdserve.cli"), command_name("pdctl", "router.pdctl")
+    pdserve, pdctl = (
+        command_name("pdserve", "pdserve.cli"),
+        command_name("pdctl", "router.admin.pdctl"),
+    )
     print(
         f'try: {pdserve} generate "What is the capital of France?" --chat '
         f"--address {cluster.router_address}{gen_token}{tls_flags}\n"
@@ -289,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # Security (docs/security.md): the same files for every process it starts.
     from common.auth import add_token_arguments
-    from common.redis_auth import add_redis_auth_arguments
+    from common.cluster.redis_auth import add_redis_auth_arguments
     from common.tls import add_tls_arguments
 
     add_token_arguments(up)
@@ -297,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_redis_auth_arguments(up)
     up.set_defaults(func=cmd_up)
 
-    from common.event_loop import add_event_loop_argument
+    from common.runtime.event_loop import add_event_loop_argument
     from decode_node import main as decode_main
     from prefill_node import main as prefill_main
     from router import main as router_main

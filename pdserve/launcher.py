@@ -22,7 +22,7 @@ from pathlib import Path
 
 from common.grpc_server import health_check
 from common.metrics.server import METRICS_PATH, plan_metrics_ports
-from common.ports import check_free, cluster_plan
+from common.runtime.ports import check_free, cluster_plan
 from common.tls import NO_TLS, TLSConfig
 from pdserve.redis_server import RedisServer, free_port
 

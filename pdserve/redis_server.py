@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.ports import free_port
+from common.runtime.ports import free_port
 
 __all__ = ["RedisServer", "find_redis_server", "free_port"]
 

@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 from common.kv_transfer.channel import TransferError
 from common.kv_transfer.ticket import Destination
-from common.reliability import StaleChannel
+from common.runtime.reliability import StaleChannel
 from proto import internal_pb2
 
 # How long the engine thread waits for a step's late blocks at most (all of

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from common.cluster import NodeRole
+from common.cluster.state import NodeRole
 from common.kv_transfer import KVSender
 from common.kv_transfer.protocol import MAX_GROUP
-from common.node import run_node, start_node_engine
-from common.node_flags import add_node_arguments, fault_delays
-from common.ports import PlannedPort
+from common.runtime.config import add_node_arguments, fault_delays
+from common.runtime.node import run_node, start_node_engine
+from common.runtime.ports import PlannedPort
 from engine.config import DEFAULT_MAX_NUM_SEQS
 from prefill_node.service import PrefillNodeServicer
 from prefill_node.worker import PrefillWorker

@@ -1,8 +1,8 @@
 """A decode node's PrefillSession on a prefill node: many Prefills over one call.
 
 Life of a session: a decode node opens one PrefillSession per prefill node it
-uses and keeps it (common/prefill_session_client.py is that end;
-common/request_session.py the machinery shared with DecodeSession). Each
+uses and keeps it (common/sessions/prefill.py is that end;
+common/sessions/server.py the machinery shared with DecodeSession). Each
 Prefill comes as a ``start`` command and runs here as its own task, the very
 ``PrefillWorker.prefill`` a Prefill call runs; its reply and then its end
 (OK) go into the session's outbox, or only an end with the status its Prefill
@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from common.request_session import RequestSession
+from common.sessions.server import RequestSession
 from prefill_node.late_blocks import LateBlocks
 from prefill_node.worker import PrefillWorker
 from proto import internal_pb2

@@ -40,7 +40,7 @@ from common.kv_transfer import (
 )
 from common.metrics.histogram import KV_BANDWIDTH_BUCKETS, KV_TRANSFER_BUCKETS, Histogram
 from common.metrics.phases import PhaseHistograms, PromptPhases
-from common.reliability import (
+from common.runtime.reliability import (
     AbortCounters,
     FaultDelays,
     FaultPoint,

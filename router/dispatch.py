@@ -37,9 +37,9 @@ import secrets
 
 import grpc
 
-from common.prefill_session_client import PrefillSessionClient, start_command
-from common.reliability import FAILED_NODE_KEY
-from common.session_client import status_error
+from common.runtime.reliability import FAILED_NODE_KEY
+from common.sessions.client import status_error
+from common.sessions.prefill import PrefillSessionClient, start_command
 from common.wire import FIRST_ROUTER_RESERVATION_ID
 from proto import internal_pb2
 

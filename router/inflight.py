@@ -24,7 +24,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from common.cluster import ClusterView
+from common.cluster.state import ClusterView
 from router.policy import LocalLoad
 
 

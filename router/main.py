@@ -12,8 +12,8 @@ from dataclasses import fields
 import grpc
 
 from common.auth import add_token_arguments, router_interceptors
-from common.cluster import Cluster
-from common.gc_heap import GcPauses, add_gc_arguments, freeze_heap
+from common.cluster.redis_auth import add_redis_auth_arguments, check_redis, redis_options_from_args
+from common.cluster.state import Cluster
 from common.grpc_server import (
     PUBLIC_SERVER_OPTIONS,
     MetadataLimitInterceptor,
@@ -24,12 +24,12 @@ from common.grpc_server import (
 )
 from common.metrics.gc import GcCollector
 from common.metrics.server import add_metrics_arguments, serve_metrics
-from common.ports import PlannedPort, check_free, listen, router_listeners
-from common.redis_auth import add_redis_auth_arguments, check_redis, redis_options_from_args
+from common.runtime.gc_heap import GcPauses, add_gc_arguments, freeze_heap
+from common.runtime.ports import PlannedPort, check_free, listen, router_listeners
 from common.tls import TLSConfig, add_tls_arguments
 from engine.config import EngineConfig
 from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2
-from router.admin import AdminServicer
+from router.admin.service import AdminServicer
 from router.dispatch import PrefillDispatch
 from router.frontend import Frontend
 from router.metrics import RouterCollector
@@ -111,7 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-model-len",
         type=int,
-        # The nodes' variable too (common/node_flags.py): one setting for the whole cluster.
+        # The nodes' variable too (common/runtime/config.py): one setting for the whole cluster.
         default=env("PDSERVE_MAX_MODEL_LEN") or None,
         help="longest prompt + output accepted; must not exceed the nodes' [PDSERVE_MAX_MODEL_LEN]",
     )
@@ -298,14 +298,14 @@ async def serve(args: argparse.Namespace) -> int:
     collectors = [RouterCollector(routing), GcCollector(gc_pauses, {})]
     http = None
     if args.http_port:
-        from router import openai_api  # FastAPI is imported only where the port is on
+        from router.http import app as http_app  # FastAPI is imported only where the port is on
 
-        http_stats = openai_api.HttpStats()
-        collectors.append(openai_api.HttpCollector(http_stats))
-        app = openai_api.build_app(
+        http_stats = http_app.HttpStats()
+        collectors.append(http_app.HttpCollector(http_stats))
+        app = http_app.build_app(
             router, public_auth[0] if public_auth else None, http_stats, config.max_model_len
         )
-        http = openai_api.make_server(
+        http = http_app.make_server(
             app, args.host, args.http_port, tls, args.drain_timeout, args.http_keep_alive_s
         )
     # Before the first port opens: a SIGTERM once anything can reach us drains

@@ -19,7 +19,7 @@ answers UNIMPLEMENTED instead: its requests, those waiting for that answer
 included, then use Decode calls, the way a router did before sessions.
 
 The machinery (opening, writes, cancels, the reader, the loss) is
-common/session_client.py's, shared with the decode node's PrefillSession.
+common/sessions/client.py's, shared with the decode node's PrefillSession.
 
 Why sessions: a request's start is one message on an open call instead of a
 new call (the router's hop to the node costs a fraction), and a node sends one
@@ -36,8 +36,8 @@ from collections import deque
 
 import grpc
 
-from common.reliability import FAILED_NODE_KEY
-from common.session_client import CODES, OK_CODE, SessionClient, status_error
+from common.runtime.reliability import FAILED_NODE_KEY
+from common.sessions.client import CODES, OK_CODE, SessionClient, status_error
 from proto import internal_pb2, internal_pb2_grpc
 
 

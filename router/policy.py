@@ -41,7 +41,7 @@ import operator
 import random
 from dataclasses import dataclass, field
 
-from common.cluster import ClusterView, NodeInfo, NodeRole, RouteCandidate
+from common.cluster.state import ClusterView, NodeInfo, NodeRole, RouteCandidate
 
 
 class NoRoute(RuntimeError):

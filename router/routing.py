@@ -16,8 +16,8 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from common.cluster import Cluster, ClusterView, RouteCandidate
-from common.redis_script import Sent
+from common.cluster.redis_script import Sent
+from common.cluster.state import Cluster, ClusterView, RouteCandidate
 from router.frontend import ParsedRequest
 from router.inflight import InflightTracker
 from router.policy import (

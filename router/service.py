@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.grpc_server import CLIENT_OPTIONS
-from common.reliability import FAILED_NODE_KEY as _FAILED_NODE_KEY
+from common.runtime.reliability import FAILED_NODE_KEY as _FAILED_NODE_KEY
 from common.tls import NO_TLS, TLSConfig, make_channel
 from common.wire import prefill_reply_timings
 from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc

@@ -49,7 +49,7 @@ from common.kv_transfer.channel import (
 from common.kv_transfer.checksum import checksum
 from common.kv_transfer.protocol import ChunkDesc, SegmentHeader, group_messages
 from common.kv_transfer.ticket import Destination, OutgoingSegment, number_group
-from common.reliability import FaultDelays, FaultPoint
+from common.runtime.reliability import FaultDelays, FaultPoint
 
 logger = logging.getLogger(__name__)
 

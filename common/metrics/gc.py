@@ -1,4 +1,4 @@
-"""What a process exports about its garbage collector (``common.gc_heap.GcPauses``).
+"""What a process exports about its garbage collector (``common.runtime.gc_heap.GcPauses``).
 
 Every pdserve process that serves requests (nodes, router) exports these, so
 a TTFT spike can be checked against a collector pause of the same process.
@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 from common.metrics.families import gauge, histogram, labelled_counter
 
 if TYPE_CHECKING:
-    from common.gc_heap import GcPauses
+    from common.runtime.gc_heap import GcPauses
 
 
 class GcCollector(Collector):

@@ -31,13 +31,13 @@ from common.metrics.families import (
 )
 from common.metrics.histogram import Histogram
 from common.metrics.steps import StepHistograms
-from common.reliability import Stage
+from common.runtime.reliability import Stage
 
 ABORT_STAGES = tuple(stage.value for stage in Stage)
 
 if TYPE_CHECKING:
-    from common.cluster import NodeInfo
-    from common.heartbeat import Heartbeat
+    from common.cluster.state import NodeInfo
+    from common.runtime.heartbeat import Heartbeat
     from engine.engine_thread import EngineThread
 
 # Worker counters (NodeInfo field names, as ``counters()`` returns them) -> metric.

@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from common.event_loop import add_event_loop_argument
-from common.event_loop import run as run_on_loop
+from common.runtime.event_loop import add_event_loop_argument
+from common.runtime.event_loop import run as run_on_loop
 from pdserve.bench.backends import BackendKind
 from pdserve.bench.datasets import DatasetKind, PromptFormat
 

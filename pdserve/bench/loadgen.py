@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from common.gc_heap import GcPauses
+from common.runtime.gc_heap import GcPauses
 from pdserve.bench.backends import Backend, RequestResult
 from pdserve.bench.datasets import BenchRequest, Dataset
 

@@ -17,8 +17,8 @@ from urllib.parse import urlparse
 import pytest
 
 from common.grpc_server import OVERALL
-from common.node import CONTROL_SERVICE, SHUTDOWN_LIMIT_S
-from common.node_flags import engine_kwargs
+from common.runtime.config import engine_kwargs
+from common.runtime.node import CONTROL_SERVICE, SHUTDOWN_LIMIT_S
 from engine.config import EngineConfig
 from tests.conftest import TINY_CONFIGS, write_config_dir
 from tests.deploy.k8s import (
@@ -41,7 +41,7 @@ from tests.deploy.k8s import (
 # Where the image puts the demo model (deploy/Dockerfile, DEMO_MODEL=1).
 DEMO_MODEL_PREFIX = "/opt/pdserve/models/"
 # Seconds the router needs after its drain: closing the admin server (1 s) and
-# channels. Nodes need at most common.node.SHUTDOWN_LIMIT_S (their watchdog).
+# channels. Nodes need at most common.runtime.node.SHUTDOWN_LIMIT_S (their watchdog).
 ROUTER_SHUTDOWN_S = 10
 # A grace period may exceed what a component needs by this much, no more:
 # "matches the drain timeout", not "some large number".

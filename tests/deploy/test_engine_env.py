@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.node_flags import ENGINE_FLAGS, engine_env_name, engine_kwargs
+from common.runtime.config import ENGINE_FLAGS, engine_env_name, engine_kwargs
 from tests.deploy.k8s import parse_component
 
 

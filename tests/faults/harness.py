@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 import redis
 
-from common.cluster import DEFAULT_PREFIX, NodeInfo
+from common.cluster.state import DEFAULT_PREFIX, NodeInfo
 from pdserve.launcher import ClusterSpec, Component, LocalCluster
 from pdserve.redis_server import free_port
 from proto import pdserve_pb2, pdserve_pb2_grpc

@@ -18,7 +18,7 @@ import time
 import grpc
 import pytest
 
-from common.cluster import NodeRole
+from common.cluster.state import NodeRole
 from pdserve.launcher import LocalCluster
 from tests.conftest import REMOTE_PREFILL_ONLY
 from tests.faults.harness import (

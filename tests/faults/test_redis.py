@@ -19,7 +19,7 @@ import grpc
 import pytest
 import redis
 
-from common.cluster import DEFAULT_PREFIX, NodeInfo
+from common.cluster.state import DEFAULT_PREFIX, NodeInfo
 from engine.block_hash import BlockHasher
 from engine.config import EngineConfig
 from pdserve.launcher import LocalCluster

@@ -25,7 +25,7 @@ import uuid
 import grpc
 import pytest
 
-from common.ports import free_port_block
+from common.runtime.ports import free_port_block
 from pdserve.redis_server import free_port
 from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2
 from tests.faults.harness import Stream, assert_idle, request, run, wait_for, wait_idle
@@ -99,7 +99,7 @@ def migrations(up: UpProcess) -> dict[str, float]:
 
 
 def pdctl_rows(up: UpProcess) -> list[dict]:
-    cli = [sys.executable, "-m", "router.pdctl", "--address", up.admin, "--json", "nodes"]
+    cli = [sys.executable, "-m", "router.admin.pdctl", "--address", up.admin, "--json", "nodes"]
     out = subprocess.run(cli, capture_output=True, text=True, timeout=60)
     return json.loads(out.stdout) if out.returncode == 0 else []
 

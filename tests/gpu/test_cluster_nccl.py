@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from common.cluster import Cluster, NodeRole
+from common.cluster.state import Cluster, NodeRole
 from engine import LLM, SamplingParams
 from pdserve.launcher import ClusterSpec, LocalCluster
 from pdserve.redis_server import free_port

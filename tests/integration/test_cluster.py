@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from common.cluster import Cluster, NodeRole
+from common.cluster.state import Cluster, NodeRole
 from common.grpc_server import health_check
 from engine import LLM, SamplingParams
 from engine.block_hash import hash_prompt_blocks
@@ -320,7 +320,7 @@ def test_generate_command(cluster):
 def test_pdctl_nodes(cluster):
     import json as _json
 
-    cli = [sys.executable, "-m", "router.pdctl", "--address", cluster.admin_address]
+    cli = [sys.executable, "-m", "router.admin.pdctl", "--address", cluster.admin_address]
     table = subprocess.run([*cli, "nodes"], capture_output=True, text=True, timeout=60)
     assert table.returncode == 0, table.stderr
     lines = table.stdout.strip().splitlines()
@@ -332,7 +332,7 @@ def test_pdctl_nodes(cluster):
         [
             sys.executable,
             "-m",
-            "router.pdctl",
+            "router.admin.pdctl",
             "--address",
             f"127.0.0.1:{free_port()}",
             "--timeout",

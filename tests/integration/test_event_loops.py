@@ -1,4 +1,4 @@
-"""The router on each event loop (common/event_loop.py): a real `pdserve router`
+"""The router on each event loop (common/runtime/event_loop.py): a real `pdserve router`
 process with `--event-loop asyncio` and with `--event-loop uvloop`, a real
 redis-server and a fake decode node (a real grpc.aio server registered in Redis,
 no model), streaming over gRPC and over the OpenAI HTTP API on both loops.
@@ -20,8 +20,8 @@ import grpc
 import pytest
 
 from benchmarks.fake_decode_node import FakeWorker, fake_servicer
-from common.cluster import Cluster, NodeInfo, NodeRole
-from common.event_loop import ASYNCIO, UVLOOP, loop_factory
+from common.cluster.state import Cluster, NodeInfo, NodeRole
+from common.runtime.event_loop import ASYNCIO, UVLOOP, loop_factory
 from engine.models.shapes import write_shape_dir
 from pdserve.redis_server import RedisServer, free_port
 from proto import internal_pb2_grpc

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from common.cluster import NodeRole
+from common.cluster.state import NodeRole
 from pdserve.launcher import ClusterSpec, LocalCluster
 from pdserve.redis_server import free_port
 from proto.client import generate

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(600)
 
 MAX_LEN = 256
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
-PDCTL = [sys.executable, "-m", "router.pdctl"]
+PDCTL = [sys.executable, "-m", "router.admin.pdctl"]
 REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
 
@@ -276,7 +276,7 @@ def test_pdctl_top_renders_every_node_and_the_latencies(cluster):
 
 def test_pdctl_top_frame_from_samples():
     from proto import admin_pb2
-    from router.pdctl_top import Sample, render_text
+    from router.admin.top import Sample, render_text
 
     node = admin_pb2.NodeInfo(
         node_id="decode-9", role="decode", kv_blocks_total=100, kv_blocks_free=25, running=3

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from common.cluster import Cluster, NodeInfo, NodeRole
-from common.redis_auth import check_redis, redis_options
+from common.cluster.redis_auth import check_redis, redis_options
+from common.cluster.state import Cluster, NodeInfo, NodeRole
 from pdserve.redis_server import RedisServer, find_redis_server, free_port
 from tests.certs import make_certs
 

@@ -47,7 +47,7 @@ def pdctl(admin: str, *args: str, token: str | None = TOKEN, timeout: float = 12
     if token is not None:
         env["PDCTL_TOKEN"] = token  # the environment variable, not the flag
     return subprocess.run(
-        [sys.executable, "-m", "router.pdctl", "--address", admin, *args],
+        [sys.executable, "-m", "router.admin.pdctl", "--address", admin, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -161,7 +161,7 @@ def test_drain_is_honoured_and_in_flight_requests_finish(up):
         rest = pool.submit(lambda: list(stream))
         assert pdctl(admin, "undrain", "decode-1").returncode == 0
         drain = subprocess.Popen(
-            [sys.executable, "-m", "router.pdctl", "--address", admin, "--token", TOKEN]
+            [sys.executable, "-m", "router.admin.pdctl", "--address", admin, "--token", TOKEN]
             + ["drain", "decode-0", "--wait"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -233,7 +233,7 @@ def test_stats_report_latency_hits_and_transfers(up):
     text = pdctl(up.admins[0], "stats")
     assert text.returncode == 0 and "prefix-cache hits:" in text.stdout
     watch = subprocess.Popen(
-        [sys.executable, "-m", "router.pdctl", "--address", up.admins[0], "--token", TOKEN]
+        [sys.executable, "-m", "router.admin.pdctl", "--address", up.admins[0], "--token", TOKEN]
         + ["stats", "--watch", "0.5"],
         stdout=subprocess.PIPE,
         text=True,

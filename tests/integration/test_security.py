@@ -126,7 +126,7 @@ def pdctl(up, *args: str, token: str | None = ADMIN_TOKEN, tls: list[str] | None
     if token:
         env["PDCTL_TOKEN"] = token
     return subprocess.run(
-        [sys.executable, "-m", "router.pdctl", "--address", up.admin, *(tls or []), *args],
+        [sys.executable, "-m", "router.admin.pdctl", "--address", up.admin, *(tls or []), *args],
         capture_output=True,
         text=True,
         timeout=120,

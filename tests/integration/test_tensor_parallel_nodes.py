@@ -105,7 +105,7 @@ def test_each_node_registers_its_tensor_parallel_size_and_pdctl_shows_it(cluster
     infos = nodes(cluster)
     assert {n: infos[n].tensor_parallel_size for n in TP} == TP
     assert all(infos[n].num_gpus == 0 for n in TP)  # a CPU host: no GPUs held
-    cmd = [sys.executable, "-m", "router.pdctl", "--address", cluster.admin_address, "nodes"]
+    cmd = [sys.executable, "-m", "router.admin.pdctl", "--address", cluster.admin_address, "nodes"]
     listed = json.loads(subprocess.run(cmd + ["--json"], capture_output=True, timeout=60).stdout)
     assert {r["node_id"]: r["tensor_parallel_size"] for r in listed} == TP
     table = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from common.cluster import Cluster, NodeInfo, NodeRole
-from common.route_script import ROUTE_FIELDS, ROUTE_KEY
+from common.cluster.route_script import ROUTE_FIELDS, ROUTE_KEY
+from common.cluster.state import Cluster, NodeInfo, NodeRole
 from engine.block_hash import hash_prompt_blocks
 from pdserve.redis_server import RedisServer
 

@@ -1,4 +1,4 @@
-"""common/event_loop.py: which loop a server process gets, and the fallback without uvloop."""
+"""common/runtime/event_loop.py: which loop a server process gets, and the fallback without uvloop."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ import sys
 
 import pytest
 
-from common.event_loop import ASYNCIO, AUTO, UVLOOP, add_event_loop_argument, loop_factory, run
+from common.runtime.event_loop import (
+    ASYNCIO,
+    AUTO,
+    UVLOOP,
+    add_event_loop_argument,
+    loop_factory,
+    run,
+)
 
 
 def test_asyncio_choice_is_the_standard_loop():

@@ -1,4 +1,4 @@
-"""The serving processes' garbage-collector policy (common/gc_heap.py)."""
+"""The serving processes' garbage-collector policy (common/runtime/gc_heap.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.gc_heap import GcPauses, add_gc_arguments, freeze_heap
 from common.metrics.gc import GcCollector
 from common.metrics.server import make_registry
+from common.runtime.gc_heap import GcPauses, add_gc_arguments, freeze_heap
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_uninstalled_counts_nothing(pauses):
 def test_a_long_pause_is_logged(caplog):
     p = GcPauses(warn_s=0.0).install()
     try:
-        with caplog.at_level(logging.WARNING, logger="common.gc_heap"):
+        with caplog.at_level(logging.WARNING, logger="common.runtime.gc_heap"):
             gc.collect()
     finally:
         p.uninstall()

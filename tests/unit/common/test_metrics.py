@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.cluster import NodeInfo, NodeRole
+from common.cluster.state import NodeInfo, NodeRole
 from common.metrics.histogram import (
     E2E_BUCKETS,
     KV_BANDWIDTH_BUCKETS,

@@ -15,12 +15,12 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.cluster import NodeInfo, NodeRole
-from common.gc_heap import GcPauses
+from common.cluster.state import NodeInfo, NodeRole
 from common.metrics.gc import GcCollector
 from common.metrics.node import NodeCollector
 from common.metrics.server import make_registry
 from common.metrics.steps import StepHistograms
+from common.runtime.gc_heap import GcPauses
 from decode_node.worker import DecodeStats
 from pdserve.supervisor import Health, Role, Watch
 from pdserve.supervisor_metrics import SupervisorCollector
@@ -58,7 +58,7 @@ def expositions() -> dict[str, str]:
     collectors = {
         "supervisor": SupervisorCollector(supervisor),
         "router": RouterCollector(routing),
-        # As run_node builds them (common/node.py): with the engine's step histograms.
+        # As run_node builds them (common/runtime/node.py): with the engine's step histograms.
         "prefill": NodeCollector(
             node_info(), engine, heartbeat, prefill.counters, prefill.histograms, StepHistograms()
         ),

@@ -1,4 +1,4 @@
-"""common/ports.py's free_port: where it looks and what it never returns."""
+"""common/runtime/ports.py's free_port: where it looks and what it never returns."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from common import ports
+from common.runtime import ports
 
 
 def test_picks_differ_and_stay_below_the_ephemeral_range():

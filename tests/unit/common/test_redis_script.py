@@ -1,4 +1,4 @@
-"""common/redis_script.py: the routing script's own connection, against real redis-servers.
+"""common/cluster/redis_script.py: the routing script's own connection, against real redis-servers.
 
 It must answer exactly what redis-py answers, over every setting pdserve uses
 (db, password, ACL user, unix socket; TLS in tests/integration/test_redis_security.py),
@@ -16,9 +16,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from common.cluster import Cluster, NodeInfo, NodeRole
-from common.redis_auth import redis_options
-from common.redis_script import ScriptConnection, pack_command
+from common.cluster.redis_auth import redis_options
+from common.cluster.redis_script import ScriptConnection, pack_command
+from common.cluster.state import Cluster, NodeInfo, NodeRole
 from engine.block_hash import hash_prompt_blocks
 from pdserve.redis_server import RedisServer
 

@@ -23,7 +23,7 @@ from common.auth import (
     parse_tokens,
     required_right,
 )
-from common.redis_auth import redacted, redis_options
+from common.cluster.redis_auth import redacted, redis_options
 from common.tls import TLSConfig, add_tls_arguments
 from tests.certs import make_certs
 

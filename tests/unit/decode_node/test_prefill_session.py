@@ -1,7 +1,7 @@
 """PrefillSession end to end over a real grpc.aio server on localhost: the prefill
 node's servicer (prefill_node/service.py, its session prefill_node/session.py)
 around a scripted worker, and the decode node's PrefillSessionClient
-(common/prefill_session_client.py) standing for Prefill calls."""
+(common/sessions/prefill.py) standing for Prefill calls."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import contextlib
 import grpc
 import pytest
 
-from common import prefill_session_client
 from common.kv_transfer import TransferError
 from common.kv_transfer.ticket import Destination
-from common.prefill_session_client import PrefillSessionClient
-from common.reliability import NoCapacity
+from common.runtime.reliability import NoCapacity
+from common.sessions import prefill as prefill_session_client
+from common.sessions.prefill import PrefillSessionClient
 from pdserve.redis_server import free_port
 from prefill_node.late_blocks import LateBlocks, LateBoard
 from prefill_node.service import PrefillNodeServicer

@@ -9,7 +9,7 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 
-from common.ports import free_port
+from common.runtime.ports import free_port
 from pdserve.bench.scrape import Scraper, delta, parse, quantile, quantile_bucket
 
 BUCKETS = (0.01, 0.02, 0.05, 0.1)

@@ -11,7 +11,7 @@ import pytest
 
 from common.kv_transfer.channel import TransferError
 from common.kv_transfer.ticket import Destination
-from common.reliability import StaleChannel
+from common.runtime.reliability import StaleChannel
 from prefill_node import late_blocks
 from prefill_node.late_blocks import LateBlocks, LateBoard
 from proto import internal_pb2

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from common.prefill_session_client import PrefillSessionClient
-from common.reliability import FAILED_NODE_KEY
+from common.runtime.reliability import FAILED_NODE_KEY
+from common.sessions.prefill import PrefillSessionClient
 from common.wire import FIRST_ROUTER_RESERVATION_ID
 from pdserve.redis_server import free_port
 from proto import internal_pb2

@@ -10,7 +10,7 @@ import contextlib
 import grpc
 import pytest
 
-from common.reliability import FAILED_NODE_KEY
+from common.runtime.reliability import FAILED_NODE_KEY
 from decode_node.prefill_call import PrefillFailed
 from decode_node.session import DecodeSession
 from pdserve.redis_server import free_port

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from proto import pdserve_pb2
-from router.openai_chunks import Assembler
+from router.http.chunks import Assembler
 
 
 def test_tokens_without_text_still_make_a_chunk():

@@ -14,8 +14,8 @@ import pytest
 
 from common.tls import TLSConfig
 from pdserve.redis_server import free_port
+from router.http.app import HttpStats, build_app, make_server
 from router.main import HTTP_KEEP_ALIVE_S, add_arguments
-from router.openai_api import HttpStats, build_app, make_server
 
 # Past uvicorn's own default (5 s), the value that lost requests.
 IDLE_S = 6.0

@@ -12,7 +12,7 @@ import pytest
 
 from common.tls import TLSConfig
 from pdserve.redis_server import free_port
-from router.openai_api import HttpStats, build_app, make_server
+from router.http.app import HttpStats, build_app, make_server
 from tests.certs import make_certs
 
 

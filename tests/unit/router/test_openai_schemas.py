@@ -1,5 +1,5 @@
 """The OpenAI completions body's prompt: which JSON shapes are token ids, which
-text, and what is refused (router/openai_schemas.py)."""
+text, and what is refused (router/http/schemas.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from router.openai_schemas import CompletionRequest, InvalidField
+from router.http.schemas import CompletionRequest, InvalidField
 
 
 def generate(prompt):

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from common.cluster import ClusterView, NodeInfo, NodeRole, RouteCandidate
+from common.cluster.state import ClusterView, NodeInfo, NodeRole, RouteCandidate
 from router.inflight import InflightTracker
 from router.policy import (
     LocalLoad,

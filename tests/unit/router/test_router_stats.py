@@ -6,7 +6,7 @@ import json
 import math
 
 from proto import admin_pb2
-from router.pdctl import as_dict, stats_text, table
+from router.admin.pdctl import as_dict, stats_text, table
 from router.stats import RequestTrace, RouterStats, percentile, summarize
 
 

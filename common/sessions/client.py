@@ -1,8 +1,8 @@
 """The calling end of a session: one long-lived bidi call to a node, every request a
-message on it (common/request_session.py is the serving end).
+message on it (common/sessions/server.py is the serving end).
 
 A router keeps one DecodeSession per decode node (router/node_session.py), a
-decode node one PrefillSession per prefill node (common/prefill_session_client.py).
+decode node one PrefillSession per prefill node (common/sessions/prefill.py).
 This is what they share: opening the call once for every request that asks
 meanwhile, and only after the node's first (empty) batch; bounded writes, one at
 a time; ``cancel`` commands; one reader task that hands each event to its

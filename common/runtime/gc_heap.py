@@ -30,8 +30,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from common.env_switch import env_switch
 from common.metrics.histogram import Histogram
+from common.runtime.env_switch import env_switch
 
 logger = logging.getLogger(__name__)
 

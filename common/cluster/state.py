@@ -16,7 +16,7 @@ Key schema (docs/architecture.md, "Cluster state"; ``pds`` is the default prefix
                       kept across node restarts until undrained.
 
 One heartbeat is one pipelined round trip. One routing decision is one round
-trip: a Lua script (common/route_script.py) returns the server's clock and,
+trip: a Lua script (common/cluster/route_script.py) returns the server's clock and,
 for every live node, its routing fields and how many leading blocks of the
 request it holds.
 """
@@ -29,8 +29,8 @@ import time
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from common.redis_script import ScriptConnection, Sent
-from common.route_script import (
+from common.cluster.redis_script import ScriptConnection, Sent
+from common.cluster.route_script import (
     MAX_ROUTED_BLOCKS,
     PACKED_FIELDS,
     ROUTE_KEY,
@@ -80,7 +80,7 @@ class NodeInfo:
     kv_transfer_bytes: int = 0  # sent (prefill node) or received (decode node)
     kv_transfer_us: int = 0  # time spent sending (prefill node)
     # Requests aborted (client gone, deadline, peer failure, lease) by the stage
-    # they were in on this node (common/reliability.py Stage).
+    # they were in on this node (common/runtime/reliability.py Stage).
     aborted_queued: int = 0
     aborted_prefill: int = 0
     aborted_transfer: int = 0
@@ -239,13 +239,13 @@ class Cluster:
         self._stamp = client.register_script(STAMP_SCRIPT)
         # NodeInfo.from_route's cache: each live node's last route field, parsed.
         self._parsed_routes: dict[str, tuple] = {}
-        # The routing script's own connection (common/redis_script.py says why);
+        # The routing script's own connection (common/cluster/redis_script.py says why);
         # None: through redis-py, whose settings it does not all handle.
         self.route_connection = ScriptConnection.for_client(client)
 
     @classmethod
     def from_url(cls, url: str, connection: dict[str, Any] | None = None, **kwargs: Any) -> Cluster:
-        """``connection``: more client options (credentials, TLS: common/redis_auth.py)."""
+        """``connection``: more client options (credentials, TLS: common/cluster/redis_auth.py)."""
         import redis.asyncio as aioredis
         from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -324,7 +324,7 @@ class Cluster:
         return self._view_of(await self.route_connection.finish(started, ROUTE_SCRIPT))
 
     def _view_of(self, raw: list[Any]) -> ClusterView:
-        """The routing script's flat reply (common/route_script.py) as a view."""
+        """The routing script's flat reply (common/cluster/route_script.py) as a view."""
         out = []
         last, self._parsed_routes = self._parsed_routes, {}  # live nodes only
         i, end = 1, len(raw)

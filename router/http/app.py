@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (FastAPI on uvicorn), on the router's own asyncio loop.
 
-A thin edge: JSON -> GenerateRequest (router/openai_schemas.py), then the very
+A thin edge: JSON -> GenerateRequest (router/http/schemas.py), then the very
 coroutine the gRPC Generate runs (RouterServicer.generate: validation, routing,
 retries, relaying), then GenerateResponse -> OpenAI JSON or Server-Sent Events.
 """
@@ -30,8 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.tls import TLSConfig
 from proto import pdserve_pb2
-from router.openai_chunks import Assembler
-from router.openai_schemas import ChatCompletionRequest, CompletionRequest, InvalidField
+from router.http.chunks import Assembler
+from router.http.schemas import ChatCompletionRequest, CompletionRequest, InvalidField
 from router.service import RequestFailed, RouterServicer
 
 GENERATE_METHOD = "/pdserve.v1.Router/Generate"  # the gRPC method whose right HTTP calls need

@@ -10,7 +10,7 @@ import time
 
 import grpc
 
-from common.cluster import Cluster, NodeInfo, NodeRole
+from common.cluster.state import Cluster, NodeInfo, NodeRole
 from proto import admin_pb2, admin_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.frontend import Frontend
 from router.policy import NoRoute

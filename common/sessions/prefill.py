@@ -1,6 +1,6 @@
 """The client end of PrefillSession: one long-lived call per prefill node,
 every Prefill a message on it (prefill_node/session.py is the other end;
-common/session_client.py the machinery shared with the router's DecodeSession).
+common/sessions/client.py the machinery shared with the router's DecodeSession).
 A decode node keeps one per prefill node for the Prefills it sends; a router
 with ``--prefill-dispatch router`` one for those it sends itself
 (router/dispatch.py).
@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import grpc
 
-from common.session_client import CODES, OK_CODE, SessionClient, status_error
+from common.sessions.client import CODES, OK_CODE, SessionClient, status_error
 from proto import internal_pb2, internal_pb2_grpc
 
 

@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("flush", parents=[common], help="evict NODE's unused cached blocks")
     f.add_argument("node")
     f.set_defaults(func=cmd_flush)
-    from router.pdctl_top import add_top_parser  # rich loads only with the parser
+    from router.admin.top import add_top_parser  # rich loads only with the parser
 
     add_top_parser(sub, [common])
     return p

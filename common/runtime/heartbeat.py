@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from common.cluster import Cluster, NodeInfo
+from common.cluster.state import Cluster, NodeInfo
 from engine.engine_thread import EngineThread
 
 logger = logging.getLogger(__name__)

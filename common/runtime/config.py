@@ -9,12 +9,12 @@ import os
 import socket
 from typing import Any
 
-from common.env_switch import env_switch
-from common.gc_heap import add_gc_arguments
+from common.cluster.redis_auth import add_redis_auth_arguments
 from common.metrics.server import add_metrics_arguments
-from common.progress_log import DEFAULT_INTERVAL_S as DEFAULT_STATS_INTERVAL_S
-from common.redis_auth import add_redis_auth_arguments
-from common.reliability import FAULT_DELAYS_ENV, FaultDelays
+from common.runtime.env_switch import env_switch
+from common.runtime.gc_heap import add_gc_arguments
+from common.runtime.progress_log import DEFAULT_INTERVAL_S as DEFAULT_STATS_INTERVAL_S
+from common.runtime.reliability import FAULT_DELAYS_ENV, FaultDelays
 from common.tls import add_tls_arguments
 
 logger = logging.getLogger(__name__)

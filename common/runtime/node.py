@@ -16,20 +16,20 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.cluster import Cluster, NodeInfo, NodeRole
-from common.gc_heap import GcPauses, freeze_heap
+from common.cluster.redis_auth import check_redis, redis_options_from_args
+from common.cluster.state import Cluster, NodeInfo, NodeRole
 from common.grpc_server import SERVER_OPTIONS, add_health, add_reflection, set_serving
-from common.heartbeat import Heartbeat
 from common.metrics.gc import GcCollector
 from common.metrics.histogram import Histogram
 from common.metrics.node import NodeCollector
 from common.metrics.server import serve_metrics
 from common.metrics.steps import StepHistograms
-from common.node_flags import default_host, engine_kwargs
-from common.ports import PlannedPort, check_free, listen
-from common.progress_log import log_progress
-from common.redis_auth import check_redis, redis_options_from_args
-from common.reliability import crash_at_start
+from common.runtime.config import default_host, engine_kwargs
+from common.runtime.gc_heap import GcPauses, freeze_heap
+from common.runtime.heartbeat import Heartbeat
+from common.runtime.ports import PlannedPort, check_free, listen
+from common.runtime.progress_log import log_progress
+from common.runtime.reliability import crash_at_start
 from common.tls import TLSConfig
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread

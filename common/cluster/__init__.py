@@ -1,0 +1,1 @@
+"""Cluster state in Redis: the node registry, load, block-hash index, the routing read."""

@@ -1,0 +1,1 @@
+"""The router's OpenAI-compatible HTTP API (docs/openai.md)."""
