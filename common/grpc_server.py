@@ -14,7 +14,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor, ServiceDescr
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.runtime.reliability import NoCapacity, StaleChannel
+from common.runtime.reliability import NoCapacity
 from common.tls import NO_TLS, TLSConfig, make_sync_channel
 
 OVERALL = ""  # the health service's name for the whole server
@@ -110,8 +110,6 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
         return error.code(), error.details() or str(error.code())
     if isinstance(error, NoCapacity):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
-    if isinstance(error, StaleChannel):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(error)
     if isinstance(error, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(error)
     if isinstance(error, asyncio.TimeoutError | TimeoutError):

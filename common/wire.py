@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.sequence import FinishReason, Logprob, TokenLogprobs
+from engine.sequence import FinishReason, Logprob
 from proto import pdserve_pb2
 
 _SCALARS = (
@@ -38,14 +38,9 @@ _FINISH = {
     FinishReason.ABORT: pdserve_pb2.FINISH_REASON_ABORT,
 }
 
-# A router's reservation ids (DecodeRequest.prefill_reservation_id, for the
-# Prefills it sends itself) are this and up, under 2**63 (the KV headers' int64);
-# a decode node counts its own up from 1, so that the two never meet.
-FIRST_ROUTER_RESERVATION_ID = 1 << 62
-
 
 def prefill_reply_timings(resp, usage) -> None:
-    """A Prefill reply's own times into a request's ``usage.timing``."""
+    """A Prefill reply's own figures into a request's ``usage.timing``."""
     usage.timing.prefill_queue_ms = resp.queue_ms
     usage.timing.prefill_compute_ms = resp.compute_ms
     usage.timing.kv_transfer_ms = resp.transfer_ms
@@ -93,16 +88,6 @@ def token_logprobs_to_proto(token_id: int, entry: dict[int, Logprob]) -> pdserve
             pdserve_pb2.TopLogprob(token_id=t, logprob=lp.logprob, text=lp.decoded_token or "")
             for t, lp in ranked
         ],
-    )
-
-
-def token_logprobs_from_proto(msg: pdserve_pb2.TokenLogprobs) -> TokenLogprobs:
-    """The first token's logprobs, as a prefill node reports them to a decode node."""
-    return TokenLogprobs(
-        logprob=msg.logprob,
-        rank=int(msg.rank),
-        top_ids=[t.token_id for t in msg.top],
-        top_logprobs=[t.logprob for t in msg.top],
     )
 
 

@@ -28,7 +28,7 @@ import torch
 from common.kv_transfer import TransferError, TransferState
 from common.kv_transfer.checksum import checksum
 from common.kv_transfer.coverage import Coverage
-from common.kv_transfer.protocol import ChunkDesc, SegmentHeader
+from common.kv_transfer.protocol import ChunkDesc, FirstToken, SegmentHeader
 from engine.kv_blocks import block_index, kv_unit_bytes
 from engine.llm_engine import Reservation
 
@@ -55,11 +55,14 @@ class PendingKV:
     landed: asyncio.Future | None = None
     loop: asyncio.AbstractEventLoop | None = None
     ranks_left: int = 0
-    # Rank 0, where the Prefill asked for it: (first token, the prefill node's
-    # cached prompt tokens) once it landed behind the KV (protocol.FLAG_TOKEN),
-    # None if the prefill node had none to send; and whether a header announced it.
+    # Rank 0: the prompt's first token once it and this rank's KV landed
+    # (protocol.FLAG_TOKEN), None if none will come (the channel failed); and
+    # the token, where it came before the rest of this rank's KV (from a prefill
+    # node of several ranks, the others' chunks may land after it).
     first_token: asyncio.Future | None = None
-    token_announced: bool = False
+    token: FirstToken | None = None
+    # Rank 0 with --verify-kv: the checksum the prefill node's end header carries.
+    end_digest: asyncio.Future | None = None
 
     def resolve(self, error: BaseException | None = None) -> None:
         def done() -> None:
@@ -71,12 +74,21 @@ class PendingKV:
 
         self.loop.call_soon_threadsafe(done)
 
-    def give_token(self, token: tuple[int, int] | None) -> None:
-        def done() -> None:
-            if not self.first_token.done():
-                self.first_token.set_result(token)
+    def give_token(self, token: FirstToken | None) -> None:
+        _settle_soon(self.loop, self.first_token, token)
 
-        self.loop.call_soon_threadsafe(done)
+    def give_digest(self, digest: bytes) -> None:
+        _settle_soon(self.loop, self.end_digest, digest)
+
+
+def _settle_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value) -> None:
+    """Resolve ``future`` with ``value`` on its loop (from a receiver's thread)."""
+
+    def done() -> None:
+        if not future.done():
+            future.set_result(value)
+
+    loop.call_soon_threadsafe(done)
 
 
 @dataclass(slots=True)
@@ -136,6 +148,8 @@ class LandingCore:
                 logger.info("dropping KV for reservation %d, which is gone", header.reservation_id)
             return seg
         error = None
+        if header.is_end and pending.end_digest is not None:
+            pending.give_digest(header.digest)
         with pending.lock:
             if header.is_end:
                 if pending.state in OPEN and not pending.coverage.announced_all(header.heads):
@@ -151,7 +165,6 @@ class LandingCore:
                 seg.dropped = True
             else:
                 pending.state = TransferState.STREAMING
-                pending.token_announced |= header.has_token
                 blocks = pending.reservation.block_ids[header.block_start : header.block_end]
                 seg.index = block_index(blocks, self._runner.device)
                 seg.pending = pending
@@ -184,21 +197,30 @@ class LandingCore:
         if error is not None:
             self._failed(pending, error)
         elif complete:
+            if pending.token is not None:
+                pending.give_token(pending.token)
             self._landed(pending)
 
-    def on_first_token(self, peer: str, seg: _Segment, token_id: int) -> None:
+    def on_first_token(self, peer: str, seg: _Segment, token: FirstToken) -> None:
         """The prompt's first token, behind its last segment's chunks: taken once
         all of the reservation's KV landed on this rank (-1: the prefill node
-        had none to send; the reply brings it)."""
+        had none to send: the transfer fails)."""
         pending = seg.pending
         if pending is None or seg.dropped or pending.first_token is None:
             return
-        if token_id >= 0:
-            self.stats.kv_first_tokens += 1
         with pending.lock:
-            if pending.state is not TransferState.LANDED:
-                return  # committed from the reply already, failed or gone
-        pending.give_token((token_id, seg.header.cached_tokens) if token_id >= 0 else None)
+            if pending.state not in OPEN + (TransferState.LANDED,):
+                return  # failed or gone
+            if token.token_id < 0:
+                error = self._mark_failed(pending, "the prefill node sampled no first token")
+            else:
+                pending.token = token
+                landed = pending.state is TransferState.LANDED
+        if token.token_id < 0:
+            self._failed(pending, error)
+            pending.give_token(None)
+        elif landed:  # else once the rest of this rank's KV landed (on_chunk)
+            pending.give_token(token)
 
     def _place(self, pending: PendingKV, index, desc: ChunkDesc, data, stream) -> None:
         runner = self._runner
@@ -226,7 +248,7 @@ class LandingCore:
 
     def fail_peer(self, peer: str, error: Exception) -> None:
         """Every open reservation from ``peer`` fails (its channel broke); a first
-        token still awaited from it will not come (the reply brings it)."""
+        token still awaited from it will not come."""
         for pending in list(self._pending.values()):
             if pending.peer == peer and pending.first_token is not None:
                 pending.give_token(None)  # a no-op once it came

@@ -10,7 +10,6 @@ from common.runtime.config import add_node_arguments, fault_delays
 from common.runtime.node import run_node, start_node_engine
 from common.runtime.ports import PlannedPort
 from common.tls import TLSConfig
-from decode_node.prefill_call import PrefillStreams
 from decode_node.service import DecodeNodeServicer
 from decode_node.worker import DecodeWorker
 from proto import internal_pb2, internal_pb2_grpc
@@ -33,16 +32,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds a prefill node gets to fill a KV reservation before it is reclaimed "
         "and the request retried elsewhere [PDSERVE_KV_LEASE_S]",
     )
-    p.add_argument(
-        "--prefill-streams",
-        type=PrefillStreams,
-        choices=list(PrefillStreams),
-        # A string: argparse converts it like a flag's value (a bad one is a usage error).
-        default=os.environ.get("PDSERVE_PREFILL_STREAMS") or PrefillStreams.SESSION.value,
-        help="session: every Prefill to a prefill node over one PrefillSession call per node; "
-        "call: one Prefill call per request (what prefill nodes of older releases serve; "
-        "session falls back to it by itself) [PDSERVE_PREFILL_STREAMS]",
-    )
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -64,7 +53,6 @@ async def serve(args: argparse.Namespace) -> int:
         max_queued=args.max_queued_requests,
         faults=fault_delays(node.node_id),
         tls=TLSConfig.from_args(args),
-        prefill_streams=args.prefill_streams,
     )
     # Prefill nodes open their KV channel to transfer_host:transfer_port.
     info = node.info(

@@ -3,17 +3,14 @@
 Life of a session: a router opens one DecodeSession per decode node and keeps
 it (common/sessions/server.py has the machinery). Each request comes as a
 ``start`` command and runs here as its own task, the very
-``DecodeWorker.decode`` a Decode call runs; what it yields goes into the
-session's outbox instead of onto a call of its own. The engine thread hands a
+``DecodeWorker.decode``; what it yields goes into the session's outbox. The engine thread hands a
 step's outputs over together, every request's task turns its output into
 messages in that same loop turn, and so one engine step becomes one message to
 the router instead of one per request. A request ends with an ``end`` event
-carrying the status its Decode call would have ended with (and the failed
-prefill node's id, Decode's trailing metadata).
+carrying its status (and the failed prefill node's id, where that is why).
 
 Why: per token, the session does the gRPC work once per step instead of once
-per request (benchmarks/router_relay.py measures both ways,
-``--compare-node-streams``).
+per request.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from common.sessions.server import RequestSession
-from decode_node.prefill_call import PrefillFailed
+from decode_node.remote_prefill import PrefillFailed
 from decode_node.worker import DecodeWorker
 from proto import internal_pb2
 
@@ -34,9 +31,6 @@ class DecodeSession(RequestSession):
     def __init__(self, worker: DecodeWorker) -> None:
         super().__init__()
         self.worker = worker
-
-    def hello(self) -> internal_pb2.SessionBatch:
-        return internal_pb2.SessionBatch(takes_dispatched=self.worker.takes_dispatched)
 
     async def handle(
         self, request: internal_pb2.DecodeRequest, deadline: float | None

@@ -21,10 +21,6 @@ class DecodeStats:
     checksum_mismatches: int = 0
     bytes_received: int = 0
     leases_expired: int = 0
-    early_prefills: int = 0  # Prefills sent before their blocks were reserved
-    dispatched_prefills: int = 0  # requests whose Prefill the router sent itself
-    kv_first_tokens: int = 0  # first tokens that came on the KV channel, behind the KV
-    decoded_before_reply: int = 0  # requests committed with such a token before the reply
     rejected: int = 0  # refused for lack of room (RESOURCE_EXHAUSTED)
     aborts: AbortCounters = field(default_factory=AbortCounters)
     # Per request this node prefilled itself: its queue and prefill time here.
@@ -37,10 +33,6 @@ class DecodeStats:
         return {
             **self.aborts.counters(),
             "leases_expired": self.leases_expired,
-            "early_prefills": self.early_prefills,
-            "dispatched_prefills": self.dispatched_prefills,
-            "kv_first_tokens": self.kv_first_tokens,
-            "decoded_before_reply": self.decoded_before_reply,
             "rejected": self.rejected,
             "requests_total": self.requests,
             "kv_transfers": self.transfers_landed,

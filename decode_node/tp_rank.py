@@ -8,10 +8,13 @@ reaches it through ``LLMEngine.call_workers``, in order with the steps:
   and its report connection to rank 0 (decode_node/rank_reports.py);
 - ``kv_expect``: a reservation (its id, blocks, the prefill node, its size and
   the channel epoch); the receiver expects the prefill ranks that pair with
-  this one (common/kv_transfer/pairing.py). Reservation ids only grow, so a
-  header for an id above every one seen is for a reservation whose
-  ``kv_expect`` is still on its way: its thread waits for it (up to the
-  transfer timeout) instead of dropping it;
+  this one (common/kv_transfer/pairing.py). Rank 0 sends the blocks to the
+  prefill node without waiting for this hand-off, so a header may name a
+  reservation this rank has not heard of yet: reservation ids are never
+  reused, and every reservation's ``kv_expect`` comes before its end here, so
+  an id neither announced nor recently ended is one whose ``kv_expect`` is on
+  its way, and the receiver's thread waits for it (up to the transfer timeout)
+  instead of dropping it;
 - ``kv_commit``: the request joins the batch: the next step on this rank is
   ordered after the last scatter of its blocks;
 - ``kv_close``: the reservation is over (committed, failed or aborted):
@@ -25,6 +28,7 @@ to rank 0, which alone decides the request's fate.
 from __future__ import annotations
 
 import threading
+import time
 
 from common.kv_transfer import KVReceiver, TransferError, TransferState
 from common.kv_transfer.pairing import kv_pairs, receives_of
@@ -45,7 +49,9 @@ class DecodeRank(LandingCore):
         self.receiver: KVReceiver | None = None
         self.reports: ReportClient | None = None
         self.timeout_s = 30.0
-        self._max_seen = 0  # the highest reservation id rank 0 announced
+        # Reservations that ended here, with when: what arrives for them is late.
+        # Kept for twice the transfer timeout (a sender lingers at most one).
+        self._ended: dict[int, float] = {}
         self._announced = threading.Condition()
 
     # ------------------------------------------------------- rank 0's calls
@@ -83,27 +89,24 @@ class DecodeRank(LandingCore):
         )
         with self._announced:
             self._pending[rid] = pending
-            self._max_seen = max(self._max_seen, rid)
             self._announced.notify_all()
         try:
             for pair in self._senders(pending):
-                self.receiver.expect(
-                    pending.peer, rid, pair.sender, payload["epoch"], payload["header_block"]
-                )
+                self.receiver.expect(pending.peer, rid, pair.sender, payload["epoch"])
         except StaleEpoch as e:
             with pending.lock:
                 pending.state = TransferState.FAILED
             self._report("failed", rid, message=str(e))
 
     def kv_commit(self, payload: dict) -> None:
-        pending = self._pending.pop(payload["reservation_id"], None)
+        pending = self._end(payload["reservation_id"])
         if pending is not None:
             self._unexpect(payload["reservation_id"], pending)
             self.order_after_landing(pending)
 
     def kv_close(self, payload: dict) -> None:
         rid = payload["reservation_id"]
-        pending = self._pending.pop(rid, None)
+        pending = self._end(rid)
         if pending is None:
             return  # committed already
         self._unexpect(rid, pending)
@@ -112,11 +115,22 @@ class DecodeRank(LandingCore):
                 pending.state = TransferState.ABORTED
         self.order_after_landing(pending)
 
+    def _end(self, rid: int) -> PendingKV | None:
+        now = time.monotonic()
+        with self._announced:
+            self._ended[rid] = now
+            for old, at in list(self._ended.items()):
+                if now - at <= 2 * self.timeout_s:
+                    break  # insertion order: the rest are newer
+                del self._ended[old]
+            return self._pending.pop(rid, None)
+
     # ---------------------------------------------------- the landing's news
     def _lookup(self, reservation_id: int) -> PendingKV | None:
         with self._announced:
             self._announced.wait_for(
-                lambda: reservation_id <= self._max_seen, timeout=self.timeout_s
+                lambda: reservation_id in self._pending or reservation_id in self._ended,
+                timeout=self.timeout_s,
             )
             return self._pending.get(reservation_id)
 

@@ -17,11 +17,12 @@ whatever the callback queues on that stream (a gather, an event) is ordered
 after layer i's KV writes and before layer i + 1's attention (on piecewise
 graphs the piece before it also ran layer i + 1's projection and KV store).
 
-``step_sampled(token_ids, rows)`` follows on a step it asked layers of and
-whose sequences sample: the sampled ids on the device (``token_ids[j]`` is
-batch row ``rows[j]``'s), queued on the current stream and not yet on the host;
-whatever it queues behind them is ordered after the sampling (a prefill node
-sends a prompt's first token that way, without waiting for the host).
+``step_sampled(samples, rows)`` follows on a step it asked layers of and
+whose sequences sample: the step's ``DeviceSamples`` (engine/layers/sampler.py:
+``samples.token_ids[j]`` is batch row ``rows[j]``'s sample, and the logprobs of
+the rows that asked for them), queued on the current stream and not yet on the
+host; whatever it queues behind them is ordered after the sampling (a prefill
+node sends a prompt's first token that way, without waiting for the host).
 
 With tensor parallelism rank 0's observer sees the batch; an observer on
 another rank is asked with ``batch=None`` (it learnt what the step holds from
@@ -35,8 +36,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    import torch
-
+    from engine.layers.sampler import DeviceSamples
     from engine.scheduler import ScheduledBatch
 
 LayerDone = Callable[[int], None]
@@ -45,4 +45,4 @@ LayerDone = Callable[[int], None]
 class KVWriteObserver(Protocol):
     def begin_step(self, batch: ScheduledBatch | None) -> LayerDone | None: ...
 
-    def step_sampled(self, token_ids: torch.Tensor, rows: list[int]) -> None: ...
+    def step_sampled(self, samples: DeviceSamples, rows: list[int]) -> None: ...

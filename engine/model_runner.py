@@ -329,7 +329,7 @@ class ModelRunner:
                 rows.append(row if row is not None else self._sampling_row(seqs[i]))
             samples = self.sampler.sample(logits_of(hidden), rows)
             if after_layer is not None:  # the observer may send first tokens (kv_writes.py)
-                self.kv_observer.step_sampled(samples.token_ids, sampling)
+                self.kv_observer.step_sampled(samples, sampling)
         prompt_logprobs = None
         for row, start, lo, hi in prompt_parts:
             if prompt_logprobs is None:

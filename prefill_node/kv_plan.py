@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from common.kv_transfer.ticket import Destination, TransferTicket
-from prefill_node.late_blocks import LateBlocks
+from prefill_node.destinations import PendingDestination
 
 
 def layer_spans(
@@ -38,15 +38,15 @@ def layer_spans(
 class Streamed:
     """A request rank 0 streams: its transfer and how far it went."""
 
-    ticket: TransferTicket
+    ticket: TransferTicket  # its destination is set once the decode node's blocks came
     reservation_id: int
-    first_block: int  # the decode node holds the blocks before it
-    num_blocks: int  # the prompt's blocks in all
-    sent_upto: int  # blocks before this went out with an earlier step
-    # The two above until the decode node's reservation came (late_blocks.py).
-    late: LateBlocks | None = None
-    # The decode node asked for the first token on the KV channel (one rank only).
-    first_token: bool = False
+    pending: PendingDestination | None  # the decode node's blocks, until they came
+    first_block: int = 0  # the decode node holds the blocks before it
+    num_blocks: int = 0  # the prompt's blocks in all
+    sent_upto: int = 0  # blocks before this went out with an earlier step
+    # The first token's logprobs it sends with the token: how many best tokens
+    # (-1: none; the request asked for no logprobs).
+    logprobs: int = -1
 
 
 @dataclass(slots=True)
@@ -54,7 +54,7 @@ class StepSegment:
     """One request's blocks that a step completes; every rank sends its heads of them."""
 
     request_id: str
-    dest: Destination
+    dest: Destination | None  # None on rank 0 of a GPU until the blocks came (``pending``)
     reservation_id: int
     block_start: int
     block_end: int
@@ -64,12 +64,14 @@ class StepSegment:
     # Rank 0 on a GPU: the decode node's blocks are still to come; the blocks
     # before its first_block are dropped from the segment once they came
     # (``KVStreamer._resolve``, at the step's first due chunk). Never handed to other ranks.
-    late: LateBlocks | None = None
-    # Rank 0 of one: the batch row whose sample is the prompt's first token,
-    # sent after the segment's chunks (protocol.FLAG_TOKEN), and the prompt
-    # tokens this node served from its cache; -1: no token goes.
+    pending: PendingDestination | None = None
+    # Rank 0: the batch row whose sample is the prompt's first token, sent
+    # after the segment's chunks to decode rank 0 (protocol.FLAG_TOKEN), the
+    # prompt tokens this node served from its cache, and the token's logprobs
+    # (how many best tokens; -1: none); -1: no token goes.
     sample_row: int = -1
     cached_tokens: int = 0
+    logprobs: int = -1
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -15,8 +15,7 @@ group of ``layers_per_chunk`` layers is done (``layer_done``), their KV of
 those blocks and heads is gathered into a fresh buffer (on a GPU on a stream
 of its own: ``_layer_done``) and queued as one chunk; the sender's thread puts
 it on the wire while the next layers compute. After the prompt's last layer
-only its last chunk is left, and the first token if the decode node asked for
-it (first_tokens.py). With ``last_layers`` only a step's last layers
+only its last chunk is left, and the first token (first_tokens.py). With ``last_layers`` only a step's last layers
 stream like this; the layers before them go as one chunk once they all ran
 (``layer_spans`` says why).
 
@@ -26,8 +25,9 @@ requests' destinations) and hands each step's segments to the other ranks
 (prefill_node/tp_rank.py) is asked with no batch and emits its heads of the
 same segments. ``finish`` ends a reservation's stream on every rank the same way.
 
-Blocks that follow (late_blocks.py) are planned without; on a GPU their step's
-groups are prepared at the first due chunk's hook, once they came.
+The decode node's blocks and channel come after the Prefill, or beside it
+(destinations.py): a step is planned without those still to come; on a GPU
+its groups are prepared at the first due chunk's hook, once they came.
 
 Chunked prefill: a block cut by a chunk boundary goes with the chunk that
 fills it. Prefix hits go with the first segment; each layer's chunk is gathered
@@ -47,16 +47,22 @@ import torch
 
 from common.kv_transfer.channel import TransferError
 from common.kv_transfer.pairing import kv_pairs, sends_of
-from common.kv_transfer.protocol import FLAG_TOKEN, SegmentHeader, token_order, wire_order
+from common.kv_transfer.protocol import (
+    FLAG_LOGPROBS,
+    FLAG_TOKEN,
+    SegmentHeader,
+    token_order,
+    wire_order,
+)
 from common.kv_transfer.sender import KVSender
 from common.kv_transfer.ticket import Destination, OutgoingSegment, TransferTicket
 from engine.kv_blocks import block_index, block_runs, cache_copier, gather_blocks, kv_unit_bytes
 from engine.kv_writes import LayerDone
 from engine.scheduler import ScheduledBatch
 from engine.tp_layout import kv_head_range
+from prefill_node.destinations import WAIT_S, PendingDestination
 from prefill_node.first_tokens import FirstTokens
 from prefill_node.kv_plan import StepSegment, Streamed, layer_spans
-from prefill_node.late_blocks import WAIT_S, LateBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -103,14 +109,14 @@ class KVStreamer:
         layer_start, layer_end, per_chunk = self.spans[0]
         self.first_due = min(layer_start + per_chunk, layer_end) - 1
         # Blocks that come after a step's launch are waited for at its first due
-        # chunk (a GPU, one rank: late_blocks.py says why); otherwise before it.
+        # chunk (a GPU, one rank: destinations.py says why); otherwise before it.
         self.defer_blocks = not self.headers_at_once and call_workers is None
         # On a GPU chunks are gathered on a stream of their own (``_layer_done`` says
         # why), on the copy engines where the blocks allow (engine/copy_engine.py).
         self.gather_stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
         self.copier = cache_copier(kv_cache)
         self._streams: dict[str, Streamed] = {}  # rank 0
-        # Decode node -> the channel epoch its latest Prefill named: one step's
+        # Decode node -> the newest channel epoch its blocks named: one step's
         # group for a node is sent on one channel, the newest.
         self._epochs: dict[str, int] = {}
         # The other ranks: rank 0's plan for the next step, and each request's ticket.
@@ -118,51 +124,43 @@ class KVStreamer:
         self._tickets: dict[str, TransferTicket] = {}
         self.first_tokens = FirstTokens(sender)  # the step's, sent once sampled
 
-    def _parts(self, dest: Destination) -> int:
+    def _parts(self, decode_tp: int) -> int:
         """The decode ranks this rank sends to (one pair each: pairing.py)."""
-        pairs = kv_pairs(self.num_kv_heads, self.tp_size, dest.tensor_parallel_size)
+        pairs = kv_pairs(self.num_kv_heads, self.tp_size, decode_tp)
         return len(sends_of(pairs, self.tp_rank))
 
     # ------------------------------------------------------------ rank 0
     def open(
         self,
         request_id: str,
-        dest: Destination,
-        reservation_id: int,
-        first_block: int,
-        num_blocks: int,
+        pending: PendingDestination,
         deadline: float,
         verify: bool,
-        late: LateBlocks | None = None,
-        first_token: bool = False,
+        logprobs: int = -1,
     ) -> TransferTicket:
-        """A Prefill's transfer; with ``late``, ``first_block`` and
-        ``num_blocks`` are the decode node's still to come. ``first_token``: it
-        asked for the first token on the channel (first_tokens.py), which goes
-        between nodes of one rank only; elsewhere it comes with the reply."""
-        ticket = TransferTicket(request_id, dest, deadline, verify, self._parts(dest))
-        self._epochs[dest.node_id] = dest.epoch
+        """A Prefill's transfer, bound for where ``pending`` says once the decode
+        node's blocks came. ``logprobs``: how many best tokens the first token's
+        message carries with its own logprob (-1: none)."""
+        parts = self._parts(pending.decode_tp)
+        ticket = TransferTicket(request_id, None, deadline, verify, parts)
         self._streams[request_id] = Streamed(
-            ticket,
-            reservation_id,
-            first_block,
-            num_blocks,
-            first_block,
-            late,
-            first_token and self.tp_size == 1 and dest.tensor_parallel_size == 1,
+            ticket, pending.reservation_id, pending, logprobs=logprobs
         )
         return ticket
 
-    def finish(self, request_id: str, dest: Destination | None, reservation_id: int) -> None:
+    def finish(
+        self, request_id: str, dest: Destination | None, reservation_id: int, digest: bytes = b""
+    ) -> None:
         """A Prefill is done, whatever became of it: nothing more of it goes out but its
         end headers, behind all it queued, from every rank (none for ``dest`` None: a
-        router's Prefill whose blocks never came). Called exactly once per Prefill."""
+        Prefill whose blocks never came or did not fit: the board ends that stream).
+        ``digest``: the chunks' chained checksum (--verify-kv). Called exactly once per Prefill."""
         streamed = self._streams.pop(request_id, None)
         if streamed is not None:
             streamed.ticket.cancel()  # a no-op once settled
         if dest is None:
             return
-        self.end(dest, reservation_id)
+        self.end(dest, reservation_id, digest)
         if self.call_workers is not None:
             self.call_workers(
                 "kv_finish",
@@ -173,11 +171,11 @@ class KVStreamer:
                 },
             )
 
-    def end(self, dest: Destination, reservation_id: int) -> None:
+    def end(self, dest: Destination, reservation_id: int, digest: bytes = b"") -> None:
         pairs = kv_pairs(self.num_kv_heads, self.tp_size, dest.tensor_parallel_size)
         for pair in sends_of(pairs, self.tp_rank):
             heads = (pair.head_start, pair.head_end)
-            self.sender.end(dest, reservation_id, pair.receiver, heads)
+            self.sender.end(dest, reservation_id, pair.receiver, heads, digest)
 
     # ------------------------------------------------------ other ranks
     def follow_step(self, segments: list[StepSegment]) -> None:
@@ -200,9 +198,8 @@ class KVStreamer:
         """Rank 0's ticket of the segment's request; another rank's, made at its first segment."""
         ticket = self._known_ticket(seg.request_id)
         if ticket is None and self.tp_rank != 0:
-            ticket = TransferTicket(
-                seg.request_id, seg.dest, seg.deadline, False, self._parts(seg.dest)
-            )
+            parts = self._parts(seg.dest.tensor_parallel_size)
+            ticket = TransferTicket(seg.request_id, seg.dest, seg.deadline, False, parts)
             self._tickets[seg.request_id] = ticket
         return ticket
 
@@ -224,20 +221,16 @@ class KVStreamer:
             streamed = self._streams.get(seq.request_id)
             if streamed is None or not streamed.ticket.alive:
                 continue
-            dest = streamed.ticket.dest
-            if dest.epoch != self._epochs.get(dest.node_id):
-                streamed.ticket.fail(
-                    TransferError(f"the KV channel to {dest.node_id} moved on to a newer epoch")
-                )
+            pending = streamed.pending
+            if pending is not None and (pending.ready or not self.defer_blocks):
+                if not self._take_blocks(streamed, until):
+                    continue
+                pending = None
+            if pending is None and not self._current(streamed):
                 continue
             end = seq.num_computed_tokens + num_new
             final = end >= seq.num_prompt_tokens
-            late = streamed.late
-            if late is not None and (late.ready or not self.defer_blocks):
-                if not self._take_blocks(streamed, until):
-                    continue
-                late = None
-            if final and late is None and len(seq.block_table) != streamed.num_blocks:
+            if final and pending is None and len(seq.block_table) != streamed.num_blocks:
                 streamed.ticket.fail(
                     ValueError(
                         f"the decode node reserved {streamed.num_blocks} blocks, the prompt "
@@ -253,32 +246,49 @@ class KVStreamer:
             plan.append(
                 StepSegment(
                     seq.request_id,
-                    dest,
+                    streamed.ticket.dest,
                     streamed.reservation_id,
                     start,
                     stop,
                     final,
                     list(seq.block_table[start:stop]),
                     streamed.ticket.deadline,
-                    late,
-                    row if final and streamed.first_token else -1,
+                    pending,
+                    row if final else -1,
                     max(0, seq.num_cached_tokens),  # -1: not admitted yet (never here)
+                    streamed.logprobs,
                 )
             )
         return plan
 
+    def _current(self, streamed: Streamed) -> bool:
+        """Whether the request's channel is its decode node's newest (else its
+        ticket fails: nothing sent on an older epoch would land)."""
+        dest = streamed.ticket.dest
+        if dest.epoch == self._epochs.get(dest.node_id):
+            return True
+        streamed.ticket.fail(
+            TransferError(f"the KV channel to {dest.node_id} moved on to a newer epoch")
+        )
+        return False
+
     def _take_blocks(self, streamed: Streamed, until: float) -> bool:
-        """The decode node's blocks into ``streamed``, waiting for them until
-        ``until`` (time.monotonic(): one bound for all of a step's waits) if need
-        be; False (its ticket failed) when none come."""
-        late, ticket = streamed.late, streamed.ticket
-        streamed.late = None
+        """The decode node's blocks and channel into ``streamed``, waiting for
+        them until ``until`` (time.monotonic(): one bound for all of a step's
+        waits) if need be; False (its ticket failed) when none come."""
+        pending, ticket = streamed.pending, streamed.ticket
+        streamed.pending = None
         try:
             wait_s = max(0.0, min(until, ticket.deadline) - time.monotonic())
-            streamed.first_block, streamed.num_blocks = late.wait(wait_s)
+            dest = pending.wait(wait_s)
         except Exception as e:  # TransferError or ValueError, the Prefill's failure
             ticket.fail(e)
             return False
+        ticket.dest = dest
+        streamed.first_block, streamed.num_blocks = pending.first_block, pending.num_blocks
+        # The decode node's epochs only grow: the newest its blocks named is its channel.
+        if dest.epoch > self._epochs.get(dest.node_id, -1):
+            self._epochs[dest.node_id] = dest.epoch
         return True
 
     def _resolve(self, plan: list[StepSegment]) -> list[StepSegment]:
@@ -287,18 +297,24 @@ class KVStreamer:
         resolved = []
         until = time.monotonic() + WAIT_S
         for seg in plan:
-            if seg.late is not None:
+            if seg.pending is not None:
                 streamed = self._streams.get(seg.request_id)
                 if streamed is None or not streamed.ticket.alive:
                     continue
-                if streamed.late is not None and not self._take_blocks(streamed, until):
+                if streamed.pending is not None and not self._take_blocks(streamed, until):
+                    continue
+                if not self._current(streamed):
                     continue
                 start = max(seg.block_start, streamed.first_block)
                 if start >= seg.block_end:
                     continue
                 cut = start - seg.block_start
                 seg = dataclasses.replace(
-                    seg, block_start=start, block_ids=seg.block_ids[cut:], late=None
+                    seg,
+                    dest=streamed.ticket.dest,
+                    block_start=start,
+                    block_ids=seg.block_ids[cut:],
+                    pending=None,
                 )
             resolved.append(seg)
         return resolved
@@ -332,7 +348,7 @@ class KVStreamer:
         def layer_done(layer: int) -> None:
             nonlocal pending, due, first_due
             if pending is None:
-                if layer < self.first_due and any(s.late and not s.late.ready for s in plan):
+                if layer < self.first_due and any(s.pending and not s.pending.ready for s in plan):
                     return  # nothing is due before then: the blocks may come meanwhile
                 pending, due = self._prepare_or_fail(self._resolve(plan))
                 first_due = min(due, default=0)
@@ -378,7 +394,17 @@ class KVStreamer:
                     (seg.dest, pair.receiver), [[] for _ in self.spans]
                 )
                 for span, (layer_start, layer_end, per_chunk) in enumerate(self.spans):
-                    token = seg.sample_row >= 0 and layer_end == self.num_layers
+                    # The first token goes to decode rank 0, from rank 0 (which
+                    # sampled it; it holds KV head 0 as that decode rank does).
+                    token = (
+                        seg.sample_row >= 0
+                        and layer_end == self.num_layers
+                        and self.tp_rank == 0
+                        and pair.receiver == 0
+                    )
+                    flags = 0
+                    if token:
+                        flags = FLAG_TOKEN | (FLAG_LOGPROBS if seg.logprobs >= 0 else 0)
                     header = SegmentHeader(
                         seg.reservation_id,
                         seg.block_start,
@@ -389,11 +415,12 @@ class KVStreamer:
                         pair.head_start,
                         pair.head_end,
                         self.unit_bytes,
-                        flags=FLAG_TOKEN if token else 0,
+                        flags=flags,
                         cached_tokens=seg.cached_tokens if token else 0,
+                        top_logprobs=max(0, seg.logprobs) if token else 0,
                     )
                     segment = OutgoingSegment(header, ticket, seg.final)
-                    per_span[span].append((segment, idx, seg.sample_row))
+                    per_span[span].append((segment, idx, seg.sample_row, seg.logprobs))
         groups = []
         due: dict[int, list] = defaultdict(list)
         for (dest, receiver), per_span in members_of.items():
@@ -402,11 +429,12 @@ class KVStreamer:
             groups.append(group)
             headers = [m[0].header for m in members]
             for i, desc in wire_order(headers):
-                segment, idx, _ = members[i]
+                segment, idx, _, _ = members[i]
                 last = segment.final and desc.layer_end == self.num_layers
                 due[desc.layer_end - 1].append((group, segment, desc, idx, last))
             for i in token_order(headers):
-                self.first_tokens.add(group, members[i][0], members[i][2])
+                segment, _, row, logprobs = members[i]
+                self.first_tokens.add(group, segment, row, logprobs)
         return groups, due
 
     def _post(self, groups: list) -> None:
@@ -446,5 +474,5 @@ class KVStreamer:
         if gather is not None and layer == self.num_layers - 1:
             torch.cuda.current_stream(gather.device).wait_stream(gather)
 
-    def step_sampled(self, token_ids: torch.Tensor, rows: list[int]) -> None:
-        self.first_tokens.send(token_ids, rows)
+    def step_sampled(self, samples, rows: list[int]) -> None:
+        self.first_tokens.send(samples, rows)

@@ -18,22 +18,24 @@ class NodeFlushResponse(_message.Message):
     def __init__(self, blocks_flushed: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "prefill", "resume_offset", "prefill_reservation_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "prefill", "resume_offset", "reservation_id", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
     cache_salt: str
     prefill: NodeRef
     resume_offset: int
-    prefill_reservation_id: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., prefill: _Optional[_Union[NodeRef, _Mapping]] = ..., resume_offset: _Optional[int] = ..., prefill_reservation_id: _Optional[int] = ...) -> None: ...
+    reservation_id: int
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., prefill: _Optional[_Union[NodeRef, _Mapping]] = ..., resume_offset: _Optional[int] = ..., reservation_id: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class SessionCommand(_message.Message):
     __slots__ = ("start", "cancel")
@@ -52,12 +54,12 @@ class SessionStart(_message.Message):
     def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class SessionBatch(_message.Message):
-    __slots__ = ("events", "takes_dispatched")
+    __slots__ = ("events", "protocol_version")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
-    TAKES_DISPATCHED_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[SessionEvent]
-    takes_dispatched: bool
-    def __init__(self, events: _Optional[_Iterable[_Union[SessionEvent, _Mapping]]] = ..., takes_dispatched: _Optional[bool] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, events: _Optional[_Iterable[_Union[SessionEvent, _Mapping]]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("request_id", "response", "end")
@@ -90,26 +92,26 @@ class NodeRef(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "destination", "resume_offset", "blocks_follow", "first_token_on_kv", "dispatched")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "resume_offset", "decode_node_id", "decode_tensor_parallel_size", "reservation_id", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
-    DESTINATION_FIELD_NUMBER: _ClassVar[int]
     RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
-    BLOCKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_ON_KV_FIELD_NUMBER: _ClassVar[int]
-    DISPATCHED_FIELD_NUMBER: _ClassVar[int]
+    DECODE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
     cache_salt: str
-    destination: KVDestination
     resume_offset: int
-    blocks_follow: bool
-    first_token_on_kv: bool
-    dispatched: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., resume_offset: _Optional[int] = ..., blocks_follow: _Optional[bool] = ..., first_token_on_kv: _Optional[bool] = ..., dispatched: _Optional[bool] = ...) -> None: ...
+    decode_node_id: str
+    decode_tensor_parallel_size: int
+    reservation_id: int
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resume_offset: _Optional[int] = ..., decode_node_id: _Optional[str] = ..., decode_tensor_parallel_size: _Optional[int] = ..., reservation_id: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class PrefillSessionCommand(_message.Message):
     __slots__ = ("start", "cancel", "blocks")
@@ -121,18 +123,6 @@ class PrefillSessionCommand(_message.Message):
     blocks: PrefillBlocks
     def __init__(self, start: _Optional[_Union[PrefillSessionStart, _Mapping]] = ..., cancel: _Optional[str] = ..., blocks: _Optional[_Union[PrefillBlocks, _Mapping]] = ...) -> None: ...
 
-class PrefillBlocks(_message.Message):
-    __slots__ = ("request_id", "first_block", "num_blocks", "destination")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
-    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    DESTINATION_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    first_block: int
-    num_blocks: int
-    destination: KVDestination
-    def __init__(self, request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
-
 class PrefillSessionStart(_message.Message):
     __slots__ = ("request", "timeout_s")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -141,17 +131,41 @@ class PrefillSessionStart(_message.Message):
     timeout_s: float
     def __init__(self, request: _Optional[_Union[PrefillRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
+class PrefillBlocks(_message.Message):
+    __slots__ = ("request_id", "reservation_id", "first_block", "num_blocks", "channel")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reservation_id: int
+    first_block: int
+    num_blocks: int
+    channel: KVChannel
+    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., channel: _Optional[_Union[KVChannel, _Mapping]] = ...) -> None: ...
+
+class KVChannel(_message.Message):
+    __slots__ = ("node_id", "store_host", "store_port", "epoch", "tensor_parallel_size")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    store_host: str
+    store_port: int
+    epoch: int
+    tensor_parallel_size: int
+    def __init__(self, node_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., epoch: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+
 class PrefillSessionBatch(_message.Message):
-    __slots__ = ("events", "blocks_follow", "dispatched", "header_block")
+    __slots__ = ("events", "protocol_version")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
-    BLOCKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
-    DISPATCHED_FIELD_NUMBER: _ClassVar[int]
-    HEADER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[PrefillSessionEvent]
-    blocks_follow: bool
-    dispatched: bool
-    header_block: bool
-    def __init__(self, events: _Optional[_Iterable[_Union[PrefillSessionEvent, _Mapping]]] = ..., blocks_follow: _Optional[bool] = ..., dispatched: _Optional[bool] = ..., header_block: _Optional[bool] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, events: _Optional[_Iterable[_Union[PrefillSessionEvent, _Mapping]]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class PrefillSessionEvent(_message.Message):
     __slots__ = ("request_id", "response", "end")
@@ -163,46 +177,18 @@ class PrefillSessionEvent(_message.Message):
     end: SessionEnd
     def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[PrefillResponse, _Mapping]] = ..., end: _Optional[_Union[SessionEnd, _Mapping]] = ...) -> None: ...
 
-class KVDestination(_message.Message):
-    __slots__ = ("node_id", "store_host", "store_port", "channel_epoch", "reservation_id", "first_block", "num_blocks", "tensor_parallel_size", "header_block")
-    NODE_ID_FIELD_NUMBER: _ClassVar[int]
-    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
-    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
-    CHANNEL_EPOCH_FIELD_NUMBER: _ClassVar[int]
-    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
-    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
-    HEADER_BLOCK_FIELD_NUMBER: _ClassVar[int]
-    node_id: str
-    store_host: str
-    store_port: int
-    channel_epoch: int
-    reservation_id: int
-    first_block: int
-    num_blocks: int
-    tensor_parallel_size: int
-    header_block: bool
-    def __init__(self, node_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., channel_epoch: _Optional[int] = ..., reservation_id: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., header_block: _Optional[bool] = ...) -> None: ...
-
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprobs", "cached_tokens", "queue_ms", "compute_ms", "transfer_ms", "transfer_bytes", "kv_checksum", "node_ms")
-    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("cached_tokens", "queue_ms", "compute_ms", "transfer_ms", "transfer_bytes", "node_ms")
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
-    KV_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     NODE_MS_FIELD_NUMBER: _ClassVar[int]
-    first_token_id: int
-    first_logprobs: _pdserve_pb2.TokenLogprobs
     cached_tokens: int
     queue_ms: float
     compute_ms: float
     transfer_ms: float
     transfer_bytes: int
-    kv_checksum: bytes
     node_ms: float
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_pdserve_pb2.TokenLogprobs, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., kv_checksum: _Optional[bytes] = ..., node_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., node_ms: _Optional[float] = ...) -> None: ...

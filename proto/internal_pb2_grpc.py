@@ -4,7 +4,6 @@ import grpc
 import warnings
 
 from proto import internal_pb2 as proto_dot_internal__pb2
-from proto import pdserve_pb2 as proto_dot_pdserve__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -27,8 +26,16 @@ if _version_not_supported:
 
 
 class DecodeNodeStub:
-    """A decode node: reserves KV, has a prefill node fill it (or prefills
-    itself), decodes in its continuous batch and streams the outputs.
+    """The cluster's one disaggregated protocol (docs/architecture.md, "A
+    request's life"). Every call below is a session: one long-lived bidi call
+    per pair of processes, many requests over it. A client opens one with the
+    metadata key "pdserve-protocol-version" set to its PROTOCOL_VERSION
+    (common/version.py); a server of another version refuses the call with
+    FAILED_PRECONDITION naming both versions, and the server's first batch
+    names its own (the client checks it the same way).
+
+    A decode node: reserves KV for a prompt a prefill node computes (or
+    prefills it itself), decodes in its continuous batch and streams the outputs.
     """
 
     def __init__(self, channel):
@@ -37,11 +44,6 @@ class DecodeNodeStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Decode = channel.unary_stream(
-                '/pdserve.v1.DecodeNode/Decode',
-                request_serializer=proto_dot_internal__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.GenerateResponse.FromString,
-                _registered_method=True)
         self.DecodeSession = channel.stream_stream(
                 '/pdserve.v1.DecodeNode/DecodeSession',
                 request_serializer=proto_dot_internal__pb2.SessionCommand.SerializeToString,
@@ -50,25 +52,24 @@ class DecodeNodeStub:
 
 
 class DecodeNodeServicer:
-    """A decode node: reserves KV, has a prefill node fill it (or prefills
-    itself), decodes in its continuous batch and streams the outputs.
-    """
+    """The cluster's one disaggregated protocol (docs/architecture.md, "A
+    request's life"). Every call below is a session: one long-lived bidi call
+    per pair of processes, many requests over it. A client opens one with the
+    metadata key "pdserve-protocol-version" set to its PROTOCOL_VERSION
+    (common/version.py); a server of another version refuses the call with
+    FAILED_PRECONDITION naming both versions, and the server's first batch
+    names its own (the client checks it the same way).
 
-    def Decode(self, request, context):
-        """One request's whole life. The stream carries the public GenerateResponse
-        messages, which the router relays as they are. Cancelling the call
-        aborts the request (and its prefill) and frees its blocks.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+    A decode node: reserves KV for a prompt a prefill node computes (or
+    prefills it itself), decodes in its continuous batch and streams the outputs.
+    """
 
     def DecodeSession(self, request_iterator, context):
         """Many requests over one long-lived call, one per router and node: each
         request's start and cancel go up as commands, and what the node's loop
         has for all of them comes down as one batch (one engine step's messages,
-        usually). Each request's messages are Decode's, in order, then its end.
-        The call ending (either side) ends every request still on it.
+        usually). A request's messages are GenerateResponses, in order, then its
+        end. The call ending (either side) ends every request still on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -77,11 +78,6 @@ class DecodeNodeServicer:
 
 def add_DecodeNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Decode': grpc.unary_stream_rpc_method_handler(
-                    servicer.Decode,
-                    request_deserializer=proto_dot_internal__pb2.DecodeRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
-            ),
             'DecodeSession': grpc.stream_stream_rpc_method_handler(
                     servicer.DecodeSession,
                     request_deserializer=proto_dot_internal__pb2.SessionCommand.FromString,
@@ -96,36 +92,17 @@ def add_DecodeNodeServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class DecodeNode:
-    """A decode node: reserves KV, has a prefill node fill it (or prefills
-    itself), decodes in its continuous batch and streams the outputs.
-    """
+    """The cluster's one disaggregated protocol (docs/architecture.md, "A
+    request's life"). Every call below is a session: one long-lived bidi call
+    per pair of processes, many requests over it. A client opens one with the
+    metadata key "pdserve-protocol-version" set to its PROTOCOL_VERSION
+    (common/version.py); a server of another version refuses the call with
+    FAILED_PRECONDITION naming both versions, and the server's first batch
+    names its own (the client checks it the same way).
 
-    @staticmethod
-    def Decode(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/pdserve.v1.DecodeNode/Decode',
-            proto_dot_internal__pb2.DecodeRequest.SerializeToString,
-            proto_dot_pdserve__pb2.GenerateResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
+    A decode node: reserves KV for a prompt a prefill node computes (or
+    prefills it itself), decodes in its continuous batch and streams the outputs.
+    """
 
     @staticmethod
     def DecodeSession(request_iterator,
@@ -165,11 +142,6 @@ class PrefillNodeStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
-                '/pdserve.v1.PrefillNode/Prefill',
-                request_serializer=proto_dot_internal__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=proto_dot_internal__pb2.PrefillResponse.FromString,
-                _registered_method=True)
         self.PrefillSession = channel.stream_stream(
                 '/pdserve.v1.PrefillNode/PrefillSession',
                 request_serializer=proto_dot_internal__pb2.PrefillSessionCommand.SerializeToString,
@@ -181,23 +153,14 @@ class PrefillNodeServicer:
     """A prefill node: computes prompts and pushes their KV to decode nodes.
     """
 
-    def Prefill(self, request, context):
-        """Computes the prompt's uncached part, streaming its KV blocks to the
-        destination over the pair channel layer by layer as they are computed,
-        samples the first token, and replies once the last chunk is out.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def PrefillSession(self, request_iterator, context):
-        """Many Prefills over one long-lived call, one per decode node and prefill
-        node: each request's start and cancel go up as commands, and the node's
-        events for all of them come down in batches. A request's events are its
-        reply (what Prefill would return), then its end (the status Prefill would
-        have ended with). The call ending (either side) ends every request on it.
-        Why: a message on an open call costs both nodes' loops less than a new
-        call, and the call's two legs are on every disaggregated request's TTFT.
+        """Many Prefills over one long-lived call: a router keeps one per prefill
+        node for the Prefills it sends, a decode node one for the blocks it
+        reserves for them. A Prefill computes the prompt's uncached part and
+        streams its KV layer by layer, then its first token, over the pair
+        channel the decode node's blocks name; its events are its reply (the
+        Prefill's own figures), then its end (OK, or the status it failed with).
+        The call ending (either side) ends every request on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -206,11 +169,6 @@ class PrefillNodeServicer:
 
 def add_PrefillNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
-                    servicer.Prefill,
-                    request_deserializer=proto_dot_internal__pb2.PrefillRequest.FromString,
-                    response_serializer=proto_dot_internal__pb2.PrefillResponse.SerializeToString,
-            ),
             'PrefillSession': grpc.stream_stream_rpc_method_handler(
                     servicer.PrefillSession,
                     request_deserializer=proto_dot_internal__pb2.PrefillSessionCommand.FromString,
@@ -227,33 +185,6 @@ def add_PrefillNodeServicer_to_server(servicer, server):
 class PrefillNode:
     """A prefill node: computes prompts and pushes their KV to decode nodes.
     """
-
-    @staticmethod
-    def Prefill(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.PrefillNode/Prefill',
-            proto_dot_internal__pb2.PrefillRequest.SerializeToString,
-            proto_dot_internal__pb2.PrefillResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def PrefillSession(request_iterator,

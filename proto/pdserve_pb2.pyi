@@ -184,22 +184,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., prefill_node: _Optional[str] = ..., decode_node: _Optional[str] = ..., timing: _Optional[_Union[TimingBreakdown, _Mapping]] = ...) -> None: ...
 
 class TimingBreakdown(_message.Message):
-    __slots__ = ("prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms", "decode_first_output_ms", "decode_admit_ms", "prefill_call_ms", "prefill_node_ms")
+    __slots__ = ("prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms", "decode_first_output_ms", "decode_admit_ms", "kv_wait_ms", "prefill_node_ms")
     PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIRST_OUTPUT_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADMIT_MS_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_CALL_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_MS_FIELD_NUMBER: _ClassVar[int]
     prefill_queue_ms: float
     prefill_compute_ms: float
     kv_transfer_ms: float
     decode_first_output_ms: float
     decode_admit_ms: float
-    prefill_call_ms: float
+    kv_wait_ms: float
     prefill_node_ms: float
-    def __init__(self, prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., decode_first_output_ms: _Optional[float] = ..., decode_admit_ms: _Optional[float] = ..., prefill_call_ms: _Optional[float] = ..., prefill_node_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., decode_first_output_ms: _Optional[float] = ..., decode_admit_ms: _Optional[float] = ..., kv_wait_ms: _Optional[float] = ..., prefill_node_ms: _Optional[float] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("completions", "usage")

@@ -30,10 +30,8 @@ from common.tls import TLSConfig, add_tls_arguments
 from engine.config import EngineConfig
 from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2
 from router.admin.service import AdminServicer
-from router.dispatch import PrefillDispatch
 from router.frontend import Frontend
 from router.metrics import RouterCollector
-from router.node_session import NodeStreams
 from router.policy import RoutingConfig, RoutingPolicy
 from router.routing import Routing
 from router.service import RouterServicer
@@ -159,28 +157,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=env("PDSERVE_NO_ACCESS_LOG") == "1",
         help="no INFO line per request [PDSERVE_NO_ACCESS_LOG=1]",
     )
-    p.add_argument(
-        "--node-streams",
-        type=NodeStreams,
-        choices=list(NodeStreams),
-        # A string: argparse converts it like a flag's value (a bad one is a usage error).
-        default=env("PDSERVE_NODE_STREAMS", NodeStreams.SESSION.value),
-        help="session: every request to a decode node over one DecodeSession call per node, "
-        "the node's messages batched per engine step; call: one Decode call per request "
-        "(what nodes of older releases serve; session falls back to it by itself) "
-        "[PDSERVE_NODE_STREAMS]",
-    )
-    p.add_argument(
-        "--prefill-dispatch",
-        type=PrefillDispatch,
-        choices=list(PrefillDispatch),
-        default=env("PDSERVE_PREFILL_DISPATCH", PrefillDispatch.ROUTER.value),
-        help="router: the router sends a disaggregated request's Prefill to the prefill node "
-        "itself, beside the request to the decode node, where it can (sessions, nodes of one "
-        "rank, no logprobs, nothing else of this router's on the decode node; "
-        "router/dispatch.py); decode: the decode node sends it, once it admitted the request "
-        "[PDSERVE_PREFILL_DISPATCH]",
-    )
     add_metrics_arguments(p)
     add_gc_arguments(p)
     add_routing_arguments(p)
@@ -266,8 +242,6 @@ async def serve(args: argparse.Namespace) -> int:
         routing,
         tls=tls,
         access_log=not args.no_access_log,
-        node_streams=args.node_streams,
-        dispatch_prefills=args.prefill_dispatch is PrefillDispatch.ROUTER,
     )
 
     # Clients' mistakes get INVALID_ARGUMENT naming them, even those the servicer

@@ -3,20 +3,17 @@ request to that node a message on it (decode_node/session.py is the other end).
 
 Life of a request here: ``NodeSession.start`` writes the request's ``start``
 command on the node's session (opening the session first if it has none) and
-returns a ``SessionCall``, which router/relay.py reads exactly like a Decode
+returns a ``SessionCall``, which router/relay.py reads like a server-streaming
 call: ``read()`` gives the request's messages, then ``grpc.aio.EOF``, or raises
-the ``grpc.aio.AioRpcError`` its Decode call would have raised (the failed
-prefill node in its trailing metadata, as the node puts it there);
+a ``grpc.aio.AioRpcError`` with the request's end status (the failed prefill
+node in its trailing metadata, as the node names it in the end event);
 ``cancel()`` sends a ``cancel`` command. The session's one reader task takes
 each batch off the call and hands every event to its request.
 
 When the session's call ends under its requests (the node died, restarted or
-stopped), each of them fails with UNAVAILABLE, as its own call would have:
-the router retries or migrates it as usual, and the next request opens a new
-session. Opening one waits for the node's first (empty) batch before anything
-is written. A node that does not serve DecodeSession (an older release)
-answers UNIMPLEMENTED instead: its requests, those waiting for that answer
-included, then use Decode calls, the way a router did before sessions.
+stopped), each of them fails with UNAVAILABLE: the router retries or migrates
+it as usual, and the next request opens a new session. Opening one waits for
+the node's first batch (its protocol version) before anything is written.
 
 The machinery (opening, writes, cancels, the reader, the loss) is
 common/sessions/client.py's, shared with the decode node's PrefillSession.
@@ -31,28 +28,17 @@ request, which is most of a node's and a router's per-token work
 from __future__ import annotations
 
 import asyncio
-import enum
 from collections import deque
 
 import grpc
 
 from common.runtime.reliability import FAILED_NODE_KEY
-from common.sessions.client import CODES, OK_CODE, SessionClient, status_error
+from common.sessions.client import CODES, OK_CODE, VERSION_METADATA, SessionClient, status_error
 from proto import internal_pb2, internal_pb2_grpc
 
 
-class NodeStreams(enum.Enum):
-    """How the router streams requests from decode nodes (--node-streams)."""
-
-    SESSION = "session"  # many requests over one DecodeSession per node
-    CALL = "call"  # one Decode call per request
-
-    def __str__(self) -> str:  # argparse shows choices by str()
-        return self.value
-
-
 class SessionCall:
-    """One request on a node's session, read like its own Decode call."""
+    """One request on a node's session, read like a call of its own."""
 
     __slots__ = (
         "_answered",
@@ -81,7 +67,7 @@ class SessionCall:
                 raise asyncio.CancelledError
             self._waiter = asyncio.get_running_loop().create_future()
             try:
-                await self._waiter  # a cancel() cancels it: CancelledError, as a Decode call's read
+                await self._waiter  # a cancel() cancels it: CancelledError, as a call's read
             finally:
                 self._waiter = None
         item = self._items.popleft()
@@ -90,7 +76,7 @@ class SessionCall:
         return item
 
     def cancel(self) -> bool:
-        """Abort the request on the node (a no-op once it ended), as a Decode call's cancel."""
+        """Abort the request on the node (a no-op once it ended)."""
         if self._ended or self._cancelled:
             return False
         self._cancelled = True
@@ -142,28 +128,21 @@ class NodeSession(SessionClient):
     """The router's session with one decode node (opened on first use, reopened after a loss)."""
 
     kind = "decode node"
-    call_name = "DecodeSession"
-    fallback = "Decode"
 
     def __init__(self, channel: grpc.aio.Channel, node_id: str) -> None:
         super().__init__(node_id)
         self._stub = internal_pb2_grpc.DecodeNodeStub(channel)
         self._calls: dict[str, SessionCall] = {}
-        # The open session's node takes requests whose Prefill the router sends
-        # (its first batch said so); False while none is open.
-        self.takes_dispatched = False
 
     async def start(self, command: internal_pb2.SessionCommand, timeout: float | None):
-        """The stream of ``command.start.request``: a SessionCall, or a Decode call
-        where the node has no sessions. The request is built in the command
-        (``command.start.request``): putting a finished DecodeRequest into one
+        """The stream of ``command.start.request`` as a SessionCall. The request
+        is built in the command: putting a finished DecodeRequest into one
         copies it, its prompt's ids included."""
         request = command.start.request
         call = SessionCall(self, request)
         try:
-            if not await self._opened():
-                return self._stub.Decode(request, timeout=timeout)
-        except grpc.aio.AioRpcError as e:  # the node did not answer: what its own call would say
+            await self._opened()
+        except grpc.aio.AioRpcError as e:  # the node did not answer, or refused the session
             call._end(e)
             return call
         self._calls[request.request_id] = call
@@ -183,10 +162,7 @@ class NodeSession(SessionClient):
 
     # ------------------------------------------------ SessionClient's hooks
     def _new_call(self):
-        return self._stub.DecodeSession()
-
-    def _on_hello(self, hello: internal_pb2.SessionBatch | None) -> None:
-        self.takes_dispatched = hello is not None and hello.takes_dispatched
+        return self._stub.DecodeSession(metadata=VERSION_METADATA)
 
     def _cancel_command(self, rid: str) -> internal_pb2.SessionCommand:
         return internal_pb2.SessionCommand(cancel=rid)
@@ -208,7 +184,7 @@ class NodeSession(SessionClient):
 
 
 def _ending(end: internal_pb2.SessionEnd):
-    """A request's end event as what its Decode call's read would give: EOF, or its error."""
+    """A request's end event as what a call's read gives: EOF, or its error."""
     if end.code == OK_CODE:
         return grpc.aio.EOF
     trailing = ((FAILED_NODE_KEY, end.failed_node),) if end.failed_node else ()

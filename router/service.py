@@ -15,12 +15,12 @@ from common.grpc_server import CLIENT_OPTIONS
 from common.runtime.reliability import FAILED_NODE_KEY as _FAILED_NODE_KEY
 from common.tls import NO_TLS, TLSConfig, make_channel
 from common.wire import prefill_reply_timings
-from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
+from proto import internal_pb2, pdserve_pb2, pdserve_pb2_grpc
 from router.access_log import AccessEntry, log_access
-from router.dispatch import PrefillDispatcher, eligible, failed_by_prefill
+from router.dispatch import PrefillDispatcher, failed_by_prefill
 from router.frontend import Frontend
 from router.migration import Seam, StreamProgress, held_back, migratable
-from router.node_session import NodeSession, NodeStreams, SessionCall
+from router.node_session import NodeSession
 from router.policy import NoRoute
 from router.relay import node_messages
 from router.routing import Routing
@@ -37,9 +37,6 @@ PROBE_TTL_S = 1.0
 # (its grpc-timeout counted from when the call arrived) ends this much later at
 # most, so a cancel this close to it is the deadline's doing.
 DEADLINE_SLACK_S = 0.25
-# How long a Final waits for the reply of the Prefill the router sent (its
-# timings), which comes about when the first token does.
-REPLY_WAIT_S = 2.0
 _DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
@@ -59,18 +56,15 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         routing: Routing,
         tls: TLSConfig = NO_TLS,
         access_log: bool = True,
-        node_streams: NodeStreams = NodeStreams.SESSION,
-        dispatch_prefills: bool = True,
     ) -> None:
         self.frontend = frontend
-        self.node_streams = node_streams
         self.access_log = access_log  # one INFO line per request (router/access_log.py)
         self.routing = routing
         self.tls = tls  # for the calls to nodes (Decode, and the admin API's NodeControl)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._sessions: dict[str, NodeSession] = {}  # by decode node address
-        # --prefill-dispatch router: Prefills sent from here (router/dispatch.py).
-        self.dispatcher = PrefillDispatcher(self.channel) if dispatch_prefills else None
+        # Disaggregated requests' Prefills, sent from here (router/dispatch.py).
+        self.dispatcher = PrefillDispatcher(self.channel)
         # Per node address: when its last liveness probe started, and the probe.
         self._probes: dict[str, tuple[float, asyncio.Future]] = {}
 
@@ -265,14 +259,14 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
     async def close(self) -> None:
         for session in self._sessions.values():
             await session.close()
-        if self.dispatcher is not None:
-            await self.dispatcher.close()
+        await self.dispatcher.close()
         for channel in self._channels.values():
             await channel.close()
 
 
 class _Attempt:
-    """One try at a request: a Decode stream on the chosen nodes, relayed."""
+    """One try at a request: its stream from the chosen decode node (and its
+    Prefill to the chosen prefill node), relayed."""
 
     def __init__(
         self, servicer, routed, parsed, request, client_id, deadline, trace, progress
@@ -290,15 +284,12 @@ class _Attempt:
         self.status = grpc.StatusCode.CANCELLED
         self.usage = None
         self.error: grpc.aio.AioRpcError | None = None
-        self.channel: grpc.aio.Channel | None = None
-        self.prefill_reply: asyncio.Future | None = None  # the Prefill sent from here
+        self.prefill_reply: asyncio.Future | None = None  # the Prefill's, where there is one
 
-    async def relay(self):
+    def downstream(self, command: internal_pb2.SessionCommand) -> internal_pb2.DecodeRequest:
+        """The request to the decode node, built inside its start command (no copy)."""
         route = self.routed.decision
-        on_session = self.servicer.node_streams is NodeStreams.SESSION
-        command = internal_pb2.SessionCommand() if on_session else None
-        # On a session the request is built inside its start command (no copy).
-        downstream = command.start.request if on_session else internal_pb2.DecodeRequest()
+        downstream = command.start.request
         # Unique downstream even when clients reuse ids: streams never cross.
         downstream.request_id = uuid.uuid4().hex
         downstream.prompt_token_ids.extend(self.parsed.prompt_token_ids)
@@ -309,21 +300,25 @@ class _Attempt:
             downstream.prefill.node_id = route.prefill.node_id
             downstream.prefill.address = route.prefill.address
             downstream.prefill.tensor_parallel_size = route.prefill.tensor_parallel_size
+        return downstream
+
+    async def relay(self):
+        route = self.routed.decision
+        command = internal_pb2.SessionCommand()
+        downstream = self.downstream(command)
         dispatch = self.routing.dispatch(self.routed)
-        self.channel = self.servicer.channel(route.decode.address)
         timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
         trace = self.trace
         call = None
         try:
-            if on_session:
-                session = self.servicer.session(route.decode)
-                self.send_prefill(session, downstream, timeout)
-                call = await session.start(command, timeout)
-                if self.prefill_reply is not None:
-                    self.prefill_reply.add_done_callback(lambda f: self.prefill_ended(f, call))
-            else:
-                stub = internal_pb2_grpc.DecodeNodeStub(self.channel)
-                call = stub.Decode(downstream, timeout=timeout)
+            session = self.servicer.session(route.decode)
+            if route.prefill is not None:
+                self.prefill_reply = self.servicer.dispatcher.send(
+                    route.prefill, downstream, route.decode, timeout
+                )
+            call = await session.start(command, timeout)
+            if self.prefill_reply is not None:
+                self.prefill_reply.add_done_callback(lambda f: self.prefill_ended(f, call))
             node = route.decode
             messages = node_messages(
                 call,
@@ -340,14 +335,12 @@ class _Attempt:
                     response.request_id = self.client_id
                     seam_stop = self.progress.rewrite(response)  # text only: same tokens
                     new_tokens = self.progress.observe(response)
-                    first_message = trace.first_token is None
                     if new_tokens and trace.first_token is None:
                         self.routing.inflight.first_token(dispatch)
                     trace.on_tokens(new_tokens, now)
                     if response.HasField("final"):
                         self.usage = response.final.usage
-                        if self.prefill_reply is not None:
-                            await self.reply_timings(first_message)
+                        self.reply_timings()
                         self.usage.time_to_first_token_ms = (
                             (trace.first_token - trace.start) * 1e3 if trace.first_token else 0.0
                         )
@@ -369,40 +362,17 @@ class _Attempt:
             reply = self.prefill_reply
             if reply is not None and not reply.done() and self.status is not grpc.StatusCode.OK:
                 reply.cancel()  # the session cancels it on the node
-            dispatcher = self.servicer.dispatcher
-            served = self.usage is not None and self.usage.prefill_node
-            if self.status is grpc.StatusCode.OK and dispatcher and served:
-                dispatcher.served(route.prefill.node_id, route.decode.node_id)
             self.routing.inflight.finish(dispatch)
 
-    def send_prefill(self, session, downstream, timeout: float | None) -> None:
-        """Send the request's Prefill from here where it may (router/dispatch.py):
-        where this router has nothing else in flight on the decode node."""
-        dispatcher, prefill = self.servicer.dispatcher, self.routed.decision.prefill
-        if dispatcher is None or prefill is None or not eligible(self.parsed.params):
-            return
-        # With a request of this router's in flight there, the decode node is
-        # likely in the middle of a step: it would reserve the blocks only after
-        # it, and the prefill node's engine would wait for them at the prompt's
-        # first due chunk (late_blocks.py). Its own Prefill waits for the
-        # reservation instead, holding up nothing else.
-        takes = session.takes_dispatched and not session.in_flight
-        psession = dispatcher.usable(prefill, self.routed.decision.decode, takes)
-        if psession is not None:
-            self.prefill_reply = dispatcher.send(psession, downstream, session.node_id, timeout)
-
-    async def reply_timings(self, first_message: bool) -> None:
-        """The Prefill's timings onto the Final, from its reply: awaited for a
-        while unless the Final is the first message (its token waits for no
-        one); a Prefill that failed after the token left none."""
+    def reply_timings(self) -> None:
+        """The Prefill's own figures onto the Final, where its reply came by
+        now (it comes about when the first token does); nothing waits for it."""
         reply = self.prefill_reply
-        if not reply.done() and not first_message:
-            await asyncio.wait((reply,), timeout=REPLY_WAIT_S)
-        if reply.done() and not reply.cancelled() and reply.exception() is None:
+        if reply is not None and reply.done() and not reply.cancelled() and not reply.exception():
             prefill_reply_timings(reply.result(), self.usage)
 
     def prefill_ended(self, reply: asyncio.Future, call) -> None:
-        """The Prefill sent from here failing before the first token ends the
+        """The Prefill failing before the decode node's first message ends the
         request on the decode node with its status, the prefill node at fault."""
         if reply.cancelled() or reply.exception() is None or self.received:
             return
@@ -411,12 +381,7 @@ class _Attempt:
         near = self.deadline is not None and self.deadline - DEADLINE_SLACK_S <= time.monotonic()
         if timed_out and near:
             return  # the client's own deadline: the decode node ends the request so too
-        route = self.routed.decision
-        error = failed_by_prefill(error, route.prefill.node_id)
-        if error.code() is grpc.StatusCode.FAILED_PRECONDITION:
-            self.servicer.dispatcher.stale(route.prefill.node_id, route.decode.node_id)
-        if isinstance(call, SessionCall):  # a call of its own only where sessions are not served
-            call.fail(error)
+        call.fail(failed_by_prefill(error, self.routed.decision.prefill.node_id))
 
     def decode_unreachable(self) -> bool:
         # A decode node answers UNAVAILABLE itself only to name a failed prefill
@@ -430,12 +395,6 @@ class _Attempt:
         code = self.error.code()
         route = self.routed.decision
         failed = dict(self.error.trailing_metadata() or ()).get(_FAILED_NODE_KEY)
-        if (
-            code is grpc.StatusCode.FAILED_PRECONDITION
-            and self.prefill_reply is not None
-            and failed == route.prefill.node_id
-        ):
-            return True  # the pair's channel moved on: the decode node sends it next
         if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
             return False
         if failed:  # the decode node is fine; its prefill node failed

@@ -88,10 +88,6 @@ class NodeInfo:
     aborted_decode: int = 0
     deadline_exceeded: int = 0
     leases_expired: int = 0  # decode node: reservations reclaimed unfilled
-    early_prefills: int = 0  # decode node: Prefills sent before their blocks were reserved
-    dispatched_prefills: int = 0  # decode node: requests whose Prefill the router sent
-    kv_first_tokens: int = 0  # decode node: first tokens that came on the KV channel
-    decoded_before_reply: int = 0  # decode node: committed with one before the Prefill's reply
     rejected: int = 0  # refused for lack of room (RESOURCE_EXHAUSTED)
     kv_gathers_copy_engine: int = 0  # prefill node: KV chunks gathered by the copy engines
 

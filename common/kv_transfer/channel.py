@@ -67,9 +67,9 @@ class PairChannel:
         self.closed = False
 
     # ----------------------------------------------------------------- sending
-    def send_headers(self, headers: list[SegmentHeader], block: bool) -> list[dist.Work]:
-        """Post a group's headers, framed as a block or a message each (protocol.py)."""
-        words, sizes = header_words(headers, block)
+    def send_headers(self, headers: list[SegmentHeader]) -> list[dist.Work]:
+        """Post a group's headers, framed as a block (protocol.py)."""
+        words, sizes = header_words(headers)
         # One copy to the device for all of them, then a view per message.
         return [self.pg.send([m], self.peer, 0) for m in words.to(self.device).split(sizes)]
 
@@ -78,10 +78,10 @@ class PairChannel:
         return self.pg.send([_bytes_view(data)], self.peer, 0)
 
     # --------------------------------------------------------------- receiving
-    def recv_group(self, deadline: float, block: bool) -> list[SegmentHeader]:
-        """A group's headers, framed as a block or a message each (protocol.py):
-        the first says how many there are."""
-        first_rows = self._block[: header_message_rows(1, block)[0]]
+    def recv_group(self, deadline: float) -> list[SegmentHeader]:
+        """A group's headers, framed as a block (protocol.py): the first says how
+        many there are."""
+        first_rows = self._block
         self.wait(self.pg.recv([first_rows], self.peer, 0), deadline)
         got = first_rows.cpu()
         first = self._parse(got[0])
@@ -90,7 +90,7 @@ class PairChannel:
             raise TransferError(f"KV stream out of step: a group starts with {first}")
         size = first.group_size
         rows = list(got[1:size])
-        if rest_sizes := header_message_rows(size, block)[1:]:
+        if rest_sizes := header_message_rows(size)[1:]:
             rest = torch.empty(sum(rest_sizes), HEADER_WORDS, dtype=torch.int64, device=self.device)
             works = [self.pg.recv([m], self.peer, 0) for m in rest.split(rest_sizes)]
             for work in works:

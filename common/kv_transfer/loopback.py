@@ -17,7 +17,7 @@ import torch
 
 from common.kv_transfer.checksum import checksum
 from common.kv_transfer.coverage import Coverage
-from common.kv_transfer.protocol import ChunkDesc, SegmentHeader
+from common.kv_transfer.protocol import ChunkDesc, FirstToken, SegmentHeader, parse_first_token
 from common.kv_transfer.receiver import KVSink
 from common.kv_transfer.ticket import Destination, OutgoingSegment, number_group
 from engine.kv_blocks import block_index, kv_unit_bytes
@@ -29,6 +29,7 @@ PEER = "loopback"
 class _Group:
     segments: list[OutgoingSegment]
     contexts: list[object]
+    receiver_rank: int = 0
 
 
 class LoopbackSender:
@@ -36,12 +37,15 @@ class LoopbackSender:
 
     def __init__(self, sink: KVSink) -> None:
         self.sink = sink
+        self.groups: list[_Group] = []  # every group prepared, in order
 
     def prepare_group(
         self, dest: Destination, segments: list[OutgoingSegment], receiver_rank: int = 0
     ) -> _Group:
         number_group(segments)
-        return _Group(segments, [])
+        group = _Group(segments, [], receiver_rank)
+        self.groups.append(group)
+        return group
 
     def post_group(self, group: _Group) -> None:
         group.contexts = self.sink.on_group(PEER, [s.header for s in group.segments])
@@ -59,7 +63,8 @@ class LoopbackSender:
         ticket = segment.ticket
         context = group.contexts[group.segments.index(segment)]
         if desc is None:  # a first token (protocol.FLAG_TOKEN)
-            self.sink.on_first_token(PEER, context, int(data.view(-1)[0]))
+            token = parse_first_token(segment.header, data.cpu().numpy().tobytes())
+            self.sink.on_first_token(PEER, context, token)
             return
         self.sink.on_chunk(PEER, context, desc, data.view(-1).view(torch.uint8), None)
         if ticket is not None:
@@ -73,8 +78,9 @@ class LoopbackSender:
         reservation_id: int,
         receiver_rank: int = 0,
         heads: tuple[int, int] = (0, 0),
+        digest: bytes = b"",
     ) -> None:
-        self.sink.on_group(PEER, [SegmentHeader.end(reservation_id, heads)])
+        self.sink.on_group(PEER, [SegmentHeader.end(reservation_id, heads, digest)])
 
 
 @dataclass(slots=True)
@@ -92,8 +98,8 @@ class LoopbackLanding:
     reservations: dict[int, _Reservation] = field(default_factory=dict)
     chunks: list[tuple[int, ChunkDesc]] = field(default_factory=list)  # what landed, in order
     digests: dict[int, list[bytes]] = field(default_factory=dict)
-    # Reservation id -> (first token, the prefill node's cached prompt tokens).
-    first_tokens: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # Reservation id -> its first token (with the prefill node's cached prompt tokens).
+    first_tokens: dict[int, FirstToken] = field(default_factory=dict)
 
     def expect(self, reservation_id: int, block_ids: list[int], first_block: int) -> None:
         kv = self.runner.kv_cache
@@ -132,11 +138,11 @@ class LoopbackLanding:
         self.reservations[reservation_id].coverage.land(desc)
         self.chunks.append((reservation_id, desc))
 
-    def on_first_token(self, peer: str, context, token_id: int) -> None:
-        reservation_id, _, cached_tokens = context
+    def on_first_token(self, peer: str, context, token: FirstToken) -> None:
+        reservation_id, _, _ = context
         if self.reservations[reservation_id].coverage.units_left:
             raise ValueError(f"a first token before reservation {reservation_id}'s KV")
-        self.first_tokens[reservation_id] = (token_id, cached_tokens)
+        self.first_tokens[reservation_id] = token
 
     def on_peer_failed(self, peer: str, error: Exception, epoch: int) -> None:
         raise error

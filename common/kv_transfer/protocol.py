@@ -13,41 +13,37 @@ A *group* is the segments of one step bound for one pair channel. Ordering rule
 (NCCL and gloo match a pair's sends and receives in posting order, and sizes
 must agree): the sender emits a group's k headers (16 int64 words each, the
 first saying k), then its chunks in ``wire_order``: chunk 0 of every segment in
-header order, then chunk 1 of every segment, and so on. The headers travel
-framed one of two ways, fixed per channel epoch by the receiver and named in
-every Prefill's destination (``KVDestination.header_block``): a message per
-header, which every release reads; or, where the prefill node's session said
-it sends them so, one *block* message of ``HEADER_BLOCK`` rows (zero rows
-after the k-th) and those past the block in one more. With blocks the
-receiver keeps a block's receive posted and learns k from its first row, so a
-group of up to ``HEADER_BLOCK`` segments costs one host round trip before its
-chunks' receives, not k (each took 0.2-0.5 ms of the receiver's host time on a
-GPU host while the sender's first chunk waited). The receiver derives the same
-order and every size from the headers alone, so it posts all of the group's
-receives as soon as the headers arrived. The sender emits the
+header order, then chunk 1 of every segment, and so on. The headers travel as
+one *block* message of ``HEADER_BLOCK`` rows (zero rows after the k-th), and
+those past the block in one more: the receiver keeps a block's receive posted
+and learns k from its first row, so a group of up to ``HEADER_BLOCK`` segments
+costs it one host round trip before its chunks' receives, not k. The receiver
+derives the same order and every size from the headers alone, so it posts all
+of the group's receives as soon as the headers arrived. The sender emits the
 headers just before the step's first chunk (on a CPU when the step is
-launched) and chunk c only after its layers ran; a chunk's send waits for
-its receive. Groups never
-interleave: a group's headers go out only after every chunk of the group
-before it.
+launched) and chunk c only after its layers ran; a chunk's send waits for its
+receive. Groups never interleave: a group's headers go out only after every
+chunk of the group before it.
 
-A segment with flag TOKEN is its prompt's last and asks for more: after the
-group's chunks comes one message per such segment, in header order, of
-``TOKEN_BYTES`` (one int64: the token the prefill node sampled after the
-prompt's last layer), and its header's ``cached_tokens`` says how many prompt
-tokens the prefill node served from its prefix cache. With them the decode node
-can start decoding without the Prefill's reply (a host hop and a gRPC message
-later). Only where the Prefill asked (``PrefillRequest.first_token_on_kv``):
-a receiver of an older release would refuse the flag.
+A segment with flag TOKEN is its prompt's last (of the pair channel between
+both nodes' rank 0) and carries the prompt's first token: after the group's
+chunks comes one message per such segment, in header order, of
+``token_message_bytes(header)``: the token the prefill node sampled after the
+prompt's last layer, and, with flag LOGPROBS, its logprob, rank and the
+header's ``top_logprobs`` best tokens with theirs (``first_token_words``). The
+header's ``cached_tokens`` says how many prompt tokens the prefill node served
+from its prefix cache. This is the one way a first token reaches the decode
+node: it leaves from the device right behind the sampling.
 
 An *end* header (flag END, no blocks, no chunks, a group of its own) closes a
 reservation's stream on one pair channel: each sending rank of the prefill node
 sends one, naming the KV heads it was to send, to each decode rank it pairs
 with, for every Prefill it handled, after all of that request's chunks on that
-channel, whatever became of the request. Until it
-arrives the decode node keeps a receive posted for that peer, so a segment the
-prefill node sent before it learnt of a cancellation is read and dropped instead
-of blocking the channel.
+channel, whatever became of the request. With ``--verify-kv`` it carries the
+chained checksum of every chunk sent (``digest``). Until it arrives the decode
+node keeps a receive posted for that peer, so a segment the prefill node sent
+before it learnt of a cancellation is read and dropped instead of blocking the
+channel.
 """
 
 from __future__ import annotations
@@ -59,14 +55,16 @@ from dataclasses import dataclass
 
 import torch
 
-# "pdsvkv", format 2 (1: one header + one payload). Headers' framing is not
-# part of it: a receiver of any release reads a message per header.
-MAGIC = 0x7064_7376_6B76_0002
+from common.version import PROTOCOL_VERSION
+
+# "pdsvkv" and the protocol version (common/version.py) in the low bits.
+MAGIC = 0x7064_7376_6B76_0000 | PROTOCOL_VERSION
 HEADER_WORDS = 16
-HEADER_BLOCK = 8  # header rows in a group's first message, framed as a block (1 KiB)
+HEADER_BLOCK = 8  # header rows in a group's first message (1 KiB)
 FLAG_END = 1
 FLAG_TOKEN = 2
-TOKEN_BYTES = 8  # the first-token message: one int64
+FLAG_LOGPROBS = 4  # with FLAG_TOKEN: the token's logprobs follow it
+MAX_TOP_LOGPROBS = 1 << 10
 
 # Sanity bounds on what a header may announce (a corrupt stream must not make
 # the receiver allocate terabytes; real values are far below these).
@@ -133,14 +131,22 @@ class SegmentHeader:
     unit_bytes: int = 0  # bytes of one block x layer x head, K and V (a layout check)
     group_size: int = 1  # headers in this group
     group_index: int = 0  # this header's place in it
-    flags: int = 0  # FLAG_END: the stream ends here (no blocks); FLAG_TOKEN: a token follows
+    # FLAG_END: the stream ends here (no blocks); FLAG_TOKEN: a first token
+    # follows (FLAG_LOGPROBS: with its logprobs)
+    flags: int = 0
     cached_tokens: int = 0  # FLAG_TOKEN: prompt tokens the prefill node had cached
+    top_logprobs: int = 0  # FLAG_LOGPROBS: how many best tokens follow the token's own
+    digest: bytes = b""  # FLAG_END with --verify-kv: the chunks' chained checksum (16 bytes)
 
     @classmethod
-    def end(cls, reservation_id: int, heads: tuple[int, int] = (0, 0)) -> SegmentHeader:
+    def end(
+        cls, reservation_id: int, heads: tuple[int, int] = (0, 0), digest: bytes = b""
+    ) -> SegmentHeader:
         """The end of one sender's stream for a reservation: of these KV heads
         (a tensor-parallel prefill rank sends only some; each sends its own end)."""
-        return cls(reservation_id, 0, 0, 0, 0, 1, heads[0], heads[1], 0, flags=FLAG_END)
+        return cls(
+            reservation_id, 0, 0, 0, 0, 1, heads[0], heads[1], 0, flags=FLAG_END, digest=digest
+        )
 
     @property
     def is_end(self) -> bool:
@@ -149,6 +155,10 @@ class SegmentHeader:
     @property
     def has_token(self) -> bool:
         return bool(self.flags & FLAG_TOKEN)
+
+    @property
+    def has_logprobs(self) -> bool:
+        return bool(self.flags & FLAG_LOGPROBS)
 
     @property
     def heads(self) -> tuple[int, int]:
@@ -193,11 +203,11 @@ class SegmentHeader:
             self.group_index,
             self.flags,
             self.cached_tokens,
+            *(_digest_words(self.digest) if self.is_end else (self.top_logprobs, 0)),
         ]
 
     def padded_words(self) -> list[int]:
-        words = self.words()
-        return words + [0] * (HEADER_WORDS - len(words))
+        return self.words()
 
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor(self.padded_words(), dtype=torch.int64)
@@ -210,8 +220,16 @@ class SegmentHeader:
     def from_words(cls, words: list[int]) -> SegmentHeader:
         """Parse and bound-check; ValueError for anything that is not a sane header."""
         if len(words) != HEADER_WORDS or words[0] != MAGIC:
-            raise ValueError(f"not a KV segment header (magic {words[0]:#x})")
+            raise ValueError(
+                f"not a KV segment header of protocol version {PROTOCOL_VERSION} "
+                f"(magic {words[0]:#x}, expected {MAGIC:#x})"
+            )
         header = cls(*words[1:14])
+        if header.is_end:
+            digest = b"".join(w.to_bytes(8, "little", signed=True) for w in words[14:16])
+            header = dataclasses.replace(header, digest=b"" if not any(digest) else digest)
+        else:
+            header = dataclasses.replace(header, top_logprobs=words[14])
         header._check()
         return header
 
@@ -226,10 +244,13 @@ class SegmentHeader:
             and (end or self.head_start < self.head_end)
             and (end or 0 < self.unit_bytes <= MAX_UNIT_BYTES)
             and self.layers_per_chunk >= 1
-            and self.flags & ~(FLAG_END | FLAG_TOKEN) == 0
+            and self.flags & ~(FLAG_END | FLAG_TOKEN | FLAG_LOGPROBS) == 0
             and not (end and self.has_token)
+            and (self.has_token or not self.has_logprobs)
             and 0 <= self.cached_tokens <= MAX_TOKENS
             and (self.has_token or self.cached_tokens == 0)
+            and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS
+            and (self.has_logprobs or self.top_logprobs == 0)
         )
         if not ok:
             raise ValueError(f"KV segment header out of bounds: {self}")
@@ -249,24 +270,79 @@ def token_order(headers: Sequence[SegmentHeader]) -> list[int]:
     return [i for i, h in enumerate(headers) if h.has_token]
 
 
-def header_message_rows(group_size: int, block: bool) -> list[int]:
+def header_message_rows(group_size: int) -> list[int]:
     """How a group's headers travel, both sides' one rule: the rows of each
-    message in order. As a block, ``HEADER_BLOCK`` rows (zeros after the last
-    header) and those past it in one more; else a row per header."""
-    if not block:
-        return [1] * group_size
+    message in order, ``HEADER_BLOCK`` rows (zeros after the last header) and
+    those past it in one more."""
     return [HEADER_BLOCK] + ([group_size - HEADER_BLOCK] if group_size > HEADER_BLOCK else [])
 
 
-def header_words(headers: Sequence[SegmentHeader], block: bool) -> tuple[torch.Tensor, list[int]]:
+def header_words(headers: Sequence[SegmentHeader]) -> tuple[torch.Tensor, list[int]]:
     """A group's headers as the rows of ``HEADER_WORDS`` its messages carry,
     with each message's rows (``header_message_rows``)."""
-    sizes = header_message_rows(len(headers), block)
+    sizes = header_message_rows(len(headers))
     rows = [h.padded_words() for h in headers]
     rows += [[0] * HEADER_WORDS] * (sum(sizes) - len(rows))
     return torch.tensor(rows, dtype=torch.int64), sizes
 
 
+def token_message_bytes(header: SegmentHeader) -> int:
+    """The size of the first-token message a TOKEN segment announces: the
+    token; with logprobs, its rank, its logprob and the best tokens' ids and logprobs."""
+    words = 3 + 2 * header.top_logprobs if header.has_logprobs else 1
+    return 8 * words
+
+
+def first_token_words(
+    token: torch.Tensor, logprobs: tuple[torch.Tensor, ...] | None = None
+) -> torch.Tensor:
+    """The first-token message as int64 words, built on the tokens' device: the
+    token (a one-element tensor); with ``logprobs`` = (its logprob, its rank, the
+    best ids, their logprobs), one row of each, the rank and the logprobs'
+    float64 bit patterns after it. The sizes agree with ``token_message_bytes``."""
+    parts = [token.reshape(1).to(torch.int64)]
+    if logprobs is not None:
+        chosen, rank, top_ids, top_lp = logprobs
+        parts += [
+            rank.reshape(1).to(torch.int64),
+            chosen.reshape(1).to(torch.float64).view(torch.int64),
+            top_ids.reshape(-1).to(torch.int64),
+            top_lp.reshape(-1).to(torch.float64).view(torch.int64),
+        ]
+    return torch.cat(parts)
+
+
+@dataclass(slots=True, frozen=True)
+class FirstToken:
+    """What a first-token message says (decoded on the host)."""
+
+    token_id: int  # -1: the prefill node sampled none for this prompt
+    cached_tokens: int
+    # (logprob, rank, best ids, their logprobs), where the header announced them.
+    logprobs: tuple[float, int, list[int], list[float]] | None = None
+
+
+def parse_first_token(header: SegmentHeader, data: bytes) -> FirstToken:
+    words = torch.frombuffer(bytearray(data), dtype=torch.int64)
+    token_id = int(words[0])
+    if not header.has_logprobs:
+        return FirstToken(token_id, header.cached_tokens)
+    k = header.top_logprobs
+    floats = words.view(torch.float64)
+    logprobs = (
+        float(floats[2]),
+        int(words[1]),
+        words[3 : 3 + k].tolist(),
+        floats[3 + k :].tolist(),
+    )
+    return FirstToken(token_id, header.cached_tokens, logprobs)
+
+
 def group_messages(headers: Sequence[SegmentHeader]) -> int:
     """How many messages follow a group's headers: its chunks, then its tokens."""
     return len(wire_order(headers)) + len(token_order(headers))
+
+
+def _digest_words(digest: bytes) -> tuple[int, int]:
+    padded = digest.ljust(16, b"\0")
+    return tuple(int.from_bytes(padded[i : i + 8], "little", signed=True) for i in (0, 8))

@@ -13,12 +13,11 @@ peer is awaited: from ``expect`` until the reservation's end header arrives
 (after ``unexpect`` too, for at most the transfer timeout, so that segments the
 prefill node sent before it learnt of a cancellation are read and dropped
 rather than left blocking its channel). For each group it reads the k headers
-(framed as the epoch's first ``expect`` fixed: a block, or a message each),
-posts every chunk's receive at once into one buffer -- sizes and order follow
-from the headers (protocol.wire_order) -- then hands the headers to the sink
-(``on_group``), and each chunk (``on_chunk``) as soon as it landed, while the
-later ones are still on the wire; then each first token the group carries
-(``on_first_token``). A failure or a passed deadline closes the
+(a block message: protocol.py), posts every chunk's receive at once into one
+buffer -- sizes and order follow from the headers (protocol.wire_order) --
+then hands the headers to the sink (``on_group``), and each chunk
+(``on_chunk``) as soon as it landed, while the later ones are still on the
+wire; then each first token the group carries (``on_first_token``). A failure or a passed deadline closes the
 channel, bumps the node's epoch (the next transfer rebuilds the group) and
 reports the peer (``on_peer_failed``) so that waiting reservations fail fast.
 """
@@ -39,9 +38,11 @@ import torch.distributed as dist
 
 from common.kv_transfer.channel import RECEIVER, PairChannel, TransferError, pair_key
 from common.kv_transfer.protocol import (
-    TOKEN_BYTES,
     ChunkDesc,
+    FirstToken,
     SegmentHeader,
+    parse_first_token,
+    token_message_bytes,
     token_order,
     wire_order,
 )
@@ -70,7 +71,7 @@ class KVSink(Protocol):
         stream: torch.cuda.Stream | None,
     ) -> None: ...
 
-    def on_first_token(self, peer: str, segment: object, token_id: int) -> None:
+    def on_first_token(self, peer: str, segment: object, token: FirstToken) -> None:
         """The prompt's first token, after its last segment's chunks (FLAG_TOKEN)."""
         ...
 
@@ -138,9 +139,6 @@ class KVReceiver:
         self._peers: dict[tuple[str, int], _Peer] = {}
         # Prefill node -> its current channel epoch (every pair channel with it).
         self._epochs: dict[str, int] = {}
-        # Prefill node -> (epoch, headers framed as a block): fixed by the
-        # epoch's first ``expect``, since a channel's groups are framed one way.
-        self._framing: dict[str, tuple[int, bool]] = {}
         self._lock = threading.Lock()
         self._closed = False
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -160,13 +158,10 @@ class KVReceiver:
         reservation_id: int,
         sender_rank: int = 0,
         epoch: int | None = None,
-        header_block: bool = False,
     ) -> int:
         """A transfer for ``reservation_id`` will come from ``peer_id``'s rank
         ``sender_rank``; returns the epoch it must use. A rank other than 0 is
-        given the epoch; one older than this rank's is refused (``StaleEpoch``).
-        ``header_block``: the peer sends headers framed as a block where asked;
-        the epoch's first ``expect`` fixes its framing (``header_block_of``)."""
+        given the epoch; one older than this rank's is refused (``StaleEpoch``)."""
         if epoch is None:
             epoch = self.epoch_of(peer_id)
         with self._lock:
@@ -177,13 +172,6 @@ class KVReceiver:
                     f"{peer_id}, which failed here (now {current})"
                 )
             self._epochs[peer_id] = epoch
-            fixed = self._framing.get(peer_id)
-            if fixed is None or fixed[0] != epoch:
-                self._framing[peer_id] = (epoch, header_block)
-                framed = "as a block" if header_block else "one each"
-                logger.info(
-                    "KV channels from %s, epoch %d: headers framed %s", peer_id, epoch, framed
-                )
             key = (peer_id, sender_rank)
             peer = self._peers.get(key)
             if peer is None:
@@ -199,15 +187,6 @@ class KVReceiver:
             peer.awaiting[reservation_id] = None
             peer.cond.notify()
         return epoch
-
-    def header_block_of(self, peer_id: str, epoch: int | None = None) -> bool:
-        """Whether the channels from ``peer_id`` under ``epoch`` (its current one
-        by default) read a group's headers as a block: what a Prefill's
-        destination tells the prefill node (``Destination.header_block``)."""
-        with self._lock:
-            epoch = self._epochs.get(peer_id) if epoch is None else epoch
-            fixed = self._framing.get(peer_id)
-        return fixed is not None and fixed[0] == epoch and fixed[1]
 
     def unexpect(self, peer_id: str, reservation_id: int, sender_rank: int = 0) -> None:
         """The request no longer wants this transfer: keep reading (and dropping)
@@ -296,8 +275,7 @@ class KVReceiver:
                 peer.receiving = False
 
     def _receive_group(self, peer: _Peer, channel: PairChannel) -> None:
-        block = self.header_block_of(peer.node_id, peer.channel_epoch)
-        headers = channel.recv_group(time.monotonic() + self.timeout_s, block)
+        headers = channel.recv_group(time.monotonic() + self.timeout_s)
         with peer.cond:
             for h in headers:
                 if h.is_end:
@@ -314,7 +292,7 @@ class KVReceiver:
         # sender's first chunk may be on its way already (its send waits for
         # the receive), and the sink's work (the landing's lookups and block
         # indexes) need not come first.
-        sizes += [TOKEN_BYTES] * len(tokens)
+        sizes += [token_message_bytes(headers[i]) for i in tokens]
         views = list(self._buffer(peer, sum(sizes)).split(sizes)) if plan else []
         works = [channel.post_recv(v) for v in views]
         try:
@@ -334,9 +312,9 @@ class KVReceiver:
         for i, view, work in zip(tokens, views[n:], works[n:], strict=True):
             channel.wait(work, time.monotonic() + self.timeout_s)
             # Its bytes to the host (behind the receiver's stream only).
-            token_id = int.from_bytes(view.cpu().numpy().tobytes(), "little", signed=True)
+            token = parse_first_token(headers[i], view.cpu().numpy().tobytes())
             try:
-                self.sink.on_first_token(peer.node_id, contexts[i], token_id)
+                self.sink.on_first_token(peer.node_id, contexts[i], token)
             except Exception:
                 logger.exception("handling a first token from %s failed", peer.node_id)
 

@@ -170,7 +170,7 @@ class _Link:
         self.current = group  # from here on a failure fails it
         channel = self._channel_for(group.dest)
         now = time.monotonic()
-        works = channel.send_headers([s.header for s in group.segments], group.dest.header_block)
+        works = channel.send_headers([s.header for s in group.segments])
         self.outstanding.extend(_Pending(work, None, now) for work in works)
         if group.segments[0].header.is_end:
             self.current = None
@@ -390,10 +390,12 @@ class KVSender:
         reservation_id: int,
         receiver_rank: int = 0,
         heads: tuple[int, int] = (0, 0),
+        digest: bytes = b"",
     ) -> None:
         """Queue the end header of a reservation's stream of these KV heads to
-        one of the destination's ranks (after all of its chunks to that rank)."""
-        header = SegmentHeader.end(reservation_id, heads)
+        one of the destination's ranks (after all of its chunks to that rank);
+        ``digest``: the chunks' chained checksum (--verify-kv)."""
+        header = SegmentHeader.end(reservation_id, heads, digest)
         group = _Group(dest, [OutgoingSegment(header, None)], receiver_rank=receiver_rank)
         self._link(dest.node_id, receiver_rank).queue.put(group)
 

@@ -20,7 +20,6 @@ class Destination:
     store_port: int
     epoch: int  # the channel incarnation it expects
     tensor_parallel_size: int = 1  # its ranks (each receives its own KV heads)
-    header_block: bool = False  # the channel reads a group's headers as a block (protocol.py)
 
 
 @dataclass(slots=True, frozen=True)

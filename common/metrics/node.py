@@ -79,25 +79,6 @@ COUNTERS: dict[str, tuple[str, str] | None] = {
         "pdserve_kv_leases_expired_total",
         "KV reservations reclaimed unfilled at the end of their lease (decode).",
     ),
-    "early_prefills": (
-        "pdserve_early_prefills_total",
-        "Prefills sent before their blocks were reserved, the blocks following on the "
-        "PrefillSession while the prompt computes (decode).",
-    ),
-    "dispatched_prefills": (
-        "pdserve_dispatched_prefills_total",
-        "Disaggregated requests whose Prefill the router sent to the prefill node "
-        "itself, beside the request (decode).",
-    ),
-    "kv_first_tokens": (
-        "pdserve_kv_first_tokens_total",
-        "First tokens that came on the KV channel behind the prompt's KV (decode).",
-    ),
-    "decoded_before_reply": (
-        "pdserve_decoded_before_reply_total",
-        "Disaggregated requests that started decoding from the first token on the KV "
-        "channel, before the Prefill's reply came (decode).",
-    ),
     "kv_gathers_copy_engine": (
         "pdserve_kv_gathers_copy_engine_total",
         "KV chunks gathered out of the cache by the GPU's copy engines, not by a kernel "

@@ -21,7 +21,7 @@ FAULT_DELAYS_ENV = "PDSERVE_FAULT_DELAYS"
 # Node ids that crash at start-up, every time (tests/faults: supervision of a
 # component that never comes up, through `pdserve up` itself).
 CRASH_AT_START_ENV = "PDSERVE_FAULT_CRASH_AT_START"
-# Trailing metadata of a failed Decode call that names the node at fault (a
+# Trailing metadata of a request's failure that names the node at fault (a
 # prefill node), so that the router retries elsewhere and avoids it.
 FAILED_NODE_KEY = "pdserve-failed-node"
 
@@ -29,13 +29,6 @@ FAILED_NODE_KEY = "pdserve-failed-node"
 class NoCapacity(RuntimeError):
     """Too few free KV blocks, sequence slots or queue places for this request
     right now (RESOURCE_EXHAUSTED: the client may retry later or elsewhere)."""
-
-
-class StaleChannel(RuntimeError):
-    """A Prefill the router sent names a decode node whose KV channel with this
-    prefill node is not the one the decode node has (none yet, or it failed or
-    restarted since): FAILED_PRECONDITION, and the router sends the request
-    the decode node's way, which rebuilds the channel."""
 
 
 class Stage(enum.Enum):
@@ -102,7 +95,7 @@ class FaultPoint(enum.Enum):
     # that requests behind a long prompt wait in the queue for a while.
     PREFILL_STEP = "prefill_step"
     # Prefill node: a computed and sent request's reply held (its decode node
-    # has the KV and, where it asked, the first token on the KV channel long before).
+    # has the KV and the first token long before; nothing waits for the reply).
     PREFILL_REPLY = "prefill_reply"
 
 

@@ -4,13 +4,12 @@ message on it (common/sessions/server.py is the serving end).
 A router keeps one DecodeSession per decode node (router/node_session.py), a
 decode node one PrefillSession per prefill node (common/sessions/prefill.py).
 This is what they share: opening the call once for every request that asks
-meanwhile, and only after the node's first (empty) batch; bounded writes, one at
-a time; ``cancel`` commands; one reader task that hands each event to its
-request; and when the call ends under its requests (the node died, restarted
-or stopped), UNAVAILABLE for each of them, as its own call would have got, the
-next request opening a new session. A node that does not serve the session (an
-older release) answers UNIMPLEMENTED: ``supported`` turns False and the
-subclass makes a call per request instead.
+meanwhile, and only after the node's first batch (which names its protocol
+version: common/version.py; another version fails the opening with
+FAILED_PRECONDITION, naming both); bounded writes, one at a time; ``cancel``
+commands; one reader task that hands each event to its request; and when the
+call ends under its requests (the node died, restarted or stopped),
+UNAVAILABLE for each of them, the next request opening a new session.
 """
 
 from __future__ import annotations
@@ -21,7 +20,12 @@ from collections.abc import Callable
 
 import grpc
 
+from common.version import PROTOCOL_VERSION, VERSION_KEY, mismatch
+
 logger = logging.getLogger(__name__)
+
+# The metadata every session call is opened with (common/version.py).
+VERSION_METADATA = ((VERSION_KEY, str(PROTOCOL_VERSION)),)
 
 # A command the node does not take within this long (gRPC's flow-control window
 # full: the node stopped reading), or a session it does not open within it,
@@ -36,14 +40,11 @@ CODES = {code.value[0]: code for code in grpc.StatusCode}
 class SessionClient:
     """One node's session, opened on first use and reopened after a loss. One event loop only.
 
-    Subclasses name the node kind and the call (``kind``, ``call_name``,
-    ``fallback``), open it (``_new_call``), write a cancel (``_cancel_command``)
+    Subclasses name the node kind (``kind``), open the call (``_new_call``), write a cancel (``_cancel_command``)
     and take the node's events (``_on_event``) and the loss of every request
     still waiting (``_fail_all``)."""
 
     kind = "node"  # in messages: "decode node", "prefill node"
-    call_name = ""  # the session RPC, for the log
-    fallback = ""  # what an older node gets instead, for the log
 
     def __init__(self, node_id: str, on_lost: Callable[[], None] | None = None) -> None:
         self.node_id = node_id
@@ -58,10 +59,10 @@ class SessionClient:
         self._write_lock = asyncio.Lock()  # grpc.aio takes one write at a time on a call
         self._writes: set[asyncio.Future] = set()  # commands being written, held until written
         self._why = "its session was cancelled"  # what a cancelled session's requests are told
-        self.supported: bool | None = None  # None: not known yet (no session opened so far)
 
     # ----------------------------------------------------- for subclasses
     def _new_call(self):
+        """The session call, opened with ``VERSION_METADATA``."""
         raise NotImplementedError
 
     def _cancel_command(self, rid: str):
@@ -72,10 +73,6 @@ class SessionClient:
 
     def _fail_all(self, error: grpc.aio.AioRpcError) -> None:
         raise NotImplementedError
-
-    def _on_hello(self, hello) -> None:
-        """The node's first batch of a new session (what it says about itself);
-        None when no session is open (one is opening, or was lost)."""
 
     # ------------------------------------------------------------ the call
     async def close(self) -> None:
@@ -92,22 +89,19 @@ class SessionClient:
         """A session is open now (what its node said of itself holds)."""
         return self._call is not None
 
-    async def open(self) -> bool:
-        """Open the session now if it is not (``_opened``): what the node says of
-        itself (its first batch) is known once it returns."""
-        return await self._opened()
+    async def open(self) -> None:
+        """Open the session now if it is not: what the node says of itself (its
+        first batch) is known once it returns. Raises what a request would get."""
+        await self._opened()
 
-    async def _opened(self) -> bool:
-        """Whether a request goes on the session, opening it first if need be;
-        False: the node serves no sessions, a call of its own it is. Raises what
-        that call would have raised when the node did not answer."""
-        if self._call is None and self.supported is not False:
+    async def _opened(self) -> None:
+        """Open the session first if need be; raises the request's error (as a
+        grpc.aio.AioRpcError) when the node did not answer or speaks another
+        protocol version."""
+        if self._call is None:
             await self._open()
-        if self.supported is False:
-            return False
         if self._call is None:
             raise self._open_error or self.lost("no session")
-        return True
 
     async def _open(self) -> None:
         """Open a session, once for every request that asks meanwhile."""
@@ -117,11 +111,9 @@ class SessionClient:
         await asyncio.shield(self._opening)
 
     async def _handshake(self) -> None:
-        # Nothing is written before the node's first (empty) batch: a command
-        # written while the node refuses the call (an older release:
-        # UNIMPLEMENTED) turns the call's status into the transport's INTERNAL
-        # and hides the refusal.
-        self._on_hello(None)  # what an earlier session said no longer holds
+        # Nothing is written before the node's first batch: a command written
+        # while the node refuses the call turns the call's status into the
+        # transport's INTERNAL and hides the refusal (another protocol version).
         call = self._new_call()
         try:
             async with asyncio.timeout(WRITE_TIMEOUT_S):
@@ -131,23 +123,21 @@ class SessionClient:
             self._open_error = self.lost("did not open a session in time")
             return
         except grpc.aio.AioRpcError as e:
-            if e.code() is grpc.StatusCode.UNIMPLEMENTED:
-                logger.info(
-                    "%s %s does not serve %s (an older release): one %s call per request to it",
-                    self.kind,
-                    self.node_id,
-                    self.call_name,
-                    self.fallback,
-                )
-                self.supported = False
+            if e.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                self._open_error = status_error(e.code(), e.details() or "refused the session")
+                logger.error("%s %s refused the session: %s", self.kind, self.node_id, e.details())
                 return
             self._open_error = self.lost(e.details() or e.code().name)
             return
         if hello is grpc.aio.EOF:
             self._open_error = self.lost("ended its session at once")
             return
-        self.supported = True
-        self._on_hello(hello)
+        why = mismatch(PROTOCOL_VERSION, hello.protocol_version, f"{self.kind} {self.node_id}")
+        if why is not None:
+            call.cancel()
+            logger.error("%s", why)
+            self._open_error = status_error(grpc.StatusCode.FAILED_PRECONDITION, why)
+            return
         self._open_error = None
         self._why = "its session was cancelled"
         self._call = call
@@ -211,7 +201,6 @@ class SessionClient:
         finally:
             if self._call is session:
                 self._call = None
-                self._on_hello(None)
             session.cancel()  # a no-op once it ended; else (a failure here) the node lets go too
             self._fail_all(error or self.lost(self._why))
             if self.on_lost is not None:

@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 
 from common.grpc_server import status_of
+from common.version import PROTOCOL_VERSION, mismatch, version_of
 
 # A batch stops growing here (the rest goes in the next): it keeps a message
 # far below gRPC's size limit even when the client falls behind.
@@ -60,17 +61,26 @@ class RequestSession:
         return self.end_event(rid, *status_of(error))
 
     def hello(self):
-        """The first batch, sent at once (what the node tells the client about itself)."""
-        return self.batch_type()
+        """The first batch, sent at once: the node's protocol version."""
+        return self.batch_type(protocol_version=PROTOCOL_VERSION)
 
     def other_command(self, which: str, command) -> None:
         """A command other than start and cancel (``which`` is its oneof name)."""
 
     # ------------------------------------------------------------ the call
+    @staticmethod
+    async def check_version(context: grpc.aio.ServicerContext, node: str) -> None:
+        """Refuse a client of another protocol version (FAILED_PRECONDITION,
+        naming both) before anything else happens on the call."""
+        theirs = version_of(context.invocation_metadata())
+        why = mismatch(PROTOCOL_VERSION, theirs, "the caller")
+        if why is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{node}: {why}")
+
     async def run(self, commands: AsyncIterator) -> AsyncIterator:
         """The batches to send, until the client closes its side and every request ended."""
-        # An empty batch at once: the client writes nothing before it (a node
-        # that does not serve the session refuses the call instead).
+        # The first batch at once: the client writes nothing before it (a node
+        # that refuses the call says so instead).
         yield self.hello()
         reader = asyncio.ensure_future(self._read(commands))
         try:

@@ -117,6 +117,7 @@ class Outcome:
     code: grpc.StatusCode | None = None
     details: str = ""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[pdserve_pb2.TokenLogprobs] = field(default_factory=list)
     text: str = ""
     final: pdserve_pb2.Final | None = None
     first_at: float | None = None
@@ -143,6 +144,7 @@ class Stream:
                 out.request_ids.add(resp.request_id)
                 for delta in resp.deltas:
                     out.token_ids.extend(delta.token_ids)
+                    out.logprobs.extend(delta.logprobs)
                     out.text += delta.text
                 if resp.deltas and out.first_at is None:
                     out.first_at = time.monotonic()

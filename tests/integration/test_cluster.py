@@ -5,12 +5,10 @@ processes, a real redis-server, KV over gloo channels (started the way
 from __future__ import annotations
 
 import asyncio
-import re
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
@@ -62,9 +60,6 @@ def cluster(demo_model_dir, tmp_path_factory):
         # prompts, which the default policy would prefill on the decode node
         # (tests/integration/test_routing.py runs the defaults).
         router_args=REMOTE_PREFILL_ONLY,
-        # decode-1 sends a Prefill call per request (decode-0 the default:
-        # Prefills on a session, their blocks following).
-        component_env={"decode-1": {"PDSERVE_PREFILL_STREAMS": "call"}},
         log_dir=str(tmp_path_factory.mktemp("cluster-logs")),
         start_timeout_s=300,
     )
@@ -134,37 +129,19 @@ def test_sixteen_concurrent_streams_match_the_offline_engine(cluster, offline):
         assert final.usage.prompt_tokens > 0
         assert final.usage.prefill_node.startswith("prefill-")  # prefilled remotely
         assert final.usage.decode_node.startswith("decode-")
-        # The disaggregated path hop by hop: the decode node's admission, its
-        # Prefill call, and within it the prefill node's part, which holds the
-        # prompt's queue and compute.
+        # The disaggregated path hop by hop on the decode node: its admission,
+        # the wait for the KV, the first output.
         t = final.usage.timing
-        assert t.decode_admit_ms > 0 and t.decode_first_output_ms > 0
-        assert t.prefill_call_ms >= t.prefill_node_ms > 0
-        assert t.prefill_node_ms >= t.prefill_queue_ms + t.prefill_compute_ms
+        assert t.decode_admit_ms > 0 and t.kv_wait_ms > 0 and t.decode_first_output_ms > 0
+        # The prefill node's own figures, where its reply came before the Final
+        # (nothing waits for it): its part holds the prompt's queue and compute.
+        if t.prefill_node_ms:
+            assert t.prefill_node_ms >= t.prefill_queue_ms + t.prefill_compute_ms
+    # Replies come about with the first token: 24 tokens later they are in.
+    assert sum(r[2].usage.timing.prefill_node_ms > 0 for r in results) >= len(results) // 2
     # Both decode nodes and both prefill nodes took work.
     assert {r[2].usage.decode_node for r in results} == {"decode-0", "decode-1"}
     assert {r[2].usage.prefill_node for r in results} == {"prefill-0", "prefill-1"}
-
-
-def test_kv_headers_are_framed_as_a_block_between_session_nodes(cluster):
-    """Nodes of this release frame a KV group's headers as one block message
-    where the prefill node's session said it does so (decode-0); decode-1 sends
-    a Prefill call per request, knows nothing of its peer when its first
-    channel epoch is fixed, and reads a message per header (what nodes of the
-    previous release send and read) on that epoch."""
-    with ThreadPoolExecutor(16) as pool:  # enough at once for both decode nodes to take some
-        results = list(
-            pool.map(lambda p: collect(cluster.router_address, p, max_tokens=2), PROMPTS)
-        )
-    assert {r[2].usage.decode_node for r in results} == {"decode-0", "decode-1"}
-    log_dir = Path(cluster.spec.log_dir)
-    line = re.compile(r"KV channels from prefill-\d, epoch \d+: headers framed (.+)")
-
-    def framings(node: str) -> set[str]:
-        return set(line.findall((log_dir / f"{node}.log").read_text()))
-
-    assert framings("decode-0") == {"as a block"}
-    assert "one each" in framings("decode-1")
 
 
 def test_landed_kv_is_bit_identical_to_what_the_prefill_node_sent(cluster):

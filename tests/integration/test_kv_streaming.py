@@ -90,9 +90,6 @@ def decode_counters(cluster) -> dict[str, int]:
         "mismatches": info.kv_checksum_mismatches,
         "failures": info.kv_transfer_failures,
         "late": info.kv_late_transfers,
-        "early": info.early_prefills,
-        "first_tokens": info.kv_first_tokens,
-        "before_reply": info.decoded_before_reply,
     }
 
 
@@ -142,13 +139,6 @@ def test_streamed_text_equals_hf_transformers(
     finally:
         only(cluster, None)
     assert after["transfers"] - before["transfers"] == len(PROMPTS)
-    # Prefills went before their blocks were reserved (not a session's first,
-    # nor one that found the decode node's engine thread busy).
-    assert after["early"] - before["early"] >= 1
-    # Each first token came on the KV channel too, behind the prompt's KV, and
-    # was the reply's (--verify-kv checks it against the reply).
-    assert after["first_tokens"] - before["first_tokens"] == len(PROMPTS)
-    assert after["before_reply"] == 0  # with --verify-kv the reply (its checksum) comes first
     # Every block of every prompt crossed (each prompt is new to the decode
     # node), each chunk checksummed on both sides.
     assert after["bytes"] - before["bytes"] == total_blocks * block_bytes(demo_model_dir)
@@ -183,11 +173,6 @@ def test_prefix_hits_stream_only_the_blocks_from_the_first_uncached_one(
     assert after["bytes"] - before["bytes"] == sent_blocks * block_bytes(demo_model_dir)
     # The prefill node served the prefix from its own cache too.
     assert final.usage.cached_tokens >= len(prefix) // BLOCK * BLOCK
-    # The decode node's first block came after the Prefill, on its session.
-    assert after["early"] - before["early"] == 1
-    # The first token and the prefill node's cache hit came on the channel too,
-    # equal to the reply's.
-    assert after["first_tokens"] - before["first_tokens"] == 1
     assert after["mismatches"] == after["failures"] == 0
 
 

@@ -26,7 +26,13 @@ from common.kv_transfer import (
     TransferTicket,
     wire_order,
 )
-from common.kv_transfer.protocol import FLAG_TOKEN, HEADER_BLOCK, token_order
+from common.kv_transfer.protocol import (
+    FLAG_LOGPROBS,
+    FLAG_TOKEN,
+    HEADER_BLOCK,
+    first_token_words,
+    token_order,
+)
 from pdserve.redis_server import free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -47,12 +53,12 @@ def segment(rid, b0, b1, layers=(0, 4), per_chunk=2, heads=(0, 2)) -> SegmentHea
     return SegmentHeader(rid, b0, b1, *layers, per_chunk, *heads, UNIT)
 
 
-def sender_main(port, epochs, script, results, exit_after_chunks=None, header_block=False) -> None:
+def sender_main(port, epochs, script, results, exit_after_chunks=None) -> None:
     """Run ``script``: ("group", [(header, cancelled), ...]) or ("end", rid)."""
     sender = KVSender("prefill-a", torch.device("cpu"), timeout_s=10)
     results.put("ready")  # torch is imported: the receiver's rendezvous clock may start
     epoch = epochs.get(timeout=60)
-    dest = Destination("decode-a", "127.0.0.1", port, epoch, header_block=header_block)
+    dest = Destination("decode-a", "127.0.0.1", port, epoch)
     tickets: dict[int, TransferTicket] = {}
     # Each reservation's last chunk in the script settles its ticket.
     last_of: dict[int, tuple[int, int]] = {}
@@ -88,7 +94,13 @@ def sender_main(port, epochs, script, results, exit_after_chunks=None, header_bl
                 os._exit(0)
         for i in token_order(headers):  # the first tokens it announced, after its chunks
             token = torch.tensor([first_token_of(headers[i].reservation_id)])
-            sender.send_chunk(group, segments[i], None, token, None, time.monotonic(), False)
+            k = headers[i].top_logprobs
+            logprobs = None
+            if headers[i].has_logprobs:
+                best = torch.arange(k) + 1000
+                logprobs = (torch.tensor(-0.5), torch.tensor(2), best, -best.double() / 1e4)
+            words = first_token_words(token, logprobs)
+            sender.send_chunk(group, segments[i], None, words, None, time.monotonic(), False)
     out = {}
     for rid, t in tickets.items():
         try:
@@ -107,6 +119,7 @@ class Collector:
         self.headers: list[SegmentHeader] = []
         self.failed: list[str] = []
         self.tokens: list[tuple[int, int, int]] = []  # (reservation, token, chunks landed before)
+        self.logprobs: list = []  # each token's
         self.event = threading.Event()
 
     def on_group(self, peer, headers):
@@ -117,8 +130,9 @@ class Collector:
         self.chunks.append((rid, desc, data.clone()))
         self.event.set()
 
-    def on_first_token(self, peer, rid, token_id):
-        self.tokens.append((rid, token_id, len(self.chunks)))
+    def on_first_token(self, peer, rid, token):
+        self.tokens.append((rid, token.token_id, len(self.chunks)))
+        self.logprobs.append(token.logprobs)
 
     def on_peer_failed(self, peer, error, epoch):
         self.failed.append(peer)
@@ -136,10 +150,10 @@ def receiver():
     rx.close()
 
 
-def start_sender(port: int, script, exit_after_chunks=None, header_block=False):
+def start_sender(port: int, script, exit_after_chunks=None):
     ctx = mp.get_context("spawn")
     epochs, results = ctx.Queue(), ctx.Queue()
-    args = (port, epochs, script, results, exit_after_chunks, header_block)
+    args = (port, epochs, script, results, exit_after_chunks)
     proc = ctx.Process(target=sender_main, args=args)
     proc.start()
     assert results.get(timeout=120) == "ready"
@@ -181,14 +195,10 @@ def test_groups_land_bit_identical_in_wire_order_and_ends_close_the_streams(rece
     assert col.failed == []
 
 
-@pytest.mark.parametrize("header_block", [True, False], ids=["block", "message-each"])
-def test_groups_past_a_header_block_filling_it_and_of_one_segment_in_either_framing(
-    receiver, header_block
-):
-    """A group's headers framed as a block of HEADER_BLOCK rows and one more
-    message for the rest, or as a message each (protocol.py), as the epoch's
-    first expectation fixed: the group past the block, then one of exactly a
-    block and one of a single segment, land in order on one channel."""
+def test_groups_past_a_header_block_filling_it_and_of_one_segment_land_in_order(receiver):
+    """A group's headers travel as a block of HEADER_BLOCK rows and one more
+    message for the rest (protocol.py): the group past the block, then one of
+    exactly a block and one of a single segment, land in order on one channel."""
     rx, col, port = receiver
     big = [(segment(200 + i, i, i + 1, per_chunk=4), False) for i in range(HEADER_BLOCK + 3)]
     full = [(segment(300 + i, i, i + 1), False) for i in range(HEADER_BLOCK)]
@@ -196,11 +206,10 @@ def test_groups_past_a_header_block_filling_it_and_of_one_segment_in_either_fram
     groups = [big, full, single]
     rids = [h.reservation_id for group in groups for h, _ in group]
     script = [("group", g) for g in groups] + [("end", rid) for rid in rids]
-    proc, epochs, results = start_sender(port, script, header_block=header_block)
-    epoch = rx.expect("prefill-a", rids[0], header_block=header_block)
-    for rid in rids[1:]:  # later expectations cannot change the epoch's framing
-        rx.expect("prefill-a", rid, header_block=not header_block)
-    assert rx.header_block_of("prefill-a") is header_block
+    proc, epochs, results = start_sender(port, script)
+    epoch = rx.expect("prefill-a", rids[0])
+    for rid in rids[1:]:
+        rx.expect("prefill-a", rid)
     epochs.put(epoch)
     report = results.get(timeout=60)
     proc.join(30)
@@ -296,10 +305,11 @@ def test_sender_reports_a_peer_that_never_listens_and_a_passed_deadline():
 def test_first_tokens_follow_their_groups_chunks_and_the_channel_stays_in_step(receiver):
     rx, col, port = receiver
     token = {"flags": FLAG_TOKEN, "cached_tokens": 32}
+    with_logprobs = {"flags": FLAG_TOKEN | FLAG_LOGPROBS, "cached_tokens": 32, "top_logprobs": 3}
     group1 = [
         (SegmentHeader(20, 0, 2, 0, 4, 2, 0, 2, UNIT, **token), False),
-        (segment(21, 0, 1), False),  # no token asked for this one
-        (SegmentHeader(22, 1, 3, 0, 4, 1, 0, 2, UNIT, **token), False),
+        (segment(21, 0, 1), False),  # not its prompt's last segment: no token
+        (SegmentHeader(22, 1, 3, 0, 4, 1, 0, 2, UNIT, **with_logprobs), False),
     ]
     group2 = [(segment(23, 0, 1), False)]
     script = [("group", group1), ("group", group2)] + [("end", r) for r in (20, 21, 22, 23)]
@@ -315,6 +325,7 @@ def test_first_tokens_follow_their_groups_chunks_and_the_channel_stays_in_step(r
     # In header order, each after every chunk of its group, and none for 21.
     assert col.tokens == [(20, first_token_of(20), chunks_1), (22, first_token_of(22), chunks_1)]
     assert [h.cached_tokens for h in col.headers if h.has_token] == [32, 32]
+    assert col.logprobs == [None, (-0.5, 2, [1000, 1001, 1002], [-0.1, -0.1001, -0.1002])]
     # The next group landed in step, bit-identical.
     assert [rid for rid, _, _ in col.chunks][chunks_1:] == [23, 23]
     for rid, desc, data in col.chunks:

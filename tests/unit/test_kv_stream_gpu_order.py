@@ -14,16 +14,54 @@ import torch
 
 from common.kv_transfer.channel import TransferError
 from common.kv_transfer.loopback import LoopbackSender
+from common.kv_transfer.protocol import parse_first_token
 from common.kv_transfer.ticket import Destination
+from engine.layers.sampler import DeviceSamples
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from prefill_node.destinations import WAIT_S, PendingDestination
 from prefill_node.kv_plan import StepSegment
 from prefill_node.kv_stream import KVStreamer
-from prefill_node.late_blocks import WAIT_S, LateBlocks
+from proto import internal_pb2
 
 NUM_LAYERS = 6
 DEST = Destination("decode-0", "127.0.0.1", 0, 0)
+
+
+def _pending(reservation_id: int = 7, decode_tp: int = 1) -> PendingDestination:
+    """A Prefill of a 12-token prompt (3 blocks of 4) bound for decode-0."""
+    request = internal_pb2.PrefillRequest(
+        prompt_token_ids=list(range(12)),
+        decode_node_id="decode-0",
+        decode_tensor_parallel_size=decode_tp,
+        reservation_id=reservation_id,
+    )
+    return PendingDestination(request, 4)
+
+
+def _blocks(first: int, num: int, reservation_id: int = 7, decode_tp: int = 1):
+    """The decode node's blocks, on DEST's channel."""
+    blocks = internal_pb2.PrefillBlocks(
+        reservation_id=reservation_id, first_block=first, num_blocks=num
+    )
+    blocks.channel.node_id, blocks.channel.store_host = DEST.node_id, DEST.store_host
+    blocks.channel.epoch, blocks.channel.tensor_parallel_size = DEST.epoch, decode_tp
+    return blocks
+
+
+def _came(pending: PendingDestination, first: int, num: int) -> PendingDestination:
+    pending.set(_blocks(first, num, pending.reservation_id, pending.decode_tp))
+    return pending
+
+
+def _samples(token_ids: list[int], logprobs: tuple | None = None) -> DeviceSamples:
+    """A step's samples as the sampler leaves them on the device."""
+    if logprobs is None:
+        return DeviceSamples(torch.tensor(token_ids), [None] * len(token_ids))
+    rows, k, tensors = logprobs
+    want = [k if i in rows else None for i in range(len(token_ids))]
+    return DeviceSamples(torch.tensor(token_ids), want, rows, tensors)
 
 
 class _Sink:
@@ -39,7 +77,7 @@ class _Sink:
     def on_chunk(self, peer, context, desc, data, stream) -> None:
         assert self.headers, "a chunk before its group's headers"
 
-    def on_first_token(self, peer, context, token_id) -> None:
+    def on_first_token(self, peer, context, token) -> None:
         assert self.headers, "a first token before its group's headers"
 
 
@@ -64,7 +102,8 @@ class _Recording(LoopbackSender):
 
     def send_chunk(self, group, segment, desc, data, ready, ready_at, last) -> None:
         if desc is None:  # a first token
-            self.log.append(("token", segment.header.reservation_id, int(data[0])))
+            token = parse_first_token(segment.header, data.numpy().tobytes())
+            self.log.append(("token", segment.header.reservation_id, token.token_id))
         else:
             self.log.append(("chunk", desc.layer_start, desc.layer_end))
         self.data.append(data)
@@ -82,7 +121,8 @@ def _streamer(sender, layers_per_chunk: int, last_layers: int) -> KVStreamer:
 def _step(streamer: KVStreamer, request_id: str):
     """A one-step prompt of 3 blocks, opened and planned as begin_step would."""
     deadline = time.monotonic() + 30
-    ticket = streamer.open(request_id, DEST, 7, 0, 3, deadline, False)
+    ticket = streamer.open(request_id, _came(_pending(), 0, 3), deadline, False)
+    streamer._take_blocks(streamer._streams[request_id], deadline)
     segment = StepSegment(request_id, DEST, 7, 0, 3, True, [1, 2, 3], deadline)
     return ticket, streamer._emit([segment])
 
@@ -150,7 +190,7 @@ def test_another_tensor_parallel_rank_fails_its_own_part_the_same_way():
         streamer._tickets["r"].done.result(timeout=0)
 
 
-# ------------------------------------------- blocks that come after the Prefill
+# ------------------------------------------- the decode node's blocks, after the Prefill
 BLOCK_TABLE = [1, 2, 3]  # this node's blocks of a 12-token prompt (block size 4)
 
 
@@ -176,9 +216,9 @@ def _seq(request_id: str, computed: int = 0) -> Sequence:
     )
 
 
-def _open_late(streamer: KVStreamer, request_id: str, late: LateBlocks):
-    """A Prefill whose blocks follow: its destination has no blocks yet."""
-    return streamer.open(request_id, DEST, 7, 0, 0, time.monotonic() + 30, False, late=late)
+def _open_late(streamer: KVStreamer, request_id: str, late: PendingDestination):
+    """A Prefill whose decode node's blocks have not come yet."""
+    return streamer.open(request_id, late, time.monotonic() + 30, False)
 
 
 def _kv_of(streamer: KVStreamer, blocks: list[int]) -> torch.Tensor:
@@ -187,12 +227,12 @@ def _kv_of(streamer: KVStreamer, blocks: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("when", ["before-the-hook", "during-the-hook"])
-def test_late_blocks_are_waited_for_at_the_first_due_chunk_not_before(when):
+def test_blocks_are_waited_for_at_the_first_due_chunk_not_before(when):
     log: list = []
     sender = _Recording(log)
     streamer = _late_streamer(sender)
     assert streamer.first_due == 3
-    late = LateBlocks(12, 4)  # 3 blocks of 4 tokens
+    late = _pending()  # 3 blocks of 4 tokens
     ticket = _open_late(streamer, "r", late)
     layer_done = streamer.begin_step(ScheduledBatch([_seq("r")], [12]))
     assert log == []  # nothing before the launch
@@ -200,9 +240,9 @@ def test_late_blocks_are_waited_for_at_the_first_due_chunk_not_before(when):
         layer_done(layer)
     assert log == []  # nothing is due before the held chunk: nothing prepared
     if when == "before-the-hook":
-        late.set(1, 3)
+        _came(late, 1, 3)
     else:  # the engine thread waits for them at the hook
-        threading.Timer(0.1, late.set, (1, 3)).start()
+        threading.Timer(0.1, _came, (late, 1, 3)).start()
     layer_done(streamer.first_due)
     assert log[:3] == ["prepare", "post", ("chunk", 0, 4)]
     # The block the decode node holds already (its own prefix cache) is not sent.
@@ -218,13 +258,13 @@ def test_blocks_that_came_before_the_first_hook_change_nothing_of_the_order(when
     log: list = []
     sender = _Recording(log)
     streamer = _late_streamer(sender)
-    late = LateBlocks(12, 4)  # 3 blocks of 4 tokens
+    late = _pending()  # 3 blocks of 4 tokens
     ticket = _open_late(streamer, "r", late)
     if when == "before-the-launch":
-        late.set(1, 3)
+        _came(late, 1, 3)
     layer_done = streamer.begin_step(ScheduledBatch([_seq("r")], [12]))
     if when == "after-the-launch":
-        late.set(1, 3)
+        _came(late, 1, 3)
     assert log == []
     layer_done(0)
     assert log == ["prepare"]  # at layer 0's hook, as with blocks known at the start
@@ -240,7 +280,7 @@ def test_blocks_that_came_before_the_first_hook_change_nothing_of_the_order(when
 def test_blocks_that_never_come_fail_the_transfer_when_the_prefill_ends_not_the_step():
     log: list = []
     streamer = _late_streamer(_Recording(log))
-    late = LateBlocks(12, 4)  # 3 blocks of 4 tokens
+    late = _pending()  # 3 blocks of 4 tokens
     ticket = _open_late(streamer, "r", late)
     layer_done = streamer.begin_step(ScheduledBatch([_seq("r")], [12]))
     for layer in range(streamer.first_due):
@@ -257,15 +297,15 @@ def test_blocks_that_never_come_fail_the_transfer_when_the_prefill_ends_not_the_
     assert ticket.done.exception(timeout=0) is ended
 
 
-def test_on_a_cpu_the_step_waits_for_late_blocks_before_its_launch():
+def test_on_a_cpu_the_step_waits_for_the_blocks_before_its_launch():
     log: list = []
     sender = _Recording(log)
     cache = torch.randn(2, NUM_LAYERS, 8, 4, 2, 8)
     streamer = KVStreamer(cache, 4, sender, 1, last_layers=2)
     assert streamer.headers_at_once and not streamer.defer_blocks
-    late = LateBlocks(12, 4)  # 3 blocks of 4 tokens
+    late = _pending()  # 3 blocks of 4 tokens
     ticket = _open_late(streamer, "r", late)
-    threading.Timer(0.1, late.set, (2, 3)).start()
+    threading.Timer(0.1, _came, (late, 2, 3)).start()
     began = time.monotonic()
     layer_done = streamer.begin_step(ScheduledBatch([_seq("r")], [12]))
     assert time.monotonic() - began >= 0.09
@@ -283,14 +323,14 @@ def test_blocks_that_do_not_fit_the_prompt_fail_its_transfer(cpu):
     streamer = _late_streamer(_Recording(log))
     if cpu:
         streamer.headers_at_once, streamer.defer_blocks = True, False
-    late = LateBlocks(12, 4)  # 3 blocks of 4 tokens
+    late = _pending()  # 3 blocks of 4 tokens
     ticket = _open_late(streamer, "r", late)
     if cpu:  # waited for before the launch: the step plans nothing of it
-        threading.Timer(0.05, late.set, (0, 5)).start()  # a decode node on another block size
+        threading.Timer(0.05, _came, (late, 0, 5)).start()  # a decode node on another block size
         assert streamer.begin_step(ScheduledBatch([_seq("r")], [12])) is None
     else:  # waited for at the first due chunk
         layer_done = streamer.begin_step(ScheduledBatch([_seq("r")], [12]))
-        late.set(0, 5)
+        _came(late, 0, 5)
         for layer in range(NUM_LAYERS):
             layer_done(layer)
     assert log == []
@@ -305,11 +345,11 @@ def test_a_chunk_of_blocks_the_decode_node_holds_sends_nothing_and_the_next_goes
     log: list = []
     sender = _Recording(log)
     streamer = _late_streamer(sender)
-    late = LateBlocks(12, 4)  # 3 blocks of 4 tokens
+    late = _pending()  # 3 blocks of 4 tokens
     ticket = _open_late(streamer, "r", late)
     seq = _seq("r")
     layer_done = streamer.begin_step(ScheduledBatch([seq], [8]))
-    late.set(2, 3)
+    _came(late, 2, 3)
     for layer in range(NUM_LAYERS):
         layer_done(layer)
     assert log == [] and ticket.alive
@@ -322,18 +362,21 @@ def test_a_chunk_of_blocks_the_decode_node_holds_sends_nothing_and_the_next_goes
     assert ticket.done.result(timeout=0).num_bytes == NUM_LAYERS * 2 * streamer.unit_bytes
 
 
+def _open_all(streamer: KVStreamer, *opened) -> None:
+    """Prefills whose blocks all came, on DEST's channel: (request, reservation, logprobs)."""
+    deadline = time.monotonic() + 30
+    for rid, reservation_id, logprobs in opened:
+        streamer.open(rid, _came(_pending(reservation_id), 0, 3), deadline, False, logprobs)
+
+
 @pytest.mark.parametrize("cpu", [False, True], ids=["gpu-order", "cpu-order"])
-def test_a_first_token_asked_for_goes_after_the_prompts_last_chunk_once_sampled(cpu):
+def test_every_prompts_first_token_goes_after_its_last_chunk_once_sampled(cpu):
     log: list = []
     sender = _Recording(log)
     streamer = _streamer(sender, 1, 2)
     streamer.headers_at_once = cpu
-    deadline = time.monotonic() + 30
-    # "r" asks for its first token on the channel, "s" does not; "t" asks but
-    # (never expected) does not sample in the step: -1 keeps the channel in step.
-    streamer.open("r", DEST, 7, 0, 3, deadline, False, first_token=True)
-    streamer.open("s", DEST, 8, 0, 3, deadline, False)
-    streamer.open("t", DEST, 9, 0, 3, deadline, False, first_token=True)
+    # "t" (never expected) does not sample in the step: -1 keeps the channel in step.
+    _open_all(streamer, ("r", 7, -1), ("s", 8, -1), ("t", 9, -1))
     seqs = [_seq("s"), _seq("r"), _seq("t")]
     seqs[1].num_cached_tokens = 4
     layer_done = streamer.begin_step(ScheduledBatch(seqs, [12, 12, 12]))
@@ -341,26 +384,58 @@ def test_a_first_token_asked_for_goes_after_the_prompts_last_chunk_once_sampled(
         layer_done(layer)
     assert not any(e[0] == "token" for e in log if isinstance(e, tuple))  # not before sampling
     flagged = [h for h in sender.headers if h.has_token]
-    # Only the last span of the ones that asked, with this node's cache hit.
+    # Only the last span, with this node's cache hit.
     assert [(h.reservation_id, h.layer_start, h.cached_tokens) for h in flagged] == [
+        (8, 4, 0),
         (7, 4, 4),
         (9, 4, 0),
     ]
-    streamer.step_sampled(torch.tensor([11, 42, 5]), [0, 1])  # row 2 did not sample
-    assert log[-2:] == [("token", 7, 42), ("token", 9, -1)]  # after every chunk, header order
-    streamer.step_sampled(torch.tensor([1]), [0])  # the next step: nothing more goes
+    streamer.step_sampled(_samples([11, 42, 5]), [0, 1])  # row 2 did not sample
+    # After every chunk, in header order.
+    assert log[-3:] == [("token", 8, 11), ("token", 7, 42), ("token", 9, -1)]
+    streamer.step_sampled(_samples([1]), [0])  # the next step: nothing more goes
     assert log[-1] == ("token", 9, -1)
 
 
-def test_a_tensor_parallel_destination_gets_no_first_token():
+def test_a_first_token_carries_its_logprobs_where_the_request_asked():
     log: list = []
     sender = _Recording(log)
-    streamer = _streamer(sender, 1, 0)
-    dest = Destination("decode-0", "127.0.0.1", 0, 0, tensor_parallel_size=2)
-    streamer.open("r", dest, 7, 0, 3, time.monotonic() + 30, False, first_token=True)
+    streamer = _streamer(sender, 0, 0)
+    _open_all(streamer, ("r", 7, 2), ("s", 8, -1))
+    layer_done = streamer.begin_step(ScheduledBatch([_seq("r"), _seq("s")], [12, 12]))
+    for layer in range(NUM_LAYERS):
+        layer_done(layer)
+    header = next(h for h in sender.headers if h.reservation_id == 7)
+    assert header.has_logprobs and header.top_logprobs == 2
+    assert not next(h for h in sender.headers if h.reservation_id == 8).has_logprobs
+    # The sampler's logprobs of row 0 (three best ids computed, two asked for).
+    tensors = (
+        torch.tensor([-0.25]),
+        torch.tensor([2]),
+        torch.tensor([[5, 42, 9]]),
+        torch.tensor([[-0.1, -0.25, -3.0]]),
+    )
+    streamer.step_sampled(_samples([42, 11], ([0], 2, tensors)), [0, 1])
+    token = parse_first_token(header, sender.data[-2].numpy().tobytes())
+    assert token.token_id == 42
+    assert token.logprobs == (-0.25, 2, [5, 42], [pytest.approx(-0.1), -0.25])
+    assert log[-2:] == [("token", 7, 42), ("token", 8, 11)]
+
+
+def test_a_tensor_parallel_decode_node_gets_its_first_token_on_rank_0s_channel():
+    log: list = []
+    sender = _Recording(log)
+    cache = torch.randn(2, NUM_LAYERS, 8, 4, 2, 8)  # 2 KV heads, decode node of 2 ranks
+    streamer = KVStreamer(cache, 4, sender, 1, last_layers=0)
+    streamer.headers_at_once = False
+    deadline = time.monotonic() + 30
+    streamer.open("r", _came(_pending(7, decode_tp=2), 0, 3), deadline, False)
     layer_done = streamer.begin_step(ScheduledBatch([_seq("r")], [12]))
     for layer in range(NUM_LAYERS):
         layer_done(layer)
-    streamer.step_sampled(torch.tensor([42]), [0])
-    assert not any(h.has_token for h in sender.headers)
-    assert not any(e[0] == "token" for e in log if isinstance(e, tuple))
+    streamer.step_sampled(_samples([42]), [0])
+    groups = {g.receiver_rank: g for g in sender.groups}
+    assert set(groups) == {0, 1}
+    flagged = [rank for rank, g in groups.items() if any(s.header.has_token for s in g.segments)]
+    assert flagged == [0]
+    assert log[-1] == ("token", 7, 42)

@@ -7,17 +7,24 @@ import torch
 
 from common.kv_transfer.coverage import Coverage
 from common.kv_transfer.protocol import (
+    FLAG_LOGPROBS,
     FLAG_TOKEN,
     HEADER_BLOCK,
     HEADER_WORDS,
+    MAGIC,
     ChunkDesc,
+    FirstToken,
     SegmentHeader,
+    first_token_words,
     group_messages,
     header_message_rows,
     header_words,
+    parse_first_token,
+    token_message_bytes,
     token_order,
     wire_order,
 )
+from common.version import PROTOCOL_VERSION
 from engine.kv_blocks import gather_blocks, kv_unit_bytes, scatter_blocks
 
 
@@ -36,6 +43,11 @@ def test_header_round_trip_and_rejection():
     bad[0] = 1
     with pytest.raises(ValueError, match="not a KV segment header"):
         SegmentHeader.from_tensor(bad)
+    # Another protocol version's header names both.
+    bad[0] = MAGIC + 1
+    with pytest.raises(ValueError, match=f"of protocol version {PROTOCOL_VERSION}"):
+        SegmentHeader.from_tensor(bad)
+    assert MAGIC & 0xFFFF == PROTOCOL_VERSION
     for field, value in [
         (2, 200),  # block_start past block_end
         (5, 1 << 13),  # absurd layer count
@@ -49,26 +61,22 @@ def test_header_round_trip_and_rejection():
             SegmentHeader.from_tensor(bad)
 
 
-def test_a_groups_headers_framed_as_a_block_or_a_message_each():
+def test_a_groups_headers_travel_as_a_block_and_those_past_it_in_one_more():
     few = [seg(rid=r).with_group(3, i) for i, r in enumerate((1, 2, 3))]
-    words, sizes = header_words(few, block=True)
+    words, sizes = header_words(few)
     assert sizes == [HEADER_BLOCK] and words.shape == (HEADER_BLOCK, HEADER_WORDS)
     (block,) = words.split(sizes)
     assert [SegmentHeader.from_tensor(row) for row in block[:3]] == few
     assert not block[3:].any()  # zero rows after the last header
     many = [seg(rid=r).with_group(HEADER_BLOCK + 2, r) for r in range(HEADER_BLOCK + 2)]
-    words, sizes = header_words(many, block=True)
+    words, sizes = header_words(many)
     block, rest = words.split(sizes)
     assert rest.shape == (2, HEADER_WORDS)
     assert [SegmentHeader.from_tensor(row) for row in [*block, *rest]] == many
-    # A message per header: what every release reads, one row of 16 words each.
-    words, sizes = header_words(few, block=False)
-    rows = words.split(sizes)
-    assert [r.shape for r in rows] == [(1, HEADER_WORDS)] * 3
-    assert [SegmentHeader.from_tensor(r[0]) for r in rows] == few
     # The receiver's side of the same rule: the first message before it knows k.
-    assert header_message_rows(1, True) == [HEADER_BLOCK] and header_message_rows(1, False) == [1]
-    assert header_message_rows(HEADER_BLOCK, True) == [HEADER_BLOCK]
+    assert header_message_rows(1) == [HEADER_BLOCK]
+    assert header_message_rows(HEADER_BLOCK) == [HEADER_BLOCK]
+    assert header_message_rows(HEADER_BLOCK + 1) == [HEADER_BLOCK, 1]
 
 
 def test_a_first_token_header_round_trips_and_adds_one_message_after_the_chunks():
@@ -81,13 +89,41 @@ def test_a_first_token_header_round_trips_and_adds_one_message_after_the_chunks(
     assert group_messages([plain, h]) == len(wire_order([plain, h])) + 1 == 4
     for field, value in [
         (12, FLAG_TOKEN | 1),  # an end header never carries a token
+        (12, FLAG_LOGPROBS),  # logprobs without a token
         (13, 5),  # a cache hit without a token
         (13, -1),
+        (14, 3),  # best tokens without logprobs
     ]:
-        bad = (h if field == 12 else seg()).to_tensor()
+        bad = (h if field in (12, 14) else seg()).to_tensor()
         bad[field] = value
         with pytest.raises(ValueError, match="out of bounds"):
             SegmentHeader.from_tensor(bad)
+
+
+def test_a_first_token_message_carries_its_logprobs_as_its_header_sizes_it():
+    plain = seg(rid=9, flags=FLAG_TOKEN, cached_tokens=4)
+    words = first_token_words(torch.tensor([42]))
+    assert words.numel() * 8 == token_message_bytes(plain) == 8
+    assert parse_first_token(plain, words.numpy().tobytes()) == FirstToken(42, 4)
+    h = seg(rid=9, flags=FLAG_TOKEN | FLAG_LOGPROBS, cached_tokens=4, top_logprobs=2)
+    assert SegmentHeader.from_tensor(h.to_tensor()) == h
+    logprobs = (
+        torch.tensor(-0.75, dtype=torch.float32),
+        torch.tensor(3),
+        torch.tensor([5, 6]),
+        torch.tensor([-0.125, -0.5], dtype=torch.float32),
+    )
+    words = first_token_words(torch.tensor([42]), logprobs)
+    assert words.dtype == torch.int64 and words.numel() * 8 == token_message_bytes(h) == 7 * 8
+    token = parse_first_token(h, words.numpy().tobytes())
+    assert token == FirstToken(42, 4, (-0.75, 3, [5, 6], [-0.125, -0.5]))
+
+
+def test_an_end_header_carries_the_chunks_checksum():
+    digest = bytes(range(16))
+    end = SegmentHeader.end(77, (0, 2), digest)
+    assert SegmentHeader.from_tensor(end.to_tensor()) == end
+    assert SegmentHeader.from_tensor(SegmentHeader.end(77).to_tensor()).digest == b""
 
 
 def test_chunks_split_layers_in_order_and_size_by_units():

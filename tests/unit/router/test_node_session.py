@@ -1,6 +1,6 @@
 """DecodeSession end to end over a real grpc.aio server on localhost: the node's
 session (decode_node/session.py) around a scripted worker, and the router's
-NodeSession/SessionCall (router/node_session.py) reading it as Decode calls."""
+NodeSession/SessionCall (router/node_session.py) reading each request as a call of its own."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from common.runtime.reliability import FAILED_NODE_KEY
-from decode_node.prefill_call import PrefillFailed
+from common.version import PROTOCOL_VERSION
+from decode_node.remote_prefill import PrefillFailed
 from decode_node.session import DecodeSession
 from pdserve.redis_server import free_port
 from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2
@@ -29,7 +30,7 @@ class Worker:
         self.step = step
         self.closed: list[str] = []  # requests whose stream was closed early
         self.deadlines: dict[str, float | None] = {}
-        self.takes_dispatched = True  # said in the session's first batch
+        self.node_id = "decode-0"
 
     async def decode(self, request, deadline):
         rid = request.request_id
@@ -55,25 +56,23 @@ class Worker:
 
 
 class Node(internal_pb2_grpc.DecodeNodeServicer):
-    def __init__(self, worker: Worker, sessions: bool = True) -> None:
+    def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.sessions_opened = 0
         self.batches = 0
-        self.decode_calls = 0
-        self._sessions = sessions
-
-    async def Decode(self, request, context):
-        self.decode_calls += 1
-        async for response in self.worker.decode(request, None):
-            yield response
 
     async def DecodeSession(self, request_iterator, context):
-        if not self._sessions:  # a node of an older release
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        await DecodeSession.check_version(context, "decode node decode-0")
         self.sessions_opened += 1
         async for batch in DecodeSession(self.worker).run(request_iterator):
             self.batches += 1
             yield batch
+
+
+class OtherVersion(Node):
+    async def DecodeSession(self, request_iterator, context):
+        yield internal_pb2.SessionBatch(protocol_version=PROTOCOL_VERSION + 1)
+        await asyncio.Event().wait()
 
 
 async def _server(node: Node, port: int) -> grpc.aio.Server:
@@ -128,7 +127,6 @@ def test_many_requests_share_one_call_and_a_step_is_one_batch():
         async with _session_with(node) as session:
             calls = [await session.start(_request(f"r{i}", tokens=4), None) for i in range(8)]
             assert all(isinstance(c, SessionCall) for c in calls)
-            assert session.takes_dispatched  # its first batch said so
             readers = [asyncio.ensure_future(_tokens(c)) for c in calls]
             for _ in range(4):  # four "engine steps", each releasing every request's token
                 await asyncio.sleep(0.05)
@@ -142,12 +140,11 @@ def test_many_requests_share_one_call_and_a_step_is_one_batch():
         # 32 messages and 8 ends, released in 4 steps (and the opening empty
         # batch): far fewer batches than messages.
         assert node.batches <= 9, node.batches
-        assert session.supported is True
 
     run(main())
 
 
-def test_failures_read_as_the_decode_calls_status():
+def test_failures_read_as_the_requests_status():
     async def main():
         async with _session_with(Node(Worker())) as session:
             failed = await session.start(_request("p", kind=1), None)
@@ -240,21 +237,15 @@ def test_a_lost_session_fails_its_requests_unavailable_and_the_next_reopens():
     run(main())
 
 
-def test_a_node_without_sessions_gets_decode_calls():
+def test_a_node_of_another_version_fails_the_request_naming_both_versions():
     async def main():
-        node = Node(Worker(), sessions=False)
-        async with _session_with(node) as session:
-            # Both waiting for the node's answer to the same open: both fall back.
-            first, second = await asyncio.gather(
-                session.start(_request("a"), 5.0), session.start(_request("b"), None)
-            )
-            assert await _tokens(first) == [100, 101, 102]
-            assert await _tokens(second) == [100, 101, 102]
-            assert session.supported is False
-            third = await session.start(_request("c"), None)
-            assert not isinstance(third, SessionCall)  # straight to a Decode call
-            assert await _tokens(third) == [100, 101, 102]
-        assert node.decode_calls == 3
+        async with _session_with(OtherVersion(Worker())) as session:
+            call = await session.start(_request("a"), None)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await _tokens(call)
+        assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert f"protocol version {PROTOCOL_VERSION + 1}" in refused.value.details()
+        assert f"this process {PROTOCOL_VERSION}" in refused.value.details()
 
     run(main())
 

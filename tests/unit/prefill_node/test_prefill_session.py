@@ -1,7 +1,8 @@
 """PrefillSession end to end over a real grpc.aio server on localhost: the prefill
 node's servicer (prefill_node/service.py, its session prefill_node/session.py)
-around a scripted worker, and the decode node's PrefillSessionClient
-(common/sessions/prefill.py) standing for Prefill calls."""
+around a scripted worker with the node's real DestinationBoard, a router's
+PrefillSessionClient sending Prefills (common/sessions/prefill.py) and a
+decode node's sending their blocks on a session of its own."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import grpc
 import pytest
 
 from common.kv_transfer import TransferError
-from common.kv_transfer.ticket import Destination
 from common.runtime.reliability import NoCapacity
-from common.sessions import prefill as prefill_session_client
 from common.sessions.prefill import PrefillSessionClient
+from common.version import PROTOCOL_VERSION, VERSION_KEY
 from pdserve.redis_server import free_port
-from prefill_node.late_blocks import LateBlocks, LateBoard
+from prefill_node import destinations
+from prefill_node.destinations import DestinationBoard, PendingDestination
 from prefill_node.service import PrefillNodeServicer
 from proto import internal_pb2, internal_pb2_grpc
 
@@ -26,75 +27,57 @@ pytestmark = pytest.mark.timeout(60)
 
 class Worker:
     """PrefillWorker.prefill's contract, scripted by the prompt's first token id:
-    0 replies with first token 100 + the prompt's length; 1 is refused (the
-    queue is full); 2 is a bad request; 3 hangs until cancelled; 4 (blocks
-    follow) waits on a thread, as the engine's would, for the blocks and replies
-    1000 + first_block * 10 + num_blocks, or raises what the wait raised."""
+    0 replies with cached_tokens 100 + the prompt's length; 1 is refused (the
+    queue is full); 2 is a bad request; 3 hangs until cancelled; 4 waits on a
+    thread, as the engine's would, for the decode node's blocks and replies
+    cached_tokens 1000 + first_block * 10 + num_blocks, or raises what the wait raised."""
 
     def __init__(self) -> None:
+        self.node_id = "prefill-0"
         self.started: list[str] = []
         self.cancelled: list[str] = []
         self.deadlines: dict[str, float | None] = {}
-        self.lates: dict[str, LateBlocks] = {}
+        self.pending: dict[str, PendingDestination] = {}
         self.woken: dict[str, Exception] = {}  # what woke a thread waiting for blocks
-        self.requests: dict[str, internal_pb2.PrefillRequest] = {}
-        # PrefillWorker's: blocks matched on any session; the streams it ended.
-        self.orphaned: list[internal_pb2.KVDestination] = []
-        self.board = LateBoard(self.orphaned.append)
-        self.takes_dispatched = False
+        # The streams the board ended (the decode node's channel epoch, the reservation).
+        self.ended: list[tuple[int, int]] = []
+        self.board = DestinationBoard(lambda d, rid: self.ended.append((d.epoch, rid)))
 
-    def late_blocks(self, request) -> LateBlocks:
-        # A router's Prefill (dispatched) sends on a channel of epoch 7.
-        target = Destination("decode-0", "127.0.0.1", 1, 7) if request.dispatched else None
-        late = LateBlocks(
-            len(request.prompt_token_ids), 16, target, request.destination.reservation_id
-        )
-        self.lates[request.request_id] = late
-        return late
+    def pending_destination(self, request) -> PendingDestination:
+        pending = self.pending[request.request_id] = PendingDestination(request, 16)
+        return pending
 
-    def _wait(self, rid: str, late: LateBlocks) -> tuple[int, int]:
+    def _wait(self, rid: str, pending: PendingDestination) -> PendingDestination:
         try:
-            return late.wait(5)
+            pending.wait(5)
         except Exception as e:
             self.woken[rid] = e
             raise
+        return pending
 
-    async def prefill(self, request, deadline, late=None):
+    async def prefill(self, request, deadline, pending):
         rid = request.request_id
         self.started.append(rid)
-        self.requests[rid] = request
         self.deadlines[rid] = deadline
         kind = request.prompt_token_ids[0]
         try:
             if kind == 1:
                 raise NoCapacity("prefill node prefill-0 has no room")
             if kind == 2:
-                raise ValueError("first_block 9 leaves nothing of 1 blocks to send")
+                raise ValueError("a Prefill needs its decode node's id")
             if kind == 3:
                 await asyncio.Event().wait()
             if kind == 4:
-                first_block, num_blocks = await asyncio.to_thread(self._wait, rid, late)
+                got = await asyncio.to_thread(self._wait, rid, pending)
                 return internal_pb2.PrefillResponse(
-                    first_token_id=1000 + first_block * 10 + num_blocks
+                    cached_tokens=1000 + got.first_block * 10 + got.num_blocks
                 )
             return internal_pb2.PrefillResponse(
-                first_token_id=100 + len(request.prompt_token_ids), node_ms=1.5
+                cached_tokens=100 + len(request.prompt_token_ids), node_ms=1.5
             )
         except asyncio.CancelledError:
             self.cancelled.append(rid)
             raise
-
-
-class OldNode(internal_pb2_grpc.PrefillNodeServicer):
-    """A prefill node of an older release: Prefill calls only."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.calls = 0
-
-    async def Prefill(self, request, context):
-        self.calls += 1
-        return await self.worker.prefill(request, None)
 
 
 class Counting(PrefillNodeServicer):
@@ -136,21 +119,35 @@ def _command(rid: str, kind: int = 0, length: int = 3) -> internal_pb2.PrefillSe
     request = command.start.request
     request.request_id = rid
     request.prompt_token_ids.extend([kind] + [7] * (length - 1))
+    request.decode_node_id = "decode-0"
+    request.reservation_id = 5
     return command
 
 
 def _follow(rid: str, length: int = 3) -> internal_pb2.PrefillSessionCommand:
-    """A Prefill whose blocks follow (``send_blocks``), of worker kind 4."""
-    command = _command(rid, kind=4, length=length)
-    command.start.request.blocks_follow = True
-    return command
+    """A Prefill that waits for its decode node's blocks (worker kind 4)."""
+    return _command(rid, kind=4, length=length)
 
 
-async def _started(client, command) -> asyncio.Task:
-    """A task awaiting the Prefill of ``command``, once its start was written."""
-    written = asyncio.get_running_loop().create_future()
-    task = asyncio.ensure_future(client.prefill(command, 10.0, written))
-    await written
+def _blocks(rid: str, first: int, num: int, epoch: int = 7, **fields) -> internal_pb2.PrefillBlocks:
+    """A decode node's blocks for reservation 5 of decode-0, on its channel of ``epoch``."""
+    blocks = internal_pb2.PrefillBlocks(
+        request_id=rid, reservation_id=5, first_block=first, num_blocks=num
+    )
+    channel = blocks.channel
+    channel.node_id, channel.store_host, channel.store_port = "decode-0", "127.0.0.1", 5000
+    channel.epoch, channel.tensor_parallel_size = epoch, 1
+    for name, value in fields.items():
+        setattr(blocks, name, value) if hasattr(blocks, name) else setattr(channel, name, value)
+    return blocks
+
+
+async def _started(client, command, worker) -> asyncio.Task:
+    """A task awaiting the Prefill of ``command``, once the node runs it."""
+    task = asyncio.ensure_future(client.prefill(command, 10.0))
+    rid = command.start.request.request_id
+    while rid not in worker.started:
+        await asyncio.sleep(0.01)
     return task
 
 
@@ -178,8 +175,8 @@ def test_prefills_share_one_session_and_get_their_own_replies():
                 *(client.prefill(_command(f"r{i}", length=2 + i), 10.0) for i in range(6))
             )
             again = await client.prefill(_command("later", length=9), 10.0)
-        assert [r.first_token_id for r in replies] == [102 + i for i in range(6)]
-        assert again.first_token_id == 109 and again.node_ms == 1.5
+        assert [r.cached_tokens for r in replies] == [102 + i for i in range(6)]
+        assert again.cached_tokens == 109 and again.node_ms == 1.5
         assert node.sessions_opened == 1
         # The node's deadline is the command's timeout from when it read it.
         assert all(d is not None for d in worker.deadlines.values())
@@ -198,8 +195,8 @@ def test_a_failed_prefill_raises_the_status_its_call_would_have():
         assert full.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "no room" in full.value.details()
         assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-        assert "first_block 9" in bad.value.details()
-        assert ok.first_token_id == 103
+        assert "decode node's id" in bad.value.details()
+        assert ok.cached_tokens == 103
 
     run(main())
 
@@ -217,7 +214,7 @@ def test_a_timeout_is_deadline_exceeded_here_and_cancels_the_prefill_there():
             ok = await client.prefill(_command("next"), 10.0)
         assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
         assert worker.cancelled == ["slow"]
-        assert ok.first_token_id == 103
+        assert ok.cached_tokens == 103
 
     run(main())
 
@@ -249,14 +246,11 @@ def test_a_lost_node_fails_its_prefills_unavailable_and_a_new_session_opens_afte
             waiting = asyncio.ensure_future(client.prefill(_command("stuck", kind=3), 10.0))
             while "stuck" not in worker.started:
                 await asyncio.sleep(0.01)
-            assert losses == [] and client.blocks_follow
+            assert losses == []
             await server.stop(None)  # the node dies under its Prefill
             with pytest.raises(grpc.aio.AioRpcError) as lost:
                 await waiting
             assert losses == ["lost"]
-            # What the lost session said no longer holds: until one opens, the
-            # decode node reserves before it sends (the next node may be older).
-            assert not client.blocks_follow
             with pytest.raises(grpc.aio.AioRpcError) as down:  # nobody there to open one
                 await client.prefill(_command("meanwhile"), 10.0)
             back = await _server(node, port)  # restarted on the same address
@@ -266,15 +260,13 @@ def test_a_lost_node_fails_its_prefills_unavailable_and_a_new_session_opens_afte
                         reply = await client.prefill(_command("after"), 10.0)
                         break
                     await asyncio.sleep(0.1)
-                reopened = client.blocks_follow  # the new session said so again
             finally:
                 await back.stop(None)
         assert lost.value.code() is grpc.StatusCode.UNAVAILABLE
         assert "prefill node prefill-0" in lost.value.details()
         assert down.value.code() is grpc.StatusCode.UNAVAILABLE
-        assert reply.first_token_id == 103
+        assert reply.cached_tokens == 103
         assert node.sessions_opened == 2
-        assert reopened
 
     run(main())
     # The second session ended too, when the test stopped its node.
@@ -292,7 +284,7 @@ def test_a_session_lost_with_no_prefill_on_it_is_reported():
             client,
             server,
         ):
-            assert (await client.prefill(_command("one"), 10.0)).first_token_id == 103
+            assert (await client.prefill(_command("one"), 10.0)).cached_tokens == 103
             assert losses == []
             await server.stop(None)
             for _ in range(200):
@@ -302,18 +294,6 @@ def test_a_session_lost_with_no_prefill_on_it_is_reported():
 
     run(main())
     assert losses == ["lost"]
-
-
-def test_a_node_without_sessions_gets_prefill_calls():
-    async def main():
-        node = OldNode(Worker())
-        async with _client_of(node) as (client, _):
-            first = await client.prefill(_command("a"), 10.0)
-            second = await client.prefill(_command("b", length=5), 10.0)
-        assert (first.first_token_id, second.first_token_id) == (103, 105)
-        assert client.supported is False and node.calls == 2
-
-    run(main())
 
 
 def test_giving_up_on_a_prefill_while_it_is_written_leaves_the_session_to_the_others():
@@ -342,7 +322,7 @@ def test_giving_up_on_a_prefill_while_it_is_written_leaves_the_session_to_the_ot
             waiting.cancel()
         assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
         assert "late" not in worker.started  # nothing was sent for it
-        assert ok.first_token_id == 104
+        assert ok.cached_tokens == 104
         assert still_waiting and node.sessions_opened == 1
 
     run(main())
@@ -368,60 +348,103 @@ def test_the_timeout_covers_opening_the_session():
     run(main())
 
 
-def test_learning_what_a_node_takes_waits_a_bounded_while_and_the_prefill_the_rest(monkeypatch):
-    """``learn`` opens the session before a destination is named; a node slow to
-    open it costs at most LEARN_WAIT_S, then the Prefill waits on the same
-    opening (no second one) and its node is known from then on."""
-    monkeypatch.setattr(prefill_session_client, "LEARN_WAIT_S", 0.3)
+# ------------------------------------------------------- protocol versions
+class OtherVersion(Counting):
+    """A node that speaks another protocol version (its first batch says so)."""
 
+    async def PrefillSession(self, request_iterator, context):
+        yield internal_pb2.PrefillSessionBatch(protocol_version=PROTOCOL_VERSION + 1)
+        await asyncio.Event().wait()
+
+
+def test_a_node_of_another_version_fails_the_prefill_naming_both_versions():
     async def main():
-        servicer = SlowToOpen(Worker())
-        async with _client_of(servicer) as (client, _):
-            loop = asyncio.get_running_loop()
-            began = loop.time()
-            await client.learn()
-            assert 0.25 < loop.time() - began < 0.9
-            assert client.header_block is False  # not known yet: a message per header
-            reply = await client.prefill(_command("a"), 10.0)
-            assert reply.first_token_id == 103 and client.header_block is True
-            assert servicer.sessions_opened == 1
-            began = loop.time()
-            await client.learn()  # open: nothing to wait for
-            assert loop.time() - began < 0.05
-
-    run(main())
-
-
-# ------------------------------------------------- Prefills whose blocks follow
-def test_a_session_says_it_takes_blocks_that_follow_and_an_old_node_does_not():
-    async def main():
-        async with _client_of(Counting(Worker())) as (client, _):
-            assert client.blocks_follow is False  # nothing known before a session opened
-            assert client.header_block is False
-            await client.prefill(_command("a"), 10.0)
-            assert client.blocks_follow is True
-            assert client.header_block is True  # it frames KV headers as a block where asked
-        old = OldNode(Worker())
-        async with _client_of(old) as (client, _):
-            await client.prefill(_command("a"), 10.0)
+        async with _client_of(OtherVersion(Worker())) as (client, _):
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await client.prefill(_follow("b"), 10.0)
-            assert client.blocks_follow is False and client.supported is False
-            assert client.header_block is False
-        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
-        assert old.calls == 1  # the Prefill whose blocks follow never went to it
+                await client.prefill(_command("a"), 10.0)
+        assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        details = refused.value.details()
+        assert f"protocol version {PROTOCOL_VERSION + 1}" in details
+        assert f"this process {PROTOCOL_VERSION}" in details
 
     run(main())
 
 
-def test_blocks_sent_after_the_start_reach_the_prefills_wait():
+@pytest.mark.parametrize("sent", [None, str(PROTOCOL_VERSION + 1)], ids=["none", "newer"])
+def test_the_node_refuses_a_caller_of_another_version_naming_both(sent):
+    async def main():
+        worker = Worker()
+        port = free_port()
+        server = await _server(Counting(worker), port)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                metadata = () if sent is None else ((VERSION_KEY, sent),)
+                call = internal_pb2_grpc.PrefillNodeStub(channel).PrefillSession(metadata=metadata)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call.read()
+        finally:
+            await server.stop(None)
+        assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        said = "no protocol version" if sent is None else f"protocol version {sent}"
+        assert said in refused.value.details()
+        assert f"this process {PROTOCOL_VERSION}" in refused.value.details()
+        assert "prefill node prefill-0" in refused.value.details()
+        assert worker.started == []
+
+    run(main())
+
+
+# ------------------------------------------- the decode node's blocks
+def test_blocks_from_another_session_reach_the_prefills_wait():
+    """The router's session brings the Prefill, the decode node's its blocks."""
+
+    async def main():
+        worker = Worker()
+        node = Counting(worker)
+        port = free_port()
+        async with (
+            _client_of(node, port) as (router, _),
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+        ):
+            decode = PrefillSessionClient(channel, "prefill-0")
+            try:
+                reply = await _started(router, _follow("b", length=40), worker)
+                await decode.send_blocks(_blocks("b", 1, 3), 5.0)  # 40 tokens: 3 blocks
+                got = await reply
+            finally:
+                await decode.close()
+        assert got.cached_tokens == 1013
+        dest = worker.pending["b"].destination
+        assert (dest.node_id, dest.store_port, dest.epoch) == ("decode-0", 5000, 7)
+        assert node.sessions_opened == 2 and worker.ended == []
+
+    run(main())
+
+
+def test_blocks_that_come_before_their_prefill_are_kept_for_it():
     async def main():
         worker = Worker()
         async with _client_of(Counting(worker)) as (client, _):
-            reply = await _started(client, _follow("b", length=40))
-            client.send_blocks("b", 1, 3)  # 40 tokens are 3 blocks of 16
-            assert (await reply).first_token_id == 1013
-        assert worker.lates["b"].wait(0) == (1, 3)
+            await client.send_blocks(_blocks("early", 2, 3), 5.0)
+            reply = await client.prefill(_follow("early", length=40), 10.0)
+        assert reply.cached_tokens == 1023 and worker.ended == []
+
+    run(main())
+
+
+def test_blocks_whose_prefill_never_comes_end_their_stream_after_a_while(monkeypatch):
+    monkeypatch.setattr(destinations, "WAIT_S", 0.2)
+
+    async def main():
+        worker = Worker()
+        async with _client_of(Counting(worker)) as (client, _):
+            await client.send_blocks(_blocks("nobody", 0, 1, epoch=9), 5.0)
+            for _ in range(100):
+                if worker.ended:
+                    break
+                await asyncio.sleep(0.02)
+        # The decode node expects the reservation's stream: it ends on the blocks' channel.
+        assert worker.ended == [(9, 5)]
 
     run(main())
 
@@ -430,9 +453,7 @@ def test_cancelling_a_prefill_whose_blocks_never_came_wakes_its_wait():
     async def main():
         worker = Worker()
         async with _client_of(Counting(worker)) as (client, _):
-            task = await _started(client, _follow("gone"))
-            while "gone" not in worker.started:
-                await asyncio.sleep(0.01)
+            task = await _started(client, _follow("gone"), worker)
             await _cancel(task, lambda: "gone" in worker.woken)
         assert worker.cancelled == ["gone"]
         # Woken by the Prefill's end, not by the wait's own 5 s.
@@ -443,41 +464,54 @@ def test_cancelling_a_prefill_whose_blocks_never_came_wakes_its_wait():
 
 
 @pytest.mark.parametrize(
-    ("first_block", "num_blocks", "says"),
-    [(0, 5, "reserved 5 blocks, the prompt has 1"), (1, 1, "first_block 1 leaves nothing")],
-    ids=["wrong-size", "nothing-to-send"],
+    ("first_block", "num_blocks", "fields", "says"),
+    [
+        (0, 5, {}, "reserved 5 blocks, the prompt has 1"),
+        (1, 1, {}, "first_block 1 leaves nothing"),
+        (0, 1, {"reservation_id": 6}, "name reservation 6, the Prefill 5"),
+        (0, 1, {"node_id": "decode-1"}, "for a Prefill bound for decode-0"),
+        (0, 1, {"tensor_parallel_size": 2}, "the Prefill says 1"),
+    ],
+    ids=["wrong-size", "nothing-to-send", "other-reservation", "other-node", "other-size"],
 )
-def test_blocks_that_do_not_fit_fail_the_prefill_as_a_bad_request(first_block, num_blocks, says):
+def test_blocks_that_do_not_fit_fail_the_prefill_and_end_its_stream(
+    first_block, num_blocks, fields, says
+):
     async def main():
         worker = Worker()
         async with _client_of(Counting(worker)) as (client, _):
-            reply = await _started(client, _follow("bad"))
-            client.send_blocks("bad", first_block, num_blocks)
+            reply = await _started(client, _follow("bad"), worker)
+            await client.send_blocks(_blocks("bad", first_block, num_blocks, **fields), 5.0)
             with pytest.raises(grpc.aio.AioRpcError) as bad:
                 await reply
             ok = await client.prefill(_command("fine"), 10.0)  # the session goes on
         assert isinstance(worker.woken["bad"], ValueError)
         assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert says in bad.value.details()
-        assert ok.first_token_id == 103
+        assert ok.cached_tokens == 103
+        # The decode node expects the stream on the channel its blocks name: it ends there.
+        assert worker.ended == [(7, 6 if "reservation_id" in fields else 5)]
 
     run(main())
 
 
-def test_blocks_for_a_prefill_the_node_does_not_run_are_ignored():
+def test_blocks_for_a_prefill_that_ended_end_its_stream_after_a_while(monkeypatch):
+    """Blocks that come after their Prefill ended (it failed, or was cancelled)
+    find no Prefill: the decode node expects the stream all the same, so the
+    board ends it, once the time a Prefill may take to come is over."""
+    monkeypatch.setattr(destinations, "WAIT_S", 0.2)
+
     async def main():
         worker = Worker()
-        node = Counting(worker)
-        async with _client_of(node) as (client, _):
+        async with _client_of(Counting(worker)) as (client, _):
             await client.prefill(_command("done"), 10.0)
-            client.send_blocks("done", 0, 1)  # it ended already
-            client.send_blocks("nobody", 0, 1)  # never started
+            await client.send_blocks(_blocks("done", 0, 1), 5.0)
             ok = await client.prefill(_command("next", length=5), 10.0)
-            reply = await _started(client, _follow("late"))
-            client.send_blocks("late", 0, 1)
-            late = await reply
-        assert ok.first_token_id == 105 and late.first_token_id == 1001
-        assert node.sessions_opened == 1
-        assert "done" not in worker.lates and "nobody" not in worker.lates
+            for _ in range(100):
+                if worker.ended:
+                    break
+                await asyncio.sleep(0.02)
+        assert ok.cached_tokens == 105
+        assert worker.ended == [(7, 5)]
 
     run(main())
