@@ -107,30 +107,15 @@ def interleaved_order(names: list[str], iters: int) -> list[str]:
     return [name for i in range(iters) for name in rotated(names, i)]
 
 
-def enable_peer_copies() -> None:
-    """One copy issued on each of GPUs 0 and 1 into the other's memory. torch
-    enables peer access one direction per copy; with only GPU 0's enabled, a
-    copy issued on GPU 0 into GPU 1's memory ran at about 35 GB/s with some 2.3
-    ms of host time per copy (kv_send_paths.py's first runs, 2026-11-27); once
-    a copy had gone the other way, at NVLink speed."""
-    import torch
-
-    zero, one = torch.zeros(1, device="cuda:0"), torch.zeros(1, device="cuda:1")
-    one.copy_(zero)  # torch issues a copy on the source's device
-    zero.copy_(one)
-    torch.cuda.synchronize(0)
-    torch.cuda.synchronize(1)
-
-
 def cuda_times_ms_interleaved(
     fns: dict[str, Callable[[], object]], warmup: int = 3, iters: int = 20, batch: int = 1
 ) -> dict[str, float]:
     """``cuda_time_ms`` of several functions whose times are compared: their
     timed calls interleaved (``interleaved_order``) instead of each timed in a
     block of its own, so that a drift of the device over the run (clocks,
-    temperature, the caches a block leaves warm) falls on all of them alike. A
-    kernel A/B timed block by block gave 0.975x for two bit-identical kernels,
-    rows off by up to 11%, the first block favoured (docs/performance.md)."""
+    temperature, the caches a block leaves warm) falls on all of them alike:
+    timed block by block, two bit-identical kernels differed by up to 11%, the
+    first block favoured."""
     import torch
 
     for fn in fns.values():
