@@ -1,8 +1,10 @@
-"""Sweep launch configurations of our Triton attention kernels on this GPU.
+"""Tune our Triton kernels on this GPU: the attention kernels' launch
+configurations and the skinny GEMM's table.
 
     python benchmarks/tune_kernels.py
     python benchmarks/tune_kernels.py --part short-prefill
     python benchmarks/tune_kernels.py --part split-prefill [--sweep | --sweep-splits]
+    python benchmarks/tune_kernels.py --part gemv [--write-table]
 
 Prints the time of each configuration for a few representative shapes
 (Llama-3.1-8B's and Qwen3-0.6B's attention heads) and the best one per kernel
@@ -16,7 +18,9 @@ kernel on short queries over the cached prefix, one and several prompts: each
 kernel's device time (ten calls replayed from a CUDA graph, so no launch cost),
 its time launched eagerly (what a step pays, launches included), the largest
 difference of the two outputs; ``--sweep`` adds split counts and tile configs,
-``--sweep-splits`` split counts only.
+``--sweep-splits`` split counts only. ``--part gemv`` times the skinny GEMM
+against cuBLAS and, with ``--write-table``, stores the winners where the
+engine reads them (gemv_tuning.py says how; its options follow ``--part gemv``).
 """
 
 from __future__ import annotations
@@ -31,15 +35,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.attention_kernels import make_cache
 from benchmarks.common import command_line, cuda_time_ms, environment, write_record
 
+PARTS = ["all", "short-prefill", "split-prefill", "gemv"]
+
 
 def main(argv=None):
     import argparse
+
+    # The skinny GEMM's part has options of its own: everything after --part gemv is its.
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--part", choices=PARTS, default="all")
+    part, rest = first.parse_known_args(argv)
+    if part.part == "gemv":
+        from benchmarks import gemv_tuning
+
+        return gemv_tuning.main(rest, command_line("tune_kernels.py", argv))
 
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out-dir", type=Path)
-    parser.add_argument("--part", choices=["all", "short-prefill", "split-prefill"], default="all")
+    parser.add_argument("--part", choices=PARTS, default="all")
     parser.add_argument("--prefix-len", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="split-prefill: counts and configs")
     parser.add_argument("--sweep-splits", action="store_true", help="split-prefill: counts")

@@ -1,7 +1,8 @@
-"""Tune the skinny GEMM (engine/layers/skinny_gemm.py) on this GPU against cuBLAS.
+"""Tune the skinny GEMM (engine/layers/skinny_gemm.py) on this GPU against cuBLAS:
+``tune_kernels.py --part gemv``, the kernel-tuning suite's part for it.
 
-    python benchmarks/tune_gemv.py                # Qwen3-0.6B and Llama-3.1-8B projections
-    python benchmarks/tune_gemv.py --write-table  # also store the winners for the engine
+    python benchmarks/tune_kernels.py --part gemv                # Qwen3-0.6B and Llama-3.1-8B
+    python benchmarks/tune_kernels.py --part gemv --write-table  # also store the winners
 
 For each projection of the model shapes (qkv, o, gate_up, down: N x K) and
 each token count M in 1, 2, 4, 8, 16 it times cuBLAS (F.linear) and a grid of
@@ -22,14 +23,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import command_line, environment, write_record
+from benchmarks.common import environment, write_record
 from engine.models.shapes import SHAPES
 
 DEFAULT_SHAPES = ("qwen3-0.6b", "llama-3.1-8b")
@@ -107,12 +105,16 @@ def merge_table(path: Path, dtype_key: str, rows: list[dict[str, Any]]) -> None:
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str], command: str) -> dict[str, Any]:
+    """Parse ``argv`` (the options after ``--part gemv``), tune, write the record
+    with ``command`` (the whole command line) and, asked to, the engine's table."""
     import torch
 
     from engine.layers import skinny_gemm_plan as sgp
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="tune_kernels.py --part gemv", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
     p.add_argument("--m", default=",".join(map(str, M_VALUES)), help="token counts")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out-dir", type=Path)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("tune_gemv.py needs a CUDA GPU")
+        raise SystemExit("tune_kernels.py --part gemv needs a CUDA GPU")
     device = torch.device("cuda", torch.cuda.current_device())
     dtype = getattr(torch, args.dtype)
     deadline = time.monotonic() + args.budget_s
@@ -155,10 +157,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["table"] = str(path)
         print(f"table: {path}")
     record = {"environment": environment(), "results": results}
-    path, _ = write_record("tune_gemv", record, command_line("tune_gemv.py", argv), args.out_dir)
+    path, _ = write_record("tune_gemv", record, command, args.out_dir)
     print(f"record: {path}")
     return results
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,11 @@
-"""benchmarks/tune_gemv.py's CPU parts: the shapes it tunes and the table it writes,
-read back the way the engine's plan reads it (the timing itself needs a GPU)."""
+"""benchmarks/gemv_tuning.py's CPU parts (``tune_kernels.py --part gemv``): the
+shapes it tunes and the table it writes, read back the way the engine's plan
+reads it (the timing itself needs a GPU); and that the suite hands that part
+its own options."""
 
 from __future__ import annotations
 
-from benchmarks.tune_gemv import merge_table, projection_shapes, tile_candidates
+from benchmarks.gemv_tuning import merge_table, projection_shapes, tile_candidates
 from engine.layers.skinny_gemm import GemvConfig
 from engine.layers.skinny_gemm_plan import choose, load_table
 from engine.layers.specs import GemvBackend
@@ -59,3 +61,18 @@ def test_the_written_table_is_what_the_plan_reads(tmp_path):
     assert choose(table["1"], GemvBackend.AUTO) == (True, fast)
     assert choose(table["2"], GemvBackend.AUTO) == (True, None)  # cuBLAS was faster
     assert choose(table["2"], GemvBackend.TRITON) == (True, slow)
+
+
+def test_the_gemv_part_gets_every_option_after_it(monkeypatch):
+    """``tune_kernels.py --part gemv`` passes the skinny GEMM's own options (and
+    --out-dir) through untouched, and records the suite's command line."""
+    from benchmarks import gemv_tuning, tune_kernels
+
+    seen = {}
+    monkeypatch.setattr(
+        gemv_tuning, "main", lambda argv, command: seen.update(argv=argv, cmd=command)
+    )
+    argv = ["--part", "gemv", "--write-table", "--m", "1,2", "--out-dir", "/tmp/x"]
+    tune_kernels.main(argv)
+    assert seen["argv"] == ["--write-table", "--m", "1,2", "--out-dir", "/tmp/x"]
+    assert seen["cmd"] == "python benchmarks/tune_kernels.py " + " ".join(argv)
