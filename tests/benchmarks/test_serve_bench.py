@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import pathlib
 import statistics
 
 import pytest
 
-from benchmarks.serve_fake_server import FakeServer, Script
+from benchmarks.support.serve_fake_server import FakeServer, Script
 from pdserve.bench.backends import OpenAIBackend, RequestResult, SamplingOptions
 from pdserve.bench.datasets import (
     BenchRequest,
@@ -512,6 +513,26 @@ def test_the_rounds_plot_draws_every_round_and_skips_records_without_one(tmp_pat
     assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_rounds([rec("vllm", "shared-prefix", 21)], tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_plot_rounds_draws_the_records_given_and_starts_no_server(tmp_path):
+    """serve_side_by_side.py --plot-rounds: the rounds of interleaved records, read
+    from their files, drawn into --out; nothing else runs."""
+    from benchmarks import serve_side_by_side as sbs
+
+    paths = []
+    for label, ttft in (("pdserve-r0", 18.0), ("vllm-r0", 21.0)):
+        rates = [{"request_rate": r, "ttft_ms": {"p50": ttft + r}, "goodput": r} for r in (8, 16)]
+        path = tmp_path / f"serve-{label}.json"
+        record = {"benchmark": "serve", "label": label, "dataset": "shared-prefix", "rates": rates}
+        path.write_text(json.dumps(record))
+        paths.append(str(path))
+    out = tmp_path / "rounds.png"
+    sbs.main(["--plot-rounds", *paths, "--out", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [*(pathlib.Path(p).name for p in paths), "rounds.png"]
+    )
 
 
 def test_the_summary_lists_a_stopped_sweep_and_does_not_rank_its_best_goodput(tmp_path):

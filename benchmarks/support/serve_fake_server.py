@@ -1,6 +1,6 @@
 """A scripted fake OpenAI completions server, for testing and sizing `pdserve bench serve`.
 
-    python benchmarks/serve_fake_server.py --port 8000 [--ttft-ms 0] [--itl-ms 0]
+    python benchmarks/support/serve_fake_server.py --port 8000 [--ttft-ms 0] [--itl-ms 0]
 
 ``POST /v1/completions`` with ``stream: true`` answers ``max_tokens`` tokens,
 one SSE chunk each, the first after the TTFT delay and the next ones each after
@@ -143,9 +143,9 @@ def main() -> None:
     p.add_argument("--itl-ms", type=float, default=0.0)
     args = p.parse_args()
     app = make_app(Script(args.ttft_ms / 1e3, args.itl_ms / 1e3))
-    # uvloop where installed: sizing the generator (benchmarks/serve_capacity.py)
-    # needs a fake that outruns it, and on asyncio's loop this one topped out at
-    # about 2,000 requests/s on one core, below the generator.
+    # uvloop where installed: sizing the generator needs a fake that outruns it,
+    # and on asyncio's loop this one topped out at about 2,000 requests/s on one
+    # core, below the generator (docs/lab/2026-11-26-load-generator-capacity.md).
     try:
         import uvloop
     except ImportError:

@@ -4,7 +4,7 @@ that what it times is the router's edge under the load and not the load
 generator's own client. ``router_relay.py --probe`` and ``serve_side_by_side.py
 --probe`` run it beside their sweeps (``Probe``):
 
-    python benchmarks/router_probe.py ADDRESS HTTP_PORT [--input-len N]
+    python benchmarks/support/router_probe.py ADDRESS HTTP_PORT [--input-len N]
 
 runs until SIGTERM, then prints its samples as JSON on stdout.
 """
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.http_first_token import RawHttp
 
