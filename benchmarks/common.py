@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.devices import cpu_model, describe
 from pdserve.bench.report import git_revision
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -38,11 +39,17 @@ def environment() -> dict[str, Any]:
         # built from an older source has the chain but not this).
         "id_bounds_native": block_hash.ID_BOUNDS_NATIVE,
     }
+    # The device the run measured: the current GPU, and every GPU the process
+    # sees (a two-GPU suite's record names both); on a CPU, its model.
+    env["cpu"] = cpu_model()
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()
+        env["devices"] = describe(
+            [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        )
         env["cuda"] = torch.version.cuda
     else:
-        env["device"] = f"cpu ({platform.processor() or platform.machine()})"
+        env["device"] = f"cpu ({env['cpu']})"
     try:
         import triton
 

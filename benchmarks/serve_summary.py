@@ -162,6 +162,9 @@ def summarize(out: Path, workloads: list[str], compiled: dict[str, list[str]]) -
             k: {str(x["request_rate"]): server_phases(x) for x in v} for k, v in per.items()
         }
     summary.update(rounds_summary(summary))
+    # Each record names the device its server ran on; the summary lists them all.
+    devices = {r.get("environment", {}).get("server_device") or "unknown" for r in every}
+    summary["server_devices"] = sorted(devices)
     plot_rounds(every, out / "plot-rounds.png")
     summary["triton_compiled_during_sweeps"] = compiled
     if (out / "logs-pdserve").is_dir():
