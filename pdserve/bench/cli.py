@@ -111,7 +111,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--slo", default="", help="goodput objective, e.g. ttft:500,tpot:50 (ms)")
     # The generator's own loop: uvloop where installed, as the servers run. Every
     # stream's chunks are parsed on this one loop, so its CPU per chunk bounds the
-    # rate the generator can keep to its schedule (docs/performance.md).
+    # rate the generator can keep to its schedule
+    # (docs/lab/2026-11-26-load-generator-capacity.md).
     add_event_loop_argument(lo)
 
     o = p.add_argument_group("output")
