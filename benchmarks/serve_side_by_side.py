@@ -287,7 +287,7 @@ def run_interleaved(args) -> None:
                         bench(args, label, s.target, workload, args.out, seed, s.probe_at)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "serve-side-by-side")))
     p.add_argument("--shape", default="llama-3.1-8b")
@@ -347,7 +347,11 @@ def main(argv: list[str] | None = None) -> None:
         metavar="RECORD",
         help="no run: draw these interleaved records' rounds into --out (a .png)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.plot_rounds:
         from pdserve.bench.report import load_record
 
