@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.devices import cpu_model, describe
 from pdserve.bench.report import git_revision
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -38,11 +39,17 @@ def environment() -> dict[str, Any]:
         # built from an older source has the chain but not this).
         "id_bounds_native": block_hash.ID_BOUNDS_NATIVE,
     }
+    # The device the run measured: the current GPU, and every GPU the process
+    # sees (a two-GPU suite's record names both); on a CPU, its model.
+    env["cpu"] = cpu_model()
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()
+        env["devices"] = describe(
+            [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        )
         env["cuda"] = torch.version.cuda
     else:
-        env["device"] = f"cpu ({platform.processor() or platform.machine()})"
+        env["device"] = f"cpu ({env['cpu']})"
     try:
         import triton
 
@@ -107,30 +114,15 @@ def interleaved_order(names: list[str], iters: int) -> list[str]:
     return [name for i in range(iters) for name in rotated(names, i)]
 
 
-def enable_peer_copies() -> None:
-    """One copy issued on each of GPUs 0 and 1 into the other's memory. torch
-    enables peer access one direction per copy; with only GPU 0's enabled, a
-    copy issued on GPU 0 into GPU 1's memory ran at about 35 GB/s with some 2.3
-    ms of host time per copy (kv_send_paths.py's first runs, 2026-11-27); once
-    a copy had gone the other way, at NVLink speed."""
-    import torch
-
-    zero, one = torch.zeros(1, device="cuda:0"), torch.zeros(1, device="cuda:1")
-    one.copy_(zero)  # torch issues a copy on the source's device
-    zero.copy_(one)
-    torch.cuda.synchronize(0)
-    torch.cuda.synchronize(1)
-
-
 def cuda_times_ms_interleaved(
     fns: dict[str, Callable[[], object]], warmup: int = 3, iters: int = 20, batch: int = 1
 ) -> dict[str, float]:
     """``cuda_time_ms`` of several functions whose times are compared: their
     timed calls interleaved (``interleaved_order``) instead of each timed in a
     block of its own, so that a drift of the device over the run (clocks,
-    temperature, the caches a block leaves warm) falls on all of them alike. A
-    kernel A/B timed block by block gave 0.975x for two bit-identical kernels,
-    rows off by up to 11%, the first block favoured (docs/performance.md)."""
+    temperature, the caches a block leaves warm) falls on all of them alike:
+    timed block by block, two bit-identical kernels differed by up to 11%, the
+    first block favoured."""
     import torch
 
     for fn in fns.values():

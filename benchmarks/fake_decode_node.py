@@ -1,5 +1,5 @@
-"""A fake decode node for the router's benchmarks (router_relay.py,
-router_timeline.py): a real gRPC server in its own process, registered in
+"""A fake decode node for the router's benchmark (router_relay.py) and the
+event-loop tests: a real gRPC server in its own process, registered in
 Redis like a node, that serves the internal DecodeNode API with no model
 behind it: every request gets ``max_tokens`` one-token messages, one per
 interval, the last with its Final."""

@@ -3,9 +3,12 @@
 Starts a CPU cluster (1 prefill + 1 decode node, the demo model, a router with
 --http-port), then sends the same greedy streamed request alternately through
 gRPC Generate and POST /v1/completions (stream), one at a time, and reports the
-client-side p50 of time to first token and of the gap between tokens.
+client-side p50 of time to first token and of the gap between tokens. Writes a
+JSON record (benchmarks/results/http_overhead-TIME.json) with both figures and
+the edge's in-process CPU cost.
 
-    python -m benchmarks.http_overhead --requests 200   # from the repository root
+    python benchmarks/http_overhead.py --requests 200
+    python benchmarks/http_overhead.py --edge-only       # the in-process cost alone
 """
 
 from __future__ import annotations
@@ -15,11 +18,15 @@ import http.client
 import itertools
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import grpc
 
+from benchmarks.common import save_run
 from pdserve.launcher import ClusterSpec, LocalCluster
 from pdserve.redis_server import free_port
 from proto.client import generate
@@ -65,7 +72,7 @@ def http_once(conn: http.client.HTTPConnection, model: str, max_tokens: int):
     return times[0] - start, [b - a for a, b in itertools.pairwise(times)]
 
 
-def edge_cost(runs: int = 20000) -> None:
+def edge_cost(runs: int = 20000) -> dict[str, float]:
     """The HTTP edge's own CPU work, in-process (no network, no cluster): JSON body
     -> GenerateRequest, and one GenerateResponse -> one SSE event."""
     from types import SimpleNamespace
@@ -99,18 +106,25 @@ def edge_cost(runs: int = 20000) -> None:
         f"edge CPU: request parse + conversion {parse_us:.1f} us, per-token SSE chunk "
         f"{events_us:.1f} us (as dicts, json.dumps and format_sse_event: {chunk_us:.1f} us)"
     )
+    return {"parse_us": parse_us, "sse_chunk_us": events_us, "sse_chunk_as_dicts_us": chunk_us}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(Path("models/smollm2-135m-instruct")))
     p.add_argument("--requests", type=int, default=200, help="per path")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--edge-only", action="store_true", help="only the in-process edge cost")
-    args = p.parse_args()
-    edge_cost()
-    if args.edge_only:
-        return
+    p.add_argument("--out-dir", type=Path, help="where the record goes (default results/)")
+    args = p.parse_args(argv)
+    results = {"edge_cpu": edge_cost()}
+    if not args.edge_only:
+        results |= cluster_paths(args)
+    return save_run("http_overhead", args, results, argv)
+
+
+def cluster_paths(args) -> dict:
+    """TTFT and per-token p50 over gRPC and HTTP, alternating, on one CPU cluster."""
     spec = ClusterSpec(
         model=args.model,
         num_prefill=1,
@@ -138,14 +152,20 @@ def main() -> None:
                 if i >= 10:
                     ttft[path].append(first)
                     gaps[path].extend(between)
-        for path in ("grpc", "http"):
-            print(
-                f"{path:4s}: TTFT p50 {statistics.median(ttft[path]) * 1e3:7.2f} ms, "
-                f"per-token p50 {statistics.median(gaps[path]) * 1e3:6.2f} ms "
-                f"({len(ttft[path])} requests)"
-            )
-        added = statistics.median(ttft["http"]) - statistics.median(ttft["grpc"])
-        print(f"HTTP adds {added * 1e3:+.2f} ms to TTFT p50")
+    out = {}
+    for path in ("grpc", "http"):
+        out[path] = {
+            "ttft_p50_ms": statistics.median(ttft[path]) * 1e3,
+            "per_token_p50_ms": statistics.median(gaps[path]) * 1e3,
+            "requests": len(ttft[path]),
+        }
+        print(
+            f"{path:4s}: TTFT p50 {out[path]['ttft_p50_ms']:7.2f} ms, "
+            f"per-token p50 {out[path]['per_token_p50_ms']:6.2f} ms ({len(ttft[path])} requests)"
+        )
+    out["http_minus_grpc_ttft_p50_ms"] = out["http"]["ttft_p50_ms"] - out["grpc"]["ttft_p50_ms"]
+    print(f"HTTP adds {out['http_minus_grpc_ttft_p50_ms']:+.2f} ms to TTFT p50")
+    return out
 
 
 if __name__ == "__main__":

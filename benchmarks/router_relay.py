@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import command_line, environment, write_record
 from benchmarks.fake_decode_node import fake_node, wait_routable
 from benchmarks.http_first_token import HttpPaths
-from benchmarks.router_probe import Probe, probe_line
+from benchmarks.support.router_probe import Probe, probe_line
 from pdserve.redis_server import RedisServer, free_port
 
 

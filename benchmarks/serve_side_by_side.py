@@ -2,8 +2,9 @@
 (and pdserve over gRPC too: the HTTP edge's cost under load).
 
     PYTHONPATH=/tmp/vsite:$PWD python benchmarks/serve_side_by_side.py --out $OUT
+    python benchmarks/serve_side_by_side.py --plot-rounds RECORD... --out rounds.png
 
-One command for the whole GPU run (docs/performance.md, "Serving"): dummy
+One command for the whole GPU run (benchmarks/README.md says how to carry vLLM): dummy
 weights of ``--shape`` (config only, engine/models/shapes.py), then for each
 system in ``--systems`` (pdserve: one decode node that prefills locally, no
 prefill node; vllm: `vllm serve` on the same config) start the server, poll
@@ -13,7 +14,8 @@ stop it; or, with ``--interleave ROUNDS``, both up at once on the GPU and
 their sweeps alternated (the fairer comparison: no system always first, and
 the same host state for both). Writes every record, one plot per workload
 and summary.json (the issue's targets) under ``--out``. Each sweep and each
-start has a timeout; the servers are killed on any exit.
+start has a timeout; the servers are killed on any exit. ``--plot-rounds``
+only draws the rounds of interleaved runs' records, into ``--out`` (a PNG).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import triton_cache_entries
-from benchmarks.serve_summary import summarize
+from benchmarks.serve_summary import plot_rounds, summarize
 from pdserve.redis_server import free_port
 
 SLO = "ttft:500,tpot:50"
@@ -121,7 +123,7 @@ def bench(
         return
     log(f"{label} {workload}: rates {' '.join(rates)}")
     before = triton_cache_entries()
-    from benchmarks.router_probe import Probe
+    from benchmarks.support.router_probe import Probe
 
     # router_probe.py: a client nothing else loads, beside the sweep.
     probe = Probe(*probe_at, 1024) if probe_at is not None else None
@@ -285,7 +287,7 @@ def run_interleaved(args) -> None:
                         bench(args, label, s.target, workload, args.out, seed, s.probe_at)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "serve-side-by-side")))
     p.add_argument("--shape", default="llama-3.1-8b")
@@ -338,7 +340,23 @@ def main(argv: list[str] | None = None) -> None:
         help="default: '--gpu-memory-utilization 0.9 --max-num-seqs 256' (0.42 with "
         "--interleave, which leaves pdserve a larger share than vLLM keeps for its KV cache)",
     )
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--plot-rounds",
+        nargs="+",
+        type=Path,
+        metavar="RECORD",
+        help="no run: draw these interleaved records' rounds into --out (a .png)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.plot_rounds:
+        from pdserve.bench.report import load_record
+
+        print(plot_rounds([load_record(r) for r in args.plot_rounds], args.out))
+        return
     args.deadline = time.monotonic() + args.time_budget
     if args.vllm_args is None:
         share = 0.42 if args.interleave else 0.9

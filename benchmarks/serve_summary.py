@@ -1,6 +1,7 @@
 """serve_side_by_side.py's summary: plots per workload, the issue's targets
 from the records, the servers' phases and pdserve's garbage-collector pauses,
-and for interleaved runs the rounds side by side."""
+and for interleaved runs the rounds side by side (``plot_rounds``, also
+``serve_side_by_side.py --plot-rounds``)."""
 
 from __future__ import annotations
 
@@ -161,6 +162,9 @@ def summarize(out: Path, workloads: list[str], compiled: dict[str, list[str]]) -
             k: {str(x["request_rate"]): server_phases(x) for x in v} for k, v in per.items()
         }
     summary.update(rounds_summary(summary))
+    # Each record names the device its server ran on; the summary lists them all.
+    devices = {r.get("environment", {}).get("server_device") or "unknown" for r in every}
+    summary["server_devices"] = sorted(devices)
     plot_rounds(every, out / "plot-rounds.png")
     summary["triton_compiled_during_sweeps"] = compiled
     if (out / "logs-pdserve").is_dir():
@@ -221,19 +225,3 @@ def plot_rounds(records: list[dict], out: Path) -> Path | None:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    from pdserve.bench.report import load_record
-
-    p = argparse.ArgumentParser(description="plot an interleaved run's rounds from its records")
-    p.add_argument("records", nargs="+", type=Path)
-    p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args(argv)
-    print(plot_rounds([load_record(r) for r in args.records], args.out))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,10 @@
-"""Sweep launch configurations of our Triton attention kernels on this GPU.
+"""Tune our Triton kernels on this GPU: the attention kernels' launch
+configurations and the skinny GEMM's table.
 
     python benchmarks/tune_kernels.py
     python benchmarks/tune_kernels.py --part short-prefill
     python benchmarks/tune_kernels.py --part split-prefill [--sweep | --sweep-splits]
+    python benchmarks/tune_kernels.py --part gemv [--write-table]
 
 Prints the time of each configuration for a few representative shapes
 (Llama-3.1-8B's and Qwen3-0.6B's attention heads) and the best one per kernel
@@ -16,7 +18,9 @@ kernel on short queries over the cached prefix, one and several prompts: each
 kernel's device time (ten calls replayed from a CUDA graph, so no launch cost),
 its time launched eagerly (what a step pays, launches included), the largest
 difference of the two outputs; ``--sweep`` adds split counts and tile configs,
-``--sweep-splits`` split counts only.
+``--sweep-splits`` split counts only. ``--part gemv`` times the skinny GEMM
+against cuBLAS and, with ``--write-table``, stores the winners where the
+engine reads them (gemv_tuning.py says how; its options follow ``--part gemv``).
 """
 
 from __future__ import annotations
@@ -31,15 +35,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.attention_kernels import make_cache
 from benchmarks.common import command_line, cuda_time_ms, environment, write_record
 
+PARTS = ["all", "short-prefill", "split-prefill", "gemv"]
+
+
+DECODE_SHAPES = [(256, 1024, 32, 8), (64, 1024, 32, 8), (256, 4096, 32, 8), (256, 1024, 16, 8)]
+
 
 def main(argv=None):
     import argparse
 
-    import torch
+    # The skinny GEMM's part has options of its own: everything after --part gemv is its.
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--part", choices=PARTS, default="all")
+    part, rest = first.parse_known_args(argv)
+    if part.part == "gemv":
+        from benchmarks import gemv_tuning
+
+        return gemv_tuning.main(rest, command_line("tune_kernels.py", argv))
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out-dir", type=Path)
-    parser.add_argument("--part", choices=["all", "short-prefill", "split-prefill"], default="all")
+    parser.add_argument("--part", choices=PARTS, default="all")
     parser.add_argument("--prefix-len", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="split-prefill: counts and configs")
     parser.add_argument("--sweep-splits", action="store_true", help="split-prefill: counts")
@@ -48,17 +64,45 @@ def main(argv=None):
         return short_prefill(args, argv)
     if args.part == "split-prefill":
         return split_prefill(args, argv)
+    return attention_configs(args, argv)
+
+
+def attention_configs(args, argv) -> None:
+    """The decode and prefill kernels' launch configurations, each timed on a
+    few shapes; the best per kernel by geometric mean over the shapes."""
+    results = {"decode": sweep_decode(), "prefill": sweep_prefill()}
+    best = {}
+    for kind, table in results.items():
+        scored = {c: math.exp(sum(math.log(t) for t in ts) / len(ts)) for c, ts in table.items()}
+        best[kind] = min(scored, key=scored.get)
+        print(f"best {kind}: {best[kind]} ({scored[best[kind]]:.4f} ms geometric mean)")
+    record = {
+        "environment": environment(),
+        "parameters": {"decode_shapes": DECODE_SHAPES},
+        "results": results,
+        "best": best,
+    }
+    path, _ = write_record(
+        "tune_kernels",
+        record,
+        command_line("tune_kernels.py", argv),
+        args.out_dir,
+    )
+    print(f"record: {path}")
+
+
+def sweep_decode() -> dict[str, list[float]]:
+    """ms per call of each decode configuration on every DECODE_SHAPES case."""
+    import torch
 
     from engine.layers.attention import triton_decode as td
-    from engine.layers.attention import triton_kernels as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    results = {"decode": {}, "prefill": {}}
-    decode_shapes = [(256, 1024, 32, 8), (64, 1024, 32, 8), (256, 4096, 32, 8), (256, 1024, 16, 8)]
+    out_table = {}
     for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4)):
         cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
         times = []
-        for batch, ctx, heads, kv_heads in decode_shapes:
+        for batch, ctx, heads, kv_heads in DECODE_SHAPES:
             k, v, tables = make_cache(torch, batch, ctx, 16, kv_heads)
             q = torch.randn(batch, heads, 128, dtype=torch.bfloat16, device="cuda")
             lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
@@ -77,8 +121,18 @@ def main(argv=None):
                 times = None
                 break
         if times:
-            results["decode"][str(cfg)] = times
+            out_table[str(cfg)] = times
             print(f"decode {cfg}: {[round(t, 4) for t in times]}", flush=True)
+    return out_table
+
+
+def sweep_prefill() -> dict[str, list[float]]:
+    """ms per call of each prefill configuration on 8 prompts of 2048 tokens."""
+    import torch
+
+    from engine.layers.attention import triton_kernels as tk
+
+    out_table = {}
     for block_m, block_n, warps, stages in itertools.product(
         (64, 128), (32, 64, 128), (4, 8), (1, 2, 3)
     ):
@@ -97,26 +151,9 @@ def main(argv=None):
         except Exception as e:
             print(f"prefill {cfg}: {type(e).__name__}")
             continue
-        results["prefill"][str(cfg)] = [t]
+        out_table[str(cfg)] = [t]
         print(f"prefill {cfg}: {t:.4f}", flush=True)
-    best = {}
-    for kind, table in results.items():
-        scored = {c: math.exp(sum(math.log(t) for t in ts) / len(ts)) for c, ts in table.items()}
-        best[kind] = min(scored, key=scored.get)
-        print(f"best {kind}: {best[kind]} ({scored[best[kind]]:.4f} ms geometric mean)")
-    record = {
-        "environment": environment(),
-        "parameters": {"decode_shapes": decode_shapes},
-        "results": results,
-        "best": best,
-    }
-    path, _ = write_record(
-        "tune_kernels",
-        record,
-        command_line("tune_kernels.py", argv),
-        args.out_dir,
-    )
-    print(f"record: {path}")
+    return out_table
 
 
 def short_prefill(args, argv) -> None:

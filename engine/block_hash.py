@@ -19,13 +19,14 @@ per process.
 The chain runs in C (``engine/_block_hash.c``, built with the package) where it
 was built: the spec makes it sequential, and in Python each block costs four
 method calls around one BLAKE2b compression (about 0.4 ms of a routing decision
-for an 8k-token prompt; docs/performance.md, "Routing"). The C call reads the
-token ids straight from the caller's list, validating them as ``pack_tokens``
-does: packing 8,192 ids with ``array('I')`` first cost about 60 us, a third of
-the hashing (docs/performance.md, "Issue 19, item 4: the decision, second
-pass"). Without the extension (no C compiler at install, or one built from an
-older source) hashlib computes the same digests; the tests check that both
-agree with a literal reading of the spec.
+for an 8k-token prompt; docs/lab/2026-11-21-routing-workload-and-decision.md).
+The C call reads the token ids straight from the caller's list, validating
+them as ``pack_tokens`` does: packing 8,192 ids with ``array('I')`` first cost
+about 60 us, a third of the hashing
+(docs/lab/2026-11-25-routing-decision-second-pass.md). Without the extension
+(no C compiler at install, or one built from an older source) hashlib computes
+the same digests; the tests check that both agree with a literal reading of
+the spec.
 """
 
 from __future__ import annotations

@@ -261,7 +261,8 @@ class BlockManager:
 
         In bulk because a prompt takes all its blocks at once, on a node's
         critical path: 128 of them for 2048 tokens, one Python call each cost a
-        decode node's reservation 0.3 ms (docs/performance.md, "The Prefill hop").
+        decode node's reservation 0.3 ms
+        (docs/lab/2026-11-27-prefill-hop-same-gpu-baseline.md).
 
         In ascending order: which block holds which of the prompt's positions is
         free to choose, and runs of consecutive ids let a KV transfer gather them

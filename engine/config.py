@@ -107,7 +107,7 @@ class EngineConfig:
     # between the attention calls, attention run eagerly between them
     # (engine/piecewise_graphs.py; CUDA, one rank, backends that write into a
     # given buffer: triton). On: an eager step of a large model is bound by the
-    # host's Python (docs/performance.md, "Why shared-prefix steps are slower").
+    # host's Python (docs/lab/2026-11-25-shared-prefix-steps-slower.md).
     piecewise_cuda_graphs: bool = True
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True

@@ -7,8 +7,8 @@ SM kernel that shares the SMs with those layers: the held chunk of a
 slowed four layers computing beside it by 0.49 ms. Where the prompt's blocks
 are consecutive each K or V half of it is one pitched copy (a row per layer,
 the layer's blocks' bytes), which the copy engines moved in 0.34 ms, slowing
-the same layers by 0.12 ms (they still share the memory; docs/performance.md,
-"The held chunk on the copy engines"). torch has no pitched copy, so
+the same layers by 0.12 ms (they still share the memory;
+docs/lab/2026-11-28-held-chunk-copy-engines.md). torch has no pitched copy, so
 ``cuMemcpy2DAsync`` is called through ctypes; anything it refuses is the
 caller's to copy another way. The driver takes pitches up to a limit (2 GiB
 on current GPUs); a cache whose layer stride is over it (many blocks: a small

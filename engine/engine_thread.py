@@ -14,8 +14,8 @@ idle, waiting, with no command queued before it, else the command is queued as
 usual. Why: a round trip through an idle engine thread is two hand-overs
 between threads (wake it, then wake the caller's loop), 0.1-0.4 ms each on the
 GPU host, twice on every disaggregated request's time to first token (the
-decode node's reservation and its commit; docs/performance.md, "The Prefill
-hop").
+decode node's reservation and its commit;
+docs/lab/2026-11-27-prefill-hop-same-gpu-baseline.md).
 
 A step's outputs go to their streams with one wake-up per asyncio loop (not
 one per request), requests' first outputs first: see ``_deliver``.

@@ -38,7 +38,7 @@ MAX_COPIES = 64
 # A copy per layer only of runs this large: 28 layers' copies of 1 MB (a
 # 512-token 8B prompt) slowed four layers beside them by 0.28-0.66 ms, more
 # than the kernel's 0.11-0.19; of 4 MB (2048 tokens) by 0.03-0.06 ms, against
-# the kernel's 0.47-0.51 (one H200, docs/performance.md).
+# the kernel's 0.47-0.51 (one H200, docs/lab/2026-11-28-copy-engine-pitch-limit.md).
 MIN_LAYER_COPY_BYTES = 4 << 20
 
 

@@ -317,7 +317,7 @@ class ModelRunner:
         # between their pieces, so a prefill node's steps of up to 512 tokens
         # keep them (eager, an 8B step of 512 tokens is bound by the host: a
         # prefill node took 22.8-30.0 ms where a decode node's piecewise graphs
-        # took 13.4-13.8, two H100s, docs/performance.md).
+        # took 13.4-13.8, two H100s, docs/lab/2026-11-26-layer-wise-kv-streaming.md).
         after_layer = self.kv_observer.begin_step(batch) if self.kv_observer else None
         hidden, logits_of = self._forward(plan, patch, prev, after_layer)
         samples = None

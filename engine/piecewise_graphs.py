@@ -4,7 +4,8 @@ A decode-only step replays one graph of the whole model (engine/cuda_graphs.py).
 A step with a prefill row in it cannot: its attention's shape (query lengths,
 the prefill kernel's grid) changes every step. Run eagerly, a step of an 8B
 model is bound by the host (about 200 Triton launches through Triton's Python
-launcher and 128 torch linear calls, docs/performance.md), so this captures
+launcher and 128 torch linear calls,
+docs/lab/2026-11-25-shared-prefix-steps-slower.md), so this captures
 everything *between* the attention calls, per padded token count, and runs
 only attention eagerly (vLLM's "piecewise" graphs):
 

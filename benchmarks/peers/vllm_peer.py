@@ -3,7 +3,7 @@
 Same prompts (token ids, as ``TokensPrompt``), output lengths, ``ignore_eos``,
 temperature and seed, dummy weights of the same shape, no tokenizer and no
 detokenization: the call that worked for vLLM 0.26.0 on the GPU host
-(../shared/peers/vllm/README.md; docs/performance.md says how to carry it).
+(../shared/peers/vllm/README.md; benchmarks/README.md says how to carry it).
 The argument translation is plain Python so a CPU test checks it without vLLM.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 VLLM_MISSING = (
     "--peer vllm needs the vllm package (0.26.0 was measured); it is not importable here. "
-    "On the GPU host unpack it as docs/performance.md ('vLLM in the same run') describes "
+    "On the GPU host unpack it as benchmarks/README.md ('Carrying vLLM') describes "
     "and put it on PYTHONPATH, with VLLM_USE_FLASHINFER_SAMPLER=0"
 )
 

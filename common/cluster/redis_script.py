@@ -6,7 +6,7 @@ command cost the router about 0.1 ms of Python beyond the round trip itself
 straight to a socket, its reply parsed by hiredis in the protocol's callback,
 the same round trip took 0.10 instead of 0.19 ms for one node and 0.44
 instead of 0.61 ms for 16 nodes and an 8k-token prompt (2-core VM, alternating
-calls; docs/performance.md, "Routing"). Everything else -- heartbeats,
+calls; docs/lab/2026-11-25-router-own-path.md). Everything else -- heartbeats,
 operator commands, the start-up check -- stays on redis-py.
 
 The connection is opened from the redis-py client's own settings (host and

@@ -21,23 +21,23 @@ under about sqrt(n) blocks, twice as many for long ones). Looking up several
 blocks per call with SMISMEMBER (a k-ary search) was measured and is slower:
 on Redis 6.2 a call from Lua costs about 0.5 us and each block in an
 SMISMEMBER about 0.3 us more, so the cost follows the number of blocks looked
-up, and bisection looks up the fewest (docs/performance.md, "Issue 19, item 4:
-the decision, second pass").
+up, and bisection looks up the fewest
+(docs/lab/2026-11-25-routing-decision-second-pass.md).
 
 The routing fields are also written packed, as one JSON array in the hash's
 ``route`` field (ROUTE_FIELDS order, less ``seen_ms``), and the script reads
 that one field and ``seen_ms`` instead of the 14 fields: each field read from
 Lua becomes a Lua string and then a reply entry, and with 16 nodes the 14-field
-read was most of the script's time on the server (docs/performance.md,
-"Routing"). A node hash without ``route`` (written by an earlier version) is
-read field by field, as before, so routers and nodes can be upgraded in any order.
+read was most of the script's time on the server
+(docs/lab/2026-11-25-router-own-path.md). A node hash without ``route``
+(written by an earlier version) is read field by field, as before, so routers
+and nodes can be upgraded in any order.
 
 The reply is one flat array. Redis 6.2 sends each nested array of a script's
 reply (a node's values, as it was) with a write() and a TCP segment of its
 own: 17 for 16 nodes, where the client read the reply in as many pieces. That
 cost about 90 us per read on the 2-core VM, none of it in INFO commandstats'
-figure for the script (docs/performance.md, "Issue 19, item 4: the decision,
-second pass").
+figure for the script (docs/lab/2026-11-25-routing-decision-second-pass.md).
 """
 
 from __future__ import annotations

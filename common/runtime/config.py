@@ -42,7 +42,7 @@ ENGINE_FLAGS: dict[str, type] = {
 ENGINE_SWITCHES: dict[str, str] = {
     "async_scheduling": "prepare step N+1 while the GPU runs step N (default: on with CUDA); "
     "with --late-launch (the default) a new request's first token comes as soon as with "
-    "it off, which costs throughput (docs/performance.md)",
+    "it off, which costs throughput (docs/lab/2026-11-25-late-launch.md)",
     "late_launch": "with async scheduling, build the next step just before the GPU ends "
     "the one in flight, so requests that arrived meanwhile join it (default: on)",
     "piecewise_cuda_graphs": "steps with prefill rows replay CUDA graphs of the layers' "

@@ -4,7 +4,7 @@ Why: the router's one event loop carries every stream's messages (gRPC in and
 out, the OpenAI edge's Server-Sent Events), and under load a first token waits
 behind other streams' callbacks. uvloop's loop (libuv, Cython) runs the same
 callbacks, timers and sockets for less CPU than asyncio's pure-Python one;
-docs/performance.md has the figures. grpc.aio, uvicorn and redis-py run on
+docs/lab/2026-11-25-router-event-loop-sse.md has the figures. grpc.aio, uvicorn and redis-py run on
 either unchanged.
 
 It is a choice, not a requirement: ``--event-loop asyncio`` (or

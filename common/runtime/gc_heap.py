@@ -4,8 +4,8 @@ Why: CPython's full (generation 2) collection walks every container object
 alive, and a node's heap after start-up is mostly torch, triton, transformers
 and the model's modules -- about 220,000 objects that never become garbage. A
 full collection of that heap stops every thread of the process for about
-0.2 s (measured on a 2-core VM: docs/performance.md, "Stalls under
-load"); the engine thread cannot launch a step and the gRPC loop cannot
+0.2 s (measured on a 2-core VM: docs/lab/2026-11-25-stalls-under-load.md);
+the engine thread cannot launch a step and the gRPC loop cannot
 stream a token meanwhile. Under load such collections come every few seconds,
 because requests' objects live long enough to be promoted, so they land on
 first tokens as a random extra 0.1-0.3 s: the bimodal TTFT at saturation.

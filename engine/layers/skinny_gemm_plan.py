@@ -8,9 +8,9 @@ captured, and gives each layer that routes through ``linear`` a ``GemvPlan``:
 - ``triton``: the kernel for every token bucket (the tuned config, else the
   default one);
 - ``auto``: per weight shape and token bucket, the tuned table's verdict for
-  this GPU, where benchmarks/tune_gemv.py timed its best config against cuBLAS
-  in the same run; a shape the table lacks is measured here, the default
-  config against ``F.linear``. Either way the kernel is used only where it was
+  this GPU, where ``benchmarks/tune_kernels.py --part gemv`` timed its best
+  config against cuBLAS in the same run; a shape the table lacks is measured
+  here, the default config against ``F.linear``. Either way the kernel is used only where it was
   faster by ``MARGIN``.
 
 Timing (``time_graph_us``): the calls run back to back inside one CUDA graph,

@@ -12,7 +12,7 @@ from typing import Any
 
 SHAPES: dict[str, dict[str, Any]] = {
     # Not a real model: a step costs almost nothing on a CPU, so what a run of it
-    # measures is the engine's own host work (benchmarks/profile_step.py host).
+    # measures is the engine's own host work (docs/lab/2026-11-24-host-work-and-batch1-step.md).
     "tiny": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

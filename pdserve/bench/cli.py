@@ -12,6 +12,7 @@ load generator, HTTP client and matplotlib load when a command runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import time
@@ -49,6 +50,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--label", default=None, help="system name in records and plots")
     g.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     g.add_argument("--num-gpus", type=_positive, default=1, help="for tok/s per GPU")
+    g.add_argument(
+        "--server-device",
+        default=None,
+        help="the server's device for the record (default: this host's GPUs, if any)",
+    )
 
     d = p.add_argument_group("dataset")
     d.add_argument(
@@ -105,7 +111,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--slo", default="", help="goodput objective, e.g. ttft:500,tpot:50 (ms)")
     # The generator's own loop: uvloop where installed, as the servers run. Every
     # stream's chunks are parsed on this one loop, so its CPU per chunk bounds the
-    # rate the generator can keep to its schedule (docs/performance.md).
+    # rate the generator can keep to its schedule
+    # (docs/lab/2026-11-26-load-generator-capacity.md).
     add_event_loop_argument(lo)
 
     o = p.add_argument_group("output")
@@ -213,6 +220,7 @@ async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict
     """Every rate in turn; returns {"record": path, "plot": path|None, "rates": [...]}."""
     from tqdm import tqdm
 
+    from pdserve.bench.devices import server_device
     from pdserve.bench.loadgen import run_rate, warm_up
     from pdserve.bench.metrics import compute, parse_slo
     from pdserve.bench.report import DEFAULT_RESULT_DIR, table, write_record
@@ -235,6 +243,11 @@ async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict
     rates: list = []
     path = None
     stamp = time.strftime("%Y%m%d-%H%M%S")  # the record's name and timestamp, every write
+    device = server_device(args.server_device)  # once, not at every rate's write
+    save = functools.partial(
+        write_record, result_dir, label, args.dataset.value, params, rates, argv,
+        stamp=stamp, server_device=device,
+    )  # fmt: skip
     try:
         if args.num_warmups > 0:
             warm = build_dataset(args, args.seed + 1_000_003).requests[: args.num_warmups]
@@ -272,16 +285,12 @@ async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict
                 print(scraper.lines(extra["server_histograms"]), flush=True)
             rates.append((m, extra))
             # Kept after every rate: a sweep stopped later keeps what it measured.
-            path = write_record(
-                result_dir, label, args.dataset.value, params, rates, argv, path, False, stamp
-            )
+            path = save(path, False)
     finally:
         await backend.close()
         if scraper:
             await scraper.close()
-    path = write_record(
-        result_dir, label, args.dataset.value, params, rates, argv, path, True, stamp
-    )
+    path = save(path, True)
     print(f"record: {path}")
     png = None
     if not args.no_plot:

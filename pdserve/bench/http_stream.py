@@ -1,7 +1,7 @@
 """A lean HTTP/1.1 client for the load generator's streamed POSTs.
 
 Why not aiohttp: on one core the generator must keep its schedule at ≥ 2,000
-requests/s (docs/performance.md, "The generator's own capacity"), and with
+requests/s (docs/lab/2026-11-26-load-generator-capacity.md), and with
 aiohttp it managed about 1,200 on the 2-core CI host: a request built a
 ClientRequest, a ClientResponse, a payload, a timer and their tasks, and every
 line of the event stream was one ``await`` of a stream reader. Here a request

@@ -15,6 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.devices import cpu_model
 from pdserve.bench.metrics import RateMetrics
 
 DEFAULT_RESULT_DIR = Path("benchmarks/results")
@@ -109,6 +110,7 @@ def write_record(
     path: Path | None = None,
     complete: bool = True,
     stamp: str | None = None,
+    server_device: str | None = None,
 ) -> Path:
     """One JSON file per sweep: parameters, environment and one entry per rate.
 
@@ -116,7 +118,9 @@ def write_record(
     (``complete`` false until the last): a sweep killed by a timeout, or one
     whose server went away, leaves the rates it finished. The file is replaced
     whole (written beside it, then renamed), so a reader never sees half.
-    ``stamp``: the sweep's time (now by default), the same in every write."""
+    ``stamp``: the sweep's time (now by default), the same in every write.
+    ``server_device``: the device the server ran on (devices.server_device);
+    the environment names the generator's own CPU beside it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
     if path is None:
@@ -139,6 +143,8 @@ def write_record(
         "environment": {
             "python": platform.python_version(),
             "host": platform.node(),
+            "server_device": server_device,
+            "generator_cpu": cpu_model(),
             "pdserve_revision": git_revision(),
             "event_loop": _event_loop_name(),
         },

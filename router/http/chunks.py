@@ -164,8 +164,8 @@ class Assembler:
     # Server-Sent Events are written as bytes here, one ``data: {...}`` event per
     # chunk, every chunk of one GenerateResponse in one buffer (one write to the
     # socket). Per streamed token this is the edge's own work, on the router's
-    # one event loop beside every other stream (docs/performance.md, "The
-    # router's event loop and SSE path"), so the part of each chunk that never
+    # one event loop beside every other stream
+    # (docs/lab/2026-11-25-router-event-loop-sse.md), so the part of each chunk that never
     # changes -- id, object, created, model -- is encoded once per request, and
     # only the choice per token; the bytes are those of json.dumps(chunk) with
     # compact separators (tests/unit/router/test_openai_chunks.py checks).

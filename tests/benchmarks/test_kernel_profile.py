@@ -79,3 +79,17 @@ def test_interleaved_timing_puts_every_function_first_equally_often():
     assert [r[0] for r in rounds] == ["a", "b", "c", "a", "b", "c"]
     assert [r[-1] for r in rounds] == ["c", "a", "b", "c", "a", "b"]
     assert interleaved_order(["a", "b"], 2) == ["a", "b", "b", "a"]
+
+
+def test_a_suites_record_names_its_device():
+    """benchmarks/common.environment: the GPU(s) on a GPU host, else the CPU's model."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from benchmarks.common import environment
+
+    env = environment()
+    assert env["cpu"]
+    if torch.cuda.is_available():
+        assert env["device"] == torch.cuda.get_device_name() and env["devices"]
+    else:
+        assert env["device"] == f"cpu ({env['cpu']})"

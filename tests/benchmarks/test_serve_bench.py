@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import pathlib
 import statistics
 
 import pytest
 
-from benchmarks.serve_fake_server import FakeServer, Script
+from benchmarks.support.serve_fake_server import FakeServer, Script
 from pdserve.bench.backends import OpenAIBackend, RequestResult, SamplingOptions
 from pdserve.bench.datasets import (
     BenchRequest,
@@ -101,11 +102,15 @@ def test_metric_arithmetic_is_exact_on_known_results():
     assert m.output_tokens_per_s_per_user == pytest.approx(1e3 / 35)
 
 
-def test_a_sweep_writes_one_entry_per_rate_and_plots_two_systems(tmp_path):
+def test_a_sweep_writes_one_entry_per_rate_and_plots_two_systems(tmp_path, monkeypatch):
+    import pdserve.bench.devices as devices
+
+    # The server's device: a label given, else this host's GPUs (two, here).
+    monkeypatch.setattr(devices, "local_gpus", lambda: ["NVIDIA H100 80GB HBM3"] * 2)
     with FakeServer(Script(ttft_s=0.01, itl_s=0.002)) as server:
-        for label in ("a", "b"):
+        for label, device in (("a", ["--server-device", "NVIDIA H200"]), ("b", [])):
             pdserve_main(
-                ["bench", "serve", "--base-url", server.base_url, "--label", label]
+                ["bench", "serve", "--base-url", server.base_url, "--label", label, *device]
                 + ["--random-input-len", "16", "--random-output-len", "4", "--num-prompts", "20"]
                 + ["--request-rate", "50", "200", "inf", "--max-concurrency", "8"]
                 + ["--num-warmups", "2", "--result-dir", str(tmp_path), "--no-plot"]
@@ -115,6 +120,9 @@ def test_a_sweep_writes_one_entry_per_rate_and_plots_two_systems(tmp_path):
         assert server.requests() == 2 * 62
     a, b = sorted(tmp_path.glob("serve-*.json"))
     rec = json.loads(a.read_text())
+    assert rec["environment"]["server_device"] == "NVIDIA H200"
+    assert rec["environment"]["generator_cpu"]
+    assert json.loads(b.read_text())["environment"]["server_device"] == "2 x NVIDIA H100 80GB HBM3"
     assert [r["request_rate"] for r in rec["rates"]] == [50, 200, "inf"]
     assert all(r["completed"] == 20 and r["failed"] == 0 for r in rec["rates"])
     assert all(r["total_input_tokens"] == 20 * 16 for r in rec["rates"])
@@ -514,6 +522,26 @@ def test_the_rounds_plot_draws_every_round_and_skips_records_without_one(tmp_pat
     assert not (tmp_path / "none.png").exists()
 
 
+def test_plot_rounds_draws_the_records_given_and_starts_no_server(tmp_path):
+    """serve_side_by_side.py --plot-rounds: the rounds of interleaved records, read
+    from their files, drawn into --out; nothing else runs."""
+    from benchmarks import serve_side_by_side as sbs
+
+    paths = []
+    for label, ttft in (("pdserve-r0", 18.0), ("vllm-r0", 21.0)):
+        rates = [{"request_rate": r, "ttft_ms": {"p50": ttft + r}, "goodput": r} for r in (8, 16)]
+        path = tmp_path / f"serve-{label}.json"
+        record = {"benchmark": "serve", "label": label, "dataset": "shared-prefix", "rates": rates}
+        path.write_text(json.dumps(record))
+        paths.append(str(path))
+    out = tmp_path / "rounds.png"
+    sbs.main(["--plot-rounds", *paths, "--out", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [*(pathlib.Path(p).name for p in paths), "rounds.png"]
+    )
+
+
 def test_the_summary_lists_a_stopped_sweep_and_does_not_rank_its_best_goodput(tmp_path):
     from benchmarks.serve_summary import summarize
 
@@ -527,10 +555,12 @@ def test_the_summary_lists_a_stopped_sweep_and_does_not_rank_its_best_goodput(tm
     for label, complete, rates in (("pdserve-http-r0", True, [(32, 26.0), (36, 27.0)]),
                                    ("vllm-r0", False, [(32, 26.5)])):  # fmt: skip
         record = {"benchmark": "serve", "label": label, "dataset": "random", "parameters": {}}
+        record["environment"] = {"server_device": "NVIDIA H200"}
         record["complete"] = complete
         record["rates"] = [rate(r, g) for r, g in rates]
         (tmp_path / f"serve-{label}-random-20261127-120000.json").write_text(json.dumps(record))
     summary = summarize(tmp_path, ["random"], {})
     assert summary["random_incomplete_sweeps"] == ["vllm-r0"]
     assert summary["random_max_goodput"] == {"pdserve-http-r0": 27.0}
+    assert summary["server_devices"] == ["NVIDIA H200"]
     assert (tmp_path / "plot-random.png").exists()

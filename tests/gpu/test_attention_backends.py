@@ -197,7 +197,7 @@ def test_demo_model_bf16_agrees_with_transformers():
         )
         # Measured on an H200: 0.989 for every backend (3 of 284 positions, all near
         # ties), HF's own bf16 0.986. The 0.99 bar is not met; see
-        # docs/performance.md. What must hold: no less faithful than HF's bf16.
+        # docs/lab/2026-11-21-demo-model-bf16.md. What must hold: no less faithful than HF's bf16.
         assert agree32 >= hf16_vs_32 and agree32 >= 0.985, (name, agree32, agree16, hf16_vs_32)
 
 

@@ -2,7 +2,7 @@
 (engine/kernel_warmup.py, engine/layers/attention/triton_jit.py).
 
 A variant compiled under load stalls the step it lands in for 0.5-1 s
-(benchmarks/jit_stalls.py). Run on a GPU host: ``python -m pytest tests/gpu -m gpu``.
+(docs/lab/2026-11-25-stalls-under-load.md). Run on a GPU host: ``python -m pytest tests/gpu -m gpu``.
 """
 
 from __future__ import annotations

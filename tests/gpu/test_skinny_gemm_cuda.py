@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.tune_gemv import projection_shapes
+from benchmarks.gemv_tuning import projection_shapes
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.layers.skinny_gemm import M_BUCKETS, MAX_M, default_config

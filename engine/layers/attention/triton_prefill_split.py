@@ -4,8 +4,8 @@ The case: a request whose prompt is mostly a cached prefix (the shared-prefix
 serving workload: 128 new tokens over 2,048 cached). triton_kernels.py's
 ``_prefill_kernel`` gives one program to each 64 query rows and query head,
 each walking the whole context: 64 programs on a 132-SM H200, every one a long
-serial loop, so the GPU sits mostly idle (docs/performance.md, "Why
-shared-prefix steps are slower").
+serial loop, so the GPU sits mostly idle
+(docs/lab/2026-11-25-shared-prefix-steps-slower.md).
 
 Here each program takes one tile of query rows and one *chunk* of the
 sequence's keys, and a second kernel merges the chunks' partial softmaxes by

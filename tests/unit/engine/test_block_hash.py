@@ -44,8 +44,8 @@ IMPLEMENTATIONS = [pytest.param(True, id="c"), pytest.param(False, id="hashlib")
 
 
 def test_the_c_chain_is_built_where_there_is_a_compiler():
-    # Without it the router's hashing is about twice as slow (docs/performance.md,
-    # "Routing"), silently: the install skips an extension it cannot compile.
+    # Without it the router's hashing is about twice as slow
+    # (docs/lab/2026-11-25-routing-decision-first-pass.md), silently: the install skips an extension it cannot compile.
     compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if shutil.which(compiler) is None:
         pytest.skip(f"no C compiler ({compiler}) here: hashlib computes the chain")
