@@ -6,31 +6,22 @@
 Starts Redis, one prefill node, one decode node and the router (`pdserve up`'s
 launcher; one GPU per node when there are GPUs), once per ``--kv-stream-layers``
 value (the prefill node's layers per KV chunk; 0: each step's KV in one chunk
-after its last layer), ``--kv-stream-last-layers`` value (only the last N
-layers streamed, the ones before in one chunk) and ``--prefill-streams`` value
-(the decode node's Prefills over one PrefillSession, or a call each) and
-``--prefill-dispatch`` value (``router``: the disaggregated requests' Prefills
-go from the client straight to the prefill node, beside the request to the
-decode node, through the router's own PrefillDispatcher, as the router does
-with ``--prefill-dispatch router``, which the cluster's router then runs with;
-the first round's goes the decode node's way, so that the prefill node knows
-its KV channel), ``--repeat`` times in turn.
-Each round sends the same kind of request three times, interleaved: through the router; straight to the decode node's Decode RPC
-naming the prefill node (what the router would send); and straight to the
-decode node naming none, so that it prefills the prompt itself (a local
+after its last layer) and ``--kv-stream-last-layers`` value (only the last N
+layers streamed, the ones before in one chunk), ``--repeat`` times in turn.
+Each round sends the same kind of request three times, interleaved: through
+the router; straight to the nodes as the router sends it (the Prefill to the
+prefill node beside the request to the decode node, through the router's own
+session classes: benchmarks/direct_client.py); and straight to the decode node
+naming no prefill node, so that it prefills the prompt itself (a local
 prefill, the baseline of the disaggregation tax). Prompts are random token ids,
 new each time (no prefix-cache hits); with ``--same-prompt`` a round's two direct
 requests share one (they go to different nodes), so that the paths are compared
-on the same data. Reports median TTFTs (router minus direct
-is the router's and its extra hop's cost; direct over local the
-disaggregation's), and the breakdown the nodes report: prefill queue, prefill
-compute, the KV transfer left after the prompt's last layer, and the decode
-node's time from the first token in hand to its first message; and the direct
-path hop by hop: the decode node's admission, its Prefill call (to the first
-token in hand: the reply, or the token on the KV channel where it came first,
-when the "hop" is negative), the prefill node's time to its reply, the first
-message; and how many first tokens came on the KV channel, and how many of
-those the decode node decoded from before the reply came.
+on the same data. Reports median TTFTs (router minus direct is the router's and
+its extra hop's cost; direct over local the disaggregation's), and the
+breakdown the nodes report: prefill queue, prefill compute, the KV transfer
+left after the prompt's last layer (from the Prefill's reply, which this
+client awaits after the stream), and the decode node's admission, its wait for
+the KV and the first token, and its first message.
 
 ``--local-gpu prefill`` runs the local baseline on the prefill node's own GPU:
 two decode nodes, the first sharing the prefill node's GPU (it prefills the
@@ -57,19 +48,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.client_dispatch import ClientDispatch
 from benchmarks.common import save_run
+from benchmarks.direct_client import DirectClient
 
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def node_counters(redis_url: str, decode_id: str) -> tuple[int, int, int, int]:
-    """A decode node's first tokens on the KV channel, requests decoded before
-    the reply and requests whose Prefill the client (router) sent, and
-    prefill-0's KV chunks gathered by the copy engines, from their last
-    heartbeats."""
+def copy_engine_gathers(redis_url: str) -> int:
+    """prefill-0's KV chunks gathered by its GPU's copy engines, from its last heartbeat."""
     import asyncio
 
     from common.cluster.state import Cluster
@@ -78,26 +66,14 @@ def node_counters(redis_url: str, decode_id: str) -> tuple[int, int, int, int]:
         cluster = Cluster.from_url(redis_url)
         try:
             nodes = {n.node_id: n for n in await cluster.nodes()}
-            return nodes[decode_id], nodes["prefill-0"]
+            return nodes["prefill-0"].kv_gathers_copy_engine
         finally:
             await cluster.close()
 
-    decode, prefill = asyncio.run(read())
-    return (
-        decode.kv_first_tokens,
-        decode.decoded_before_reply,
-        decode.dispatched_prefills,
-        prefill.kv_gathers_copy_engine,
-    )
+    return asyncio.run(read())
 
 
-def run(
-    args: argparse.Namespace,
-    stream_layers: int,
-    last_layers: int | None,
-    streams: str | None,
-    dispatch: str,
-) -> dict[str, Any]:
+def run(args: argparse.Namespace, stream_layers: int, last_layers: int | None) -> dict[str, Any]:
     import grpc
 
     from common.wire import prefill_reply_timings
@@ -105,14 +81,14 @@ def run(
     from engine.models.shapes import write_shape_dir
     from pdserve.launcher import ClusterSpec, LocalCluster
     from pdserve.redis_server import free_port
-    from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
+    from proto import internal_pb2, pdserve_pb2, pdserve_pb2_grpc
 
     tmp = tempfile.mkdtemp(prefix="pdserve-ttft-")
     same_gpu = args.local_gpu == "prefill"
     engine_args = ["--max-model-len", str(args.max_model_len)]
     if same_gpu:
         engine_args += ["--num-kvcache-blocks", str(args.num_kvcache_blocks)]
-    router_args = ["--prefill-dispatch", dispatch]
+    router_args = []
     if args.shape:
         model = str(write_shape_dir(args.shape, Path(tmp) / args.shape))
         engine_args += ["--load-format", "dummy", "--skip-tokenizer-init"]
@@ -123,8 +99,6 @@ def run(
     prefill_env = {"PDSERVE_KV_STREAM_LAYERS": str(stream_layers)}
     if last_layers is not None:  # else the node's own default
         prefill_env["PDSERVE_KV_STREAM_LAST_LAYERS"] = str(last_layers)
-    # How the decode nodes send their Prefills (else their own default).
-    decode_env = {} if streams is None else {"PDSERVE_PREFILL_STREAMS": streams}
     # The launcher hands GPUs out in turn, decode nodes first: with two GPUs
     # decode-0 and prefill-0 share the first (checked below).
     num_decode = 2 if same_gpu else 1
@@ -136,10 +110,7 @@ def run(
         admin_port=free_port(),
         engine_args=engine_args,
         router_args=router_args,
-        component_env={
-            "prefill-0": prefill_env,
-            **{f"decode-{i}": decode_env for i in range(num_decode)},
-        },
+        component_env={"prefill-0": prefill_env},
         log_dir=str(Path(tmp) / "logs"),
         start_timeout_s=900,
     )
@@ -149,8 +120,9 @@ def run(
         by_name = {c.name: c for c in cluster.components}
         router = pdserve_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
 
-        def decode_stub(name: str):
-            return internal_pb2_grpc.DecodeNodeStub(grpc.insecure_channel(by_name[name].address))
+        def ref(name: str, tp: int = 1) -> internal_pb2.NodeRef:
+            c = by_name[name]
+            return internal_pb2.NodeRef(node_id=name, address=c.address, tensor_parallel_size=tp)
 
         if same_gpu:
             local_node, remote_node = by_name["decode-0"], by_name["decode-1"]
@@ -162,14 +134,11 @@ def run(
                     f"on another; the launcher gave decode-0 {local_node.gpus}, decode-1 "
                     f"{remote_node.gpus}, prefill-0 {by_name['prefill-0'].gpus} (2 GPUs needed)"
                 )
-        local_decode = decode_stub("decode-0")
-        remote_decode = decode_stub("decode-1" if same_gpu else "decode-0")
+        local_decode = ref("decode-0")
+        remote_decode = ref("decode-1" if same_gpu else "decode-0")
         sampling = pdserve_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        prefill_ref = internal_pb2.NodeRef(
-            node_id="prefill-0", address=by_name["prefill-0"].address
-        )
-        remote_id = "decode-1" if same_gpu else "decode-0"
-        client_dispatch = ClientDispatch(prefill_ref) if dispatch == "router" else None
+        prefill_ref = ref("prefill-0")
+        client = DirectClient()
 
         def prompt() -> list[int]:
             return [rng.randrange(100, min(vocab, 30000)) for _ in range(args.prompt_tokens)]
@@ -184,18 +153,12 @@ def run(
                     final = response.final
             return ttft, final
 
-        def direct(remote: bool, ids: list[int], first: bool) -> tuple[float, pdserve_pb2.Final]:
-            req = internal_pb2.DecodeRequest(
-                request_id=uuid.uuid4().hex, prompt_token_ids=ids, sampling=sampling
-            )
-            if remote:
-                req.prefill.CopyFrom(prefill_ref)
+        def direct(remote: bool, ids: list[int]) -> tuple[float, pdserve_pb2.Final]:
             node = remote_decode if remote else local_decode
-            if not remote or client_dispatch is None or first:
-                return first_token_ms(node.Decode(req, timeout=600))
-            reply = client_dispatch.send(req, remote_id)
-            ttft, final = first_token_ms(node.Decode(req, timeout=600))
-            prefill_reply_timings(reply.result(60), final.usage)  # as the router merges them
+            prefill = prefill_ref if remote else None
+            ttft, final, reply = client.generate(node, prefill, ids, sampling, uuid.uuid4().hex)
+            if reply is not None:  # awaited after the stream, where the router does not wait
+                prefill_reply_timings(reply, final.usage)
             return ttft, final
 
         def pause() -> None:
@@ -218,10 +181,10 @@ def run(
                 )
             pause()
             ids = prompt()
-            remote = direct(True, ids, i == 0)
+            remote = direct(True, ids)
             pause()
             # Another node each (decode-1 and prefill-0, decode-0): no prefix-cache hit.
-            local = direct(False, ids if args.same_prompt else prompt(), i == 0)
+            local = direct(False, ids if args.same_prompt else prompt())
             if i < args.warmup:
                 continue
             assert remote[1].usage.prefill_node == "prefill-0" and not local[1].usage.prefill_node
@@ -230,7 +193,7 @@ def run(
                 "direct_ttft_ms": remote[0],
                 "local_ttft_ms": local[0],
                 "decode_admit_ms": t.decode_admit_ms,
-                "prefill_call_ms": t.prefill_call_ms,
+                "kv_wait_ms": t.kv_wait_ms,
                 "prefill_node_ms": t.prefill_node_ms,
                 "prefill_queue_ms": t.prefill_queue_ms,
                 "prefill_compute_ms": t.prefill_compute_ms,
@@ -242,7 +205,6 @@ def run(
                 - t.prefill_queue_ms
                 - t.prefill_compute_ms
                 - t.kv_transfer_ms,
-                "prefill_hop_ms": t.prefill_call_ms - t.prefill_node_ms,
                 "decode_first_output_ms": t.decode_first_output_ms,
                 "local_queue_ms": lt.prefill_queue_ms,
                 "local_compute_ms": lt.prefill_compute_ms,
@@ -256,11 +218,10 @@ def run(
                 row["router_ttft_ms"] = via_router[0]
                 row["router_reported_ttft_ms"] = via_router[1].usage.time_to_first_token_ms
             rows.append(row)
-        # What the disaggregated requests' decode node counted (its next heartbeat).
+        # What prefill-0 counted (its next heartbeat).
         time.sleep(1.5)
-        counters = node_counters(cluster.redis_url, remote_id)
-        if client_dispatch is not None:
-            client_dispatch.close()
+        gathers = copy_engine_gathers(cluster.redis_url)
+        client.close()
     keys = rows[0].keys()
     summary = {f"median_{k}": median([r[k] for r in rows]) for k in keys}
     if not same_gpu:
@@ -277,20 +238,13 @@ def run(
     summary["transfer_share_of_ttft"] = (
         summary["median_kv_transfer_ms"] / summary["median_direct_ttft_ms"]
     )
-    # Of every remote request (warm-ups included): first tokens that came on the
-    # KV channel, and requests that decoded from one before the Prefill's reply.
     summary["remote_requests"] = args.warmup + args.requests
-    summary["kv_first_tokens"], summary["decoded_before_reply"] = counters[:2]
-    # Of them, those whose Prefill the client (router or this script) sent.
-    summary["dispatched_prefills"] = counters[2]
     # KV chunks prefill-0 gathered by its GPU's copy engines (0: by kernels, or a CPU).
-    summary["kv_gathers_copy_engine"] = counters[3]
+    summary["kv_gathers_copy_engine"] = gathers
     return {
         "local_gpu": args.local_gpu,
         "kv_stream_layers": stream_layers,
         "kv_stream_last_layers": last_layers,
-        "prefill_streams": streams,
-        "prefill_dispatch": dispatch,
         "rows": rows,
         "summary": summary,
     }
@@ -307,18 +261,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--kv-stream-last-layers",
         default=None,
         help="values to compare, e.g. 0,4 (default: the prefill node's own default)",
-    )
-    p.add_argument(
-        "--prefill-streams",
-        default=None,
-        help="the decode nodes' --prefill-streams values to compare, e.g. session,call "
-        "(default: the nodes' own default)",
-    )
-    p.add_argument(
-        "--prefill-dispatch",
-        default="decode",
-        help="who sends the disaggregated requests' Prefills, values to compare, e.g. "
-        "decode,router (router: the client, and the cluster's router, beside the request)",
     )
     p.add_argument(
         "--repeat", type=int, default=1, help="run the settings in turn this many times (ABAB)"
@@ -355,18 +297,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error("--same-prompt needs --local-gpu prefill (a decode node for each path)")
     results = []
     lasts = [None] if args.kv_stream_last_layers is None else args.kv_stream_last_layers.split(",")
-    dispatches = args.prefill_dispatch.split(",")
-    if not set(dispatches) <= {"decode", "router"}:
-        p.error(f"--prefill-dispatch takes decode and router, got {args.prefill_dispatch}")
     settings = [
-        (int(layers), None if last is None else int(last), streams, dispatch)
+        (int(layers), None if last is None else int(last))
         for layers in args.kv_stream_layers.split(",")
         for last in lasts
-        for streams in ([None] if args.prefill_streams is None else args.prefill_streams.split(","))
-        for dispatch in dispatches
     ]
-    for layers, last, streams, dispatch in settings * args.repeat:
-        result = run(args, layers, last, streams, dispatch)
+    for layers, last in settings * args.repeat:
+        result = run(args, layers, last)
         results.append(result)
         s = result["summary"]
         shown = "default" if last is None else last
@@ -378,8 +315,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         print(
             f"--kv-stream-layers {layers} --kv-stream-last-layers {shown} --local-gpu "
-            f"{args.local_gpu} --prefill-streams {streams or 'default'} --prefill-dispatch "
-            f"{dispatch}: TTFT p50 {via_router}"
+            f"{args.local_gpu}: TTFT p50 {via_router}"
             f"direct to the decode node {s['median_direct_ttft_ms']:.2f} ms, local prefill "
             f"{s['median_local_ttft_ms']:.2f} ms -> disaggregated/local "
             f"{s['disaggregated_vs_local']:.3f}x{router_hop}\n"
@@ -387,21 +323,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{s['median_prefill_compute_ms']:.2f} ms, KV left after the last layer "
             f"{s['median_kv_transfer_ms']:.2f} ms ({100 * s['transfer_share_of_ttft']:.1f}% of "
             f"TTFT), decode first output {s['median_decode_first_output_ms']:.2f} ms\n"
-            f"  direct path p50: decode node admit {s['median_decode_admit_ms']:.2f} ms, Prefill "
-            f"call {s['median_prefill_call_ms']:.2f} ms ~ prefill node "
+            f"  direct path p50: decode node admit {s['median_decode_admit_ms']:.2f} ms, then "
+            f"KV and first token {s['median_kv_wait_ms']:.2f} ms; prefill node "
             f"{s['median_prefill_node_ms']:.2f} ms (unattributed there "
-            f"{s['median_prefill_node_unattributed_ms']:.2f}) + hop "
-            f"{s['median_prefill_hop_ms']:.2f} ms (medians of each), "
-            f"reply to first message {s['median_decode_first_output_ms']:.2f} ms\n"
+            f"{s['median_prefill_node_unattributed_ms']:.2f}), "
+            f"first message {s['median_decode_first_output_ms']:.2f} ms\n"
             f"  local prefill p50: queue {s['median_local_queue_ms']:.2f} ms, compute "
             f"{s['median_local_compute_ms']:.2f} ms\n"
             f"  direct - local TTFT per round: p25 {s['paired_ttft_diff_p25_ms']:.2f}, p50 "
             f"{s['median_paired_ttft_diff_ms']:.2f}, p75 {s['paired_ttft_diff_p75_ms']:.2f} ms\n"
-            f"  first tokens on the KV channel {s['kv_first_tokens']} of "
-            f"{s['remote_requests']} remote requests, decoded before the reply "
-            f"{s['decoded_before_reply']}, Prefill from the client {s['dispatched_prefills']}; "
-            f"KV chunks gathered by the copy engines "
-            f"{s['kv_gathers_copy_engine']}",
+            f"  KV chunks gathered by the copy engines {s['kv_gathers_copy_engine']}",
             flush=True,
         )
     model = args.shape or args.model

@@ -51,8 +51,6 @@ class FakeWorker:
     def __init__(self, interval_s: float = 0.0, lockstep: bool = False) -> None:
         self.interval_s = interval_s
         self.clock = TokenTicks(interval_s) if lockstep and interval_s > 0 else None
-        # It lands no KV: its session says it takes no Prefill a router sends.
-        self.takes_dispatched = False
 
     async def decode(self, request, deadline):
         from proto import pdserve_pb2
@@ -76,15 +74,13 @@ class FakeWorker:
 
 def fake_servicer(worker):
     """A DecodeNode servicer around ``worker`` (DecodeWorker.decode's contract):
-    Decode calls, and DecodeSession through the real node's session code."""
+    DecodeSession through the real node's session code. It does not check the
+    caller's protocol version, so that a router of another tree
+    (``router_relay.py --compare-tree``) can be measured against it."""
     from decode_node.session import DecodeSession
     from proto import internal_pb2_grpc
 
     class Servicer(internal_pb2_grpc.DecodeNodeServicer):
-        async def Decode(self, request, context):
-            async for response in worker.decode(request, None):
-                yield response
-
         async def DecodeSession(self, request_iterator, context):
             async for batch in DecodeSession(worker).run(request_iterator):
                 yield batch

@@ -210,6 +210,7 @@ def _prefill(a, port, cache, sizes, g, device, acks) -> dict:
     import torch
 
     from common.kv_transfer import Destination, KVSender
+    from engine.layers.sampler import DeviceSamples
     from engine.sampling_params import SamplingParams
     from engine.scheduler import ScheduledBatch
     from engine.sequence import Sequence
@@ -218,8 +219,7 @@ def _prefill(a, port, cache, sizes, g, device, acks) -> dict:
     cuda = device.type == "cuda"
     rng = random.Random(0)
     sender = KVSender("prefill-bench", device, timeout_s=120)
-    # Headers framed as a block, as between nodes of this release (protocol.py).
-    dest = Destination("decode-bench", "127.0.0.1", port, 0, header_block=True)
+    dest = Destination("decode-bench", "127.0.0.1", port, 0)
     bs = a["block_size"]
     runs: dict[tuple[int, int, bool], list[dict[str, float]]] = {}
     rid = 0
@@ -237,9 +237,8 @@ def _prefill(a, port, cache, sizes, g, device, acks) -> dict:
                     rid += 1
                     seq = Sequence(rid, f"r{rid}", 0, [0] * tokens, tokens, SamplingParams(), None)
                     seq.block_table = rng.sample(range(cache.shape[2]), num_blocks)
-                    ticket = streamer.open(
-                        f"r{rid}", dest, rid, 0, num_blocks, time.monotonic() + 300, False
-                    )
+                    where = _blocks_came(dest, rid, tokens, bs)
+                    ticket = streamer.open(f"r{rid}", where, time.monotonic() + 300, False)
                     _sync(cuda)
                     start = time.monotonic()
                     layer_done = streamer.begin_step(ScheduledBatch([seq], [tokens]))
@@ -256,6 +255,10 @@ def _prefill(a, port, cache, sizes, g, device, acks) -> dict:
                         # As in the engine: the hook runs once the layer is
                         # queued (on a GPU, before it ran).
                         layer_done(n)
+                    # The prompt's first token, sampled after the last layer as in
+                    # the engine: it follows the KV on the channel.
+                    first = torch.ones(1, dtype=torch.int64, device=device)
+                    streamer.step_sampled(DeviceSamples(first, [None]), [0])
                     if done is not None:
                         done.synchronize()  # the host sees the last layer end
                         last_layer_at = time.monotonic()
@@ -278,6 +281,26 @@ def _prefill(a, port, cache, sizes, g, device, acks) -> dict:
                         )
     sender.close()
     return runs
+
+
+def _blocks_came(dest, rid: int, tokens: int, block_size: int):
+    """A Prefill's destination whose decode node's blocks (every one of the
+    prompt's) and channel came already (prefill_node/destinations.py)."""
+    from prefill_node.destinations import PendingDestination
+    from proto import internal_pb2
+
+    request = internal_pb2.PrefillRequest(
+        prompt_token_ids=[0] * tokens, decode_node_id=dest.node_id, reservation_id=rid
+    )
+    pending = PendingDestination(request, block_size)
+    blocks = internal_pb2.PrefillBlocks(
+        reservation_id=rid, first_block=0, num_blocks=-(-tokens // block_size)
+    )
+    channel = blocks.channel
+    channel.node_id, channel.store_host = dest.node_id, dest.store_host
+    channel.store_port, channel.epoch = dest.store_port, dest.epoch
+    pending.set(blocks)
+    return pending
 
 
 def _decode(a, port, cache, sizes, device, acks) -> dict[int, float]:
@@ -317,6 +340,9 @@ def _decode(a, port, cache, sizes, device, acks) -> dict[int, float]:
                 landed[rid] = time.monotonic()
                 acks.put(rid)
 
+        def on_first_token(self, peer, ctx, token):
+            pass  # the landing's business; the wire carried it behind the KV
+
         def on_peer_failed(self, peer, error, epoch):
             acks.put(f"failed: {error}")
 
@@ -327,8 +353,7 @@ def _decode(a, port, cache, sizes, device, acks) -> dict[int, float]:
     runs = len(sizes) * len(a["layers_per_chunk"].split(",")) * 2
     total = runs * (a["warmup"] + a["iters"])
     for rid in range(1, total + 1):
-        # Each stream ends with its end header; headers framed as a block, as the sender's.
-        receiver.expect("prefill-bench", rid, header_block=True)
+        receiver.expect("prefill-bench", rid)  # each stream ends with its end header
     deadline = time.monotonic() + 3600
     while len(landed) < total and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -16,13 +16,13 @@ model is out of the picture, so what is measured is the router's own work:
   sweep, divided by the requests and by the tokens streamed. The inverse is the
   token rate one router core sustains.
 - ttft: sequential one-token requests, alternately through the router and
-  straight to the fake node's Decode; the p50 difference is what the router
+  straight to the fake node (on a DecodeSession of this process, as the router
+  sends them); the p50 difference is what the router
   and its extra hop add to a request's time to first token. With HTTP among
   ``--encodings`` the same request also goes to the router's OpenAI port,
   streamed, from a bare HTTP/1.1 client (the server's side of the HTTP edge)
   and from aiohttp (what `pdserve bench serve` adds on the client's side).
-  ``--compare-node-streams`` adds a router with the other ``--node-streams``. With
-  ``--compare-tree DIR`` a second router runs from another checkout (the
+  With ``--compare-tree DIR`` a second router runs from another checkout (the
   baseline, say) beside the first, on the same fake node, and the requests
   rotate among the three, so that both routers are measured under the same
   load: on a shared machine that matters more than anything measured.
@@ -134,14 +134,15 @@ async def ttft(
     load generator's client)."""
     import grpc
 
-    from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
+    from proto import internal_pb2, pdserve_pb2, pdserve_pb2_grpc
+    from router.node_session import NodeSession
 
     prompt = list(range(1, args.input_len + 1))
     sampling = pdserve_pb2.SamplingParams(max_tokens=1, temperature=0.0)
     channels = {label: grpc.aio.insecure_channel(a) for label, a in routers.items()}
     async with grpc.aio.insecure_channel(node_address) as nc:
         stubs = {label: pdserve_pb2_grpc.RouterStub(c) for label, c in channels.items()}
-        node = internal_pb2_grpc.DecodeNodeStub(nc)
+        node = NodeSession(nc, "fake-decode")  # what the router sends on, from here
 
         async def via_router(label: str) -> float:
             start = time.perf_counter()
@@ -153,12 +154,16 @@ async def ttft(
 
         async def direct(i: int) -> float:
             start = time.perf_counter()
-            request = internal_pb2.DecodeRequest(
-                request_id=f"d{i}", prompt_token_ids=prompt, sampling=sampling
-            )
-            async for _ in node.Decode(request):
-                return time.perf_counter() - start
-            raise RuntimeError("no response")
+            command = internal_pb2.SessionCommand()
+            command.start.request.request_id = f"d{i}"
+            command.start.request.prompt_token_ids.extend(prompt)
+            command.start.request.sampling.CopyFrom(sampling)
+            call = await node.start(command, None)
+            if await call.read() is grpc.aio.EOF:
+                raise RuntimeError("no response")
+            elapsed = time.perf_counter() - start
+            call.cancel()
+            return elapsed
 
         paths = {label: (lambda label=label: via_router(label)) for label in routers}
         if http_port is not None:
@@ -228,17 +233,6 @@ def main(argv: list[str] | None = None) -> dict:
         help="the fake node sends all streams' tokens on one tick, as an engine step does",
     )
     p.add_argument(
-        "--node-streams",
-        default="session",
-        choices=["session", "call"],
-        help="the router's --node-streams (how it streams from the node)",
-    )
-    p.add_argument(
-        "--compare-node-streams",
-        action="store_true",
-        help="the TTFT part also runs a router with the other --node-streams beside the first",
-    )
-    p.add_argument(
         "--probe",
         action="store_true",
         help="beside each load sweep, router_probe.py (needs http among --encodings)",
@@ -268,18 +262,15 @@ def main(argv: list[str] | None = None) -> dict:
                 )
             )
 
-            def router_cmd(port: int, http: list[str], streams: list[str]) -> list[str]:
+            def router_cmd(port: int, http: list[str]) -> list[str]:
                 cmd = [sys.executable, "-m", "pdserve.cli", "router", "--model", str(model_dir)]
                 cmd += ["--redis-url", redis.url, "--port", str(port), "--host", "127.0.0.1"]
-                cmd += ["--admin-port", str(free_port()), *http, *streams]
+                cmd += ["--admin-port", str(free_port()), *http]
                 return cmd + ["--skip-tokenizer-init", "--no-access-log", "--metrics-port", "0"]
 
             # The HTTP port only for the HTTP sweep (the TTFT part is gRPC, and needs no FastAPI).
             serve_http = "http" in args.encodings.split(",")
-            streams = ["--node-streams", args.node_streams]
-            router = subprocess.Popen(
-                router_cmd(port, ["--http-port", str(http)] * serve_http, streams)
-            )
+            router = subprocess.Popen(router_cmd(port, ["--http-port", str(http)] * serve_http))
             procs.append(router)
             address = f"127.0.0.1:{port}"
             routers = {"router": address}
@@ -288,14 +279,9 @@ def main(argv: list[str] | None = None) -> dict:
                 other = free_port()
                 path = [str(args.compare_tree.resolve()), os.environ.get("PYTHONPATH", "")]
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
-                cmd = router_cmd(other, [], [])  # its own default (it may predate the flag)
+                cmd = router_cmd(other, [])
                 procs.append(subprocess.Popen(cmd, cwd=args.compare_tree, env=env))
                 routers["compare-tree"] = f"127.0.0.1:{other}"
-            if args.compare_node_streams:
-                other = free_port()
-                mode = "call" if args.node_streams == "session" else "session"
-                procs.append(subprocess.Popen(router_cmd(other, [], ["--node-streams", mode])))
-                routers[f"router-{mode}"] = f"127.0.0.1:{other}"
             for a in routers.values():
                 wait_routable(a)
             results["ttft"] = asyncio.run(
