@@ -6,10 +6,9 @@ import argparse
 import os
 
 from common.cluster.state import NodeRole
-from common.runtime.config import add_node_arguments, fault_delays
+from common.runtime.config import NodeConfig, add_node_arguments, fault_delays
 from common.runtime.node import run_node, start_node_engine
 from common.runtime.ports import PlannedPort
-from common.tls import TLSConfig
 from decode_node.service import DecodeNodeServicer
 from decode_node.worker import DecodeWorker
 from proto import internal_pb2, internal_pb2_grpc
@@ -35,34 +34,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    config = NodeConfig.from_args(args)
     ports = [
-        PlannedPort(args.port, "--port", "decode node gRPC API"),
+        PlannedPort(config.port, "--port", "decode node gRPC API"),
         PlannedPort(args.transfer_port, "--transfer-port", "KV transfer"),
     ]
     node = start_node_engine(
-        args, NodeRole.DECODE, ports, worker_extension_cls="decode_node.tp_rank:DecodeRank"
+        config, NodeRole.DECODE, ports, worker_extension_cls="decode_node.tp_rank:DecodeRank"
     )
     worker = DecodeWorker(
         node.node_id,
         node.thread,
         node.advertise_host,
         args.transfer_port,
-        transfer_timeout_s=args.transfer_timeout,
-        verify_transfers=args.verify_kv,
+        transfer_timeout_s=config.transfer_timeout_s,
+        verify_transfers=config.verify_kv,
         kv_lease_s=args.kv_lease,
-        max_queued=args.max_queued_requests,
+        max_queued=config.max_queued_requests,
         faults=fault_delays(node.node_id),
-        tls=TLSConfig.from_args(args),
+        tls=config.tls,
+        tracing=node.tracing,
     )
     # Prefill nodes open their KV channel to transfer_host:transfer_port.
     info = node.info(
         NodeRole.DECODE,
-        args.port,
+        config.port,
         transfer_host=node.advertise_host,
         transfer_port=args.transfer_port,
     )
+
+    async def close() -> None:
+        await worker.close()
+        node.tracing.shutdown()
+
     return await run_node(
-        args,
+        config,
         service=SERVICE,
         add_servicer=lambda s: internal_pb2_grpc.add_DecodeNodeServicer_to_server(
             DecodeNodeServicer(worker), s
@@ -71,5 +77,5 @@ async def serve(args: argparse.Namespace) -> int:
         info=info,
         counters=worker.stats.counters,
         histograms=worker.stats.histograms,
-        close=worker.close,
+        close=close,
     )

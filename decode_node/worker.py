@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from common.grpc_server import CLIENT_OPTIONS
-from common.metrics.phases import PromptPhases
+from common.metrics.phases import PromptPhases, phase_spans
 from common.runtime.reliability import (
     FaultDelays,
     NoCapacity,
@@ -39,6 +39,7 @@ from common.runtime.reliability import (
 )
 from common.sessions.prefill import PrefillSessionClient
 from common.tls import NO_TLS, TLSConfig, make_channel
+from common.tracing import Tracing
 from common.wire import (
     StreamState,
     output_to_responses,
@@ -78,6 +79,7 @@ class DecodeWorker:
         max_queued: int = 0,
         faults: FaultDelays | None = None,
         tls: TLSConfig = NO_TLS,
+        tracing: Tracing | None = None,
     ) -> None:
         if not kv_lease_s > 0:
             raise ValueError(f"the KV lease must be > 0 seconds, got {kv_lease_s}")
@@ -87,6 +89,7 @@ class DecodeWorker:
         self.kv_lease_s = kv_lease_s
         self.max_queued = max_queued
         self.faults = faults or FaultDelays()
+        self.tracing = tracing or Tracing.off()
         self.stats = DecodeStats()
         self._stages: dict[str, Stage] = {}  # local prefills and decoding
         self._remote: dict[str, RemotePrefill] = {}  # disaggregated requests until committed
@@ -120,6 +123,8 @@ class DecodeWorker:
         self.stats.requests += 1
         self._stages[rid] = Stage.QUEUED
         landed = 0.0
+        phases: list[tuple[str, float, float]] = []  # a local prefill's, for the span
+        status = "OK"
         try:
             if remote:
                 usage.prefill_node = req.prefill.node_id
@@ -132,11 +137,13 @@ class DecodeWorker:
                     )
                 )
                 self.stats.local_prefills += 1
-            async for resp in self._stream(rid, stream, usage, remote, landed):
+            async for resp in self._stream(rid, stream, usage, landed, phases):
                 yield resp
         except NoCapacity:
+            status = "RESOURCE_EXHAUSTED"
             raise  # nothing was admitted
-        except BaseException:
+        except BaseException as e:
+            status = type(e).__name__
             stage = self._stage(rid)
             if deadline_passed(deadline):
                 self.stats.aborts.deadline_exceeded += 1
@@ -145,20 +152,24 @@ class DecodeWorker:
         finally:
             self._stages.pop(rid, None)
             self._remote.pop(rid, None)
+            self._trace(req, arrived, landed, usage, phases, status)
 
-    async def _stream(self, rid: str, stream: RequestStream, usage, remote: bool, landed: float):
-        """The request's messages, from its outputs until the Final."""
+    async def _stream(self, rid: str, stream: RequestStream, usage, landed: float, spans: list):
+        """The request's messages, from its outputs until the Final. ``landed``:
+        when a remote prefill's KV landed (0: this node prefilled the prompt,
+        whose phases go into ``spans``)."""
         state = StreamState()
-        timed = remote  # a remote prefill's phases are the prefill node's
+        timed = bool(landed)  # a remote prefill's phases are the prefill node's
         async for out in stream:
             self._stages[rid] = Stage.DECODE
-            if remote and not state.completion_tokens and not usage.timing.decode_first_output_ms:
+            if landed and not state.completion_tokens and not usage.timing.decode_first_output_ms:
                 usage.timing.decode_first_output_ms = (time.monotonic() - landed) * 1e3
             if not timed and (phases := PromptPhases.of(out.metrics)) is not None:
                 timed = True
                 self.stats.phases.observe(phases)
                 usage.timing.prefill_queue_ms = phases.queue_s * 1e3
                 usage.timing.prefill_compute_ms = phases.prefill_s * 1e3
+                spans.extend(phase_spans(out.metrics))
             usage.cached_tokens = out.num_cached_tokens
             for resp in output_to_responses(out, rid, state, usage):
                 yield resp
@@ -182,6 +193,29 @@ class DecodeWorker:
         )
         self.stats.remote_prefills += 1
         return time.monotonic()
+
+    def _trace(self, req, arrived: float, landed: float, usage, phases: list, status: str):
+        """The request's span on this node (common/tracing.py), recorded as it ends."""
+        if not self.tracing.enabled:
+            return
+        t = usage.timing
+        if landed:  # a remote prefill: admission, the wait for the KV, the first output
+            sent = arrived + t.decode_admit_ms / 1e3
+            phases = [
+                ("admission", arrived, sent),
+                ("kv_wait", sent, sent + t.kv_wait_ms / 1e3),
+                ("first_output", landed, landed + t.decode_first_output_ms / 1e3),
+            ]
+        attributes = {
+            "pdserve.request_id": req.request_id,
+            "pdserve.status": status,
+            "pdserve.prefill_node": usage.prefill_node or None,
+            "pdserve.cached_tokens": usage.cached_tokens,
+            "pdserve.completion_tokens": usage.completion_tokens,
+        }
+        self.tracing.record(
+            "decode", req.traceparent, arrived, time.monotonic(), attributes, phases
+        )
 
     def _remote_timings(self, rid: str, usage, arrived: float, landed: float) -> None:
         self._remote[rid].timings(usage, arrived, landed)

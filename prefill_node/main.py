@@ -8,7 +8,7 @@ import os
 from common.cluster.state import NodeRole
 from common.kv_transfer import KVSender
 from common.kv_transfer.protocol import MAX_GROUP
-from common.runtime.config import add_node_arguments, fault_delays
+from common.runtime.config import NodeConfig, add_node_arguments, fault_delays
 from common.runtime.node import run_node, start_node_engine
 from common.runtime.ports import PlannedPort
 from engine.config import DEFAULT_MAX_NUM_SEQS
@@ -73,11 +73,12 @@ def check_group_room(args: argparse.Namespace) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    config = NodeConfig.from_args(args)
     check_group_room(args)
     # A prefill node never produces text: no tokenizer to load.
-    ports = [PlannedPort(args.port, "--port", "prefill node gRPC API")]
+    ports = [PlannedPort(config.port, "--port", "prefill node gRPC API")]
     node = start_node_engine(
-        args,
+        config,
         NodeRole.PREFILL,
         ports,
         skip_tokenizer_init=True,
@@ -87,31 +88,33 @@ async def serve(args: argparse.Namespace) -> int:
     sender = KVSender(
         node.node_id,
         node.engine.model_runner.device,
-        timeout_s=args.transfer_timeout,
+        timeout_s=config.transfer_timeout_s,
         faults=faults,
     )
     worker = PrefillWorker(
         node.node_id,
         node.thread,
         sender,
-        verify_transfers=args.verify_kv,
-        max_queued=args.max_queued_requests,
+        verify_transfers=config.verify_kv,
+        max_queued=config.max_queued_requests,
         faults=faults,
         layers_per_chunk=args.kv_stream_layers,
         last_layers=args.kv_stream_last_layers,
+        tracing=node.tracing,
     )
 
     async def close() -> None:
         sender.close()
+        node.tracing.shutdown()
 
     return await run_node(
-        args,
+        config,
         service=SERVICE,
         add_servicer=lambda s: internal_pb2_grpc.add_PrefillNodeServicer_to_server(
             PrefillNodeServicer(worker), s
         ),
         thread=node.thread,
-        info=node.info(NodeRole.PREFILL, args.port),
+        info=node.info(NodeRole.PREFILL, config.port),
         counters=worker.stats.counters,
         close=close,
         histograms=worker.stats.histograms,

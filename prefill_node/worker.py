@@ -42,7 +42,7 @@ from common.kv_transfer import (
     TransferTicket,
 )
 from common.metrics.histogram import KV_BANDWIDTH_BUCKETS, KV_TRANSFER_BUCKETS, Histogram
-from common.metrics.phases import PhaseHistograms, PromptPhases
+from common.metrics.phases import PhaseHistograms, PromptPhases, phase_spans
 from common.runtime.reliability import (
     AbortCounters,
     FaultDelays,
@@ -52,10 +52,12 @@ from common.runtime.reliability import (
     check_queue,
     deadline_passed,
 )
+from common.tracing import Tracing
 from common.wire import sampling_params_from_proto, token_ids_of
 from engine.copy_engine import CopyEngine
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sequence import FinishReason
@@ -64,6 +66,8 @@ from prefill_node.kv_stream import KVStreamer
 from proto import internal_pb2
 
 logger = logging.getLogger(__name__)
+
+_NO_TRANSFER = TransferReport(0, 0.0, 0.0, b"")  # what a Prefill that sent nothing reports
 
 
 def prefill_params(params: SamplingParams) -> SamplingParams:
@@ -137,8 +141,10 @@ class PrefillWorker:
         faults: FaultDelays | None = None,
         layers_per_chunk: int = 1,
         last_layers: int = 0,
+        tracing: Tracing | None = None,
     ) -> None:
         self.node_id = node_id
+        self.tracing = tracing or Tracing.off()
         self.engine = engine
         self.sender = sender
         self.verify_transfers = verify_transfers
@@ -193,19 +199,32 @@ class PrefillWorker:
         pending: PendingDestination,
     ) -> internal_pb2.PrefillResponse:
         """Compute ``req``'s prompt and send its KV and first token where
-        ``pending`` says, once the decode node's blocks came (its session sets them)."""
+        ``pending`` says, once the decode node's blocks came (its session sets
+        them); the reply holds this node's figures."""
         start = time.monotonic()  # the reply's node_ms: all of this node's part
-        rid = req.request_id
         self._check(req)
+        out, report, status = None, _NO_TRANSFER, "OK"
+        try:
+            out, report = await self._computed_and_sent(req, deadline, pending)
+            return await self._reply(out, report, start)
+        except BaseException as e:
+            status = type(e).__name__
+            raise
+        finally:
+            self._trace(req, start, out, report, status)
+
+    async def _computed_and_sent(
+        self, req: internal_pb2.PrefillRequest, deadline: float | None, pending
+    ) -> tuple[RequestOutput, TransferReport]:
+        """The prompt's final output once its KV and first token are out."""
+        rid = req.request_id
         params = prefill_params(sampling_params_from_proto(req.sampling))
         params.resume_offset = req.resume_offset  # a migrated stream's seeded draws
         prompt = {"prompt_token_ids": token_ids_of(req.prompt_token_ids)}
         if req.cache_salt:
             prompt["cache_salt"] = req.cache_salt
         stream = RequestStream()
-        sending = False
-        ticket: TransferTicket | None = None
-        report = TransferReport(0, 0.0, 0.0, b"")
+        sending, ticket, report = False, None, _NO_TRANSFER
         try:
             ticket = await asyncio.wrap_future(
                 self.engine.add(
@@ -221,11 +240,8 @@ class PrefillWorker:
             if out.outputs[0].finish_reason == FinishReason.ABORT.value:
                 raise RuntimeError("the prefill was aborted")
             sending = True
-            try:
-                report = await transfer
-            except Exception:
-                self.stats.transfers_failed += 1
-                raise
+            report = await self._sent(transfer)
+            return out, report
         except NoCapacity:
             raise  # refused before anything was queued
         except BaseException:
@@ -236,18 +252,42 @@ class PrefillWorker:
                 self.engine.call(lambda e: self._abort(e, rid, sending))
             raise
         finally:
-            # Wakes the engine thread if it waits for the blocks (a no-op once they came).
-            pending.end()
-            self.stats.requests += 1
-            # Exactly one end header per Prefill whose blocks came and fit, queued
-            # on the engine thread behind whatever the request queued (an
-            # admission still pending included), so that it follows all of the
-            # request's segments. Blocks that did not come (or fit) have the
-            # board end their stream, if they come.
-            end = pending.destination if pending.came else None
-            digest = report.digest
-            self.engine.call(lambda e: self._finish(e, rid, end, req.reservation_id, digest))
-        return await self._reply(out, report, start)
+            self._ended(rid, pending, req.reservation_id, report.digest)
+
+    async def _sent(self, transfer: asyncio.Future) -> TransferReport:
+        try:
+            return await transfer
+        except Exception:
+            self.stats.transfers_failed += 1
+            raise
+
+    def _ended(self, rid: str, pending: PendingDestination, reservation_id: int, digest) -> None:
+        """Whatever became of the Prefill: its stream's end."""
+        # Wakes the engine thread if it waits for the blocks (a no-op once they came).
+        pending.end()
+        self.stats.requests += 1
+        # Exactly one end header per Prefill whose blocks came and fit, queued on
+        # the engine thread behind whatever the request queued (an admission
+        # still pending included), so that it follows all of the request's
+        # segments. Blocks that did not come (or fit) have the board end their
+        # stream, if they come.
+        end = pending.destination if pending.came else None
+        self.engine.call(lambda e: self._finish(e, rid, end, reservation_id, digest))
+
+    def _trace(self, req, start: float, out, report: TransferReport, status: str) -> None:
+        """The Prefill's span (common/tracing.py), recorded as it ends."""
+        if not self.tracing.enabled:
+            return
+        attributes = {
+            "pdserve.request_id": req.request_id,
+            "pdserve.status": status,
+            "pdserve.decode_node": req.decode_node_id,
+            "pdserve.kv_bytes": report.num_bytes,
+            "pdserve.kv_exposed_ms": report.exposed_s * 1e3,
+            "pdserve.cached_tokens": out.num_cached_tokens if out is not None else None,
+        }
+        phases = phase_spans(out.metrics) if out is not None else []
+        self.tracing.record("prefill", req.traceparent, start, time.monotonic(), attributes, phases)
 
     def _check(self, req: internal_pb2.PrefillRequest) -> None:
         """What makes a Prefill unservable here, before anything is queued (ValueError)."""

@@ -2,7 +2,7 @@
 turns it off), so that a serving cluster's log says what it serves:
 
     request 3f2a...: OK prompt 24 (cached 16) completion 12 tokens, TTFT 85 ms,
-    total 402 ms, prefill prefill-0, decode decode-0
+    total 402 ms, prefill prefill-0 (71 ms there), decode decode-0
 """
 
 from __future__ import annotations
@@ -24,11 +24,31 @@ class AccessEntry:
     total_ms: float
     prefill_node: str  # "" : prefilled on the decode node (or never routed)
     decode_node: str
+    # The prefill node's own time for it (its reply's, where it came before the
+    # stream ended; 0 otherwise, or without a prefill node).
+    prefill_ms: float = 0.0
+
+    def attributes(self, attempts: int, migrations: int) -> dict:
+        """The same figures as span attributes (common/tracing.py)."""
+        return {
+            "pdserve.request_id": self.request_id,
+            "pdserve.status": self.status,
+            "pdserve.prompt_tokens": self.prompt_tokens,
+            "pdserve.cached_tokens": self.cached_tokens,
+            "pdserve.completion_tokens": self.completion_tokens,
+            "pdserve.ttft_ms": self.ttft_ms,
+            "pdserve.prefill_node": self.prefill_node or None,
+            "pdserve.decode_node": self.decode_node or None,
+            "pdserve.prefill_node_ms": self.prefill_ms or None,
+            "pdserve.attempts": attempts,
+            "pdserve.migrations": migrations,
+        }
 
     def line(self) -> str:
         ttft = f"{self.ttft_ms:.0f} ms" if self.ttft_ms is not None else "-"
+        prefill = f" ({self.prefill_ms:.0f} ms there)" if self.prefill_ms else ""
         if self.decode_node:
-            nodes = f"prefill {self.prefill_node or 'local'}, decode {self.decode_node}"
+            nodes = f"prefill {self.prefill_node or 'local'}{prefill}, decode {self.decode_node}"
         else:
             nodes = "not routed"
         return (

@@ -27,6 +27,7 @@ from common.metrics.server import add_metrics_arguments, serve_metrics
 from common.runtime.gc_heap import GcPauses, add_gc_arguments, freeze_heap
 from common.runtime.ports import PlannedPort, check_free, listen, router_listeners
 from common.tls import TLSConfig, add_tls_arguments
+from common.tracing import Tracing, add_tracing_arguments
 from engine.config import EngineConfig
 from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2
 from router.admin.service import AdminServicer
@@ -158,6 +159,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="no INFO line per request [PDSERVE_NO_ACCESS_LOG=1]",
     )
     add_metrics_arguments(p)
+    add_tracing_arguments(p)
     add_gc_arguments(p)
     add_routing_arguments(p)
 
@@ -237,11 +239,13 @@ async def serve(args: argparse.Namespace) -> int:
         route_config,
         remote_prefill=not args.no_remote_prefill,
     )
+    tracing = Tracing("pdserve-router", args.otlp_endpoint, f"router:{args.port}")
     router = RouterServicer(
         frontend,
         routing,
         tls=tls,
         access_log=not args.no_access_log,
+        tracing=tracing,
     )
 
     # Clients' mistakes get INVALID_ARGUMENT naming them, even those the servicer
@@ -334,4 +338,5 @@ async def serve(args: argparse.Namespace) -> int:
     await router.close()
     await routing.close()
     await cluster.close()
+    tracing.shutdown()
     return 0

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -14,11 +15,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.grpc_server import CLIENT_OPTIONS
 from common.runtime.reliability import FAILED_NODE_KEY as _FAILED_NODE_KEY
 from common.tls import NO_TLS, TLSConfig, make_channel
+from common.tracing import TRACEPARENT_KEY, Span, Tracing
 from common.wire import prefill_reply_timings
 from proto import internal_pb2, pdserve_pb2, pdserve_pb2_grpc
 from router.access_log import AccessEntry, log_access
 from router.dispatch import PrefillDispatcher, failed_by_prefill
-from router.frontend import Frontend
+from router.frontend import Frontend, ParsedRequest
 from router.migration import Seam, StreamProgress, held_back, migratable
 from router.node_session import NodeSession
 from router.policy import NoRoute
@@ -56,8 +58,10 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         routing: Routing,
         tls: TLSConfig = NO_TLS,
         access_log: bool = True,
+        tracing: Tracing | None = None,
     ) -> None:
         self.frontend = frontend
+        self.tracing = tracing or Tracing.off()
         self.access_log = access_log  # one INFO line per request (router/access_log.py)
         self.routing = routing
         self.tls = tls  # for the calls to nodes (Decode, and the admin API's NodeControl)
@@ -85,123 +89,147 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
     async def Generate(
         self, request: pdserve_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ):
+        traceparent = dict(context.invocation_metadata() or ()).get(TRACEPARENT_KEY, "")
         try:
             async with contextlib.aclosing(
-                self.generate(request, context.time_remaining())
+                self.generate(request, context.time_remaining(), traceparent)
             ) as responses:
                 async for response in responses:
                     yield response
         except RequestFailed as e:
             await context.abort(e.code, e.details)
 
-    async def generate(self, request: pdserve_pb2.GenerateRequest, timeout_s: float | None):
+    async def generate(
+        self, request: pdserve_pb2.GenerateRequest, timeout_s: float | None, traceparent: str = ""
+    ):
         """The one request path of both encodings (gRPC Generate, the OpenAI HTTP API):
-        validate, route, relay, retry. Yields the responses; raises RequestFailed."""
+        validate, route, relay, retry. Yields the responses; raises RequestFailed.
+        ``traceparent``: the client's W3C trace context, if it sent one."""
         trace = RequestTrace(time.monotonic())
-        deadline = None if timeout_s is None else trace.start + timeout_s
-        stats = self.routing.stats
+        span = self.tracing.start("request", traceparent, trace.start)
         client_id = request.request_id or uuid.uuid4().hex
         # The routing read goes out before the request is checked, where the
         # prompt's hashes are known first: the checks run during its round trip.
         early = self.frontend.early(request)
         started = self.routing.start_view(early.block_hashes) if early is not None else None
+        parsed = self._checked(request, early, span)
+        deadline = None if timeout_s is None else trace.start + timeout_s
+        progress = StreamProgress(len(parsed.prompt_token_ids))
+        state = _Request(client_id, trace, deadline, progress, parsed, span)
+        try:
+            async for response in self._attempts(request, state, early, started):
+                yield response
+        finally:
+            self._finished(state)
+
+    def _checked(self, request, early, span) -> ParsedRequest:
+        """The request, validated (RequestFailed: INVALID_ARGUMENT naming the
+        problem, or RESOURCE_EXHAUSTED where this router relays its limit)."""
+        stats = self.routing.stats
         try:
             parsed = self.frontend.parse(request, early)
         except ValueError as e:
-            stats.requests_by_status[grpc.StatusCode.INVALID_ARGUMENT.name] += 1
-            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        limit = self.routing.config.max_in_flight
-        if self.routing.inflight.in_flight >= limit:
-            stats.requests_by_status[grpc.StatusCode.RESOURCE_EXHAUSTED.name] += 1
-            raise RequestFailed(
+            failed = RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        else:
+            limit = self.routing.config.max_in_flight
+            if self.routing.inflight.in_flight < limit:
+                return parsed
+            failed = RequestFailed(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"this router relays {limit} requests already (--max-in-flight); try again later",
             )
-        status, usage = grpc.StatusCode.CANCELLED, None
-        nodes = ("", "")  # (prefill, decode) of the last attempt, for the access log
+        stats.requests_by_status[failed.code.name] += 1
+        span.end(attributes={"pdserve.status": failed.code.name})
+        raise failed from None
+
+    async def _attempts(self, request, state: _Request, early, started):
+        """The request's attempts until one succeeds, retried elsewhere while
+        nothing reached the client, migrated where its decode node failed mid-stream."""
+        stats = self.routing.stats
+        parsed, original, progress = state.original, state.original, state.progress
         avoid: set[str] = set()
         failure: grpc.aio.AioRpcError | None = None  # the last attempt's
-        progress = StreamProgress(len(parsed.prompt_token_ids))
-        original = parsed
         attempt = -1
+        while (attempt := attempt + 1) < self.routing.config.max_attempts:
+            if attempt:
+                stats.retries += 1
+            if started is not None and parsed.block_hashes is not early.block_hashes:
+                started = None  # the checks changed the prompt: read it anew
+            routed = await self._route(parsed, avoid, started, failure, state)
+            started = None  # one read per decision: retries read again
+            tried = _Attempt(self, routed, parsed, request, state)
+            async for response in tried.relay():
+                yield response
+            state.status, state.usage = tried.status, tried.usage
+            state.attempts += 1
+            if tried.error is None:
+                return
+            failure = tried.error
+            if tried.received and self.migrate(original, progress, failure, state.client_id):
+                parsed = self.frontend.continuation(original, progress.token_ids)
+                avoid = {routed.decision.decode.node_id}
+                attempt = -1  # the continuation has its own tries
+                continue
+            if tried.received or not tried.retry_elsewhere(avoid):
+                raise RequestFailed(failure.code(), failure.details() or str(failure.code()))
+            logger.info(
+                "request %s: attempt %d failed before its first token (%s: %s); retrying",
+                state.client_id,
+                attempt + 1,
+                failure.code().name,
+                failure.details(),
+            )
+        raise RequestFailed(failure.code(), f"{failure.details()} (after {attempt + 1} attempts)")
+
+    async def _route(self, parsed, avoid, started, failure, state: _Request):
+        """The nodes for the next attempt (RequestFailed where none is left)."""
         try:
-            while (attempt := attempt + 1) < self.routing.config.max_attempts:
-                if attempt:
-                    stats.retries += 1
-                if started is not None and parsed.block_hashes is not early.block_hashes:
-                    started = None  # the checks changed the prompt: read it anew
-                try:
-                    routed = await self.routing.route(parsed, avoid, started)
-                except NoRoute as no_route:  # no usable node, or Redis unreachable
-                    if failure is not None:  # every node left failed: say how the last did
-                        raise RequestFailed(
-                            failure.code(), failure.details() or str(no_route)
-                        ) from None
-                    status = grpc.StatusCode.UNAVAILABLE
-                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(no_route)) from None
-                started = None  # one read per decision: retries read again
-                tried = _Attempt(
-                    self, routed, parsed, request, client_id, deadline, trace, progress
-                )
-                decision = routed.decision
-                nodes = (
-                    decision.prefill.node_id if decision.prefill else "",
-                    decision.decode.node_id,
-                )
-                async for response in tried.relay():
-                    yield response
-                status, usage = tried.status, tried.usage
-                if tried.error is None:
-                    return
-                failure = tried.error
-                if tried.received and self.migrate(original, progress, failure, client_id):
-                    parsed = self.frontend.continuation(original, progress.token_ids)
-                    avoid = {routed.decision.decode.node_id}
-                    attempt = -1  # the continuation has its own tries
-                    continue
-                if tried.received or not tried.retry_elsewhere(avoid):
-                    raise RequestFailed(failure.code(), failure.details() or str(failure.code()))
-                logger.info(
-                    "request %s: attempt %d failed before its first token (%s: %s); retrying",
-                    client_id,
-                    attempt + 1,
-                    failure.code().name,
-                    failure.details(),
-                )
-            raise RequestFailed(
-                failure.code(), f"{failure.details()} (after {attempt + 1} attempts)"
-            )
-        finally:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if (
-                status is grpc.StatusCode.CANCELLED
-                and remaining is not None
-                and remaining < DEADLINE_SLACK_S
-            ):
-                # The client's deadline ended it, not the client: count it as such.
-                status = grpc.StatusCode.DEADLINE_EXCEEDED
-            if progress.migrations:
-                stats.migrations["completed" if status is grpc.StatusCode.OK else "failed"] += 1
-            stats.finished(  # exported by the gRPC code's name
-                trace,
-                time.monotonic(),
-                status.name,
-                usage.prompt_tokens if usage else 0,
-                usage.cached_tokens if usage else 0,
-            )
-            if self.access_log:
-                log_access(
-                    AccessEntry(
-                        client_id,
-                        status.name,
-                        usage.prompt_tokens if usage else len(original.prompt_token_ids),
-                        usage.cached_tokens if usage else 0,
-                        usage.completion_tokens if usage else trace.tokens,
-                        (trace.first_token - trace.start) * 1e3 if trace.first_token else None,
-                        (time.monotonic() - trace.start) * 1e3,
-                        *nodes,
-                    )
-                )
+            routed = await self.routing.route(parsed, avoid, started)
+        except NoRoute as no_route:  # no usable node, or Redis unreachable
+            if failure is not None:  # every node left failed: say how the last did
+                raise RequestFailed(failure.code(), failure.details() or str(no_route)) from None
+            state.status = grpc.StatusCode.UNAVAILABLE
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(no_route)) from None
+        decision = routed.decision
+        state.nodes = (
+            decision.prefill.node_id if decision.prefill else "",
+            decision.decode.node_id,
+        )
+        return routed
+
+    def _finished(self, state: _Request) -> None:
+        """The request's end in the stats, the access log and its span."""
+        trace, usage, now = state.trace, state.usage, time.monotonic()
+        remaining = None if state.deadline is None else state.deadline - now
+        if (
+            state.status is grpc.StatusCode.CANCELLED
+            and remaining is not None
+            and remaining < DEADLINE_SLACK_S
+        ):
+            # The client's deadline ended it, not the client: count it as such.
+            state.status = grpc.StatusCode.DEADLINE_EXCEEDED
+        stats = self.routing.stats
+        if state.progress.migrations:
+            ok = state.status is grpc.StatusCode.OK
+            stats.migrations["completed" if ok else "failed"] += 1
+        prompt = usage.prompt_tokens if usage else len(state.original.prompt_token_ids)
+        cached = usage.cached_tokens if usage else 0
+        stats.finished(trace, now, state.status.name, usage.prompt_tokens if usage else 0, cached)
+        ttft_ms = (trace.first_token - trace.start) * 1e3 if trace.first_token else None
+        entry = AccessEntry(
+            state.client_id,
+            state.status.name,
+            prompt,
+            cached,
+            usage.completion_tokens if usage else trace.tokens,
+            ttft_ms,
+            (now - trace.start) * 1e3,
+            *state.nodes,
+            prefill_ms=usage.timing.prefill_node_ms if usage else 0.0,
+        )
+        if self.access_log:
+            log_access(entry)
+        state.span.end(now, entry.attributes(state.attempts, state.progress.migrations))
 
     def migrate(self, parsed, progress: StreamProgress, failure, client_id: str) -> bool:
         """Set ``progress`` up for a continuation on another decode node, if allowed."""
@@ -264,22 +292,38 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
             await channel.close()
 
 
+@dataclass(slots=True)
+class _Request:
+    """One client request across its attempts: what its end reports (the
+    stats, the access log line, its span)."""
+
+    client_id: str
+    trace: RequestTrace
+    deadline: float | None  # time.monotonic() at which the client gives up; None: never
+    progress: StreamProgress
+    original: ParsedRequest
+    span: Span
+    status: grpc.StatusCode = grpc.StatusCode.CANCELLED
+    usage: pdserve_pb2.Usage | None = None
+    nodes: tuple[str, str] = ("", "")  # (prefill, decode) of the last attempt
+    attempts: int = 0
+
+
 class _Attempt:
     """One try at a request: its stream from the chosen decode node (and its
     Prefill to the chosen prefill node), relayed."""
 
-    def __init__(
-        self, servicer, routed, parsed, request, client_id, deadline, trace, progress
-    ) -> None:
+    def __init__(self, servicer, routed, parsed, request, state: _Request) -> None:
         self.servicer = servicer
-        self.progress = progress  # the client's stream so far (router/migration.py)
+        self.progress = state.progress  # the client's stream so far (router/migration.py)
         self.routing = servicer.routing
         self.routed = routed
         self.parsed = parsed
         self.request = request
-        self.client_id = client_id
-        self.deadline = deadline  # time.monotonic() at which the client gives up; None: never
-        self.trace = trace
+        self.client_id = state.client_id
+        self.deadline = state.deadline  # time.monotonic() at which the client gives up; None: never
+        self.trace = state.trace
+        self.traceparent = state.span.traceparent  # the router's span, for the nodes' own
         self.received = False
         self.status = grpc.StatusCode.CANCELLED
         self.usage = None
@@ -296,6 +340,7 @@ class _Attempt:
         downstream.sampling.CopyFrom(self.progress.sampling(self.request.sampling))
         downstream.cache_salt = self.parsed.cache_salt
         downstream.resume_offset = self.progress.resume_offset
+        downstream.traceparent = self.traceparent
         if route.prefill is not None:
             downstream.prefill.node_id = route.prefill.node_id
             downstream.prefill.address = route.prefill.address

@@ -42,6 +42,15 @@ class PromptPhases:
         return cls(max(0.0, scheduled - m.arrival_time), max(0.0, m.first_token_time - scheduled))
 
 
+def phase_spans(m: RequestMetrics) -> list[tuple[str, float, float]]:
+    """The two phases as (name, start, end) times (time.monotonic()), for a
+    request's span (common/tracing.py); none until the first token was sampled."""
+    if m.first_token_time is None:
+        return []
+    scheduled = m.first_scheduled_time or m.arrival_time
+    return [("queue", m.arrival_time, scheduled), ("compute", scheduled, m.first_token_time)]
+
+
 @dataclass(slots=True)
 class PhaseHistograms:
     queue_s: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))

@@ -1,5 +1,5 @@
-"""The flags (and their PDSERVE_* variables) that both node kinds take, the
-engine's options among them."""
+"""What both node kinds run with: their flags (and PDSERVE_* variables), the
+engine's options among them, read once into a ``NodeConfig``."""
 
 from __future__ import annotations
 
@@ -7,15 +7,17 @@ import argparse
 import logging
 import os
 import socket
+from dataclasses import dataclass
 from typing import Any
 
-from common.cluster.redis_auth import add_redis_auth_arguments
+from common.cluster.redis_auth import add_redis_auth_arguments, redis_options_from_args
 from common.metrics.server import add_metrics_arguments
 from common.runtime.env_switch import env_switch
 from common.runtime.gc_heap import add_gc_arguments
 from common.runtime.progress_log import DEFAULT_INTERVAL_S as DEFAULT_STATS_INTERVAL_S
 from common.runtime.reliability import FAULT_DELAYS_ENV, FaultDelays
-from common.tls import add_tls_arguments
+from common.tls import TLSConfig, add_tls_arguments
+from common.tracing import add_tracing_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +107,63 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
     return out
 
 
+@dataclass(slots=True, frozen=True)
+class NodeConfig:
+    """A node's settings, checked once at start-up (``from_args``), passed
+    instead of the parsed flags."""
+
+    model: str  # the HF model directory
+    host: str  # listen address
+    port: int  # gRPC port
+    advertise_host: str  # the address other processes reach this node at
+    node_id: str | None  # None: derived from the role, host and port
+    redis_url: str
+    redis_options: dict[str, Any]  # credentials and TLS for redis-py (cluster/redis_auth.py)
+    tls: TLSConfig  # every gRPC hop's
+    heartbeat_interval_s: float
+    node_ttl_s: float
+    log_stats_interval_s: float  # 0: no progress lines
+    transfer_timeout_s: float
+    drain_timeout_s: float
+    max_queued_requests: int  # 0: no bound
+    verify_kv: bool
+    enable_reflection: bool
+    metrics_port: int
+    gc_freeze: bool
+    otlp_endpoint: str | None
+    engine: dict[str, Any]  # EngineConfig options (vLLM's names)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> NodeConfig:
+        """From ``add_node_arguments``'s flags; ValueError for what cannot run."""
+        if not args.model:
+            raise ValueError("--model (or PDSERVE_MODEL) is required")
+        if args.max_queued_requests < 0:
+            raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+        return cls(
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            advertise_host=args.advertise_host or default_host(),
+            node_id=args.node_id,
+            redis_url=args.redis_url,
+            redis_options=redis_options_from_args(args),
+            tls=TLSConfig.from_args(args),
+            heartbeat_interval_s=args.heartbeat_interval,
+            node_ttl_s=args.node_ttl,
+            log_stats_interval_s=args.log_stats_interval,
+            transfer_timeout_s=args.transfer_timeout,
+            drain_timeout_s=args.drain_timeout,
+            max_queued_requests=args.max_queued_requests,
+            verify_kv=args.verify_kv,
+            enable_reflection=args.enable_reflection,
+            metrics_port=args.metrics_port,
+            gc_freeze=args.gc_freeze,
+            otlp_endpoint=args.otlp_endpoint,
+            engine=engine_kwargs(args),
+        )
+
+
 def fault_delays(node_id: str) -> FaultDelays:
     """The fault-injection delays (tests/faults only), loudly."""
     faults = FaultDelays.from_env()
@@ -186,6 +245,7 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
         "--enable-reflection", action="store_true", default=env("PDSERVE_REFLECTION") == "1"
     )
     add_metrics_arguments(p)
+    add_tracing_arguments(p)
     add_gc_arguments(p)
     add_tls_arguments(p)
     add_redis_auth_arguments(p)

@@ -4,7 +4,6 @@ cluster (docs/architecture.md, "Shutdown")."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.cluster.redis_auth import check_redis, redis_options_from_args
+from common.cluster.redis_auth import check_redis
 from common.cluster.state import Cluster, NodeInfo, NodeRole
 from common.grpc_server import SERVER_OPTIONS, add_health, add_reflection, set_serving
 from common.metrics.gc import GcCollector
@@ -24,13 +23,13 @@ from common.metrics.histogram import Histogram
 from common.metrics.node import NodeCollector
 from common.metrics.server import serve_metrics
 from common.metrics.steps import StepHistograms
-from common.runtime.config import default_host, engine_kwargs
+from common.runtime.config import NodeConfig
 from common.runtime.gc_heap import GcPauses, freeze_heap
 from common.runtime.heartbeat import Heartbeat
 from common.runtime.ports import PlannedPort, check_free, listen
 from common.runtime.progress_log import log_progress
 from common.runtime.reliability import crash_at_start
-from common.tls import TLSConfig
+from common.tracing import Tracing
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
@@ -50,6 +49,7 @@ class NodeEngine:
     thread: EngineThread
     node_id: str
     advertise_host: str
+    tracing: Tracing  # the node's spans (common/tracing.py)
 
     def info(self, role: NodeRole, port: int, **extra) -> NodeInfo:
         """The node's registration (the heartbeat keeps its load fields current)."""
@@ -68,29 +68,25 @@ class NodeEngine:
 
 
 def start_node_engine(
-    args: argparse.Namespace, role: NodeRole, ports: list[PlannedPort], **overrides
+    node: NodeConfig, role: NodeRole, ports: list[PlannedPort], **overrides
 ) -> NodeEngine:
-    """The start-up sequence both node kinds share: flags that can fail, and
-    ``ports`` already taken, fail before the model loads; then the engine
-    (publishing its cache events for the heartbeat) starts on its own thread."""
-    if not args.model:
-        raise ValueError("--model (or PDSERVE_MODEL) is required")
-    TLSConfig.from_args(args)
-    redis_options_from_args(args)
-    check_free(args.host, ports)
-    crash_at_start(args.node_id or "")
-    config = EngineConfig.from_kwargs(args.model, **(engine_kwargs(args) | overrides))
-    if args.verify_kv and config.tensor_parallel_size > 1:
+    """The start-up sequence both node kinds share: ``ports`` already taken fail
+    before the model loads; then the engine (publishing its cache events for
+    the heartbeat) starts on its own thread."""
+    check_free(node.host, ports)
+    crash_at_start(node.node_id or "")
+    config = EngineConfig.from_kwargs(node.model, **(node.engine | overrides))
+    if node.verify_kv and config.tensor_parallel_size > 1:
         raise ValueError(
             "--verify-kv checks transfers between nodes of tensor-parallel size 1 only; "
             f"this node has --tensor-parallel-size {config.tensor_parallel_size}"
         )
+    node_id = node.node_id or f"{role.value}-{node.advertise_host}-{node.port}"
+    tracing = Tracing(f"pdserve-{role.value}", node.otlp_endpoint, node_id)
     engine = LLMEngine(config)
     engine.enable_cache_events()
-    advertise = args.advertise_host or default_host()
-    node_id = args.node_id or f"{role.value}-{advertise}-{args.port}"
     thread = EngineThread(engine, name=f"engine-{node_id}").start()
-    return NodeEngine(config, engine, thread, node_id, advertise)
+    return NodeEngine(config, engine, thread, node_id, node.advertise_host, tracing)
 
 
 class NodeControlServicer(internal_pb2_grpc.NodeControlServicer):
@@ -106,7 +102,7 @@ class NodeControlServicer(internal_pb2_grpc.NodeControlServicer):
 
 
 async def run_node(
-    args: argparse.Namespace,
+    node: NodeConfig,
     *,
     service: str,
     add_servicer: Callable[[grpc.aio.Server], None],
@@ -124,23 +120,21 @@ async def run_node(
     requests it has finish for up to ``--drain-timeout`` seconds (a second
     signal cuts this short), then leaves Redis and stops its gRPC server.
     """
-    if args.max_queued_requests < 0:
-        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
-    cluster = Cluster.from_url(args.redis_url, redis_options_from_args(args), ttl_s=args.node_ttl)
-    await check_redis(cluster.redis, args.redis_url)  # refused credentials: stop here
+    cluster = Cluster.from_url(node.redis_url, node.redis_options, ttl_s=node.node_ttl_s)
+    await check_redis(cluster.redis, node.redis_url)  # refused credentials: stop here
     steps = StepHistograms()
     # On the engine thread, which owns the engine's step log.
     thread.after_step.append(lambda _outputs: steps.drain(thread.engine.step_log))
     metrics = NodeCollector(info, thread, counters=counters, histograms=histograms, steps=steps)
     gc_pauses = GcPauses()  # installed once serving (below)
-    serve_metrics(args.metrics_port, args.host, [metrics, GcCollector(gc_pauses, metrics.labels)])
+    serve_metrics(node.metrics_port, node.host, [metrics, GcCollector(gc_pauses, metrics.labels)])
     server = grpc.aio.server(options=SERVER_OPTIONS)
     add_servicer(server)
     internal_pb2_grpc.add_NodeControlServicer_to_server(NodeControlServicer(thread), server)
     health = await add_health(server, [service, CONTROL_SERVICE])
-    if args.enable_reflection:
+    if node.enable_reflection:
         add_reflection(server, [service, CONTROL_SERVICE])
-    listen(server, args.host, args.port, "--port", "node gRPC API", TLSConfig.from_args(args))
+    listen(server, node.host, node.port, "--port", "node gRPC API", node.tls)
     # Before the port opens: a SIGTERM once a router can reach us (the first
     # heartbeat registers us) drains and exits 0, never the default's kill.
     stop = asyncio.Event()
@@ -150,21 +144,21 @@ async def run_node(
     await server.start()
 
     heartbeat = Heartbeat(
-        cluster, thread, info, interval_s=args.heartbeat_interval, counters=counters
+        cluster, thread, info, interval_s=node.heartbeat_interval_s, counters=counters
     )
     metrics.heartbeat = heartbeat
     await heartbeat.beat()
     beating = asyncio.create_task(heartbeat.run_forever())
-    progress = asyncio.create_task(log_progress(thread, info.node_id, args.log_stats_interval))
+    progress = asyncio.create_task(log_progress(thread, info.node_id, node.log_stats_interval_s))
     # Start-up is over (model, graphs, servers): what is alive now lives as long
     # as the process, and full collections should stop walking it.
-    if args.gc_freeze:
+    if node.gc_freeze:
         freeze_heap(f"{info.role.value} node {info.node_id}")
     # Timed from here on: start-up's collections (the freeze's own among them)
     # delay no stream, and warning of them would say they did.
     gc_pauses.install()
     await set_serving(health, [service, CONTROL_SERVICE], True)
-    logger.info("%s node %s serving on %s:%d", info.role.value, info.node_id, args.host, args.port)
+    logger.info("%s node %s serving on %s:%d", info.role.value, info.node_id, node.host, node.port)
 
     await stop.wait()
     await set_serving(health, [service, CONTROL_SERVICE], False)
@@ -174,7 +168,7 @@ async def run_node(
     hurry = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, hurry.set)
-    left = await drain(thread, args.drain_timeout, hurry, info.node_id)
+    left = await drain(thread, node.drain_timeout_s, hurry, info.node_id)
     logger.info(
         "%s node %s stopping%s",
         info.role.value,

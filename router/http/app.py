@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.tls import TLSConfig
+from common.tracing import TRACEPARENT_KEY
 from proto import pdserve_pb2
 from router.http.chunks import Assembler
 from router.http.schemas import ChatCompletionRequest, CompletionRequest, InvalidField
@@ -256,7 +257,9 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats, max_model_len: i
 
     async def run(request: Request, body, generate: list, assembler: Assembler):
         timeout = timeout_of(request)
-        streams = [servicer.generate(g, timeout) for g in generate]
+        # The client's W3C trace context: the request's span is its child (common/tracing.py).
+        traceparent = request.headers.get(TRACEPARENT_KEY, "")
+        streams = [servicer.generate(g, timeout, traceparent) for g in generate]
         try:
             # The first message of each before any byte is sent: a refusal
             # (400, 429, 503...) gets its HTTP status, even when streaming.

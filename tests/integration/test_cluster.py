@@ -1,6 +1,7 @@
 """A real cluster on the CPU: 1 router + 2 prefill + 2 decode nodes as separate
 processes, a real redis-server, KV over gloo channels (started the way
-`pdserve up` starts them)."""
+`pdserve up` starts them), every process exporting its spans to an OTLP
+collector of the test's own."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from engine import LLM, SamplingParams
 from engine.block_hash import hash_prompt_blocks
 from pdserve.launcher import ClusterSpec, LocalCluster
 from pdserve.redis_server import free_port
-from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2
+from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from proto.client import agenerate, generate, generate_text
 from tests.conftest import REMOTE_PREFILL_ONLY
+from tests.otlp_collector import Collector
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -46,8 +48,19 @@ PROMPTS = [
 ]
 
 
+# The spans' batches leave every 100 ms (the SDK's default: 5 s).
+SPANS_SOON = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
+
+
 @pytest.fixture(scope="module")
-def cluster(demo_model_dir, tmp_path_factory):
+def collector():
+    with Collector() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def cluster(demo_model_dir, tmp_path_factory, collector):
+    names = ["router", "prefill-0", "prefill-1", "decode-0", "decode-1"]
     spec = ClusterSpec(
         model=str(demo_model_dir),
         num_prefill=2,
@@ -55,11 +68,13 @@ def cluster(demo_model_dir, tmp_path_factory):
         port=free_port(),
         admin_port=free_port(),
         engine_args=["--max-model-len", str(MAX_LEN)],
-        node_args=["--verify-kv", "--heartbeat-interval", "0.2"],
+        node_args=["--verify-kv", "--heartbeat-interval", "0.2"]
+        + ["--otlp-endpoint", collector.endpoint],
         # Always disaggregate: these tests exercise the KV transfer on short
         # prompts, which the default policy would prefill on the decode node
         # (tests/integration/test_routing.py runs the defaults).
-        router_args=REMOTE_PREFILL_ONLY,
+        router_args=[*REMOTE_PREFILL_ONLY, "--otlp-endpoint", collector.endpoint],
+        component_env={name: SPANS_SOON for name in names},
         log_dir=str(tmp_path_factory.mktemp("cluster-logs")),
         start_timeout_s=300,
     )
@@ -344,3 +359,42 @@ def test_final_message_and_request_id_echo(cluster):
         pdserve_pb2.FINISH_REASON_LENGTH,
     )
     assert final.final.usage.time_to_first_token_ms > 0
+
+
+def test_a_request_is_one_trace_across_router_decode_and_prefill_nodes(cluster, collector):
+    """The client's trace context (gRPC metadata) is the router's span's parent;
+    the decode and prefill nodes' spans are the router's children, each with its
+    phases, all of one trace, exported by each process over OTLP."""
+    trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    metadata = (("traceparent", f"00-{trace_id}-{client_span}-01"),)
+    request = pdserve_pb2.GenerateRequest(prompt="Trace me: the tides are", request_id="traced")
+    request.sampling.max_tokens = 4
+    stub = pdserve_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
+    final = list(stub.Generate(request, metadata=metadata, timeout=60))[-1].final
+    assert final.usage.prefill_node  # disaggregated
+
+    def complete(spans) -> bool:
+        names = {s.name for s in spans if s.trace_id == trace_id}
+        return {"request", "decode", "prefill", "kv_wait", "compute"} <= names
+
+    spans = [s for s in collector.wait_for(complete) if s.trace_id == trace_id]
+    by_name = {s.name: s for s in spans}
+    root = by_name["request"]
+    assert root.service == "pdserve-router" and root.parent_id == client_span
+    assert root.attributes["pdserve.status"] == "OK"
+    assert root.attributes["pdserve.prefill_node"] == final.usage.prefill_node
+    decode, prefill = by_name["decode"], by_name["prefill"]
+    assert decode.service == "pdserve-decode" and decode.parent_id == root.span_id
+    assert prefill.service == "pdserve-prefill" and prefill.parent_id == root.span_id
+    assert prefill.attributes["pdserve.kv_bytes"] > 0
+    for child, parent in [
+        ("admission", decode),
+        ("kv_wait", decode),
+        ("first_output", decode),
+        ("queue", prefill),
+        ("compute", prefill),
+    ]:
+        assert by_name[child].parent_id == parent.span_id, child
+    # The decode node's phases follow one another, within the router's span.
+    assert by_name["admission"].end_ns <= by_name["kv_wait"].end_ns <= decode.end_ns
+    assert root.start_ns <= decode.start_ns and decode.end_ns <= root.end_ns + 10**9
