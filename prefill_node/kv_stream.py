@@ -393,33 +393,8 @@ class KVStreamer:
                 per_span = members_of.setdefault(
                     (seg.dest, pair.receiver), [[] for _ in self.spans]
                 )
-                for span, (layer_start, layer_end, per_chunk) in enumerate(self.spans):
-                    # The first token goes to decode rank 0, from rank 0 (which
-                    # sampled it; it holds KV head 0 as that decode rank does).
-                    token = (
-                        seg.sample_row >= 0
-                        and layer_end == self.num_layers
-                        and self.tp_rank == 0
-                        and pair.receiver == 0
-                    )
-                    flags = 0
-                    if token:
-                        flags = FLAG_TOKEN | (FLAG_LOGPROBS if seg.logprobs >= 0 else 0)
-                    header = SegmentHeader(
-                        seg.reservation_id,
-                        seg.block_start,
-                        seg.block_end,
-                        layer_start,
-                        layer_end,
-                        per_chunk,
-                        pair.head_start,
-                        pair.head_end,
-                        self.unit_bytes,
-                        flags=flags,
-                        cached_tokens=seg.cached_tokens if token else 0,
-                        top_logprobs=max(0, seg.logprobs) if token else 0,
-                    )
-                    segment = OutgoingSegment(header, ticket, seg.final)
+                for span, layers in enumerate(self.spans):
+                    segment = OutgoingSegment(self._header(seg, pair, layers), ticket, seg.final)
                     per_span[span].append((segment, idx, seg.sample_row, seg.logprobs))
         groups = []
         due: dict[int, list] = defaultdict(list)
@@ -436,6 +411,35 @@ class KVStreamer:
                 segment, _, row, logprobs = members[i]
                 self.first_tokens.add(group, segment, row, logprobs)
         return groups, due
+
+    def _header(self, seg: StepSegment, pair, layers: tuple[int, int, int]) -> SegmentHeader:
+        """The header of ``seg``'s layer span ``layers`` to ``pair``'s decode rank."""
+        layer_start, layer_end, per_chunk = layers
+        # The first token goes to decode rank 0, from rank 0 (which sampled it;
+        # it holds KV head 0 as that decode rank does), after the last layers.
+        token = (
+            seg.sample_row >= 0
+            and layer_end == self.num_layers
+            and self.tp_rank == 0
+            and pair.receiver == 0
+        )
+        flags = 0
+        if token:
+            flags = FLAG_TOKEN | (FLAG_LOGPROBS if seg.logprobs >= 0 else 0)
+        return SegmentHeader(
+            seg.reservation_id,
+            seg.block_start,
+            seg.block_end,
+            layer_start,
+            layer_end,
+            per_chunk,
+            pair.head_start,
+            pair.head_end,
+            self.unit_bytes,
+            flags=flags,
+            cached_tokens=seg.cached_tokens if token else 0,
+            top_logprobs=max(0, seg.logprobs) if token else 0,
+        )
 
     def _post(self, groups: list) -> None:
         for group in groups:

@@ -38,6 +38,12 @@ class RouterCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.routing.stats
+        yield from self._requests(stats)
+        yield from self._placement(stats)
+        yield from self._reliability(stats)
+
+    def _requests(self, stats) -> Iterator[Metric]:
+        """What the requests were: their ends, latencies and prompt tokens."""
         by_status = dict.fromkeys(STATUSES, 0) | dict(stats.requests_by_status)
         yield labelled_counter(
             "pdserve_router_requests_total",
@@ -87,6 +93,9 @@ class RouterCollector(Collector):
             NO_LABELS,
             stats.cached_tokens,
         )
+
+    def _placement(self, stats) -> Iterator[Metric]:
+        """Where the requests went."""
         routed = CounterMetricFamily(
             "pdserve_router_routed_requests_total",
             "Requests sent to each node, by the role it played.",
@@ -105,6 +114,9 @@ class RouterCollector(Collector):
             NO_LABELS,
             stats.local_prefills,
         )
+
+    def _reliability(self, stats) -> Iterator[Metric]:
+        """What failed, and what the router did about it."""
         yield counter(
             "pdserve_router_retries_total",
             "Extra attempts after a node failed a request before its first token.",

@@ -1,10 +1,10 @@
 """Reading a decode node's stream for the router: a silence watch, and coalescing.
 
-Life of one Decode stream here: a reader task takes the node's messages off the
-call as they come and queues them (a request on a DecodeSession needs no task:
-the session's reader hands its messages straight to that queue, see
-router/node_session.py); the relay takes everything queued at once
-and hands it on as ONE message (``merge``); a watch task wakes once a second
+Life of one request's stream here: the relay reads its first message itself;
+after it the session's reader hands the request's messages straight to the
+relay's queue (``SessionCall.subscribe``, router/node_session.py: no task of
+the relay's in between); the relay takes everything queued at once and hands
+it on as ONE message (``merge``); a watch task wakes once a second
 and, when the stream has been silent that long, asks the node whether it is
 alive (``responsive``), failing the stream with UNAVAILABLE if it does not
 answer (a SIGSTOPped process keeps its connection open, so the transport never
@@ -24,11 +24,8 @@ Why a watch task rather than a timeout on every read: a timed wait per message
 is a task, a timer and a future per token; the watch is one sleeping task per
 stream and a timestamp per message.
 
-The first message is read by the relay itself, and the reader task starts
-after it: through the task it took one more event-loop turn (the reader's
-wake-up, then the relay's) on its way to the client's first token. A stall
-before it is handled the same way: the watch cancels the call, which ends the
-pending read with CancelledError.
+A stall before the first message is handled the same way: the watch cancels
+the call, which ends the pending read with CancelledError.
 """
 
 from __future__ import annotations
@@ -67,7 +64,7 @@ def merge(responses: list[pdserve_pb2.GenerateResponse]) -> pdserve_pb2.Generate
 
 
 async def node_messages(
-    call,
+    call: SessionCall,
     node_id: str,
     responsive: Callable[[], Awaitable[bool]],
     coalesce: Callable[[], bool] = lambda: True,
@@ -76,101 +73,83 @@ async def node_messages(
     """The call's messages, merged while they queue up (when ``coalesce()``).
     Raises grpc.aio.AioRpcError: the call's own, or UNAVAILABLE when the stream
     went silent and the node did not answer ``responsive()``."""
-    loop = asyncio.get_running_loop()
-    queued: deque = deque()
-    arrived = asyncio.Event()
-    last = loop.time()
-    ended = False
-    error: BaseException | None = None
-    stalled = False
-
-    async def read() -> None:
-        nonlocal last, ended, error
-        try:
-            while (message := await call.read()) is not grpc.aio.EOF:
-                queued.append(message)
-                last = loop.time()
-                arrived.set()
-        except BaseException as e:  # the call's failure (or our cancel): the relay raises it
-            error = e
-        finally:
-            ended = True
-            arrived.set()
-
-    def deliver(item) -> None:
-        """A session's item, handed over by its reader (no task of ours in between)."""
-        nonlocal last, ended, error
-        if item is grpc.aio.EOF:
-            ended = True
-        elif isinstance(item, BaseException):
-            error, ended = item, True
-        else:
-            queued.append(item)
-            last = loop.time()
-        arrived.set()
-
-    async def watch() -> None:
-        nonlocal stalled
-        while not ended:
-            quiet = loop.time() - last
-            if quiet < silence_s:
-                await asyncio.sleep(silence_s - quiet)
-                continue
-            if not await responsive():
-                stalled = True
-                call.cancel()
-                if reader is not None:
-                    reader.cancel()
-                elif subscribed:
-                    deliver(grpc.aio.EOF)  # nothing more comes: the relay raises below
-                return
-            await asyncio.sleep(silence_s)
-
-    reader: asyncio.Future | None = None
-    subscribed = False
-    watcher = asyncio.ensure_future(watch())
+    relay = _Relay(call, asyncio.get_running_loop())
+    watcher = asyncio.ensure_future(relay.watch(responsive, silence_s))
     try:
         try:
             first = await call.read()
         except asyncio.CancelledError:
             # The watch cancelled the call (and nobody cancelled us): the node stalled.
-            if stalled and not asyncio.current_task().cancelling():
+            if relay.stalled and not asyncio.current_task().cancelling():
                 raise _stalled(node_id) from None
             raise
         if first is grpc.aio.EOF:
             return
-        last = loop.time()
+        relay.last = relay.loop.time()
         yield first
-        if isinstance(call, SessionCall):
-            # The session's reader hands this request's messages straight over.
-            subscribed = True
-            call.subscribe(deliver)
-        else:
-            reader = asyncio.ensure_future(read())
+        relay.subscribed = True
+        call.subscribe(relay.deliver)  # the session's reader hands the rest over
         while True:
-            if not queued:
-                if ended:
+            if not relay.queued:
+                if relay.ended:
                     break
-                arrived.clear()
-                await arrived.wait()
+                relay.arrived.clear()
+                await relay.arrived.wait()
                 continue
-            if len(queued) == 1 or not coalesce():
-                yield queued.popleft()
+            if len(relay.queued) == 1 or not coalesce():
+                yield relay.queued.popleft()
             else:
-                batch = list(queued)
-                queued.clear()
+                batch = list(relay.queued)
+                relay.queued.clear()
                 yield merge(batch)
-        if stalled:
+        if relay.stalled:
             raise _stalled(node_id)
-        if error is not None:
-            raise error
+        if relay.error is not None:
+            raise relay.error
     finally:
-        tasks = [t for t in (reader, watcher) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        watcher.cancel()
+        with contextlib.suppress(BaseException):
+            await watcher
+
+
+class _Relay:
+    """One stream's queue, as its session's reader fills it, and its silence watch."""
+
+    def __init__(self, call: SessionCall, loop: asyncio.AbstractEventLoop) -> None:
+        self.call = call
+        self.loop = loop
+        self.queued: deque = deque()
+        self.arrived = asyncio.Event()
+        self.last = loop.time()  # when the last message came
+        self.ended = False
+        self.error: BaseException | None = None
+        self.stalled = False
+        self.subscribed = False
+
+    def deliver(self, item) -> None:
+        """A session's item, handed over by its reader (no task in between)."""
+        if item is grpc.aio.EOF:
+            self.ended = True
+        elif isinstance(item, BaseException):
+            self.error, self.ended = item, True
+        else:
+            self.queued.append(item)
+            self.last = self.loop.time()
+        self.arrived.set()
+
+    async def watch(self, responsive, silence_s: float) -> None:
+        while not self.ended:
+            quiet = self.loop.time() - self.last
+            if quiet < silence_s:
+                await asyncio.sleep(silence_s - quiet)
+                continue
+            if not await responsive():
+                self.stalled = True
+                self.call.cancel()
+                if self.subscribed:
+                    self.deliver(grpc.aio.EOF)  # nothing more comes: the relay raises
+                return
+            await asyncio.sleep(silence_s)
 
 
 def _stalled(node_id: str) -> grpc.aio.AioRpcError:

@@ -353,7 +353,6 @@ class _Attempt:
         downstream = self.downstream(command)
         dispatch = self.routing.dispatch(self.routed)
         timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-        trace = self.trace
         call = None
         try:
             session = self.servicer.session(route.decode)
@@ -375,20 +374,7 @@ class _Attempt:
             )
             async with contextlib.aclosing(messages):
                 async for response in messages:
-                    self.received = True
-                    now = time.monotonic()
-                    response.request_id = self.client_id
-                    seam_stop = self.progress.rewrite(response)  # text only: same tokens
-                    new_tokens = self.progress.observe(response)
-                    if new_tokens and trace.first_token is None:
-                        self.routing.inflight.first_token(dispatch)
-                    trace.on_tokens(new_tokens, now)
-                    if response.HasField("final"):
-                        self.usage = response.final.usage
-                        self.reply_timings()
-                        self.usage.time_to_first_token_ms = (
-                            (trace.first_token - trace.start) * 1e3 if trace.first_token else 0.0
-                        )
+                    seam_stop = self.relayed(response, dispatch)
                     yield response
                     if seam_stop:
                         break  # a stop string across a migration's seam ended it
@@ -408,6 +394,24 @@ class _Attempt:
             if reply is not None and not reply.done() and self.status is not grpc.StatusCode.OK:
                 reply.cancel()  # the session cancels it on the node
             self.routing.inflight.finish(dispatch)
+
+    def relayed(self, response: pdserve_pb2.GenerateResponse, dispatch) -> bool:
+        """A node's message made the client's, in place (its id, a migration's
+        seam, the Final's figures); True where a stop string across the seam ends it."""
+        self.received = True
+        now, trace = time.monotonic(), self.trace
+        response.request_id = self.client_id
+        seam_stop = self.progress.rewrite(response)  # text only: same tokens
+        new_tokens = self.progress.observe(response)
+        if new_tokens and trace.first_token is None:
+            self.routing.inflight.first_token(dispatch)
+        trace.on_tokens(new_tokens, now)
+        if response.HasField("final"):
+            self.usage = response.final.usage
+            self.reply_timings()
+            ttft_s = trace.first_token - trace.start if trace.first_token else 0.0
+            self.usage.time_to_first_token_ms = ttft_s * 1e3
+        return seam_stop
 
     def reply_timings(self) -> None:
         """The Prefill's own figures onto the Final, where its reply came by

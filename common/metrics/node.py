@@ -153,6 +153,11 @@ class NodeCollector(Collector):
             int(self.engine.alive),
         )
         yield from self._engine(labels)
+        yield from self._counters(labels)
+        yield from self._histograms(labels)
+        yield from self._heartbeat(labels)
+
+    def _counters(self, labels: dict[str, str]) -> Iterator[Metric]:
         if self.counters is not None:
             values = self.counters()
             for key, value in values.items():
@@ -169,6 +174,8 @@ class NodeCollector(Collector):
                     "stage",
                     stages,
                 )
+
+    def _histograms(self, labels: dict[str, str]) -> Iterator[Metric]:
         if self.histograms is not None:
             for key, hist in self.histograms().items():
                 name, doc = HISTOGRAMS[key]
@@ -189,6 +196,8 @@ class NodeCollector(Collector):
                 "step",
                 self.steps.idle_by_step_kind(),
             )
+
+    def _heartbeat(self, labels: dict[str, str]) -> Iterator[Metric]:
         if self.heartbeat is not None:
             hb = self.heartbeat
             yield counter(

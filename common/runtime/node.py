@@ -122,27 +122,13 @@ async def run_node(
     """
     cluster = Cluster.from_url(node.redis_url, node.redis_options, ttl_s=node.node_ttl_s)
     await check_redis(cluster.redis, node.redis_url)  # refused credentials: stop here
-    steps = StepHistograms()
-    # On the engine thread, which owns the engine's step log.
-    thread.after_step.append(lambda _outputs: steps.drain(thread.engine.step_log))
-    metrics = NodeCollector(info, thread, counters=counters, histograms=histograms, steps=steps)
-    gc_pauses = GcPauses()  # installed once serving (below)
-    serve_metrics(node.metrics_port, node.host, [metrics, GcCollector(gc_pauses, metrics.labels)])
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    add_servicer(server)
-    internal_pb2_grpc.add_NodeControlServicer_to_server(NodeControlServicer(thread), server)
-    health = await add_health(server, [service, CONTROL_SERVICE])
-    if node.enable_reflection:
-        add_reflection(server, [service, CONTROL_SERVICE])
-    listen(server, node.host, node.port, "--port", "node gRPC API", node.tls)
+    metrics, gc_pauses = _serve_metrics(node, info, thread, counters, histograms)
+    services = [service, CONTROL_SERVICE]
+    server, health = await _grpc_server(node, thread, add_servicer, services)
     # Before the port opens: a SIGTERM once a router can reach us (the first
     # heartbeat registers us) drains and exits 0, never the default's kill.
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = _on_signals()
     await server.start()
-
     heartbeat = Heartbeat(
         cluster, thread, info, interval_s=node.heartbeat_interval_s, counters=counters
     )
@@ -157,40 +143,77 @@ async def run_node(
     # Timed from here on: start-up's collections (the freeze's own among them)
     # delay no stream, and warning of them would say they did.
     gc_pauses.install()
-    await set_serving(health, [service, CONTROL_SERVICE], True)
+    await set_serving(health, services, True)
     logger.info("%s node %s serving on %s:%d", info.role.value, info.node_id, node.host, node.port)
-
     await stop.wait()
-    await set_serving(health, [service, CONTROL_SERVICE], False)
-    info.draining = True  # kept by every later heartbeat
-    with contextlib.suppress(Exception):  # Redis down: routers drop us at the TTL
-        await heartbeat.beat()
-    hurry = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, hurry.set)
-    left = await drain(thread, node.drain_timeout_s, hurry, info.node_id)
-    logger.info(
-        "%s node %s stopping%s",
-        info.role.value,
-        info.node_id,
-        f" with {left} requests unfinished" if left else "",
-    )
+    await set_serving(health, services, False)
+    await _drain(node, info, thread, heartbeat)
     # From here on, stopping must not hang whatever a peer or a stream does.
     watchdog = threading.Timer(SHUTDOWN_LIMIT_S, _give_up, args=(info.node_id,))
     watchdog.daemon = True
     watchdog.start()
-    beating.cancel()
     progress.cancel()
-    await asyncio.wait({beating}, timeout=5)
-    await heartbeat.deregister()
-    # Grace for the last messages of finished streams; then cancel the rest.
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(server.stop(grace=2), timeout=10)
+    await _leave(beating, heartbeat, server)
     await close()
     thread.stop()
     await cluster.close()
     watchdog.cancel()
     return 0
+
+
+async def _leave(beating: asyncio.Task, heartbeat: Heartbeat, server: grpc.aio.Server) -> None:
+    """Out of Redis, then the gRPC server stopped."""
+    beating.cancel()
+    await asyncio.wait({beating}, timeout=5)
+    await heartbeat.deregister()
+    # Grace for the last messages of finished streams; then cancel the rest.
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(server.stop(grace=2), timeout=10)
+
+
+def _serve_metrics(node: NodeConfig, info: NodeInfo, thread: EngineThread, counters, histograms):
+    """/metrics on ``--metrics-port``: the node's collector (its heartbeat set
+    later) and the GC pauses' (installed once serving)."""
+    steps = StepHistograms()
+    # On the engine thread, which owns the engine's step log.
+    thread.after_step.append(lambda _outputs: steps.drain(thread.engine.step_log))
+    metrics = NodeCollector(info, thread, counters=counters, histograms=histograms, steps=steps)
+    gc_pauses = GcPauses()
+    serve_metrics(node.metrics_port, node.host, [metrics, GcCollector(gc_pauses, metrics.labels)])
+    return metrics, gc_pauses
+
+
+async def _grpc_server(node: NodeConfig, thread: EngineThread, add_servicer, services):
+    """The node's gRPC server (not started), with health NOT_SERVING until told."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    add_servicer(server)
+    internal_pb2_grpc.add_NodeControlServicer_to_server(NodeControlServicer(thread), server)
+    health = await add_health(server, services)
+    if node.enable_reflection:
+        add_reflection(server, services)
+    listen(server, node.host, node.port, "--port", "node gRPC API", node.tls)
+    return server, health
+
+
+def _on_signals() -> asyncio.Event:
+    """An event SIGINT and SIGTERM set (instead of killing the process)."""
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, event.set)
+    return event
+
+
+async def _drain(node: NodeConfig, info: NodeInfo, thread: EngineThread, heartbeat) -> None:
+    """Publish ``draining`` and let the requests the node owes finish, for up to
+    ``--drain-timeout`` (a second signal cuts it short)."""
+    info.draining = True  # kept by every later heartbeat
+    with contextlib.suppress(Exception):  # Redis down: routers drop us at the TTL
+        await heartbeat.beat()
+    hurry = _on_signals()
+    left = await drain(thread, node.drain_timeout_s, hurry, info.node_id)
+    unfinished = f" with {left} requests unfinished" if left else ""
+    logger.info("%s node %s stopping%s", info.role.value, info.node_id, unfinished)
 
 
 # After the drain, the rest of a shutdown gets this long before the process exits anyway.

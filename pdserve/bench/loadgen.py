@@ -64,6 +64,46 @@ class RunResult:
     gc_longest_pause_ms: float = 0.0
 
 
+class _Conversations:
+    """Sends a rate's requests and follows their conversations (multi-turn:
+    each turn after the first goes once the reply before it came)."""
+
+    def __init__(self, backend: Backend, dataset: Dataset, sem, on_done) -> None:
+        self.backend = backend
+        self.workload = dataset.multi_turn
+        self.sem = sem
+        self.on_done = on_done
+        self.results: list[RequestResult] = []
+        self.lags: list[float] = []  # how late each scheduled send left, s
+
+    async def one(self, req: BenchRequest, due: float | None) -> RequestResult:
+        if self.sem is not None:
+            async with self.sem:
+                r = await self.backend.send(req)
+        else:
+            r = await self.backend.send(req)
+        if due is not None:
+            self.lags.append(r.start_s - due)
+        self.results.append(r)
+        if self.on_done is not None:
+            self.on_done(r)
+        return r
+
+    async def conversation(self, first: BenchRequest, due: float | None) -> None:
+        req: BenchRequest | None = first
+        while req is not None:
+            r = await self.one(req, due)
+            due = None  # only a conversation's first turn has a schedule
+            if not r.success or self.workload is None:
+                return
+            if not r.output_ids:
+                # A failure, counted: the next turn needs the reply's token ids.
+                r.success = False
+                r.error = "multi-turn needs the reply's token ids (server gave none)"
+                return
+            req = self.workload.next_turn(req, r.output_ids)
+
+
 async def run_rate(
     backend: Backend,
     dataset: Dataset,
@@ -74,37 +114,7 @@ async def run_rate(
     on_done: Callable[[RequestResult], None] | None = None,
 ) -> RunResult:
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    results: list[RequestResult] = []
-    lags: list[float] = []
-    workload = dataset.multi_turn
-
-    async def one(req: BenchRequest, due: float | None) -> RequestResult:
-        if sem is not None:
-            async with sem:
-                r = await backend.send(req)
-        else:
-            r = await backend.send(req)
-        if due is not None:
-            lags.append(r.start_s - due)
-        results.append(r)
-        if on_done is not None:
-            on_done(r)
-        return r
-
-    async def conversation(first: BenchRequest, due: float) -> None:
-        req: BenchRequest | None = first
-        while req is not None:
-            r = await one(req, due)
-            due = None  # only a conversation's first turn has a schedule
-            if not r.success or workload is None:
-                return
-            if not r.output_ids:
-                # A failure, counted: the next turn needs the reply's token ids.
-                r.success = False
-                r.error = "multi-turn needs the reply's token ids (server gave none)"
-                return
-            req = workload.next_turn(req, r.output_ids)
-
+    sent = _Conversations(backend, dataset, sem, on_done)
     tasks = []
     gaps = arrival_gaps(rate, burstiness, seed)
     gc.unfreeze()  # an earlier rate's frozen results are garbage now: freed here, off the clock
@@ -118,15 +128,16 @@ async def run_rate(
             now = time.perf_counter()
             if due > now:
                 await asyncio.sleep(due - now)
-            tasks.append(asyncio.create_task(conversation(req, due if sem is None else None)))
+            tasks.append(asyncio.create_task(sent.conversation(req, due if sem is None else None)))
             due += next(gaps)
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     finally:
         pauses.uninstall()
         gc.unfreeze()
+    lags = sent.lags
     return RunResult(
-        results=results,
+        results=sent.results,
         duration_s=duration,
         send_lag_mean_ms=1e3 * sum(lags) / len(lags) if lags else 0.0,
         send_lag_max_ms=1e3 * max(lags, default=0.0),

@@ -2,8 +2,10 @@
 
 engine <- common <- {prefill_node, decode_node, router} <- pdserve, with proto
 at the bottom beside engine: nothing imports upward or sideways, type-only
-imports included; no two modules import each other, directly or in a circle;
-no source file is longer than the limit.
+imports included; no two modules import each other, directly or in a circle.
+Sizes follow seams: no function is longer than MAX_FUNCTION_LINES (a longer one
+is split into named steps, not into files; the few exceptions are listed below
+with their reason), and no file longer than MAX_FILE_LINES.
 """
 
 from __future__ import annotations
@@ -25,7 +27,33 @@ ALLOWED = {
     "router": {"engine", "common", "proto"},
     "pdserve": {"engine", "common", "proto", "prefill_node", "decode_node", "router"},
 }
-MAX_LINES = 450
+MAX_FILE_LINES = 800
+MAX_FUNCTION_LINES = 60
+# Functions allowed past MAX_FUNCTION_LINES, by module:qualified name, and why.
+LONG_FUNCTIONS = {
+    "engine.layers.attention.triton_prefill_split:_prefill_split_kernel": (
+        "one Triton program: its loop carries registers a helper call cannot"
+    ),
+    "engine.layers.attention.triton_prefill_split:_prefill_merge_kernel": (
+        "one Triton program: its loop carries registers a helper call cannot"
+    ),
+    "engine.layers.attention.triton_decode:_decode_split_kernel": (
+        "one Triton program: its loop carries registers a helper call cannot"
+    ),
+    "engine.layers.attention.triton_kernels:_prefill_kernel": (
+        "one Triton program: its loop carries registers a helper call cannot"
+    ),
+    "engine.layers.fused_kernels:_rope_qk_kernel": (
+        "one Triton program: q and k rotated and stored in one launch"
+    ),
+    "engine.layers.skinny_gemm_kernels:_skinny_gemm_kernel": (
+        "one Triton program: its loop carries registers a helper call cannot"
+    ),
+    "pdserve.cli:build_parser": "a flat list of subcommands and their flags",
+    "router.main:add_arguments": "a flat list of flag declarations",
+    "common.runtime.config:add_node_arguments": "a flat list of flag declarations",
+    "pdserve.bench.cli:add_serve_arguments": "a flat list of flag declarations",
+}
 
 
 def _source_files() -> list[Path]:
@@ -127,7 +155,9 @@ def test_no_import_cycles():
 
 
 def test_the_checker_sees_what_it_checks():
-    # The rules above mean something only if the graph is read right.
+    # The rules above mean something only if the graph and the functions are read right.
+    assert FUNCTIONS["common.runtime.node:run_node"] > 20
+    assert "router.service:RouterServicer.generate" in FUNCTIONS
     assert "engine.llm_engine" in GRAPH["engine.engine_thread"]
     assert "engine.layers.attention" in GRAPH["engine.model_runner"]
     assert "common.cluster.state" in GRAPH["router.routing"]
@@ -155,6 +185,40 @@ def test_no_source_file_is_too_long():
     long = sorted(
         f"{p.relative_to(REPO)}: {n} lines"
         for p in _source_files() + extra
-        if (n := len(p.read_text().splitlines())) > MAX_LINES
+        if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
     )
     assert not long, "\n".join(long)
+
+
+def _functions(path: Path):
+    """(qualified name, lines) of every function and method in a file."""
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                name = f"{prefix}{child.name}"
+                yield name, child.end_lineno - child.lineno + 1
+                yield from visit(child, f"{name}.")
+            elif isinstance(child, ast.ClassDef):
+                yield from visit(child, f"{prefix}{child.name}.")
+
+    yield from visit(ast.parse(path.read_text(), str(path)), "")
+
+
+FUNCTIONS = {
+    f"{_module_name(p)}:{name}": lines for p in _source_files() for name, lines in _functions(p)
+}
+
+
+def test_no_function_is_too_long():
+    long = sorted(
+        f"{name}: {lines} lines"
+        for name, lines in FUNCTIONS.items()
+        if lines > MAX_FUNCTION_LINES and name not in LONG_FUNCTIONS
+    )
+    assert not long, "split into named steps:\n" + "\n".join(long)
+
+
+def test_every_listed_exception_still_needs_to_be_one():
+    stale = sorted(name for name in LONG_FUNCTIONS if FUNCTIONS.get(name, 0) <= MAX_FUNCTION_LINES)
+    assert not stale, f"no longer long (or gone): take them off LONG_FUNCTIONS: {stale}"

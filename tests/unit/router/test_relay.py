@@ -6,6 +6,7 @@ fails UNAVAILABLE; the call's own error passes through."""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 import grpc
 import pytest
@@ -42,25 +43,44 @@ def test_merge_keeps_order_per_index_and_takes_the_last_final():
 
 
 class FakeCall:
-    """The read side of a grpc.aio stream, fed by the test. As a grpc.aio call
-    does, cancel() ends a pending read with CancelledError."""
+    """A request on a session (router/node_session.py's SessionCall), fed by the
+    test: read() gives what came before ``subscribe``, the sink what comes
+    after; cancel() ends a pending read with CancelledError."""
 
     def __init__(self) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.items: deque = deque()
+        self.waiter: asyncio.Future | None = None
+        self.sink = None
         self.cancelled = False
 
+    def put(self, item) -> None:
+        if self.sink is not None:
+            self.sink(item)
+            return
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
     async def read(self):
-        if self.cancelled:
-            raise asyncio.CancelledError()
-        item = await self.queue.get()
+        while not self.items:
+            if self.cancelled:
+                raise asyncio.CancelledError()
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        item = self.items.popleft()
         if isinstance(item, BaseException):
             raise item
         return item
 
+    def subscribe(self, sink) -> None:
+        self.sink = sink
+        while self.items:
+            sink(self.items.popleft())
+
     def cancel(self) -> None:
-        if not self.cancelled:
-            self.cancelled = True
-            self.queue.put_nowait(asyncio.CancelledError())
+        self.cancelled = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.cancel()
 
 
 async def alive() -> bool:
@@ -73,19 +93,19 @@ def test_alone_while_keeping_up_merged_when_behind_apart_when_asked():
         coalesce = [True]
         got = []
         stream = node_messages(call, "d0", alive, coalesce=lambda: coalesce[0])
-        call.queue.put_nowait(message([1], "a"))
+        call.put(message([1], "a"))
         got.append(await stream.__anext__())  # one queued: it leaves alone
         for t in (2, 3, 4):
-            call.queue.put_nowait(message([t], str(t)))
-        await asyncio.sleep(0.01)  # the reader queues all three meanwhile
+            call.put(message([t], str(t)))
+        await asyncio.sleep(0.01)  # the session queued all three meanwhile
         got.append(await stream.__anext__())
         coalesce[0] = False
         for t in (5, 6):
-            call.queue.put_nowait(message([t], str(t)))
+            call.put(message([t], str(t)))
         await asyncio.sleep(0.01)
         got.append(await stream.__anext__())
         got.append(await stream.__anext__())
-        call.queue.put_nowait(grpc.aio.EOF)
+        call.put(grpc.aio.EOF)
         rest = [m async for m in stream]
         return got, rest
 
@@ -123,8 +143,8 @@ def test_a_silent_stream_on_a_live_node_keeps_waiting():
 
         async def later():
             await asyncio.sleep(0.2)
-            call.queue.put_nowait(message([9], "z", final=True))
-            call.queue.put_nowait(grpc.aio.EOF)
+            call.put(message([9], "z", final=True))
+            call.put(grpc.aio.EOF)
 
         feeder = asyncio.ensure_future(later())
         out = [m async for m in node_messages(call, "d1", live, silence_s=0.05)]
@@ -142,8 +162,8 @@ def test_the_calls_own_error_passes_through():
         boom = grpc.aio.AioRpcError(
             grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), details="boom"
         )
-        call.queue.put_nowait(message([1], "a"))
-        call.queue.put_nowait(boom)
+        call.put(message([1], "a"))
+        call.put(boom)
         seen = []
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for m in node_messages(call, "d2", alive):
@@ -162,7 +182,7 @@ def test_a_node_that_stalls_after_its_first_message_fails_unavailable():
         async def dead() -> bool:
             return False
 
-        call.queue.put_nowait(message([1], "a"))
+        call.put(message([1], "a"))
         seen = []
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for m in node_messages(call, "d8", dead, silence_s=0.05):
