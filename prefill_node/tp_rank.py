@@ -24,8 +24,7 @@ from __future__ import annotations
 from common.kv_transfer.sender import KVSender
 from common.kv_transfer.ticket import Destination
 from common.runtime.reliability import FaultDelays
-from prefill_node.kv_plan import StepSegment
-from prefill_node.kv_stream import KVStreamer
+from prefill_node.kv_stream import KVStreamer, StepSegment
 
 
 class PrefillRank:

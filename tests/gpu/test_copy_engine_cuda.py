@@ -19,8 +19,7 @@ from common.kv_transfer.ticket import Destination
 from engine import kv_blocks
 from engine.copy_engine import CopyEngine
 from engine.kv_blocks import MAX_COPY_RUNS, _copy_runs, block_runs, cache_copier, gather_blocks
-from prefill_node.kv_plan import StepSegment
-from prefill_node.kv_stream import KVStreamer
+from prefill_node.kv_stream import KVStreamer, StepSegment
 
 pytestmark = pytest.mark.gpu
 

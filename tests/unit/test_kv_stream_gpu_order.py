@@ -21,8 +21,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from prefill_node.destinations import WAIT_S, PendingDestination
-from prefill_node.kv_plan import StepSegment
-from prefill_node.kv_stream import KVStreamer
+from prefill_node.kv_stream import KVStreamer, StepSegment
 from proto import internal_pb2
 
 NUM_LAYERS = 6

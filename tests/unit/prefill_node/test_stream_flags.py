@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from common.kv_transfer.protocol import MAX_GROUP
-from prefill_node.kv_plan import layer_spans
+from prefill_node.kv_stream import layer_spans
 from prefill_node.main import add_arguments, check_group_room
 
 
