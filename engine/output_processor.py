@@ -8,8 +8,13 @@ Stop conditions, in vLLM's order and with its semantics:
   ``include_stop_str_in_output``;
 - a stop string completed by the new text: finish "stop", text cut before it
   (or after it with ``include_stop_str_in_output``);
+- a structured output's grammar that accepted its end (a stop token, which its
+  bitmask allows only once the grammar is complete): finish "stop", even with
+  ``ignore_eos``;
 - ``max_tokens`` generated or ``max_model_len`` reached: finish "length".
-A finished sequence frees its KV blocks at once.
+A token the grammar rejects (another constraint conflicted with it) ends the
+sequence with "abort" and the request's ``error``. A finished sequence frees
+its KV blocks and its grammar matcher at once.
 """
 
 from __future__ import annotations

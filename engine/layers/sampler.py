@@ -149,8 +149,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: GrammarBitmask) -> None:
         bits = bits.to(dev, non_blocking=True)
     vocab = logits.shape[1]
     as_bytes = bits.contiguous().view(torch.uint8)  # [k, 4 * words]
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=dev)
-    allowed = (as_bytes.unsqueeze(-1) & weights) != 0  # [k, 4 * words, 8]
+    # Made on the device: a host list copied there would wait for the stream.
+    shifts = torch.arange(8, dtype=torch.uint8, device=dev)
+    allowed = ((as_bytes.unsqueeze(-1) >> shifts) & 1).bool()  # [k, 4 * words, 8]
     allowed = allowed.view(len(bitmask.rows), -1)[:, :vocab]
     if len(bitmask.rows) == logits.shape[0] and bitmask.rows == list(range(logits.shape[0])):
         logits.masked_fill_(~allowed, float("-inf"))
