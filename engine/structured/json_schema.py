@@ -20,7 +20,8 @@ from typing import Any
 from engine.structured.checks import check_regex
 
 JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
-# The string formats xgrammar enforces; others it would ignore.
+# The string formats xgrammar enforces; others it would ignore. (Its ipv4
+# admits octets with leading zeros, which strict validators refuse.)
 STRING_FORMATS = frozenset(
     {
         "email",
