@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.layers.sampler import SamplingRow
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 
 
 class SamplingRows:
@@ -21,11 +21,20 @@ class SamplingRows:
         self._rows: dict[int, SamplingRow] = {}
         self._generators: dict[int, torch.Generator] = {}
 
+    def __len__(self) -> int:
+        """Sequences with a row kept (none at idle)."""
+        return len(self._rows)
+
     def get(self, seq: Sequence) -> SamplingRow:
         row = self._rows.get(seq.seq_id)
         if row is not None:
             return row
         p = seq.params
+        if seq.status is SequenceStatus.FINISHED:
+            # It ended on the step read just before this one sampled (a
+            # structured step's deferred sampling): its token is dropped. The
+            # row is not kept and has no generator: nothing outlives it.
+            return SamplingRow(p, seq.token_ids, seq.num_prompt_tokens, None, [])
         stop_ids: list[int] = []
         if p.min_tokens > 0:
             if not p.ignore_eos:

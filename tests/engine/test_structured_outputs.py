@@ -153,6 +153,7 @@ def _check_json(text: str, schema) -> None:
 def _idle(llm) -> None:
     assert_idle(llm)
     assert llm.llm_engine.num_grammar_matchers == 0
+    assert len(llm.llm_engine.model_runner.sampling_rows) == 0
 
 
 def test_json_schemas_greedy_and_seeded(llm):
