@@ -71,6 +71,11 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
             return future
 
+    def warm_up(self) -> Future:
+        """Import xgrammar and index the tokenizer on the pool now, not at the
+        first structured request."""
+        return self._pool.submit(self._xgr_compiler)
+
     def cached(self, so: StructuredOutputsParams) -> bool:
         with self._lock:
             return (self.tokenizer_key, so.key()) in self._cache

@@ -68,6 +68,13 @@ class StructuredOutputs:
             )
         return self.manager
 
+    def warm_up(self) -> None:
+        """A node that serves structured outputs calls this at start: xgrammar's
+        import and the tokenizer's index, not small, happen in the background
+        then, not in the first such request's wait."""
+        if self.tokenizer is not None:
+            self._manager().compiler.warm_up()
+
     # ------------------------------------------------------------ requests
     def add(self, req: Request) -> None:
         """Start compiling a new request's grammar (its sequences wait for it)."""

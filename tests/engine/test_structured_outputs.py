@@ -142,7 +142,9 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def llm(demo_model_dir):
-    return LLM(str(demo_model_dir), max_model_len=512, device="cpu", max_num_seqs=80)
+    llm = LLM(str(demo_model_dir), max_model_len=512, device="cpu", max_num_seqs=80)
+    llm.llm_engine.structured.warm_up()  # xgrammar imported while the first test builds
+    return llm
 
 
 def _check_json(text: str, schema) -> None:
