@@ -18,14 +18,29 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine.llm import LLM
     from engine.outputs import CompletionOutput, RequestOutput
-    from engine.sampling_params import RequestOutputKind, SamplingParams
+    from engine.sampling_params import (
+        GuidedDecodingParams,
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "RequestOutputKind", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "GuidedDecodingParams",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 _LAZY = {
     "LLM": "engine.llm",
     "SamplingParams": "engine.sampling_params",
     "RequestOutputKind": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.sampling_params",
+    "GuidedDecodingParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
 }

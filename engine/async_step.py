@@ -38,7 +38,24 @@ from engine.scheduler import ScheduledBatch
 from engine.sequence import PLACEHOLDER, Sequence
 from engine.step_inputs import HostInputs
 
-__all__ = ["PLACEHOLDER", "InFlightStep", "StepLog", "StepRecord", "patch_indices"]
+__all__ = ["PLACEHOLDER", "ForwardedStep", "InFlightStep", "StepLog", "StepRecord", "patch_indices"]
+
+
+@dataclass(slots=True)
+class ForwardedStep:
+    """A step whose forward (and sampled rows' logits) is enqueued on the device
+    but whose sampling is not (``ModelRunner.forward_step``). Structured outputs
+    under async scheduling stop here while the host reads the step before and
+    fills the grammar bitmasks from its tokens."""
+
+    batch: ScheduledBatch
+    sampling: list[int]  # batch rows that sample, in sample order
+    logits: torch.Tensor | None  # [len(sampling), vocab], on the device
+    prompt_logprobs: list[list[PromptTokenLogprob] | None] | None
+    non_blocking: bool
+    began: torch.cuda.Event | None
+    prev: InFlightStep | None
+    observed: bool  # a KV-write observer saw the step (it is told of the samples)
 
 
 @dataclass(slots=True)

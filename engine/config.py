@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.layers.specs import AttentionBackendName, GemvBackend
 from engine.models.config import ModelArchConfig
+from engine.structured.config import StructuredOutputsConfig
 from engine.tp_layout import check_tensor_parallel_size
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,11 @@ class EngineConfig:
     # rank but rank 0 instantiates with its ModelRunner; rank 0 reaches it with
     # LLMEngine.call_workers (a node's KV transfer runs on every rank this way).
     worker_extension_cls: str | None = None
+    # vLLM's: structured outputs' backend and options ({"backend": "xgrammar"};
+    # engine/structured/config.py); guided_decoding_backend is vLLM's older
+    # name for the backend.
+    structured_outputs_config: StructuredOutputsConfig | dict | None = None
+    guided_decoding_backend: str | None = None
     # Derived in __post_init__.
     model_config: ModelArchConfig = field(init=False, repr=False)
 
@@ -155,6 +161,10 @@ class EngineConfig:
             "attention_backend", self.attention_backend, AttentionBackendName
         )
         self.gemv_backend = _parse_enum("gemv_backend", self.gemv_backend, GemvBackend)
+        self.structured_outputs_config = StructuredOutputsConfig.parse(
+            self.structured_outputs_config, self.guided_decoding_backend
+        )
+        self.guided_decoding_backend = None  # folded into structured_outputs_config
         if self.worker_extension_cls is not None and not _EXTENSION_NAME.fullmatch(
             str(self.worker_extension_cls)
         ):
@@ -253,6 +263,7 @@ class EngineConfig:
             name: (v.value if isinstance(v := getattr(self, name), enum.Enum) else v)
             for name in self.field_names()
         }
+        plain["structured_outputs_config"] = self.structured_outputs_config.to_dict()
         return json.dumps(plain)
 
     @classmethod

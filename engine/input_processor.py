@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, stop_holdback
 from engine.sampling_params import SamplingParams
 from engine.sequence import Request, Sequence
+from engine.structured import validate as validate_structured_outputs
 
 # A prompt: "text", [token ids], {"prompt": text}, or {"prompt_token_ids": [...]};
 # dicts may also carry "cache_salt" (tenant isolation of the prefix cache).
@@ -194,6 +195,10 @@ class InputProcessor:
                 )
         if self.tokenizer is None and p.stop_strings:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True)")
+        if p.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need a tokenizer (skip_tokenizer_init=True)")
+            validate_structured_outputs(p.structured_outputs)
         if p.stop_strings and not p.detokenize:
             raise ValueError("stop strings need detokenize=True")
 

@@ -41,8 +41,16 @@ from engine.outputs import RequestOutput
 from engine.parallel.handoff import Call
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus, TokenLogprobs
+from engine.sequence import (
+    PLACEHOLDER,
+    FinishReason,
+    Request,
+    Sequence,
+    SequenceStatus,
+    TokenLogprobs,
+)
 from engine.step_clock import StepClock, StepKind
+from engine.structured.scheduling import StructuredOutputs
 from engine.tokenizer import load_tokenizer
 from engine.tp_workers import TPWorkers
 
@@ -100,8 +108,16 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.input_processor = InputProcessor(config, self.tokenizer, self.eos_token_ids, tok_info)
+        on_cuda = self.model_runner.device.type == "cuda"
+        # Grammars, matchers and bitmasks (engine/structured/).
+        self.structured = StructuredOutputs(config, self.tokenizer, self.eos_token_ids, on_cuda)
         self.output_processor = OutputProcessor(
-            self.scheduler, self.model_runner, tok_info, self.eos_token_ids, config.max_model_len
+            self.scheduler,
+            self.model_runner,
+            tok_info,
+            self.eos_token_ids,
+            config.max_model_len,
+            self.structured,
         )
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
@@ -115,7 +131,7 @@ class LLMEngine:
         self._penalised: set[str] = set()
         # Async scheduling: the launched step whose samples the host has not read.
         self._in_flight: InFlightStep | None = None
-        asked, on_cuda = config.async_scheduling, self.model_runner.device.type == "cuda"
+        asked = config.async_scheduling
         self.async_scheduling = on_cuda if asked is None else asked
         # Late launch: when to build the next step (None: as soon as possible).
         self.step_clock = StepClock() if self.async_scheduling and config.late_launch else None
@@ -144,6 +160,7 @@ class LLMEngine:
             self._penalised.add(request_id)
         for seq in req.seqs:
             self.scheduler.add(seq)
+        self.structured.add(req)  # its sequences wait for their grammar
 
     def reserve_request(
         self,
@@ -170,6 +187,7 @@ class LLMEngine:
         self.requests[request_id] = req
         if req.params.needs_penalties:
             self._penalised.add(request_id)
+        self.structured.add(req)  # compiles while the prompt is prefilled elsewhere
         bs = self.config.kvcache_block_size
         return Reservation(
             request_id=request_id,
@@ -187,7 +205,9 @@ class LLMEngine:
     ) -> None:
         """Decode node: the reserved prompt's KV has landed and the prefill node
         sampled ``first_token``; the request joins the running batch (its first
-        output comes from ``take_outputs``)."""
+        output comes from ``take_outputs``). A structured request's matcher
+        accepts ``first_token`` (when its grammar is still compiling, it replays
+        it on start) before the request's first step here."""
         req = self.requests.get(request_id)
         if req is None or req.seqs[0].status is not SequenceStatus.RESERVED:
             raise KeyError(f"request {request_id!r} has no reservation")
@@ -243,6 +263,7 @@ class LLMEngine:
                     seq.token_ids.pop()  # its token was never read: not part of the output
                 self.scheduler.abort([seq])
                 self.model_runner.release(seq)
+                self.structured.release(seq)
             req.aborted = True
             req.finished_time = time.monotonic()
             self._aborted.append(req)
@@ -262,50 +283,6 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    # ------------------------------------------- what the service nodes ask
-    def queue_room(self) -> tuple[int, int]:
-        """(requests waiting, free sequence slots): what a node's queue bound needs."""
-        return len(self.scheduler.waiting), self.scheduler.num_free_slots
-
-    def observe_kv_writes(self, observer: KVWriteObserver | None) -> None:
-        """Prefill node: be told when each layer's KV is written (None: stop).
-        With tensor parallelism this is rank 0's; the others install their own
-        through their worker extension."""
-        self.model_runner.kv_observer = observer
-
-    def call_workers(self, method: str, payload: dict) -> None:
-        """``method(payload)`` on the worker extension of every rank but this one
-        (``worker_extension_cls``), before the next step; a no-op without tensor
-        parallelism. Engine thread only. ``payload`` travels as JSON."""
-        if self.tp_workers is None:
-            return
-        if not self.config.worker_extension_cls:
-            raise ValueError("call_workers needs worker_extension_cls in the engine's config")
-        call = Call(method, json.dumps(payload, separators=(",", ":")).encode())
-        try:
-            self.model_runner.handoff.call(call)
-        except Exception as e:
-            self._raise_if_a_rank_died(e)
-            raise
-
-    def num_held(self) -> int:
-        """Prefill node: finished requests whose blocks wait for their transfer."""
-        return len(self.scheduler.held)
-
-    def enable_cache_events(self) -> None:
-        """Record the block hashes the prefix cache stores and evicts (for Redis)."""
-        self.block_manager.enable_events()
-
-    def take_cache_events(self) -> CacheEvents:
-        """The prefix cache's changes since the last take."""
-        return self.block_manager.take_events()
-
-    def cached_block_hashes(self) -> list[bytes]:
-        """Every block hash the prefix cache holds now; the events so far are
-        superseded by this snapshot (a node republishing after a Redis outage)."""
-        self.block_manager.take_events()
-        return self.block_manager.cached_hashes()
-
     # ---------------------------------------------------------------- step
     def take_outputs(self) -> list[RequestOutput]:
         """Outputs of requests changed between steps (aborted; committed remote
@@ -318,6 +295,7 @@ class LLMEngine:
         return outputs
 
     def step(self) -> list[RequestOutput]:
+        self._fail_grammars()  # and start the matchers of compiled ones
         outputs = self.take_outputs()  # now, not after another forward pass
         prev, self._in_flight = self._in_flight, None
         if outputs or not (self.scheduler.has_unfinished() or prev):
@@ -342,13 +320,16 @@ class LLMEngine:
                 return outputs  # the next step schedules what this one's tokens allow
             prev = None
         if not batch.seqs:
-            if batch.preempted:
-                return outputs  # memory was reclaimed; the next step admits again
+            if batch.preempted or self.structured.idle_wait():
+                return outputs  # memory was reclaimed, or grammars compile
             raise RuntimeError("the scheduler could not schedule any pending sequence")
         # The launch's host time leaves out a wait for `prev` above (penalties).
         began = time.monotonic() - scheduled_s
         try:
-            step = self.model_runner.launch(batch, prev, non_blocking=self.async_scheduling)
+            # A structured row whose grammar needs prev's token reads prev first.
+            step, read = self.structured.launch(
+                self.model_runner, batch, prev, self.async_scheduling, self._finish_step
+            )
         except Exception as e:
             self._raise_if_a_rank_died(e)
             raise
@@ -357,7 +338,9 @@ class LLMEngine:
             kind = StepKind.of(batch.num_tokens, len(batch.seqs))
             self.step_clock.launched(kind, began, time.monotonic(), prev is None or prev.done())
         # The device runs `step` while the host reads and processes `prev`.
-        if prev is not None:
+        if read is not None:
+            outputs.extend(read)
+        elif prev is not None:
             outputs.extend(self._finish_step(prev))
         step.add_placeholders(self.scheduler.advance(batch))
         if self.async_scheduling:
@@ -376,9 +359,24 @@ class LLMEngine:
         prompt_rows = bool(self.scheduler.waiting) or prev.batch.num_tokens > len(prev.batch.seqs)
         return self.step_clock.wait(time.monotonic(), prompt_rows)
 
-    def _raise_if_a_rank_died(self, error: Exception) -> None:
-        if self.tp_workers is not None:
-            self.tp_workers.raise_if_dead(error)
+    def _fail_grammars(self) -> None:
+        """End the requests whose grammar failed to compile (or in time): finish
+        reason "abort", the reason in their output's ``error``."""
+        for seq, error in self.structured.poll():
+            req = self.requests.get(seq.request_id)
+            self.scheduler.finish(seq, FinishReason.ABORT)
+            self.model_runner.release(seq)
+            self.structured.release(seq)
+            if req is not None:
+                req.error = error
+                if req.finished and req.finished_time is None:
+                    req.finished_time = time.monotonic()
+                self._touched.add(seq.request_id)
+
+    @property
+    def num_grammar_matchers(self) -> int:
+        """Sequences holding grammar state (compiling or matching): 0 at idle."""
+        return self.structured.num_matchers
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks (a no-op without them); the engine is
@@ -447,3 +445,51 @@ class LLMEngine:
         return collect_stats(
             self.scheduler, self.block_manager, self.num_computed_tokens, self.num_generated_tokens
         )
+
+    # ------------------------------------------------------- for the nodes
+    def _raise_if_a_rank_died(self, error: Exception) -> None:
+        if self.tp_workers is not None:
+            self.tp_workers.raise_if_dead(error)
+
+    def queue_room(self) -> tuple[int, int]:
+        """(requests waiting, free sequence slots): what a node's queue bound needs."""
+        return len(self.scheduler.waiting), self.scheduler.num_free_slots
+
+    def observe_kv_writes(self, observer: KVWriteObserver | None) -> None:
+        """Prefill node: be told when each layer's KV is written (None: stop).
+        With tensor parallelism this is rank 0's; the others install their own
+        through their worker extension."""
+        self.model_runner.kv_observer = observer
+
+    def call_workers(self, method: str, payload: dict) -> None:
+        """``method(payload)`` on the worker extension of every rank but this one
+        (``worker_extension_cls``), before the next step; a no-op without tensor
+        parallelism. Engine thread only. ``payload`` travels as JSON."""
+        if self.tp_workers is None:
+            return
+        if not self.config.worker_extension_cls:
+            raise ValueError("call_workers needs worker_extension_cls in the engine's config")
+        call = Call(method, json.dumps(payload, separators=(",", ":")).encode())
+        try:
+            self.model_runner.handoff.call(call)
+        except Exception as e:
+            self._raise_if_a_rank_died(e)
+            raise
+
+    def num_held(self) -> int:
+        """Prefill node: finished requests whose blocks wait for their transfer."""
+        return len(self.scheduler.held)
+
+    def enable_cache_events(self) -> None:
+        """Record the block hashes the prefix cache stores and evicts (for Redis)."""
+        self.block_manager.enable_events()
+
+    def take_cache_events(self) -> CacheEvents:
+        """The prefix cache's changes since the last take."""
+        return self.block_manager.take_events()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every block hash the prefix cache holds now; the events so far are
+        superseded by this snapshot (a node republishing after a Redis outage)."""
+        self.block_manager.take_events()
+        return self.block_manager.cached_hashes()

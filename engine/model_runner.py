@@ -14,7 +14,7 @@ import logging
 import numpy as np
 import torch
 
-from engine.async_step import InFlightStep, patch_indices
+from engine.async_step import ForwardedStep, InFlightStep, patch_indices
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, LoadFormat
 from engine.cuda_graphs import DecodeGraphs
 from engine.device import GiB, available_host_memory, default_dtype, resolve_device, resolve_dtype
@@ -22,7 +22,7 @@ from engine.kernel_warmup import warm_up_kernels
 from engine.kv_blocks import Range, gather_blocks, scatter_blocks
 from engine.kv_writes import KVWriteObserver
 from engine.layers.attention import select_backend
-from engine.layers.sampler import Sampler, SamplingRow
+from engine.layers.sampler import GrammarBitmask, Sampler, SamplingRow
 from engine.layers.skinny_gemm_plan import plan_model
 from engine.model_io import ModelInputs, StepOutput
 from engine.models.decoder import DecoderForCausalLM
@@ -36,6 +36,7 @@ from engine.prompt_logprobs import (
     wants_prompt_logprobs,
 )
 from engine.sampling_params import SamplingParams
+from engine.sampling_rows import SamplingRows
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.step_inputs import HostStaging, host_inputs, to_model_inputs
@@ -87,8 +88,7 @@ class ModelRunner:
         # the graphs are captured, so they capture the chosen kernels).
         self.gemv_plans = plan_model(self.model, config.gemv_backend, self.device, self.dtype)
         self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
-        self._generators: dict[int, torch.Generator] = {}
-        self._rows: dict[int, SamplingRow] = {}
+        self.sampling_rows = SamplingRows(self.device, cfg.vocab_size, eos_token_ids)
         self.staging = HostStaging(self.device)
         # Every rank holds the same blocks (its heads of them): the smallest pool wins.
         self.num_kvcache_blocks = self.tp.min_int(self._decide_num_blocks())
@@ -274,13 +274,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(
-        self, batch: ScheduledBatch, prev: InFlightStep | None = None, non_blocking: bool = False
+        self,
+        batch: ScheduledBatch,
+        prev: InFlightStep | None = None,
+        non_blocking: bool = False,
+        bitmask: GrammarBitmask | None = None,
     ) -> InFlightStep:
         """Enqueue one step on the device; ``prev``'s unread samples feed its inputs.
 
         ``non_blocking``: copy the samples back without waiting (async scheduling);
-        the caller reads them with ``InFlightStep.read``.
+        the caller reads them with ``InFlightStep.read``. ``bitmask``: the
+        structured-output rows' allowed tokens.
         """
+        return self.sample_step(self.forward_step(batch, prev, non_blocking), bitmask)
+
+    @torch.inference_mode()
+    def forward_step(
+        self, batch: ScheduledBatch, prev: InFlightStep | None = None, non_blocking: bool = False
+    ) -> ForwardedStep:
+        """The first half of ``launch``: enqueue the forward and the sampled rows'
+        logits, not the sampling. Structured outputs under async scheduling
+        sample in a second call (``sample_step``), once the host has read
+        ``prev`` and advanced the grammars by its tokens: the device runs this
+        forward meanwhile."""
         seqs = batch.seqs
         num_new = batch.num_new_tokens
         starts = [s.num_computed_tokens for s in seqs]
@@ -291,12 +307,7 @@ class ModelRunner:
             [s.block_table for s in seqs],
             self.block_size,
         )
-        # Only sequences whose last uncomputed token is in this step sample.
-        sampling = [
-            i
-            for i, (s, n) in enumerate(zip(seqs, num_new, strict=True))
-            if s.num_computed_tokens + n == len(s.token_ids)
-        ]
+        sampling = batch.sampling_rows()
         plan = StepPlan(host)
         if sampling:
             # A decode step where every row samples reads every hidden row: no gather.
@@ -315,29 +326,51 @@ class ModelRunner:
         # A step whose KV someone streams layer by layer never replays a whole-
         # model graph (it would hide the layers); piecewise graphs call the hook
         # between their pieces, so a prefill node's steps of up to 512 tokens
-        # keep them (eager, an 8B step of 512 tokens is bound by the host: a
-        # prefill node took 22.8-30.0 ms where a decode node's piecewise graphs
-        # took 13.4-13.8, two H100s, docs/lab/2026-11-26-layer-wise-kv-streaming.md).
+        # keep them (docs/lab/2026-11-26-layer-wise-kv-streaming.md).
         after_layer = self.kv_observer.begin_step(batch) if self.kv_observer else None
         hidden, logits_of = self._forward(plan, patch, prev, after_layer)
-        samples = None
-        if sampling:
-            cached = self._rows.get
-            rows = []
-            for i in sampling:
-                row = cached(seqs[i].seq_id)
-                rows.append(row if row is not None else self._sampling_row(seqs[i]))
-            samples = self.sampler.sample(logits_of(hidden), rows)
-            if after_layer is not None:  # the observer may send first tokens (kv_writes.py)
-                self.kv_observer.step_sampled(samples, sampling)
+        logits = logits_of(hidden) if sampling else None
         prompt_logprobs = None
         for row, start, lo, hi in prompt_parts:
             if prompt_logprobs is None:
                 prompt_logprobs = [[] if wants_prompt_logprobs(s) else None for s in seqs]
-            logits = self.model.compute_logits(hidden[lo:hi])
-            prompt_logprobs[row].extend(prompt_logprob_entries(seqs[row], start, logits))
+            part = self.model.compute_logits(hidden[lo:hi])
+            prompt_logprobs[row].extend(prompt_logprob_entries(seqs[row], start, part))
+        return ForwardedStep(
+            batch,
+            sampling,
+            logits,
+            prompt_logprobs,
+            non_blocking,
+            began,
+            prev,
+            after_layer is not None,
+        )
+
+    @torch.inference_mode()
+    def sample_step(
+        self, fwd: ForwardedStep, bitmask: GrammarBitmask | None = None
+    ) -> InFlightStep:
+        """The second half of ``launch``: sample the forwarded step's rows."""
+        samples = None
+        if fwd.sampling:
+            seqs = fwd.batch.seqs
+            row_of = self.sampling_rows.get
+            rows = [row_of(seqs[i]) for i in fwd.sampling]
+            samples = self.sampler.sample(fwd.logits, rows, bitmask)
+            if fwd.observed:  # the observer may send first tokens (kv_writes.py)
+                self.kv_observer.step_sampled(samples, fwd.sampling)
+        fwd.logits = None
         start = InFlightStep.start
-        return start(batch, sampling, samples, prompt_logprobs, non_blocking, began, prev)
+        return start(
+            fwd.batch,
+            fwd.sampling,
+            samples,
+            fwd.prompt_logprobs,
+            fwd.non_blocking,
+            fwd.began,
+            fwd.prev,
+        )
 
     def _forward(
         self,
@@ -391,51 +424,10 @@ class ModelRunner:
         for lo, hi in plan.prompt_slices:
             self.model.compute_logits(hidden[lo:hi])
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        # One row per sequence for its whole life: its facts do not change, and
-        # it holds the sequence's own token list (penalties read it as it grows).
-        row = self._rows.get(seq.seq_id)
-        if row is not None:
-            return row
-        p = seq.params
-        stop_ids: list[int] = []
-        if p.min_tokens > 0:
-            if not p.ignore_eos:
-                stop_ids.extend(self.eos_token_ids)
-            stop_ids.extend(p.stop_token_ids or ())
-        row = SamplingRow(
-            params=p,
-            token_ids=seq.token_ids,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            generator=self._generator_for(seq),
-            min_tokens_stop_ids=stop_ids,
-        )
-        self._rows[seq.seq_id] = row
-        return row
-
-    def _generator_for(self, seq: Sequence) -> torch.Generator | None:
-        if seq.params.seed is None:
-            return None
-        gen = self._generators.get(seq.seq_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            # Completion i of an n>1 request uses seed + i, so they differ.
-            gen.manual_seed((seq.params.seed + seq.index) & 0xFFFF_FFFF_FFFF_FFFF)
-            if not seq.params.greedy:
-                # Tokens already there were sampled elsewhere (a prefill node's first
-                # token, a migrated stream's earlier tokens): skip their draws so
-                # the stream matches a single node's.
-                vocab = self.config.model_config.vocab_size
-                for _ in range(seq.num_output_tokens + seq.params.resume_offset):
-                    torch.empty(vocab, device=self.device).exponential_(generator=gen)
-            self._generators[seq.seq_id] = gen
-        return gen
-
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state (its random generator, its sampling row) once it
         finished."""
-        self._generators.pop(seq.seq_id, None)
-        self._rows.pop(seq.seq_id, None)
+        self.sampling_rows.release(seq)
 
 
 def _triton_available() -> bool:

@@ -8,8 +8,13 @@ Stop conditions, in vLLM's order and with its semantics:
   ``include_stop_str_in_output``;
 - a stop string completed by the new text: finish "stop", text cut before it
   (or after it with ``include_stop_str_in_output``);
+- a structured output's grammar that accepted its end (a stop token, which its
+  bitmask allows only once the grammar is complete): finish "stop", even with
+  ``ignore_eos``;
 - ``max_tokens`` generated or ``max_model_len`` reached: finish "length".
-A finished sequence frees its KV blocks at once.
+A token the grammar rejects (another constraint conflicted with it) ends the
+sequence with "abort" and the request's ``error``. A finished sequence frees
+its KV blocks and its grammar matcher at once.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from engine.sequence import (
     SequenceStatus,
     TokenLogprobs,
 )
+from engine.structured.scheduling import StructuredOutputs
 
 
 class OutputProcessor:
@@ -40,9 +46,11 @@ class OutputProcessor:
         tokenizer_info: TokenizerInfo | None,
         eos_token_ids: frozenset[int],
         max_model_len: int,
+        structured: StructuredOutputs,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        self.structured = structured
         self.tok = tokenizer_info
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -59,7 +67,13 @@ class OutputProcessor:
         """A token just appended to ``seq``: logprobs, text, stop conditions."""
         if logprobs is not None:
             self._add_logprobs(seq, token, logprobs)
-        self._check_stop(seq, token)
+        if seq.params.structured_outputs is not None and (
+            error := self.structured.accept(seq, token)
+        ):
+            req.error = error
+            self._finish(seq, FinishReason.ABORT)
+        else:
+            self._check_stop(seq, token)
         # req.finished looks at every sibling: only ask when this one just ended.
         if seq.status is SequenceStatus.FINISHED and req.finished_time is None and req.finished:
             req.finished_time = now if now is not None else time.monotonic()
@@ -86,13 +100,21 @@ class OutputProcessor:
                     stop_reason, keep = hit
                     detok.truncate(keep)
                     reason = FinishReason.STOP
+        if reason is None and p.structured_outputs is not None and self.structured.terminated(seq):
+            reason = FinishReason.STOP  # the grammar is complete (it accepted a stop token)
         if reason is None:
             limit = p.max_tokens if p.max_tokens is not None else self.max_model_len
             if num_out >= limit or num_tokens >= self.max_model_len:
                 reason = FinishReason.LENGTH
         if reason is not None:
-            self.scheduler.finish(seq, reason, stop_reason)
-            self.runner.release(seq)
+            self._finish(seq, reason, stop_reason)
+
+    def _finish(
+        self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None
+    ) -> None:
+        self.scheduler.finish(seq, reason, stop_reason)
+        self.runner.release(seq)
+        self.structured.release(seq)
 
     # ------------------------------------------------------------ logprobs
     def _decoded(self, token_id: int, seq_params_detok: bool) -> str | None:
@@ -189,4 +211,5 @@ class OutputProcessor:
             RequestMetrics(
                 req.arrival_time, req.first_token_time, req.finished_time, req.first_scheduled_time
             ),
+            req.error,
         )

@@ -45,3 +45,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     metrics: RequestMetrics
+    # Not vLLM's: why the engine ended the request itself (finish_reason
+    # "abort"; a structured output's grammar failed to compile in time, say).
+    error: str | None = None

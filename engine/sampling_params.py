@@ -7,9 +7,11 @@ when the engine admits a request; everything else runs here, at construction.
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import math
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +31,98 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # everything generated so far
     DELTA = 1  # only what is new since the last report (streaming)
     FINAL_ONLY = 2  # nothing until the request finishes
+
+
+# The constraint kinds of StructuredOutputsParams, exactly one of which is set.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's ``StructuredOutputsParams``).
+
+    Exactly one kind is set: ``json`` (a JSON schema, as a dict or its text),
+    ``regex``, ``choice`` (one of these strings), ``grammar`` (EBNF text, with
+    a ``root`` rule), ``json_object`` (any JSON object) or ``structural_tag``
+    (xgrammar's structural tag, as JSON text). The checks here are of shape
+    only; ``engine.structured.validate`` checks the content without compiling.
+    """
+
+    json: str | dict | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.json_object is False:
+            self.json_object = None  # vLLM's False means "not this kind"
+        kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            found = ", ".join(kinds) if kinds else "none"
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(STRUCTURED_KINDS)}; got {found}"
+            )
+        for name in ("regex", "grammar", "whitespace_pattern", "structural_tag"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {v!r}")
+        if self.json is not None and not isinstance(self.json, str | dict | bool):
+            raise ValueError(
+                "structured_outputs.json must be a JSON schema (a dict or its JSON text), "
+                f"got {type(self.json).__name__}"
+            )
+        if self.json_object not in (None, True):
+            raise ValueError(
+                f"structured_outputs.json_object must be a bool, got {self.json_object!r}"
+            )
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be a bool")
+        if self.choice is not None:
+            self._check_choice()
+
+    def _check_choice(self) -> None:
+        c = self.choice
+        if not isinstance(c, list | tuple) or not all(isinstance(s, str) for s in c):
+            raise ValueError(f"structured_outputs.choice must be a list of strings, got {c!r}")
+        if not c:
+            raise ValueError("structured_outputs.choice must not be empty")
+        self.choice = list(c)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set ("json", "regex", ...)."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) is not None)
+
+    def key(self) -> str:
+        """A canonical text of the whole spec: equal specs, equal keys (what the
+        grammar cache is keyed by, with the tokenizer)."""
+        spec: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        return json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> StructuredOutputsParams:
+        """From a plain dict (a JSON request body); unknown keys are an error."""
+        if not isinstance(values, dict):
+            raise ValueError(f"structured_outputs must be an object, got {values!r}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(
+                f"unknown structured_outputs field(s) {', '.join(unknown)}; "
+                f"valid: {', '.join(sorted(names))}"
+            )
+        return cls(**values)
+
+
+# vLLM's older name (``SamplingParams(guided_decoding=GuidedDecodingParams(...))``).
+GuidedDecodingParams = StructuredOutputsParams
 
 
 def _is_int(v: object) -> bool:
@@ -67,6 +161,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's older name for structured_outputs: accepted, moved there.
+    guided_decoding: StructuredOutputsParams | None = None
     # Not vLLM's: a migrated request continues a stream whose first
     # resume_offset tokens, sampled elsewhere, now end its prompt. The seeded
     # generator skips their draws, and frequency / presence penalties count
@@ -79,6 +176,7 @@ class SamplingParams:
         self._validate_types()
         self._validate_ranges()
         self._normalise()
+        self._take_structured_outputs()
 
     # ----------------------------------------------------------------- checks
     def _validate_types(self) -> None:
@@ -209,6 +307,21 @@ class SamplingParams:
                 MIN_RANDOM_TEMPERATURE,
             )
             self.temperature = MIN_RANDOM_TEMPERATURE
+
+    def _take_structured_outputs(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError(
+                    "set structured_outputs or guided_decoding (its old name), not both"
+                )
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            so = self.structured_outputs = StructuredOutputsParams.from_dict(so)
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be StructuredOutputsParams, got {type(so).__name__}"
+            )
 
     # -------------------------------------------------------------- derived
     @property

@@ -51,6 +51,15 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def sampling_rows(self) -> list[int]:
+        """The rows that sample: those whose last uncomputed token is in the step
+        (asked before ``Scheduler.advance`` counts the step computed)."""
+        return [
+            i
+            for i, (s, n) in enumerate(zip(self.seqs, self.num_new_tokens, strict=True))
+            if s.num_computed_tokens + n == len(s.token_ids)
+        ]
+
     def __len__(self) -> int:
         return len(self.seqs)
 
@@ -188,8 +197,8 @@ class Scheduler:
         for seq in decoding:
             if budget == 0:
                 break
-            if seq.status is not running:
-                continue  # preempted earlier in this step
+            if seq.status is not running or seq.awaiting_grammar:
+                continue  # preempted earlier in this step, or its grammar compiles
             num_tokens = len(seq.token_ids)
             # Done by length once its unread token is read (async scheduling):
             # running it once more would only compute a token to drop (and, on
@@ -257,12 +266,15 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         bm = self.block_manager
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) + len(self.reserved) < self.max_num_seqs
-        ):
-            seq = self.waiting[0]
+        waiting = self.waiting
+        # Sequences whose grammar still compiles keep their place in the queue;
+        # those behind them are admitted meanwhile.
+        compiling: list[Sequence] = []
+        while waiting and budget > 0 and len(self.running) + len(self.reserved) < self.max_num_seqs:
+            seq = waiting[0]
+            if seq.awaiting_grammar:
+                compiling.append(waiting.popleft())
+                continue
             # Prompt logprobs need logits at every prompt position, so such a
             # request computes its whole prompt (its blocks still get cached).
             use_cache = seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is None
@@ -275,7 +287,7 @@ class Scheduler:
                 num_new = budget
             if not bm.allocate_slots(seq, num_new, prefix):
                 break
-            self.waiting.popleft()
+            waiting.popleft()
             if seq.num_cached_tokens < 0:  # first admission: report the hit once
                 seq.num_cached_tokens = min(num_prefix_tokens, seq.num_prompt_tokens)
                 self.stats.prefix_cache_queried_tokens += seq.num_tokens
@@ -288,6 +300,7 @@ class Scheduler:
             budget -= num_new
             # Prompts admitted after it in this step may hit these blocks.
             bm.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
+        waiting.extendleft(reversed(compiling))
         return budget
 
     # --------------------------------------------------------------- update

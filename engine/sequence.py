@@ -100,6 +100,9 @@ class Sequence:
     # Async scheduling: the sample index, in the step in flight, of the token
     # its PLACEHOLDER stands for (-1: none; engine/async_step.py).
     pending_sample: int = -1
+    # Structured outputs: its grammar is still compiling, so the scheduler
+    # passes over it (engine/structured/manager.py).
+    awaiting_grammar: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -162,6 +165,9 @@ class Request:
     aborted: bool = False
     # Characters a stream holds back so it never emits part of a stop string.
     stop_holdback: int = 0
+    # Why the engine ended it on its own (finish_reason "abort"): a grammar that
+    # failed to compile, or a token its grammar rejected.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

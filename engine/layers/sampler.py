@@ -1,6 +1,8 @@
 """Batched sampling with per-request parameters (vLLM's semantics and order).
 
-Order for each row: allowed_token_ids, logit_bias and min_tokens masks; then
+Order for each row: a structured-output row's grammar bitmask (before
+everything, so its logprobs are those of tokens the grammar allows, as vLLM's
+are); allowed_token_ids, logit_bias and min_tokens masks; then
 repetition (prompt + output), frequency and presence (output) penalties; then
 greedy argmax, or temperature -> min_p -> top_k -> top_p -> sample.
 
@@ -71,6 +73,17 @@ class BatchPlan:
 
 
 @dataclass(slots=True)
+class GrammarBitmask:
+    """The allowed tokens of a step's structured-output rows: bit ``t % 32`` of
+    ``bits[k, t // 32]`` says whether token ``t`` may follow in sample row
+    ``rows[k]`` (xgrammar's layout). ``bits`` is filled on the host (pinned on
+    CUDA) and copied to the device by the sampler."""
+
+    bits: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32
+    rows: list[int]
+
+
+@dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
@@ -124,6 +137,29 @@ def top_logprobs(
     return chosen_lp, rank, top_ids, top_lp
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: GrammarBitmask) -> None:
+    """Set to -inf, in place, the logits of tokens the bitmask disallows.
+
+    Pure torch, so it runs wherever the logits are (no kernel to compile): the
+    int32 words are read as little-endian bytes, each byte's 8 bits spread
+    over 8 tokens (token ``8 * b + i`` is bit ``i`` of byte ``b``)."""
+    dev = logits.device
+    bits = bitmask.bits
+    if dev.type == "cuda":
+        bits = bits.to(dev, non_blocking=True)
+    vocab = logits.shape[1]
+    as_bytes = bits.contiguous().view(torch.uint8)  # [k, 4 * words]
+    # Made on the device: a host list copied there would wait for the stream.
+    shifts = torch.arange(8, dtype=torch.uint8, device=dev)
+    allowed = ((as_bytes.unsqueeze(-1) >> shifts) & 1).bool()  # [k, 4 * words, 8]
+    allowed = allowed.view(len(bitmask.rows), -1)[:, :vocab]
+    if len(bitmask.rows) == logits.shape[0] and bitmask.rows == list(range(logits.shape[0])):
+        logits.masked_fill_(~allowed, float("-inf"))
+        return
+    rows = _host_tensor(bitmask.rows, torch.int64, dev)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
 def _host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list on the device without a synchronous copy."""
     t = torch.tensor(values, dtype=dtype)
@@ -140,15 +176,27 @@ class Sampler:
         self.generator.manual_seed(seed)
         self._plan: BatchPlan | None = None
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        return self.sample(logits, rows).to_host()
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        bitmask: GrammarBitmask | None = None,
+    ) -> SamplerOutput:
+        return self.sample(logits, rows, bitmask).to_host()
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSamples:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        bitmask: GrammarBitmask | None = None,
+    ) -> DeviceSamples:
         """Sample on the device without waiting for it: the results stay tensors
         (async scheduling feeds ``token_ids`` to the next step before the host
-        has seen them)."""
+        has seen them). ``bitmask``: the structured-output rows' allowed tokens."""
         plan = self._plan_for(rows, logits)
         logits = logits.float()
+        if bitmask is not None:
+            apply_token_bitmask(logits, bitmask)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if plan.logprob_rows else None
         if plan.mask_rows:
             self._apply_masks_and_bias(logits, rows, plan.mask_rows)
