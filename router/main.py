@@ -111,7 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         # The nodes' variable too (common/runtime/config.py): one setting for the whole cluster.
         default=env("PDSERVE_MAX_MODEL_LEN") or None,
-        help="longest prompt + output accepted; must not exceed the nodes' [PDSERVE_MAX_MODEL_LEN]",
+        help="longest prompt + output accepted: a cap on what the nodes registered, which "
+        "the router serves by itself (docs/openai.md) [PDSERVE_MAX_MODEL_LEN]",
     )
     p.add_argument(
         "--no-remote-prefill",
@@ -236,7 +237,9 @@ async def serve(args: argparse.Namespace) -> int:
         frontend.block_size,
         route_config,
         remote_prefill=not args.no_remote_prefill,
+        served=frontend.served,
     )
+    await routing.read_nodes()  # the nodes' context length, where they registered already
     router = RouterServicer(
         frontend,
         routing,

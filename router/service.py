@@ -105,11 +105,7 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         # prompt's hashes are known first: the checks run during its round trip.
         early = self.frontend.early(request)
         started = self.routing.start_view(early.block_hashes) if early is not None else None
-        try:
-            parsed = self.frontend.parse(request, early)
-        except ValueError as e:
-            stats.requests_by_status[grpc.StatusCode.INVALID_ARGUMENT.name] += 1
-            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        parsed = self.parse(request, early)
         limit = self.routing.config.max_in_flight
         if self.routing.inflight.in_flight >= limit:
             stats.requests_by_status[grpc.StatusCode.RESOURCE_EXHAUSTED.name] += 1
@@ -140,6 +136,13 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                     status = grpc.StatusCode.UNAVAILABLE
                     raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(no_route)) from None
                 started = None  # one read per decision: retries read again
+                if parsed.max_model_len != self.frontend.max_model_len and not progress.migrations:
+                    # That read taught the router another context length (the first
+                    # read after the nodes registered, or changed theirs): the
+                    # checks run again against it, as a node would run them.
+                    status = grpc.StatusCode.INVALID_ARGUMENT
+                    parsed = original = self.parse(request, None, count=False)
+                    status = grpc.StatusCode.CANCELLED
                 tried = _Attempt(
                     self, routed, parsed, request, client_id, deadline, trace, progress
                 )
@@ -202,6 +205,15 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                         *nodes,
                     )
                 )
+
+    def parse(self, request, early, count: bool = True):
+        """The request checked (router/frontend.py), or RequestFailed(INVALID_ARGUMENT)."""
+        try:
+            return self.frontend.parse(request, early)
+        except ValueError as e:
+            if count:  # else the request's end counts it
+                self.routing.stats.requests_by_status[grpc.StatusCode.INVALID_ARGUMENT.name] += 1
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
     def migrate(self, parsed, progress: StreamProgress, failure, client_id: str) -> bool:
         """Set ``progress`` up for a continuation on another decode node, if allowed."""
@@ -293,7 +305,9 @@ class _Attempt:
         # Unique downstream even when clients reuse ids: streams never cross.
         downstream.request_id = uuid.uuid4().hex
         downstream.prompt_token_ids.extend(self.parsed.prompt_token_ids)
-        downstream.sampling.CopyFrom(self.progress.sampling(self.request.sampling))
+        # Its max_tokens resolved by the router (router/frontend.py), and for a
+        # migrated request's continuation reduced by the tokens it has.
+        downstream.sampling.CopyFrom(self.progress.sampling(self.parsed.sampling))
         downstream.cache_salt = self.parsed.cache_salt
         downstream.resume_offset = self.progress.resume_offset
         if route.prefill is not None:

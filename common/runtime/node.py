@@ -61,6 +61,7 @@ class NodeEngine:
             model_id=self.config.served_model_name,
             block_size=self.config.kvcache_block_size,
             max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.config.max_model_len,
             tensor_parallel_size=tp,
             num_gpus=tp if self.engine.model_runner.device.type == "cuda" else 0,
             **extra,
