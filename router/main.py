@@ -279,9 +279,7 @@ async def serve(args: argparse.Namespace) -> int:
 
         http_stats = http_app.HttpStats()
         collectors.append(http_app.HttpCollector(http_stats))
-        app = http_app.build_app(
-            router, public_auth[0] if public_auth else None, http_stats, config.max_model_len
-        )
+        app = http_app.build_app(router, public_auth[0] if public_auth else None, http_stats)
         http = http_app.make_server(
             app, args.host, args.http_port, tls, args.drain_timeout, args.http_keep_alive_s
         )

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.tls import TLSConfig
 from proto import pdserve_pb2
-from router.http.chunks import Assembler
+from router.http.chunks import Assembler, EchoLogprobs
 from router.http.schemas import ChatCompletionRequest, CompletionRequest, InvalidField
 from router.service import RequestFailed, RouterServicer
 
@@ -38,7 +38,8 @@ GENERATE_METHOD = "/pdserve.v1.Router/Generate"  # the gRPC method whose right H
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; the gRPC deadline's counterpart (504 past it)
 DONE = format_sse_event(data_str="[DONE]")
 
-# gRPC status -> (HTTP status, OpenAI error type)
+# gRPC status -> (HTTP status, OpenAI error type). The gRPC code's name never
+# reaches an OpenAI client: ``code`` is one of OpenAI's (OPENAI_CODE) or null.
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
@@ -53,6 +54,10 @@ HTTP_STATUS = {
 }
 
 
+# HTTP status -> OpenAI's error code, where OpenAI has one for it.
+OPENAI_CODE = {401: "invalid_api_key", 429: "rate_limit_exceeded"}
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str, param=None, code=None) -> None:
         super().__init__(message)
@@ -63,11 +68,13 @@ class ApiError(Exception):
     def from_failure(cls, e: RequestFailed) -> ApiError:
         status, kind = HTTP_STATUS.get(e.code, (500, "server_error"))
         # The context-length refusal has OpenAI's own code (clients match on it).
-        code = "context_length_exceeded" if "max_model_len" in e.details else e.code.name
+        context = status == 400 and "max_model_len" in e.details
+        code = "context_length_exceeded" if context else OPENAI_CODE.get(status)
         return cls(status, e.details, kind, None, code)
 
-    def response(self) -> JSONResponse:
-        body = {
+    def body(self) -> dict:
+        """OpenAI's error object: message, type, param, code (all four, always)."""
+        return {
             "error": {
                 "message": self.message,
                 "type": self.kind,
@@ -75,6 +82,9 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
+
+    def response(self) -> JSONResponse:
+        body = self.body()
         headers = {"Retry-After": "1"} if self.status == 429 else None
         return JSONResponse(body, status_code=self.status, headers=headers)
 
@@ -133,7 +143,7 @@ class _Count:
             self.stats.by_endpoint_status[(path, status)] += 1
 
 
-def build_app(servicer: RouterServicer, auth, stats: HttpStats, max_model_len: int) -> FastAPI:
+def build_app(servicer: RouterServicer, auth, stats: HttpStats) -> FastAPI:
     """``auth``: the gRPC TokenAuthInterceptor (same tokens file, same rights), or None."""
     frontend = servicer.frontend
     model_id = frontend.model_id
@@ -200,6 +210,9 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats, max_model_len: i
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
+        # The nodes' context length (router/limits.py), read now: no request may have read it yet.
+        await servicer.routing.read_nodes()
+        max_model_len = frontend.max_model_len
         return {
             "object": "list",
             "data": [
@@ -218,13 +231,19 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats, max_model_len: i
     async def completions(request: Request):
         body = await parse(request, CompletionRequest)
         check_model(body.model)
-        try:
-            generate = body.to_generate()
-        except InvalidField as e:
-            raise ApiError(400, str(e), "invalid_request_error", e.param) from None
+        generate = to_generate(body.to_generate)
         echo = [_prompt_text(frontend, g) for g in generate] if body.echo else None
         assembler = Assembler(
-            frontend, "cmpl", model_id, body.n, len(generate), chat=False, echo=echo
+            frontend,
+            "cmpl",
+            model_id,
+            body.n,
+            len(generate),
+            chat=False,
+            echo=echo,
+            echo_logprobs=_echo_logprobs(frontend, generate) if body.echo_logprobs else None,
+            echo_only=body.echo_only,
+            prompt_logprobs=body.prompt_logprobs is not None,
         )
         return await run(request, body, generate, assembler)
 
@@ -232,10 +251,7 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats, max_model_len: i
     async def chat(request: Request):
         body = await parse(request, ChatCompletionRequest)
         check_model(body.model)
-        try:
-            generate = [body.to_generate(max_model_len)]
-        except InvalidField as e:
-            raise ApiError(400, str(e), "invalid_request_error", e.param) from None
+        generate = [to_generate(body.to_generate)]
         assembler = Assembler(
             frontend,
             "chatcmpl",
@@ -244,8 +260,15 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats, max_model_len: i
             1,
             chat=True,
             top_logprobs=body.top_logprobs or 0,
+            prompt_logprobs=body.prompt_logprobs is not None,
         )
         return await run(request, body, generate, assembler)
+
+    def to_generate(build):
+        try:
+            return build()
+        except InvalidField as e:
+            raise ApiError(400, str(e), "invalid_request_error", e.param) from None
 
     async def parse(request: Request, schema):
         # JSON whatever the Content-Type says (curl -d sends form-urlencoded).
@@ -402,15 +425,26 @@ async def _sse(merged, assembler: Assembler, include_usage: bool):
                 yield _event(assembler.usage_chunk())
         except RequestFailed as e:
             # Mid-stream the status line is sent already: the error goes in the stream.
-            error = ApiError.from_failure(e)
-            yield _event(
-                {"error": {"message": error.message, "type": error.kind, "code": error.code}}
-            )
+            yield _event(ApiError.from_failure(e).body())
         yield DONE
 
 
 def _event(obj: dict) -> bytes:
     return format_sse_event(data_str=json.dumps(obj, separators=(",", ":")))
+
+
+def _echo_logprobs(frontend, generate: list) -> EchoLogprobs:
+    """Each prompt's first token: what the router's tokenizer makes of its text
+    (the InputProcessor's own call), or its first id."""
+    firsts = []
+    for g in generate:
+        if g.WhichOneof("input") == "token_ids":
+            firsts.append(g.token_ids.ids[0])
+        elif frontend.tokenizer is None:
+            raise ApiError(400, "echo of text needs a tokenizer", "invalid_request_error", "echo")
+        else:
+            firsts.append((frontend.tokenizer.encode(g.prompt) or [0])[0])
+    return EchoLogprobs(firsts)
 
 
 def _prompt_text(frontend, request: pdserve_pb2.GenerateRequest) -> str:
