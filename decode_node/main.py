@@ -72,4 +72,5 @@ async def serve(args: argparse.Namespace) -> int:
         counters=worker.stats.counters,
         histograms=worker.stats.histograms,
         close=worker.close,
+        on_heartbeat=worker.use_heartbeat,
     )

@@ -88,6 +88,9 @@ class DecodeWorker:
         self.max_queued = max_queued
         self.faults = faults or FaultDelays()
         self.stats = DecodeStats()
+        # Publishes the node's load; its last request's Final waits for the
+        # beat that says it is idle (common/runtime/heartbeat.py).
+        self.heartbeat = None
         self._stages: dict[str, Stage] = {}  # local prefills and decoding
         self._remote: dict[str, RemotePrefill] = {}  # disaggregated requests until committed
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -161,7 +164,18 @@ class DecodeWorker:
                 usage.timing.prefill_compute_ms = phases.prefill_s * 1e3
             usage.cached_tokens = out.num_cached_tokens
             for resp in output_to_responses(out, rid, state, usage):
+                if resp.HasField("final") and self._last_in_flight(rid):
+                    await self.heartbeat.publish_idle()
                 yield resp
+
+    def use_heartbeat(self, heartbeat) -> None:
+        self.heartbeat = heartbeat
+
+    def _last_in_flight(self, rid: str) -> bool:
+        """Whether ``rid`` is the node's only request (so it goes idle with it)."""
+        if self.heartbeat is None:
+            return False
+        return self._stages.keys() <= {rid} and self._remote.keys() <= {rid}
 
     async def _remote_prefill(self, req, stream, prompt, params, deadline, usage) -> float:
         """The prompt's KV and first token from the prefill node, committed

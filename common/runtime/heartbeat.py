@@ -4,11 +4,19 @@ A heartbeat publishes the node's load and the block hashes its prefix cache
 stored and evicted since the last one, in one Redis round trip. When Redis is
 unreachable the node keeps serving and retries with backoff; the events it
 could not publish are kept and sent with the next successful heartbeat.
+
+A node that goes idle publishes at once rather than at its next beat: its last
+request would otherwise read as running (``pdctl nodes``, a router's load) for
+up to an interval after its client had the answer. A decode node waits for
+that beat before it sends its last request's Final (``publish_idle``); any
+node's engine thread wakes the beat when a step leaves it idle (``watch_idle``).
+Under load a node is never idle, so neither costs anything there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -18,6 +26,10 @@ from common.cluster.state import Cluster, NodeInfo
 from engine.engine_thread import EngineThread
 
 logger = logging.getLogger(__name__)
+
+# The longest a decode node holds its last request's Final for the beat that
+# says it is idle: Redis slow or down must not hold up an answer.
+IDLE_BEAT_TIMEOUT_S = 0.25
 
 
 @dataclass
@@ -45,6 +57,36 @@ class Heartbeat:
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # A take of cache events queued on the engine thread and not yet answered.
     _events_future: Future | None = None
+    # Set to beat now rather than at the end of the interval (watch_idle).
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def watch_idle(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Beat at once when an engine step finishes a request and leaves the
+        engine with nothing to do (the hook runs on the engine thread)."""
+
+        def after_step(outputs) -> None:
+            if any(o.finished for o in outputs) and not self.engine.engine.has_work():
+                loop.call_soon_threadsafe(self._wake.set)
+
+        self.engine.after_step.append(after_step)
+
+    async def publish_idle(self, timeout_s: float = IDLE_BEAT_TIMEOUT_S) -> None:
+        """One beat now, for a node whose last request just finished, before
+        that request's last message goes out: nobody then reads the node as
+        running after the client had its answer. Bounded by ``timeout_s``, and
+        skipped while Redis is failing (the periodic beats retry)."""
+        if self.consecutive_failures:
+            return
+        try:
+            await asyncio.wait_for(self._fresh_beat(), timeout_s)
+        except Exception as e:  # late or failed: the next periodic beat says it
+            logger.debug("idle heartbeat skipped: %s", e)
+
+    async def _fresh_beat(self) -> None:
+        # A call through the engine thread first: its stats snapshot, taken
+        # after each step and command, then counts the request finished.
+        await asyncio.wrap_future(self.engine.call(lambda _engine: None))
+        await self.beat()
 
     def refresh_info(self) -> NodeInfo:
         s = self.engine.stats
@@ -120,7 +162,9 @@ class Heartbeat:
                 if self.consecutive_failures:
                     logger.info("Redis reachable again; heartbeats resumed")
                 self.consecutive_failures = 0
-                await asyncio.sleep(self.interval_s)
+                with contextlib.suppress(TimeoutError):  # the interval, or a wake
+                    await asyncio.wait_for(self._wake.wait(), self.interval_s)
+                self._wake.clear()
             except asyncio.CancelledError:
                 raise
             except Exception as e:

@@ -116,6 +116,7 @@ async def run_node(
     counters: Callable[[], dict[str, int]],
     close: Callable[[], Awaitable[None]],
     histograms: Callable[[], dict[str, Histogram]] | None = None,
+    on_heartbeat: Callable[[Heartbeat], None] | None = None,
 ) -> int:
     """Serve one node until SIGINT/SIGTERM, then drain and leave the cluster cleanly.
 
@@ -124,6 +125,7 @@ async def run_node(
     publishes ``draining`` at once (routers stop choosing it), lets the
     requests it has finish for up to ``--drain-timeout`` seconds (a second
     signal cuts this short), then leaves Redis and stops its gRPC server.
+    ``on_heartbeat``: given the node's Heartbeat once it exists.
     """
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
@@ -153,6 +155,9 @@ async def run_node(
     heartbeat = Heartbeat(
         cluster, thread, info, interval_s=args.heartbeat_interval, counters=counters
     )
+    heartbeat.watch_idle(loop)
+    if on_heartbeat is not None:
+        on_heartbeat(heartbeat)
     metrics.heartbeat = heartbeat
     await heartbeat.beat()
     beating = asyncio.create_task(heartbeat.run_forever())
