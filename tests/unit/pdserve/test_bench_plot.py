@@ -7,9 +7,9 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.figure import Figure
 
-from pdserve.bench.plot import plot_records  # noqa: E402
+from pdserve.bench.plot import plot_records
 
 
 def record(device: str | None, num_gpus: int = 1) -> dict:
