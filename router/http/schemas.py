@@ -67,6 +67,7 @@ NOT_SUPPORTED = {
     "vllm_xargs": "vllm_xargs are not supported",
     "repetition_detection": "repetition_detection is not supported",
     "thinking_token_budget": "thinking_token_budget is not supported: this model does not reason",
+    "echo": "echo on chat completions (prepending the last message) is not supported",
 }
 # Values that ask for nothing beyond what pdserve does anyway.
 _NEUTRAL = {
@@ -103,6 +104,16 @@ def refuse_unsupported(extra: dict[str, Any] | None) -> None:
             raise InvalidField(name, "stored completions are not supported")
         if name == "tool_choice":
             raise InvalidField(name, "tool_choice needs tools, which are not supported")
+
+
+def check_special_tokens(extra: dict[str, Any] | None, pdserve_adds: bool) -> None:
+    """vLLM's add_special_tokens: accepted where it asks for what pdserve does
+    (completions' text is encoded with them, a chat template's output without)."""
+    value = (extra or {}).get("add_special_tokens")
+    if value is not None and value is not pdserve_adds:
+        raise InvalidField(
+            "add_special_tokens", f"add_special_tokens {str(value).lower()} is not supported here"
+        )
 
 
 class StreamOptions(_Body):
@@ -247,6 +258,7 @@ class CompletionRequest(_Sampling):
     def to_generate(self) -> list[pdserve_pb2.GenerateRequest]:
         """One GenerateRequest per prompt (OpenAI's batch of prompts)."""
         self.check()
+        check_special_tokens(self.model_extra, True)
         if self.suffix:
             raise InvalidField("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -348,6 +360,7 @@ class ChatCompletionRequest(_Sampling):
 
     def to_generate(self) -> pdserve_pb2.GenerateRequest:
         self.check()
+        check_special_tokens(self.model_extra, False)
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise InvalidField("response_format", "only response_format type 'text' is supported")
         if any(m != "text" for m in self.modalities or ()):

@@ -87,6 +87,10 @@ def test_completion_fields_that_ask_for_what_pdserve_lacks_are_named(body, param
 def test_neutral_values_of_unsupported_fields_pass():
     completion(use_beam_search=False, guided_json=None, priority=0, tools=[]).to_generate()
     chat(functions=[], modalities=["text"], tool_choice="none", store=False).to_generate()
+    chat(add_special_tokens=False).to_generate()
+    completion(add_special_tokens=True).to_generate()
+    with pytest.raises(InvalidField):
+        completion(add_special_tokens=False).to_generate()
 
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:,"}}
@@ -104,6 +108,8 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:,"}}
         ({"tools": [{"type": "function"}]}, "tools", "not supported"),
         ({"modalities": ["text", "audio"]}, "modalities", "audio"),
         ({"audio": {"voice": "alloy"}}, "audio", "audio"),
+        ({"echo": True}, "echo", "not supported"),
+        ({"add_special_tokens": True}, "add_special_tokens", "not supported"),
     ],
 )  # fmt: skip
 def test_chat_fields_and_parts_that_ask_for_what_pdserve_lacks_are_named(body, param, words):
