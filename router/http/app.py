@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from common.tls import TLSConfig
 from proto import pdserve_pb2
 from router.http.chunks import Assembler, EchoLogprobs
-from router.http.errors import ApiError
+from router.http.errors import ApiError, invalid_body
 from router.http.schemas import ChatCompletionRequest, CompletionRequest, InvalidField
 from router.service import RequestFailed, RouterServicer
 
@@ -107,7 +107,7 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, e: RequestValidationError):
-        return invalid(e.errors()).response()
+        return invalid_body(e.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, e: StarletteHTTPException):
@@ -225,7 +225,7 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats) -> FastAPI:
         try:
             return schema.model_validate_json(await request.body())
         except ValidationError as e:
-            raise invalid(e.errors()) from None
+            raise invalid_body(e.errors()) from None
 
     async def run(request: Request, body, generate: list, assembler: Assembler):
         timeout = timeout_of(request)

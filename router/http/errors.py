@@ -67,7 +67,7 @@ class ApiError(Exception):
 _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "ContentPart"})
 
 
-def invalid(errors) -> ApiError:
+def invalid_body(errors) -> ApiError:
     """400 naming the first bad field (``messages.0.role``), as OpenAI's ``param``."""
     first = errors[0] if errors else {}
     # pydantic's loc names union members too ("prompt", "list[int]", 0): keep the field path.
