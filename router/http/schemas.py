@@ -69,41 +69,27 @@ NOT_SUPPORTED = {
     "thinking_token_budget": "thinking_token_budget is not supported: this model does not reason",
     "echo": "echo on chat completions (prepending the last message) is not supported",
 }
-# Values that ask for nothing beyond what pdserve does anyway.
-_NEUTRAL = {
-    "use_beam_search": (False,),
-    "priority": (0,),
-    "length_penalty": (1, 1.0),
-    "truncation_side": ("left",),  # truncate_prompt_tokens keeps the last tokens
-    "store": (False,),
-    "tool_choice": ("none",),
+# Fields honoured at one value only, the one that asks for what pdserve does anyway.
+_ONLY = {
+    "priority": ((0,), "priority scheduling is not supported: priority must be 0"),
+    "length_penalty": ((1,), "length_penalty applies to beam search, which is not supported"),
+    # truncate_prompt_tokens keeps the last tokens.
+    "truncation_side": (("left",), "only truncation_side 'left' is supported"),
+    "store": ((False,), "stored completions are not supported"),
+    "tool_choice": (("none",), "tool_choice needs tools, which are not supported"),
 }
 
 
 def refuse_unsupported(extra: dict[str, Any] | None) -> None:
-    """400 for the first field of NOT_SUPPORTED (or a non-neutral value of
-    _NEUTRAL's fields) that asks for something."""
+    """400 naming the first field of NOT_SUPPORTED, or of _ONLY at another
+    value, whose value asks for something."""
     for name, value in (extra or {}).items():
         if value is None or value is False or value in ("", [], {}):
             continue
-        if name in _NEUTRAL and value in _NEUTRAL[name]:
-            continue
         if name in NOT_SUPPORTED:
             raise InvalidField(name, NOT_SUPPORTED[name])
-        if name == "priority":
-            raise InvalidField(name, "priority scheduling is not supported: priority must be 0")
-        if name in ("length_penalty",):
-            raise InvalidField(
-                name, "length_penalty applies to beam search, which is not supported"
-            )
-        if name == "truncation_side":
-            raise InvalidField(
-                name, "only truncation_side 'left' (keep the last tokens) is supported"
-            )
-        if name == "store":
-            raise InvalidField(name, "stored completions are not supported")
-        if name == "tool_choice":
-            raise InvalidField(name, "tool_choice needs tools, which are not supported")
+        if name in _ONLY and value not in _ONLY[name][0]:
+            raise InvalidField(name, _ONLY[name][1])
 
 
 def check_special_tokens(extra: dict[str, Any] | None, pdserve_adds: bool) -> None:
