@@ -31,6 +31,7 @@ _SCALARS = (
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "truncate_prompt_tokens",
+    "prompt_logprobs",
 )
 _FINISH = {
     FinishReason.STOP: pdserve_pb2.FINISH_REASON_STOP,
@@ -57,8 +58,10 @@ def token_ids_of(repeated) -> list[int]:
 def sampling_params_from_proto(
     msg: pdserve_pb2.SamplingParams, output_kind: RequestOutputKind = RequestOutputKind.DELTA
 ) -> SamplingParams:
-    """SamplingParams from the wire; unset fields keep vLLM's defaults."""
-    kwargs: dict = {"output_kind": output_kind}
+    """SamplingParams from the wire; unset fields keep vLLM's defaults, except
+    max_tokens: unset on the wire means up to the context left, which the
+    InputProcessor resolves (engine/input_processor.py), not SamplingParams' 16."""
+    kwargs: dict = {"output_kind": output_kind, "max_tokens": None}
     for name in _SCALARS:
         if msg.HasField(name):
             value = getattr(msg, name)
@@ -105,6 +108,8 @@ def output_to_responses(
     """One engine DELTA output -> at most one message: the completions' new output
     and, when the request is done, the Final."""
     response = pdserve_pb2.GenerateResponse(request_id=request_id)
+    if out.prompt_logprobs:  # a DELTA output carries them once, with the first token
+        response.prompt_logprobs.extend(prompt_logprobs_to_proto(out))
     for c in out.outputs:
         if c.token_ids or c.text:
             delta = response.deltas.add(index=c.index, text=c.text, token_ids=c.token_ids)
@@ -128,6 +133,15 @@ def output_to_responses(
         response.final.usage.CopyFrom(usage)
         response.final.usage.prompt_tokens = len(out.prompt_token_ids)
         response.final.usage.completion_tokens = state.completion_tokens
-    if not response.deltas and not response.HasField("final"):
+    if not response.deltas and not response.HasField("final") and not response.prompt_logprobs:
         return []
     return [response]
+
+
+def prompt_logprobs_to_proto(out: RequestOutput) -> list[pdserve_pb2.TokenLogprobs]:
+    """The prompt's logprobs from its second token on (the first has none)."""
+    return [
+        token_logprobs_to_proto(token, entry)
+        for token, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True)
+        if entry is not None
+    ]

@@ -3,6 +3,11 @@ token ids, and a checked request into its Request and Sequences.
 
 Every check raises ValueError naming the field, before the engine holds any
 state for the request, so a rejected request leaves the engine as it was.
+
+An unset ``max_tokens`` is resolved here, once, by vLLM's rule: whatever the
+context leaves after the prompt (``max_model_len - len(prompt)``). The router
+and the nodes both run this code, so "up to the context left" means the same
+number everywhere; the router sends the resolved value downstream.
 """
 
 from __future__ import annotations
@@ -30,6 +35,13 @@ class ProcessedPrompt:
     prompt: str | None
     token_ids: list[int]
     cache_salt: str | None
+    max_tokens: int  # the request's, or (unset) what the context leaves after the prompt
+
+
+def context_left(max_model_len: int, num_prompt_tokens: int) -> int:
+    """What an unset max_tokens means (vLLM's rule): the tokens the context
+    holds after the prompt. The prompt is always shorter than max_model_len."""
+    return max_model_len - num_prompt_tokens
 
 
 class InputProcessor:
@@ -41,6 +53,9 @@ class InputProcessor:
         tok_info: TokenizerInfo | None = None,
     ) -> None:
         self.config = config
+        # The context length requests are checked against: the engine's own; a
+        # router sets the one its nodes serve (router/limits.py).
+        self.max_model_len = config.max_model_len
         self.tokenizer = tokenizer
         self.tok_info = tok_info
         self.vocab_size = config.model_config.vocab_size
@@ -67,6 +82,7 @@ class InputProcessor:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         processed = self.process(prompt, params)
+        params.max_tokens = processed.max_tokens  # its own copy: resolved once, here
         hasher = hashers.get(processed.cache_salt) if hashers is not None else None
         seqs = []
         for index in range(params.n):
@@ -102,7 +118,7 @@ class InputProcessor:
         self._check_ids("prompt_token_ids", token_ids)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens :]
-        max_len = self.config.max_model_len
+        max_len = self.max_model_len
         if len(token_ids) >= max_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens but max_model_len is {max_len}: the prompt "
@@ -121,7 +137,19 @@ class InputProcessor:
                 f"{len(token_ids)} tokens (it counts the prompt's last tokens "
                 "that a migrated request generated before)"
             )
-        return ProcessedPrompt(text, token_ids, salt)
+        return ProcessedPrompt(text, token_ids, salt, self._max_tokens(len(token_ids), params))
+
+    def _max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
+        """The request's max_tokens, or unset, the context left (module docstring)."""
+        if params.max_tokens is not None:
+            return params.max_tokens
+        left = context_left(self.max_model_len, num_prompt)
+        if params.min_tokens > left:
+            raise ValueError(
+                f"min_tokens {params.min_tokens} is more than the {left} tokens the context "
+                f"leaves after the prompt's {num_prompt} (max_model_len {self.max_model_len})"
+            )
+        return left
 
     def _parse(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
         salt = None

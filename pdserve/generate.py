@@ -123,7 +123,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if response.HasField("final"):
                 final = response.final
     except grpc.RpcError as e:
-        print(f"\npdserve: error: {explain_error(e, args, received, channel)}", file=sys.stderr)
+        if args.n == 1 and any(texts.get(0, ())):  # end the streamed line first
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        print(f"pdserve: error: {explain_error(e, args, received, channel)}", file=sys.stderr)
         return 1
     finally:
         channel.close()

@@ -1,7 +1,14 @@
 """Turning a GenerateRequest into checked token ids: the router's only model knowledge.
 
 Reuses the engine's own InputProcessor (and SamplingParams) so the router
-rejects exactly what a node would, before any node is involved.
+rejects exactly what a node would, before any node is involved, against the
+context length the nodes registered (router/limits.py).
+
+An unset ``max_tokens`` is resolved by the engine's rule (the context left
+after the prompt) and sent downstream resolved (``ParsedRequest.sampling``):
+a node, and a migrated request's continuation, see the number the router
+checked. An explicit ``max_tokens`` that cannot fit beside the prompt is
+refused (vLLM's rule), never cut short.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from engine.input_processor import InputProcessor
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from proto import pdserve_pb2
+from router.limits import ServedLength
 
 
 @dataclass(slots=True)
@@ -23,6 +31,9 @@ class ParsedRequest:
     params: SamplingParams
     cache_salt: str
     block_hashes: list[bytes]
+    # What goes downstream: the request's sampling with max_tokens resolved.
+    sampling: pdserve_pb2.SamplingParams
+    max_model_len: int  # the context length the request was checked against
 
 
 @dataclass(slots=True)
@@ -43,6 +54,8 @@ class Frontend:
             eos.add(self.tokenizer.eos_token_id)
         self.inputs = InputProcessor(config, self.tokenizer, frozenset(eos))
         self.model_id = config.served_model_name
+        # The nodes' context length, learnt by every routing read (router/limits.py).
+        self.served = ServedLength(config.max_model_len, self.model_id)
         self.block_size = config.kvcache_block_size
         self._hashers = HasherCache(self.model_id, self.block_size)
 
@@ -66,12 +79,37 @@ class Frontend:
         except Exception:
             return None
 
+    @property
+    def max_model_len(self) -> int:
+        return self.served.max_model_len
+
     def parse(
         self, request: pdserve_pb2.GenerateRequest, early: Early | None = None
     ) -> ParsedRequest:
         """Raises ValueError naming the problem (-> INVALID_ARGUMENT). ``early``:
         what ``early(request)`` gave, not computed again."""
+        max_len = self.inputs.max_model_len = self.served.max_model_len
         params = sampling_params_from_proto(request.sampling)
+        prompt = self._prompt(request, early)
+        processed = self.inputs.process(prompt, params)
+        if params.max_tokens is not None:  # explicit: it must fit
+            self._check_fits(len(processed.token_ids), params.max_tokens, max_len)
+        params.max_tokens = processed.max_tokens
+        if early is not None and processed.token_ids == early.token_ids:
+            hashes = early.block_hashes
+        else:
+            hashes = self._hashers.get(request.cache_salt).hash_blocks(processed.token_ids)
+        return ParsedRequest(
+            processed.token_ids,
+            params,
+            request.cache_salt,
+            hashes,
+            _resolved(request.sampling, processed.max_tokens),
+            max_len,
+        )
+
+    def _prompt(self, request: pdserve_pb2.GenerateRequest, early: Early | None) -> dict:
+        """The request's input as the InputProcessor's prompt dict."""
         which = request.WhichOneof("input")
         if which is None:
             raise ValueError("the request has no input: set prompt, token_ids or chat")
@@ -86,20 +124,13 @@ class Frontend:
             prompt = self._chat_prompt(request.chat)
         if request.cache_salt:
             prompt["cache_salt"] = request.cache_salt
-        processed = self.inputs.process(prompt, params)
-        if request.sampling.HasField("max_tokens"):
-            self._check_fits(len(processed.token_ids), params.max_tokens)
-        if early is not None and processed.token_ids == early.token_ids:
-            hashes = early.block_hashes
-        else:
-            hashes = self._hashers.get(request.cache_salt).hash_blocks(processed.token_ids)
-        return ParsedRequest(processed.token_ids, params, request.cache_salt, hashes)
+        return prompt
 
-    def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
+    @staticmethod
+    def _check_fits(num_prompt: int, max_tokens: int, max_len: int) -> None:
         """vLLM's rule: an explicit max_tokens must fit beside the prompt (unset,
-        the output just stops at the context length). Without it a request for
-        a million tokens streams until the client's deadline."""
-        max_len = self.config.max_model_len
+        it is what the context leaves). Cutting it short instead would end the
+        output with finish_reason "length" well before what the client asked."""
         if num_prompt + max_tokens > max_len:
             raise ValueError(
                 f"the prompt's {num_prompt} tokens plus max_tokens {max_tokens} make "
@@ -130,4 +161,17 @@ class Frontend:
         (hashed anew, so that routing finds the nodes caching any of it)."""
         prompt = [*parsed.prompt_token_ids, *generated]
         hashes = self._hashers.get(parsed.cache_salt).hash_blocks(prompt)
-        return ParsedRequest(prompt, parsed.params, parsed.cache_salt, hashes)
+        return ParsedRequest(
+            prompt, parsed.params, parsed.cache_salt, hashes, parsed.sampling, parsed.max_model_len
+        )
+
+
+def _resolved(sampling: pdserve_pb2.SamplingParams, max_tokens: int) -> pdserve_pb2.SamplingParams:
+    """``sampling`` with max_tokens set: the client's own message where it was
+    (no copy), else a copy with the resolved value."""
+    if sampling.HasField("max_tokens"):
+        return sampling
+    out = pdserve_pb2.SamplingParams()
+    out.CopyFrom(sampling)
+    out.max_tokens = max_tokens
+    return out

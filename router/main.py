@@ -112,7 +112,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         # The nodes' variable too (common/runtime/config.py): one setting for the whole cluster.
         default=env("PDSERVE_MAX_MODEL_LEN") or None,
-        help="longest prompt + output accepted; must not exceed the nodes' [PDSERVE_MAX_MODEL_LEN]",
+        help="longest prompt + output accepted: a cap on what the nodes registered, which "
+        "the router serves by itself (docs/openai.md) [PDSERVE_MAX_MODEL_LEN]",
     )
     p.add_argument(
         "--no-remote-prefill",
@@ -238,7 +239,9 @@ async def serve(args: argparse.Namespace) -> int:
         frontend.block_size,
         route_config,
         remote_prefill=not args.no_remote_prefill,
+        served=frontend.served,
     )
+    await routing.read_nodes()  # the nodes' context length, where they registered already
     tracing = Tracing("pdserve-router", args.otlp_endpoint, f"router:{args.port}")
     router = RouterServicer(
         frontend,
@@ -280,9 +283,7 @@ async def serve(args: argparse.Namespace) -> int:
 
         http_stats = http_app.HttpStats()
         collectors.append(http_app.HttpCollector(http_stats))
-        app = http_app.build_app(
-            router, public_auth[0] if public_auth else None, http_stats, config.max_model_len
-        )
+        app = http_app.build_app(router, public_auth[0] if public_auth else None, http_stats)
         http = http_app.make_server(
             app, args.host, args.http_port, tls, args.drain_timeout, args.http_keep_alive_s
         )

@@ -20,6 +20,7 @@ from common.cluster.redis_script import Sent
 from common.cluster.state import Cluster, ClusterView, RouteCandidate
 from router.frontend import ParsedRequest
 from router.inflight import InflightTracker
+from router.limits import ServedLength
 from router.policy import (
     LocalLoad,
     NoRoute,
@@ -49,8 +50,11 @@ class Routing:
         config: RoutingConfig | None = None,
         remote_prefill: bool = True,
         rng: random.Random | None = None,
+        served: ServedLength | None = None,
     ) -> None:
         self.cluster = cluster
+        # Learns the nodes' context length from every read (router/limits.py).
+        self.served = served
         self.model_id = model_id
         self.block_size = block_size
         self.config = config or RoutingConfig()
@@ -127,12 +131,20 @@ class Routing:
                 self._probe = asyncio.create_task(self._probe_until_up())
             else:
                 self._last_view = view
+                if self.served is not None:
+                    self.served.observe(c.node for c in view.candidates)
                 return view
         self.stats.stale_routes += 1
         last = self._last_view
         return ClusterView(
             last.now_ms, [RouteCandidate(c.node, 0, c.drained) for c in last.candidates]
         )
+
+    async def read_nodes(self) -> None:
+        """One read of the live nodes where no request makes one (start-up,
+        ``/v1/models``), for what they registered (router/limits.py)."""
+        with contextlib.suppress(NoRoute):
+            await self.view([])
 
     async def _probe_until_up(self) -> None:
         while True:

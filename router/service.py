@@ -127,9 +127,9 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         problem, or RESOURCE_EXHAUSTED where this router relays its limit)."""
         stats = self.routing.stats
         try:
-            parsed = self.frontend.parse(request, early)
-        except ValueError as e:
-            failed = RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            parsed = self.parse(request, early, count=False)
+        except RequestFailed as e:
+            failed = e
         else:
             limit = self.routing.config.max_in_flight
             if self.routing.inflight.in_flight < limit:
@@ -157,6 +157,13 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                 started = None  # the checks changed the prompt: read it anew
             routed = await self._route(parsed, avoid, started, failure, state)
             started = None  # one read per decision: retries read again
+            if parsed.max_model_len != self.frontend.max_model_len and not progress.migrations:
+                # That read taught the router another context length (the first
+                # read after the nodes registered, or changed theirs): the checks
+                # run again against it, as a node would run them.
+                state.status = grpc.StatusCode.INVALID_ARGUMENT
+                parsed = original = state.original = self.parse(request, None, count=False)
+                state.status = grpc.StatusCode.CANCELLED
             tried = _Attempt(self, routed, parsed, request, state)
             async for response in tried.relay():
                 yield response
@@ -230,6 +237,15 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         if self.access_log:
             log_access(entry)
         state.span.end(now, entry.attributes(state.attempts, state.progress.migrations))
+
+    def parse(self, request, early, count: bool = True) -> ParsedRequest:
+        """The request checked (router/frontend.py), or RequestFailed(INVALID_ARGUMENT)."""
+        try:
+            return self.frontend.parse(request, early)
+        except ValueError as e:
+            if count:  # else the request's end counts it
+                self.routing.stats.requests_by_status[grpc.StatusCode.INVALID_ARGUMENT.name] += 1
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
     def migrate(self, parsed, progress: StreamProgress, failure, client_id: str) -> bool:
         """Set ``progress`` up for a continuation on another decode node, if allowed."""
@@ -337,7 +353,9 @@ class _Attempt:
         # Unique downstream even when clients reuse ids: streams never cross.
         downstream.request_id = uuid.uuid4().hex
         downstream.prompt_token_ids.extend(self.parsed.prompt_token_ids)
-        downstream.sampling.CopyFrom(self.progress.sampling(self.request.sampling))
+        # Its max_tokens resolved by the router (router/frontend.py), and for a
+        # migrated request's continuation reduced by the tokens it has.
+        downstream.sampling.CopyFrom(self.progress.sampling(self.parsed.sampling))
         downstream.cache_salt = self.parsed.cache_salt
         downstream.resume_offset = self.progress.resume_offset
         downstream.traceparent = self.traceparent

@@ -65,6 +65,9 @@ class NodeInfo:
     max_num_seqs: int = 0
     tensor_parallel_size: int = 1  # ranks of its engine, one process each
     num_gpus: int = 0  # GPUs it holds (one per rank; 0 on a CPU)
+    # The longest prompt + output its engine serves; routers take theirs from
+    # it (router/limits.py). 0: a node of a release that does not publish it.
+    max_model_len: int = 0
     draining: bool = False  # the node itself is shutting down (SIGTERM)
     updated_ms: int = 0  # the node's clock at its last heartbeat
     seen_ms: int = 0  # the Redis server's clock at its last heartbeat
@@ -162,7 +165,7 @@ class NodeInfo:
 
     @classmethod
     def from_route_values(cls, node_id: str, values: list[Any]) -> NodeInfo:
-        """From the 14 fields of ROUTE_FIELDS, in that order (a node hash without ``route``)."""
+        """From the fields of ROUTE_FIELDS, in that order (a node hash without ``route``)."""
         v = [_text(x) if x is not None else "" for x in values]
         return cls(
             node_id=node_id,
@@ -181,6 +184,7 @@ class NodeInfo:
             draining=v[12] not in ("0", "", "False"),
             seen_ms=_int(v[13]),
             tensor_parallel_size=_int(v[14]) or 1,  # a node that predates the field: 1
+            max_model_len=_int(v[15]) if len(v) > 15 else 0,
         )
 
 

@@ -4,11 +4,19 @@ A heartbeat publishes the node's load and the block hashes its prefix cache
 stored and evicted since the last one, in one Redis round trip. When Redis is
 unreachable the node keeps serving and retries with backoff; the events it
 could not publish are kept and sent with the next successful heartbeat.
+
+A node that goes idle publishes at once rather than at its next beat: its last
+request would otherwise read as running (``pdctl nodes``, a router's load) for
+up to an interval after its client had the answer. The engine thread wakes the
+beat when a step finishes a request and leaves the engine idle
+(``watch_idle``); no message waits for it. Under load a node is never idle, so
+this costs nothing there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -45,6 +53,18 @@ class Heartbeat:
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # A take of cache events queued on the engine thread and not yet answered.
     _events_future: Future | None = None
+    # Set to beat now rather than at the end of the interval (watch_idle).
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def watch_idle(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Beat at once when an engine step finishes a request and leaves the
+        engine with nothing to do (the hook runs on the engine thread)."""
+
+        def after_step(outputs) -> None:
+            if any(o.finished for o in outputs) and not self.engine.engine.has_work():
+                loop.call_soon_threadsafe(self._wake.set)
+
+        self.engine.after_step.append(after_step)
 
     def refresh_info(self) -> NodeInfo:
         s = self.engine.stats
@@ -120,7 +140,9 @@ class Heartbeat:
                 if self.consecutive_failures:
                     logger.info("Redis reachable again; heartbeats resumed")
                 self.consecutive_failures = 0
-                await asyncio.sleep(self.interval_s)
+                with contextlib.suppress(TimeoutError):  # the interval, or a wake
+                    await asyncio.wait_for(self._wake.wait(), self.interval_s)
+                self._wake.clear()
             except asyncio.CancelledError:
                 raise
             except Exception as e:

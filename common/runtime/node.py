@@ -61,6 +61,7 @@ class NodeEngine:
             model_id=self.config.served_model_name,
             block_size=self.config.kvcache_block_size,
             max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.config.max_model_len,
             tensor_parallel_size=tp,
             num_gpus=tp if self.engine.model_runner.device.type == "cuda" else 0,
             **extra,
@@ -132,6 +133,7 @@ async def run_node(
     heartbeat = Heartbeat(
         cluster, thread, info, interval_s=node.heartbeat_interval_s, counters=counters
     )
+    heartbeat.watch_idle(asyncio.get_running_loop())
     metrics.heartbeat = heartbeat
     await heartbeat.beat()
     beating = asyncio.create_task(heartbeat.run_forever())

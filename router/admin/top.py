@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import shutil
 import sys
 import threading
 import time
@@ -128,11 +129,17 @@ def render(prev: Sample | None, cur: Sample, address: str) -> Group:
     return Group(summary(prev, cur, address), nodes_table(prev, cur), latency_table(cur.stats))
 
 
-def render_text(prev: Sample | None, cur: Sample, address: str, width: int = 120) -> str:
-    """One frame as plain text (what `--once` prints)."""
-    console = Console(width=width, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+# Columns for a frame printed where there is no terminal (a pipe, a file, a
+# script): wide enough that no row wraps, so each node stays on one line.
+UNWRAPPED_WIDTH = 10_000
+
+
+def render_text(prev: Sample | None, cur: Sample, address: str, width: int | None = None) -> str:
+    """One frame as plain text (what `--once` prints), ``width`` columns wide;
+    None: as wide as its rows (no terminal to fit)."""
+    console = Console(width=width or UNWRAPPED_WIDTH, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
     console.print(render(prev, cur, address))
-    return console.export_text()
+    return "".join(line.rstrip() + "\n" for line in console.export_text().splitlines())
 
 
 @contextlib.contextmanager
@@ -169,7 +176,9 @@ def cmd_top(stub, args) -> int:
         # Two polls a short interval apart, so the rates are real ones.
         time.sleep(min(args.interval, 1.0))
         prev, cur = cur, poll(stub, args.call)
-        sys.stdout.write(render_text(prev, cur, args.address))
+        # A terminal's width where there is one; a pipe or a file gets whole rows.
+        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+        sys.stdout.write(render_text(prev, cur, args.address, width))
         sys.stdout.flush()
         return 0
     prev = None

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 
-import grpc
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,53 +30,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from common.tls import TLSConfig
 from common.tracing import TRACEPARENT_KEY
 from proto import pdserve_pb2
-from router.http.chunks import Assembler
+from router.http.chunks import Assembler, EchoLogprobs
+from router.http.errors import ApiError, invalid_body
 from router.http.schemas import ChatCompletionRequest, CompletionRequest, InvalidField
 from router.service import RequestFailed, RouterServicer
 
 GENERATE_METHOD = "/pdserve.v1.Router/Generate"  # the gRPC method whose right HTTP calls need
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; the gRPC deadline's counterpart (504 past it)
 DONE = format_sse_event(data_str="[DONE]")
-
-# gRPC status -> (HTTP status, OpenAI error type)
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str, param=None, code=None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-        self.param, self.code = param, code
-
-    @classmethod
-    def from_failure(cls, e: RequestFailed) -> ApiError:
-        status, kind = HTTP_STATUS.get(e.code, (500, "server_error"))
-        # The context-length refusal has OpenAI's own code (clients match on it).
-        code = "context_length_exceeded" if "max_model_len" in e.details else e.code.name
-        return cls(status, e.details, kind, None, code)
-
-    def response(self) -> JSONResponse:
-        body = {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-        headers = {"Retry-After": "1"} if self.status == 429 else None
-        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 @dataclass(slots=True)
@@ -134,7 +94,7 @@ class _Count:
             self.stats.by_endpoint_status[(path, status)] += 1
 
 
-def build_app(servicer: RouterServicer, auth, stats: HttpStats, max_model_len: int) -> FastAPI:
+def build_app(servicer: RouterServicer, auth, stats: HttpStats) -> FastAPI:
     """``auth``: the gRPC TokenAuthInterceptor (same tokens file, same rights), or None."""
     frontend = servicer.frontend
     model_id = frontend.model_id
@@ -148,7 +108,7 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats, max_model_len: i
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, e: RequestValidationError):
-        return _invalid(e.errors()).response()
+        return invalid_body(e.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, e: StarletteHTTPException):
@@ -201,6 +161,9 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats, max_model_len: i
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
+        # The nodes' context length (router/limits.py), read now: no request may have read it yet.
+        await servicer.routing.read_nodes()
+        max_model_len = frontend.max_model_len
         return {
             "object": "list",
             "data": [
@@ -219,13 +182,19 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats, max_model_len: i
     async def completions(request: Request):
         body = await parse(request, CompletionRequest)
         check_model(body.model)
-        try:
-            generate = body.to_generate()
-        except InvalidField as e:
-            raise ApiError(400, str(e), "invalid_request_error", e.param) from None
+        generate = to_generate(body.to_generate)
         echo = [_prompt_text(frontend, g) for g in generate] if body.echo else None
         assembler = Assembler(
-            frontend, "cmpl", model_id, body.n, len(generate), chat=False, echo=echo
+            frontend,
+            "cmpl",
+            model_id,
+            body.n,
+            len(generate),
+            chat=False,
+            echo=echo,
+            echo_logprobs=_echo_logprobs(frontend, generate) if body.echo_logprobs else None,
+            echo_only=body.echo_only,
+            prompt_logprobs=body.prompt_logprobs is not None,
         )
         return await run(request, body, generate, assembler)
 
@@ -233,10 +202,7 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats, max_model_len: i
     async def chat(request: Request):
         body = await parse(request, ChatCompletionRequest)
         check_model(body.model)
-        try:
-            generate = [body.to_generate(max_model_len)]
-        except InvalidField as e:
-            raise ApiError(400, str(e), "invalid_request_error", e.param) from None
+        generate = [to_generate(body.to_generate)]
         assembler = Assembler(
             frontend,
             "chatcmpl",
@@ -245,15 +211,22 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats, max_model_len: i
             1,
             chat=True,
             top_logprobs=body.top_logprobs or 0,
+            prompt_logprobs=body.prompt_logprobs is not None,
         )
         return await run(request, body, generate, assembler)
+
+    def to_generate(build):
+        try:
+            return build()
+        except InvalidField as e:
+            raise ApiError(400, str(e), "invalid_request_error", e.param) from None
 
     async def parse(request: Request, schema):
         # JSON whatever the Content-Type says (curl -d sends form-urlencoded).
         try:
             return schema.model_validate_json(await request.body())
         except ValidationError as e:
-            raise _invalid(e.errors()) from None
+            raise invalid_body(e.errors()) from None
 
     async def run(request: Request, body, generate: list, assembler: Assembler):
         timeout = timeout_of(request)
@@ -286,19 +259,6 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats, max_model_len: i
         return JSONResponse(assembler.whole())
 
     return app
-
-
-_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "TextPart"})
-
-
-def _invalid(errors) -> ApiError:
-    """400 naming the first bad field (``messages.0.role``), as OpenAI's ``param``."""
-    first = errors[0] if errors else {}
-    # pydantic's loc names union members too ("prompt", "list[int]", 0): keep the field path.
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    param = ".".join(x for x in loc if x not in _TYPE_NAMES and "[" not in x) or None
-    message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
-    return ApiError(400, message, "invalid_request_error", param)
 
 
 async def _firsts(streams: list[AsyncIterator]) -> list:
@@ -405,15 +365,26 @@ async def _sse(merged, assembler: Assembler, include_usage: bool):
                 yield _event(assembler.usage_chunk())
         except RequestFailed as e:
             # Mid-stream the status line is sent already: the error goes in the stream.
-            error = ApiError.from_failure(e)
-            yield _event(
-                {"error": {"message": error.message, "type": error.kind, "code": error.code}}
-            )
+            yield _event(ApiError.from_failure(e).body())
         yield DONE
 
 
 def _event(obj: dict) -> bytes:
     return format_sse_event(data_str=json.dumps(obj, separators=(",", ":")))
+
+
+def _echo_logprobs(frontend, generate: list) -> EchoLogprobs:
+    """Each prompt's first token: what the router's tokenizer makes of its text
+    (the InputProcessor's own call), or its first id."""
+    firsts = []
+    for g in generate:
+        if g.WhichOneof("input") == "token_ids":
+            firsts.append(g.token_ids.ids[0])
+        elif frontend.tokenizer is None:
+            raise ApiError(400, "echo of text needs a tokenizer", "invalid_request_error", "echo")
+        else:
+            firsts.append((frontend.tokenizer.encode(g.prompt) or [0])[0])
+    return EchoLogprobs(firsts)
 
 
 def _prompt_text(frontend, request: pdserve_pb2.GenerateRequest) -> str:

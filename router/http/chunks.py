@@ -3,6 +3,13 @@
 One Assembler per HTTP request: it numbers the choices (prompt i's completion j
 is choice i * n + j, as OpenAI numbers a batch of prompts), keeps what a
 non-streamed answer needs and sums the usage of every prompt.
+
+Prompt logprobs (the first message of a prompt carries them) become, with
+completions' ``echo`` and ``logprobs``, the echoed prompt's entries of OpenAI's
+legacy ``logprobs``: the prompt's first token has no context, so its
+``token_logprobs`` and ``top_logprobs`` entries are null (as vLLM and OpenAI);
+``text_offset`` runs on through the generated tokens. vLLM's ``prompt_logprobs``
+extra gets them in vLLM's own shape.
 """
 
 from __future__ import annotations
@@ -34,9 +41,29 @@ class _Choice:
     stop_reason: int | str | None = None
 
 
+@dataclass(slots=True)
+class EchoLogprobs:
+    """Completions' echo with logprobs: per prompt, its first token (which has
+    no logprob, so the first message's prompt logprobs do not name it)."""
+
+    first_tokens: list[int]
+
+
 class Assembler:
     def __init__(
-        self, frontend, prefix, model, n, num_prompts, *, chat, echo=None, top_logprobs=0
+        self,
+        frontend,
+        prefix,
+        model,
+        n,
+        num_prompts,
+        *,
+        chat,
+        echo=None,
+        top_logprobs=0,
+        echo_logprobs: EchoLogprobs | None = None,
+        echo_only: bool = False,
+        prompt_logprobs: bool = False,
     ) -> None:
         self.tokenizer = frontend.tokenizer
         self.id = f"{prefix}-{uuid.uuid4().hex}"
@@ -45,6 +72,12 @@ class Assembler:
         self.n = n
         self.chat = chat
         self.echo = echo  # completions: the prompt texts to prepend, by prompt
+        self.echo_logprobs = echo_logprobs
+        # echo with max_tokens 0: only the prompt; nothing generated is shown or counted.
+        self.echo_only = echo_only
+        # vLLM's prompt_logprobs extra: by prompt, [None, {token id: entry}, ...].
+        self.prompt_logprobs: dict[int, list] | None = {} if prompt_logprobs else None
+        self._seen: set[int] = set()  # prompts whose first message came
         # Chat's top_logprobs is exactly k long (OpenAI); the engine adds the
         # sampled token when it is not among the k best (completions keep it, as vLLM).
         self.top_logprobs = top_logprobs
@@ -104,11 +137,47 @@ class Assembler:
             "text_offset": [e[3] for e in entries],
         }
 
+    def _prompt_entries(self, index: int, response) -> list:
+        """The echoed prompt's completions entries (tuples, as ``_logprobs``)."""
+        first = self.echo_logprobs.first_tokens[index]
+        token = self._token(first, ())
+        entries, offset = [(token, None, None, 0)], len(token)
+        for lp in response.prompt_logprobs:
+            token = self._token(lp.token_id, lp.top)
+            top = {t.text or self._token(t.token_id, ()): t.logprob for t in lp.top}
+            entries.append((token, lp.logprob, top, offset))
+            offset += len(token)
+        return entries
+
+    def _first_message(self, index: int, response) -> list[dict]:
+        """What a prompt's first message brings before its tokens: its prompt
+        logprobs; with echo and logprobs, its echo chunks (streamed)."""
+        if index in self._seen:
+            return []
+        self._seen.add(index)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs[index] = [None, *map(_vllm_entry, response.prompt_logprobs)]
+        if self.echo_logprobs is None:
+            return []
+        entries = self._prompt_entries(index, response)
+        chunks = []
+        for number in range(index * self.n, (index + 1) * self.n):
+            choice = self.choices[number]
+            choice.logprobs[:0] = entries
+            choice.offset = entries[-1][3] + len(entries[-1][0])
+            text = self.echo[index]
+            logprobs = self._shape(entries)
+            chunks.append(
+                {"index": number, "text": text, "logprobs": logprobs, "finish_reason": None}
+            )
+        return chunks
+
     def _final(self, index: int, final: pdserve_pb2.Final) -> list[int]:
         """Records how prompt ``index``'s completions ended; their choice numbers."""
         usage = final.usage
         self.prompt_tokens += usage.prompt_tokens
-        self.completion_tokens += usage.completion_tokens
+        if not self.echo_only:
+            self.completion_tokens += usage.completion_tokens
         self.cached_tokens += usage.cached_tokens
         ended = []
         for c in final.completions:
@@ -131,7 +200,8 @@ class Assembler:
     # -- non-streamed ----------------------------------------------------------
 
     def add(self, index: int, response: pdserve_pb2.GenerateResponse) -> None:
-        for delta in response.deltas:
+        self._first_message(index, response)
+        for delta in response.deltas if not self.echo_only else ():
             choice = self.choices[index * self.n + delta.index]
             choice.text.append(delta.text)
             self._logprobs(choice, delta, record=True)
@@ -149,6 +219,8 @@ class Assembler:
                 if self.echo is not None:
                     text = self.echo[number // self.n] + text
                 body = {"text": text, "logprobs": logprobs}
+                if self.prompt_logprobs is not None:
+                    body["prompt_logprobs"] = self.prompt_logprobs.get(number // self.n)
             choices.append(
                 {
                     "index": number,
@@ -157,7 +229,10 @@ class Assembler:
                     "stop_reason": c.stop_reason,
                 }
             )
-        return self._envelope(choices) | {"usage": self.usage()}
+        out = self._envelope(choices) | {"usage": self.usage()}
+        if self.chat and self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs.get(0)  # vLLM's place for chat
+        return out
 
     # -- streamed ----------------------------------------------------------------
     #
@@ -207,8 +282,8 @@ class Assembler:
                 }
                 for i in range(len(self.choices))
             ]
-        if self.echo is None:
-            return []
+        if self.echo is None or self.echo_logprobs is not None:
+            return []  # with logprobs, the echo waits for the prompt's logprobs
         return [
             {
                 "index": i,
@@ -221,8 +296,8 @@ class Assembler:
 
     def _choices(self, index: int, response, encoded: bool = False) -> list[dict | str]:
         """The response's choices; ``encoded``: token chunks as JSON text already."""
-        out = []
-        for delta in response.deltas:
+        out: list[dict | str] = list(self._first_message(index, response))
+        for delta in response.deltas if not self.echo_only else ():
             number = index * self.n + delta.index
             logprobs = self._logprobs(self.choices[number], delta, record=False)
             if not delta.text and not delta.token_ids and logprobs is None:
@@ -272,3 +347,20 @@ class Assembler:
         if self.chat:
             out["object"] = "chat.completion.chunk"
         return out
+
+
+def _vllm_entry(lp: pdserve_pb2.TokenLogprobs) -> dict:
+    """One prompt position in vLLM's prompt_logprobs shape: token id (a JSON
+    key, so a string) -> logprob, rank (1 = best) and decoded token; the
+    prompt's token and the best candidates."""
+    out = {}
+    for rank, t in enumerate(lp.top, 1):
+        own = t.token_id == lp.token_id
+        out[str(t.token_id)] = {
+            "logprob": t.logprob,
+            "rank": lp.rank if own else rank,
+            "decoded_token": t.text,
+        }
+    if str(lp.token_id) not in out:
+        out[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": None}
+    return out

@@ -2,12 +2,15 @@
 
 The HTTP edge's only job: JSON in, the same GenerateRequest the gRPC API takes out
 (router/service.py validates it, once, for both). Fields pdserve cannot honour are
-refused with 400 naming them, never silently dropped (docs/openai.md lists them).
+refused with 400 naming them, never silently dropped (docs/openai.md lists them):
+every field of OpenAI's and vLLM's request bodies is honoured, refused, or
+(metadata that changes no output) accepted; a field of neither is ignored, as
+OpenAI and vLLM ignore fields they do not know.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -28,12 +31,87 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+# Fields of OpenAI's or vLLM's request bodies that pdserve does not honour, and
+# why: refused with 400 naming them where they ask for something (a null, false,
+# empty or default value asks for nothing and passes), never silently dropped.
+_STRUCTURED = "structured outputs are not supported yet"
+NOT_SUPPORTED = {
+    "functions": "functions (the deprecated function calling) are not supported",
+    "function_call": "function_call (the deprecated function calling) is not supported",
+    "tools": "tools (function calling) are not supported",
+    "audio": "audio output is not supported by this model",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "reasoning_effort is not supported: this model does not reason",
+    "verbosity": "verbosity is not supported",
+    "guided_json": _STRUCTURED,
+    "guided_regex": _STRUCTURED,
+    "guided_choice": _STRUCTURED,
+    "guided_grammar": _STRUCTURED,
+    "guided_decoding_backend": _STRUCTURED,
+    "guided_whitespace_pattern": _STRUCTURED,
+    "structured_outputs": _STRUCTURED,
+    "structural_tag": _STRUCTURED,
+    "use_beam_search": "beam search is not supported",
+    "bad_words": "bad_words is not supported",
+    "logits_processors": "logits_processors are not supported",
+    "logprob_token_ids": "logprob_token_ids is not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+    "return_token_ids": "return_token_ids is not supported",
+    "prompt_embeds": "prompt_embeds are not supported",
+    "continue_final_message": "continue_final_message is not supported",
+    "chat_template": "a request's own chat_template is not supported",
+    "chat_template_kwargs": "chat_template_kwargs are not supported",
+    "documents": "documents are not supported",
+    "mm_processor_kwargs": "multimodal inputs are not supported by this model",
+    "kv_transfer_params": "kv_transfer_params are not supported (pdserve moves KV itself)",
+    "vllm_xargs": "vllm_xargs are not supported",
+    "repetition_detection": "repetition_detection is not supported",
+    "thinking_token_budget": "thinking_token_budget is not supported: this model does not reason",
+    "echo": "echo on chat completions (prepending the last message) is not supported",
+}
+# Fields honoured at one value only, the one that asks for what pdserve does anyway.
+_ONLY = {
+    "priority": ((0,), "priority scheduling is not supported: priority must be 0"),
+    "length_penalty": ((1,), "length_penalty applies to beam search, which is not supported"),
+    # truncate_prompt_tokens keeps the last tokens.
+    "truncation_side": (("left",), "only truncation_side 'left' is supported"),
+    "store": ((False,), "stored completions are not supported"),
+    "tool_choice": (("none",), "tool_choice needs tools, which are not supported"),
+}
+
+
+def refuse_unsupported(extra: dict[str, Any] | None) -> None:
+    """400 naming the first field of NOT_SUPPORTED, or of _ONLY at another
+    value, whose value asks for something."""
+    for name, value in (extra or {}).items():
+        if value is None or value is False or value in ("", [], {}):
+            continue
+        if name in NOT_SUPPORTED:
+            raise InvalidField(name, NOT_SUPPORTED[name])
+        if name in _ONLY and value not in _ONLY[name][0]:
+            raise InvalidField(name, _ONLY[name][1])
+
+
+def check_special_tokens(extra: dict[str, Any] | None, pdserve_adds: bool) -> None:
+    """vLLM's add_special_tokens: accepted where it asks for what pdserve does
+    (completions' text is encoded with them, a chat template's output without)."""
+    value = (extra or {}).get("add_special_tokens")
+    if value is not None and value is not pdserve_adds:
+        raise InvalidField(
+            "add_special_tokens", f"add_special_tokens {str(value).lower()} is not supported here"
+        )
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
 class _Sampling(_Body):
-    """Fields both endpoints share: OpenAI's, then vLLM's sampling extras."""
+    """Fields both endpoints share: OpenAI's, then vLLM's sampling extras.
+    Fields it does not declare are kept (``model_extra``) to refuse those
+    pdserve cannot honour (NOT_SUPPORTED)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -56,7 +134,12 @@ class _Sampling(_Body):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    request_id: str | None = None  # vLLM's: the request's id in the router's logs
     # pdserve's tenant isolation of the prefix cache (GenerateRequest.cache_salt).
     cache_salt: str | None = None
 
@@ -76,13 +159,18 @@ class _Sampling(_Body):
             "min_tokens",
             "ignore_eos",
             "skip_special_tokens",
+            "spaces_between_special_tokens",
             "include_stop_str_in_output",
+            "truncate_prompt_tokens",
+            "prompt_logprobs",
         ):
             value = getattr(self, name)
             if value is not None:
                 setattr(s, name, value)
         if logprobs is not None:
             s.logprobs = logprobs
+        if self.allowed_token_ids:
+            s.allowed_token_ids.extend(self.allowed_token_ids)
         if self.stop is not None:
             s.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop)
         if self.stop_token_ids:
@@ -96,15 +184,29 @@ class _Sampling(_Body):
                 ) from None
         return s
 
-    def check_range(self) -> None:
-        """Out-of-range values protobuf would not even hold (int64); the engine checks the rest."""
-        for name in ("max_tokens", "n", "seed", "top_k", "min_tokens"):
-            value = getattr(self, name)
+    def check(self) -> None:
+        """What the engine never sees: fields pdserve does not honour, values
+        protobuf would not even hold (int64). The engine checks the rest."""
+        refuse_unsupported(self.model_extra)
+        for name in (
+            "max_tokens", "n", "seed", "top_k", "min_tokens", "truncate_prompt_tokens",
+            "prompt_logprobs", "logprobs", "top_logprobs", "max_completion_tokens",
+        ):  # fmt: skip
+            value = getattr(self, name, None)
             if value is not None and not -(2**63) <= value < 2**63:
                 raise InvalidField(name, f"{name} is out of range")
-        for value in self.stop_token_ids or ():
-            if not -(2**63) <= value < 2**63:
-                raise InvalidField("stop_token_ids", "stop_token_ids has an id out of range")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if any(not -(2**63) <= v < 2**63 for v in getattr(self, name) or ()):
+                raise InvalidField(name, f"{name} has an id out of range")
+        if self.stream and self.prompt_logprobs is not None:
+            raise InvalidField(
+                "prompt_logprobs", "prompt_logprobs are not available with stream: true (as vLLM)"
+            )
+
+    def generate_request(self, sampling: pdserve_pb2.SamplingParams) -> pdserve_pb2.GenerateRequest:
+        return pdserve_pb2.GenerateRequest(
+            sampling=sampling, cache_salt=self.cache_salt or "", request_id=self.request_id or ""
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -120,36 +222,46 @@ class CompletionRequest(_Sampling):
         list[StrictInt] | str | list[str] | list[list[StrictInt]],
         Field(union_mode="left_to_right"),
     ]
+    # Absent: OpenAI's default for this endpoint (and vLLM's). null: unset, up
+    # to the context left, as an unset max_tokens everywhere (router/frontend.py).
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt alone (lm-eval's and others'
+        scoring requests). The engine generates one token, which is dropped."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """echo with logprobs: the echoed prompt's tokens carry their logprobs."""
+        return self.echo and self.logprobs is not None
+
     def to_generate(self) -> list[pdserve_pb2.GenerateRequest]:
         """One GenerateRequest per prompt (OpenAI's batch of prompts)."""
-        self.check_range()
+        self.check()
+        check_special_tokens(self.model_extra, True)
         if self.suffix:
             raise InvalidField("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidField("best_of", "best_of other than n is not supported")
-        if self.echo and self.logprobs is not None:
-            raise InvalidField("echo", "echo with logprobs (prompt logprobs) is not supported")
-        sampling = self.sampling(self.max_tokens, self.logprobs)
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            prompts: list = [prompt]
-        elif not prompt:
-            raise InvalidField("prompt", "prompt is empty")
-        elif isinstance(prompt[0], int):
-            prompts = [prompt]
-        else:
-            prompts = list(prompt)
-        out = []
-        for p in prompts:
-            request = pdserve_pb2.GenerateRequest(
-                sampling=sampling, cache_salt=self.cache_salt or ""
+        if self.echo_logprobs and self.truncate_prompt_tokens is not None:
+            raise InvalidField(
+                "truncate_prompt_tokens",
+                "truncate_prompt_tokens with echo and logprobs is not supported",
             )
+        sampling = self.sampling(1 if self.echo_only else self.max_tokens, self.logprobs)
+        if self.echo_logprobs and self.prompt_logprobs is None:
+            # The echoed prompt's logprobs are its prompt logprobs, as many
+            # candidates as the generated tokens get (vLLM).
+            sampling.prompt_logprobs = self.logprobs
+        out = []
+        for p in self.prompts():
+            request = self.generate_request(sampling)
             if isinstance(p, str):
                 request.prompt = p
             else:
@@ -160,15 +272,67 @@ class CompletionRequest(_Sampling):
             out.append(request)
         return out
 
+    def prompts(self) -> list:
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidField("prompt", "prompt is empty: it must have at least one token")
+            return [prompt]
+        if not prompt:
+            raise InvalidField("prompt", "prompt is empty: it must have at least one token")
+        if isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+
+class ContentPart(_Body):
+    """A part of a message's content; only text parts are honoured (to_generate)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    type: str
+    text: str | None = None
+
+
+# Content parts of other types, and what a text-only model says of them.
+_MEDIA = {
+    "image_url": "images are not supported by this model (it reads text only)",
+    "input_image": "images are not supported by this model (it reads text only)",
+    "image": "images are not supported by this model (it reads text only)",
+    "input_audio": "audio is not supported by this model (it reads text only)",
+    "audio_url": "audio is not supported by this model (it reads text only)",
+    "video_url": "video is not supported by this model (it reads text only)",
+    "file": "files are not supported by this model (it reads text only)",
+}
 
 
 class ChatMessage(_Body):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
+
+    def text(self, i: int) -> str:
+        """The message's text; 400 naming the part that is not text."""
+        for name in ("tool_calls", "function_call", "audio"):
+            if (self.model_extra or {}).get(name):
+                raise InvalidField(
+                    f"messages.{i}.{name}", f"messages with {name} are not supported"
+                )
+        if not isinstance(self.content, list):
+            return self.content or ""
+        texts = []
+        for j, part in enumerate(self.content):
+            where = f"messages.{i}.content.{j}"
+            if part.type != "text":
+                reason = _MEDIA.get(
+                    part.type, f"content parts of type {part.type!r} are not supported"
+                )
+                raise InvalidField(where, reason)
+            if part.text is None:
+                raise InvalidField(f"{where}.text", "a text part needs its text")
+            texts.append(part.text)
+        return "".join(texts)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -177,31 +341,29 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list | None = None
     response_format: dict | None = None
+    modalities: list[str] | None = None
 
-    def to_generate(self, max_model_len: int) -> pdserve_pb2.GenerateRequest:
-        self.check_range()
-        if self.tools:
-            raise InvalidField("tools", "tools (function calling) are not supported")
+    def to_generate(self) -> pdserve_pb2.GenerateRequest:
+        self.check()
+        check_special_tokens(self.model_extra, False)
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise InvalidField("response_format", "only response_format type 'text' is supported")
+        if any(m != "text" for m in self.modalities or ()):
+            raise InvalidField(
+                "modalities",
+                "this model writes text only: modalities other than text (audio) are not supported",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidField("top_logprobs", "top_logprobs needs logprobs: true")
-        # Unset: up to the context length, as OpenAI and vLLM do (the engine
-        # ends the sequence at max_model_len with finish_reason "length").
+        # Unset: up to the context left, as OpenAI and vLLM do (resolved by the
+        # router, router/frontend.py).
         given = [v for v in (self.max_completion_tokens, self.max_tokens) if v is not None]
-        max_tokens = given[0] if given else max_model_len
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        request = pdserve_pb2.GenerateRequest(
-            sampling=self.sampling(max_tokens, logprobs), cache_salt=self.cache_salt or ""
-        )
+        request = self.generate_request(self.sampling(given[0] if given else None, logprobs))
         request.chat.add_generation_prompt = self.add_generation_prompt
-        for m in self.messages:
-            content = m.content if isinstance(m.content, str) else ""
-            if isinstance(m.content, list):
-                content = "".join(part.text for part in m.content)
+        for i, m in enumerate(self.messages):
             # The chat templates of small models know "system", not OpenAI's newer name for it.
             role = "system" if m.role == "developer" else m.role
-            request.chat.messages.add(role=role, content=content)
+            request.chat.messages.add(role=role, content=m.text(i))
         return request

@@ -59,3 +59,26 @@ def test_the_first_id_outside_the_vocabulary_is_named(processor, bad):
 def test_sampling_ids_are_checked_against_the_vocabulary(processor):
     with pytest.raises(ValueError, match=f"stop_token_ids contains {processor.vocab_size}"):
         process(processor, [1, 2], stop_token_ids=[3, processor.vocab_size])
+
+
+def test_an_unset_max_tokens_is_what_the_context_leaves(processor):
+    # vLLM's rule, the one router and nodes share (issue 50, item 1).
+    assert process(processor, [1, 2, 3], max_tokens=None).max_tokens == 512 - 3
+    assert process(processor, [1, 2, 3], max_tokens=7).max_tokens == 7
+    processor.max_model_len = 100  # a router serving its nodes' shorter length
+    try:
+        assert process(processor, [1] * 40, max_tokens=None).max_tokens == 60
+        with pytest.raises(ValueError, match="prompt has 100 tokens but max_model_len is 100"):
+            process(processor, [1] * 100, max_tokens=None)
+    finally:
+        processor.max_model_len = 512
+
+
+def test_min_tokens_beyond_the_context_left_is_refused(processor):
+    with pytest.raises(ValueError, match="min_tokens 600 is more than the 509 tokens"):
+        process(processor, [1, 2, 3], max_tokens=None, min_tokens=600)
+
+
+def test_a_request_keeps_its_resolved_max_tokens(processor):
+    req = processor.new_request("r", [1, 2, 3, 4], SamplingParams(max_tokens=None), 0.0, None)
+    assert req.params.max_tokens == 508 and req.seqs[0].params.max_tokens == 508

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import pytest
 
+from common.cluster.state import NodeInfo, NodeRole
 from engine.config import EngineConfig
 from proto import pdserve_pb2
 from router.frontend import Frontend
+from router.migration import StreamProgress
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +69,51 @@ def test_no_head_start_where_the_checks_may_change_the_prompt(frontend):
     assert frontend.early(chat) is None  # its template's errors come after sampling's
     assert frontend.early(request()) is None  # no input at all
     assert len(frontend.parse(truncated).prompt_token_ids) == 20
+
+
+# -- max_tokens and the nodes' context length (issue 50, items 1 and 2) -------------------
+
+
+def test_an_unset_max_tokens_goes_downstream_resolved(frontend):
+    req = request(token_ids=pdserve_pb2.TokenIds(ids=[7] * 100), sampling={})
+    parsed = frontend.parse(req)
+    assert parsed.params.max_tokens == 1024 - 100  # the context left, not SamplingParams' 16
+    assert parsed.sampling.max_tokens == 1024 - 100
+    assert not req.sampling.HasField("max_tokens")  # the client's request is left alone
+    # A migrated continuation after 30 tokens asks for the rest of the same budget.
+    progress = StreamProgress(prompt_len=100)
+    progress.token_ids = [5] * 30
+    progress.resume_offset = 30
+    continuation = frontend.continuation(parsed, progress.token_ids)
+    assert progress.sampling(continuation.sampling).max_tokens == 1024 - 100 - 30
+    explicit = frontend.parse(request(token_ids=pdserve_pb2.TokenIds(ids=[7] * 100)))
+    assert explicit.sampling.max_tokens == 4
+
+
+def test_an_explicit_max_tokens_that_cannot_fit_is_refused(frontend):
+    req = request(token_ids=pdserve_pb2.TokenIds(ids=[7] * 1000), sampling={"max_tokens": 30})
+    with pytest.raises(ValueError, match="more than max_model_len 1024: .* at most 24 tokens"):
+        frontend.parse(req)
+
+
+def test_the_nodes_registered_length_is_the_one_checked(demo_model_dir):
+    # The router's own default is the model's 8192; its nodes serve 512.
+    frontend = Frontend(EngineConfig.from_kwargs(str(demo_model_dir)))
+    assert frontend.max_model_len == 8192
+    node = NodeInfo("d", NodeRole.DECODE, "h:1", frontend.model_id, 16, max_model_len=512)
+    old = NodeInfo("o", NodeRole.DECODE, "h:2", frontend.model_id, 16)  # publishes none
+    other = NodeInfo("x", NodeRole.DECODE, "h:3", "another-model", 16, max_model_len=64)
+    frontend.served.observe([node, old, other])
+    assert frontend.max_model_len == 512
+    long = request(token_ids=pdserve_pb2.TokenIds(ids=[7] * 600))
+    with pytest.raises(ValueError, match="prompt has 600 tokens but max_model_len is 512"):
+        frontend.parse(long)
+    unset = frontend.parse(request(token_ids=pdserve_pb2.TokenIds(ids=[7] * 500), sampling={}))
+    assert unset.params.max_tokens == 12 and unset.max_model_len == 512
+    # Nodes that disagree: the smallest, so that every node serves what is accepted.
+    frontend.served.observe(
+        [node, NodeInfo("e", NodeRole.DECODE, "h:4", frontend.model_id, 16, max_model_len=256)]
+    )
+    assert frontend.max_model_len == 256
+    frontend.served.observe([])  # every node gone: the last length learnt
+    assert frontend.max_model_len == 256

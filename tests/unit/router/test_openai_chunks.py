@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from proto import pdserve_pb2
-from router.http.chunks import Assembler
+from router.http.chunks import Assembler, EchoLogprobs
 
 
 def test_tokens_without_text_still_make_a_chunk():
@@ -57,3 +57,76 @@ def test_events_are_the_chunks_as_server_sent_events(chat):
         expected = b"".join(_old_event(c) for c in twin.chunks(0, response))
         assert asm.events(0, response) == expected
     assert asm.usage() == twin.usage()
+
+
+# -- echo with logprobs, and vLLM's prompt_logprobs (issue 50, item 3) ------------------------
+
+
+def first_message(prompt: list[tuple[int, str, float]], token: tuple[int, str, float]):
+    """A prompt's first message: its prompt logprobs (from the second token)
+    and one generated token, with one candidate each."""
+    out = pdserve_pb2.GenerateResponse()
+    for token_id, text, lp in prompt:
+        entry = out.prompt_logprobs.add(token_id=token_id, logprob=lp, rank=1)
+        entry.top.add(token_id=token_id, logprob=lp, text=text)
+    token_id, text, lp = token
+    delta = out.deltas.add(index=0, text=text, token_ids=[token_id])
+    delta.logprobs.add(token_id=token_id, logprob=lp, rank=1).top.add(
+        token_id=token_id, logprob=lp, text=text
+    )
+    out.final.completions.add(index=0, finish_reason=pdserve_pb2.FINISH_REASON_LENGTH)
+    out.final.usage.prompt_tokens, out.final.usage.completion_tokens = 3, 1
+    return out
+
+
+TOKENIZER = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: {1: "The"}[ids[0]]))
+PROMPT = [(2, " cat", -2.5), (3, " sat", -1.25)]
+
+
+@pytest.mark.parametrize("only", [False, True], ids=["max_tokens 1", "max_tokens 0"])
+def test_echo_with_logprobs_is_openais_legacy_shape(only):
+    asm = Assembler(
+        TOKENIZER, "cmpl", "m", 1, 1, chat=False, echo=["The cat sat"],
+        echo_logprobs=EchoLogprobs([1]), echo_only=only,
+    )  # fmt: skip
+    asm.add(0, first_message(PROMPT, (4, " on", -0.5)))
+    (choice,) = asm.whole()["choices"]
+    tokens = ["The", " cat", " sat"] + ([] if only else [" on"])
+    assert choice["text"] == "".join(tokens)
+    assert choice["logprobs"] == {
+        "tokens": tokens,
+        "token_logprobs": [None, -2.5, -1.25] + ([] if only else [-0.5]),
+        "top_logprobs": [None, {" cat": -2.5}, {" sat": -1.25}] + ([] if only else [{" on": -0.5}]),
+        "text_offset": [0, 3, 7] + ([] if only else [11]),
+    }
+    assert asm.usage()["completion_tokens"] == (0 if only else 1)
+
+
+def test_echo_with_logprobs_streams_the_prompt_first():
+    asm = Assembler(
+        TOKENIZER, "cmpl", "m", 1, 1, chat=False, echo=["The cat sat"],
+        echo_logprobs=EchoLogprobs([1]),
+    )  # fmt: skip
+    assert asm.start_chunks() == []  # the echo waits for its logprobs
+    echo, token, end = (
+        c["choices"][0] for c in asm.chunks(0, first_message(PROMPT, (4, " on", -0.5)))
+    )
+    assert echo["text"] == "The cat sat" and echo["logprobs"]["token_logprobs"] == [
+        None,
+        -2.5,
+        -1.25,
+    ]
+    assert token["text"] == " on" and token["logprobs"]["text_offset"] == [11]
+    assert end["finish_reason"] == "length"
+
+
+def test_vllms_prompt_logprobs_extra():
+    asm = Assembler(TOKENIZER, "cmpl", "m", 1, 1, chat=False, prompt_logprobs=True)
+    asm.add(0, first_message(PROMPT, (4, " on", -0.5)))
+    (choice,) = asm.whole()["choices"]
+    assert choice["prompt_logprobs"] == [
+        None,
+        {"2": {"logprob": -2.5, "rank": 1, "decoded_token": " cat"}},
+        {"3": {"logprob": -1.25, "rank": 1, "decoded_token": " sat"}},
+    ]
+    assert choice["text"] == " on"

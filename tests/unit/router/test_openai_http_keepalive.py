@@ -63,7 +63,7 @@ def test_idle_connections_outlive_uvicorns_default_and_follow_the_flag(monkeypat
     servers = {}
     for keep_alive_s in (parse().http_keep_alive_s, 1):  # the flag's default, and 1 s
         port = free_port()
-        app = build_app(servicer, None, HttpStats(), 64)
+        app = build_app(servicer, None, HttpStats())
         servers[port] = make_server(app, "127.0.0.1", port, tls, 1, keep_alive_s)
 
     async def scenario():

@@ -30,7 +30,7 @@ def test_https_with_client_certificates(tmp_path):
     tls = TLSConfig.from_paths(cert=certs.cert, key=certs.key, client_ca=certs.ca)
     servicer = SimpleNamespace(frontend=SimpleNamespace(model_id="m", tokenizer=None))
     port = free_port()
-    app = build_app(servicer, None, HttpStats(), 64)
+    app = build_app(servicer, None, HttpStats())
     server = make_server(app, "127.0.0.1", port, tls, 1, keep_alive_s=5)
 
     trusted = ssl.create_default_context(cafile=str(certs.ca))

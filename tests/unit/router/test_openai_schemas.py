@@ -8,7 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from router.http.schemas import CompletionRequest, InvalidField
+from router.http.schemas import ChatCompletionRequest, CompletionRequest, InvalidField
 
 
 def generate(prompt):
@@ -37,3 +37,88 @@ def test_a_token_id_protobuf_cannot_hold_names_the_prompt(bad):
     with pytest.raises(InvalidField) as e:
         generate([1, bad])
     assert e.value.param == "prompt" and "out of range" in str(e.value)
+
+
+# -- what the HTTP edge honours and refuses (issue 50, items 1, 3 and 7) ---------------------
+
+
+def completion(**body):
+    return CompletionRequest.model_validate_json(json.dumps({"prompt": "Hi", **body}))
+
+
+def chat(**body):
+    messages = body.pop("messages", [{"role": "user", "content": "Hi"}])
+    return ChatCompletionRequest.model_validate_json(json.dumps({"messages": messages, **body}))
+
+
+def test_max_tokens_absent_null_and_given():
+    assert completion().to_generate()[0].sampling.max_tokens == 16  # OpenAI's default there
+    assert not completion(max_tokens=None).to_generate()[0].sampling.HasField("max_tokens")
+    assert not chat().to_generate().sampling.HasField("max_tokens")  # up to the context left
+    assert chat(max_tokens=5, max_completion_tokens=9).to_generate().sampling.max_tokens == 9
+
+
+def test_echo_with_logprobs_asks_for_the_prompts_logprobs():
+    (g,) = completion(echo=True, logprobs=2, max_tokens=1).to_generate()
+    assert (g.sampling.prompt_logprobs, g.sampling.logprobs, g.sampling.max_tokens) == (2, 2, 1)
+    only = completion(echo=True, logprobs=1, max_tokens=0)
+    assert only.echo_only and only.to_generate()[0].sampling.max_tokens == 1
+    (plain,) = completion(prompt_logprobs=3).to_generate()  # vLLM's extra
+    assert plain.sampling.prompt_logprobs == 3 and not completion().echo_only
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"structured_outputs": {"regex": "a"}}, "structured_outputs"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"priority": 3}, "priority"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ({"prompt": ""}, "prompt"),
+    ],
+)
+def test_completion_fields_that_ask_for_what_pdserve_lacks_are_named(body, param):
+    with pytest.raises(InvalidField) as e:
+        completion(**body).to_generate()
+    assert e.value.param == param
+
+
+def test_neutral_values_of_unsupported_fields_pass():
+    completion(use_beam_search=False, guided_json=None, priority=0, tools=[]).to_generate()
+    chat(functions=[], modalities=["text"], tool_choice="none", store=False).to_generate()
+    chat(add_special_tokens=False).to_generate()
+    completion(add_special_tokens=True).to_generate()
+    with pytest.raises(InvalidField):
+        completion(add_special_tokens=False).to_generate()
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:,"}}
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "?"}, IMAGE]}]},
+         "messages.0.content.1", "images are not supported by this model"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+         "messages.0.content.0", "audio is not supported"),
+        ({"functions": [{"name": "f"}]}, "functions", "not supported"),
+        ({"function_call": "auto"}, "function_call", "not supported"),
+        ({"tools": [{"type": "function"}]}, "tools", "not supported"),
+        ({"modalities": ["text", "audio"]}, "modalities", "audio"),
+        ({"audio": {"voice": "alloy"}}, "audio", "audio"),
+        ({"echo": True}, "echo", "not supported"),
+        ({"add_special_tokens": True}, "add_special_tokens", "not supported"),
+    ],
+)  # fmt: skip
+def test_chat_fields_and_parts_that_ask_for_what_pdserve_lacks_are_named(body, param, words):
+    with pytest.raises(InvalidField) as e:
+        chat(**body).to_generate()
+    assert e.value.param == param and words in str(e.value)
+
+
+def test_text_parts_are_joined():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    request = chat(messages=[{"role": "developer", "content": parts}]).to_generate()
+    assert [(m.role, m.content) for m in request.chat.messages] == [("system", "ab")]
