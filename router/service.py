@@ -164,6 +164,11 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                 state.status = grpc.StatusCode.INVALID_ARGUMENT
                 parsed = original = state.original = self.parse(request, None, count=False)
                 state.status = grpc.StatusCode.CANCELLED
+            decision = routed.decision
+            state.nodes = (
+                decision.prefill.node_id if decision.prefill else "",
+                decision.decode.node_id,
+            )
             tried = _Attempt(self, routed, parsed, request, state)
             async for response in tried.relay():
                 yield response
@@ -197,11 +202,6 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                 raise RequestFailed(failure.code(), failure.details() or str(no_route)) from None
             state.status = grpc.StatusCode.UNAVAILABLE
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(no_route)) from None
-        decision = routed.decision
-        state.nodes = (
-            decision.prefill.node_id if decision.prefill else "",
-            decision.decode.node_id,
-        )
         return routed
 
     def _finished(self, state: _Request) -> None:

@@ -29,7 +29,7 @@ class FakeServicer:
     async def read_nodes(self) -> None:
         pass
 
-    async def generate(self, request, timeout):
+    async def generate(self, request, timeout, traceparent=""):
         if self.refusal is not None:
             raise self.refusal
         response = pdserve_pb2.GenerateResponse()
