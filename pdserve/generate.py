@@ -94,7 +94,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import grpc
 
     from common.tls import TLSConfig, make_sync_channel
-    from proto import pdserve_pb2
     from proto.client import generate
 
     tls = TLSConfig.from_args(args)
@@ -130,6 +129,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 1
     finally:
         channel.close()
+    _print_completions(args, texts, logprobs)
+    if final is not None:
+        _print_usage(final)
+    return 0
+
+
+def _print_completions(args: argparse.Namespace, texts: dict, logprobs: dict) -> None:
+    """What is left to print once the stream ended: the completions of n > 1
+    (one streams as it comes), and the logprobs where asked."""
     if args.n == 1:
         sys.stdout.write("\n")
     else:
@@ -141,20 +149,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 top = ", ".join(f"{t.text!r} {t.logprob:.3f}" for t in lp.top)
                 sys.stdout.write(f"[{index}] token {lp.token_id} logprob {lp.logprob:.3f}: {top}\n")
     sys.stdout.flush()
-    if final is not None:
-        u = final.usage
-        reasons = ", ".join(
-            pdserve_pb2.FinishReason.Name(c.finish_reason).removeprefix("FINISH_REASON_").lower()
-            for c in final.completions
-        )
-        print(
-            f"[{u.prompt_tokens} prompt ({u.cached_tokens} cached) + {u.completion_tokens} "
-            f"completion tokens; first token in {u.time_to_first_token_ms:.0f} ms; "
-            f"finish: {reasons or 'unknown'}; "
-            f"prefill: {u.prefill_node or 'on the decode node'}; decode: {u.decode_node}]",
-            file=sys.stderr,
-        )
-    return 0
+
+
+def _print_usage(final) -> None:
+    from proto import pdserve_pb2
+
+    u = final.usage
+    reasons = ", ".join(
+        pdserve_pb2.FinishReason.Name(c.finish_reason).removeprefix("FINISH_REASON_").lower()
+        for c in final.completions
+    )
+    print(
+        f"[{u.prompt_tokens} prompt ({u.cached_tokens} cached) + {u.completion_tokens} "
+        f"completion tokens; first token in {u.time_to_first_token_ms:.0f} ms; "
+        f"finish: {reasons or 'unknown'}; "
+        f"prefill: {u.prefill_node or 'on the decode node'}; decode: {u.decode_node}]",
+        file=sys.stderr,
+    )
 
 
 def explain_error(e, args: argparse.Namespace, received: int, channel) -> str:

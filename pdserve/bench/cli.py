@@ -218,12 +218,9 @@ def make_backend(args: argparse.Namespace):
 
 async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
     """Every rate in turn; returns {"record": path, "plot": path|None, "rates": [...]}."""
-    from tqdm import tqdm
-
     from pdserve.bench.devices import server_device
-    from pdserve.bench.loadgen import run_rate, warm_up
-    from pdserve.bench.metrics import compute, parse_slo
-    from pdserve.bench.report import DEFAULT_RESULT_DIR, table, write_record
+    from pdserve.bench.metrics import parse_slo
+    from pdserve.bench.report import DEFAULT_RESULT_DIR, write_record
     from pdserve.bench.scrape import Scraper
 
     slo = parse_slo(args.slo) if args.slo else None
@@ -250,40 +247,9 @@ async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict
     )  # fmt: skip
     try:
         if args.num_warmups > 0:
-            warm = build_dataset(args, args.seed + 1_000_003).requests[: args.num_warmups]
-            bad = [r.error for r in await warm_up(backend, warm) if not r.success]
-            if bad:
-                print(f"warm-up: {len(bad)} of {len(warm)} failed: {bad[0]}", file=sys.stderr)
+            await _warm_up(args, backend)
         for rate, dataset in zip(args.request_rate, datasets, strict=True):
-            before = await scraper.snapshot() if scraper else None
-            bar = tqdm(
-                total=dataset.total_requests,
-                desc=f"rate {rate:g}",
-                disable=True if args.no_progress else None,
-                file=sys.stderr,
-            )
-            run = await run_rate(
-                backend,
-                dataset,
-                rate,
-                args.burstiness,
-                args.max_concurrency,
-                arrival_seed(args),
-                on_done=lambda _r, bar=bar: bar.update(),
-            )
-            bar.close()
-            m = compute(run.results, run.duration_s, rate, slo, args.max_concurrency)
-            print(table(m, args.slo), flush=True)
-            extra = {
-                "send_lag_mean_ms": run.send_lag_mean_ms,
-                "send_lag_max_ms": run.send_lag_max_ms,
-                "generator_gc_full_collections": run.gc_full_collections,
-                "generator_gc_longest_pause_ms": run.gc_longest_pause_ms,
-            }
-            if scraper:
-                extra["server_histograms"] = await scraper.since(before)
-                print(scraper.lines(extra["server_histograms"]), flush=True)
-            rates.append((m, extra))
+            rates.append(await _one_rate(args, backend, dataset, rate, slo, scraper))
             # Kept after every rate: a sweep stopped later keeps what it measured.
             path = save(path, False)
     finally:
@@ -300,6 +266,54 @@ async def sweep(args: argparse.Namespace, argv: list[str] | None = None) -> dict
         png = plot_records([load_record(path)], path.with_suffix(".png"))
         print(f"plot: {png}")
     return {"record": path, "plot": png, "rates": [m for m, _ in rates]}
+
+
+async def _warm_up(args: argparse.Namespace, backend) -> None:
+    from pdserve.bench.loadgen import warm_up
+
+    warm = build_dataset(args, args.seed + 1_000_003).requests[: args.num_warmups]
+    bad = [r.error for r in await warm_up(backend, warm) if not r.success]
+    if bad:
+        print(f"warm-up: {len(bad)} of {len(warm)} failed: {bad[0]}", file=sys.stderr)
+
+
+async def _one_rate(args: argparse.Namespace, backend, dataset, rate: float, slo, scraper):
+    """One rate's run: its metrics (printed as a table) and the record's extras."""
+    from tqdm import tqdm
+
+    from pdserve.bench.loadgen import run_rate
+    from pdserve.bench.metrics import compute
+    from pdserve.bench.report import table
+
+    before = await scraper.snapshot() if scraper else None
+    bar = tqdm(
+        total=dataset.total_requests,
+        desc=f"rate {rate:g}",
+        disable=True if args.no_progress else None,
+        file=sys.stderr,
+    )
+    run = await run_rate(
+        backend,
+        dataset,
+        rate,
+        args.burstiness,
+        args.max_concurrency,
+        arrival_seed(args),
+        on_done=lambda _r: bar.update(),
+    )
+    bar.close()
+    m = compute(run.results, run.duration_s, rate, slo, args.max_concurrency)
+    print(table(m, args.slo), flush=True)
+    extra = {
+        "send_lag_mean_ms": run.send_lag_mean_ms,
+        "send_lag_max_ms": run.send_lag_max_ms,
+        "generator_gc_full_collections": run.gc_full_collections,
+        "generator_gc_longest_pause_ms": run.gc_longest_pause_ms,
+    }
+    if scraper:
+        extra["server_histograms"] = await scraper.since(before)
+        print(scraper.lines(extra["server_histograms"]), flush=True)
+    return m, extra
 
 
 def cmd_serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:

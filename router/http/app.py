@@ -96,11 +96,21 @@ class _Count:
 
 def build_app(servicer: RouterServicer, auth, stats: HttpStats) -> FastAPI:
     """``auth``: the gRPC TokenAuthInterceptor (same tokens file, same rights), or None."""
-    frontend = servicer.frontend
-    model_id = frontend.model_id
+    edge = _Edge(servicer, auth)
     app = FastAPI(title="pdserve", openapi_url=None, docs_url=None, redoc_url=None)
-
     app.add_middleware(_Count, stats=stats)
+    _add_error_handlers(app)
+    authorized = [Depends(edge.authorize)]
+    app.get("/health")(_health)
+    app.get("/version")(_version)
+    app.get("/v1/models", dependencies=authorized)(edge.models)
+    app.post("/v1/completions", dependencies=authorized)(edge.completions)
+    app.post("/v1/chat/completions", dependencies=authorized)(edge.chat)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape (router/http/errors.py), never a traceback."""
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, e: ApiError):
@@ -115,124 +125,102 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats) -> FastAPI:
         return ApiError(e.status_code, str(e.detail), "invalid_request_error").response()
 
     @app.exception_handler(Exception)
-    async def unexpected(_request: Request, e: Exception):  # never a traceback to the client
+    async def unexpected(_request: Request, e: Exception):
         return ApiError(500, f"internal error: {type(e).__name__}", "server_error").response()
 
-    async def authorize(request: Request) -> None:  # async: FastAPI runs a def on a thread
-        if auth is None:
+
+async def _health():
+    return JSONResponse({})
+
+
+async def _version():
+    try:
+        return {"version": package_version("pdserve")}
+    except PackageNotFoundError:  # a source checkout that was never installed
+        return {"version": "dev"}
+
+
+class _Edge:
+    """The routes' work: JSON in, the servicer's one request path, OpenAI JSON out."""
+
+    def __init__(self, servicer: RouterServicer, auth) -> None:
+        self.servicer = servicer
+        self.frontend = servicer.frontend
+        self.model_id = servicer.frontend.model_id
+        self.auth = auth
+
+    async def authorize(self, request: Request) -> None:  # async: FastAPI runs a def on a thread
+        if self.auth is None:
             return
         header = request.headers.get("authorization")
-        refusal = auth.check(GENERATE_METHOD, [("authorization", header)] if header else [])
+        refusal = self.auth.check(GENERATE_METHOD, [("authorization", header)] if header else [])
         if refusal is not None:
             raise ApiError.from_failure(RequestFailed(*refusal))
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model != model_id:
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
             raise ApiError(
                 404,
-                f"the model {model!r} does not exist (this server serves {model_id!r})",
+                f"the model {model!r} does not exist (this server serves {self.model_id!r})",
                 "not_found_error",
                 "model",
                 "model_not_found",
             )
 
-    def timeout_of(request: Request) -> float | None:
-        text = request.headers.get(TIMEOUT_HEADER)
-        if text is None:
-            return None
-        try:
-            value = float(text)
-        except ValueError:
-            value = -1.0
-        if not 0 < value < 1e9:
-            raise ApiError(400, f"{TIMEOUT_HEADER} must be seconds > 0", "invalid_request_error")
-        return value
-
-    @app.get("/health")
-    async def health():
-        return JSONResponse({})
-
-    @app.get("/version")
-    async def version():
-        try:
-            return {"version": package_version("pdserve")}
-        except PackageNotFoundError:  # a source checkout that was never installed
-            return {"version": "dev"}
-
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
-    async def models():
+    async def models(self):
         # The nodes' context length (router/limits.py), read now: no request may have read it yet.
-        await servicer.routing.read_nodes()
-        max_model_len = frontend.max_model_len
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_id,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "pdserve",
-                    "root": model_id,
-                    "max_model_len": max_model_len,
-                }
-            ],
+        await self.servicer.routing.read_nodes()
+        entry = {
+            "id": self.model_id,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "pdserve",
+            "root": self.model_id,
+            "max_model_len": self.frontend.max_model_len,
         }
+        return {"object": "list", "data": [entry]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(request: Request):
-        body = await parse(request, CompletionRequest)
-        check_model(body.model)
-        generate = to_generate(body.to_generate)
-        echo = [_prompt_text(frontend, g) for g in generate] if body.echo else None
+    async def completions(self, request: Request):
+        body = await _parse(request, CompletionRequest)
+        self.check_model(body.model)
+        generate = _to_generate(body.to_generate)
+        echo = [_prompt_text(self.frontend, g) for g in generate] if body.echo else None
+        echo_logprobs = _echo_logprobs(self.frontend, generate) if body.echo_logprobs else None
         assembler = Assembler(
-            frontend,
+            self.frontend,
             "cmpl",
-            model_id,
+            self.model_id,
             body.n,
             len(generate),
             chat=False,
             echo=echo,
-            echo_logprobs=_echo_logprobs(frontend, generate) if body.echo_logprobs else None,
+            echo_logprobs=echo_logprobs,
             echo_only=body.echo_only,
             prompt_logprobs=body.prompt_logprobs is not None,
         )
-        return await run(request, body, generate, assembler)
+        return await self.run(request, body, generate, assembler)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat(request: Request):
-        body = await parse(request, ChatCompletionRequest)
-        check_model(body.model)
-        generate = [to_generate(body.to_generate)]
+    async def chat(self, request: Request):
+        body = await _parse(request, ChatCompletionRequest)
+        self.check_model(body.model)
+        generate = [_to_generate(body.to_generate)]
         assembler = Assembler(
-            frontend,
+            self.frontend,
             "chatcmpl",
-            model_id,
+            self.model_id,
             body.n,
             1,
             chat=True,
             top_logprobs=body.top_logprobs or 0,
             prompt_logprobs=body.prompt_logprobs is not None,
         )
-        return await run(request, body, generate, assembler)
+        return await self.run(request, body, generate, assembler)
 
-    def to_generate(build):
-        try:
-            return build()
-        except InvalidField as e:
-            raise ApiError(400, str(e), "invalid_request_error", e.param) from None
-
-    async def parse(request: Request, schema):
-        # JSON whatever the Content-Type says (curl -d sends form-urlencoded).
-        try:
-            return schema.model_validate_json(await request.body())
-        except ValidationError as e:
-            raise invalid_body(e.errors()) from None
-
-    async def run(request: Request, body, generate: list, assembler: Assembler):
-        timeout = timeout_of(request)
+    async def run(self, request: Request, body, generate: list, assembler: Assembler):
+        timeout = _timeout_of(request)
         # The client's W3C trace context: the request's span is its child (common/tracing.py).
         traceparent = request.headers.get(TRACEPARENT_KEY, "")
-        streams = [servicer.generate(g, timeout, traceparent) for g in generate]
+        streams = [self.servicer.generate(g, timeout, traceparent) for g in generate]
         try:
             # The first message of each before any byte is sent: a refusal
             # (400, 429, 503...) gets its HTTP status, even when streaming.
@@ -258,7 +246,33 @@ def build_app(servicer: RouterServicer, auth, stats: HttpStats) -> FastAPI:
             raise ApiError.from_failure(e) from None
         return JSONResponse(assembler.whole())
 
-    return app
+
+def _timeout_of(request: Request) -> float | None:
+    text = request.headers.get(TIMEOUT_HEADER)
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1e9:
+        raise ApiError(400, f"{TIMEOUT_HEADER} must be seconds > 0", "invalid_request_error")
+    return value
+
+
+def _to_generate(build):
+    try:
+        return build()
+    except InvalidField as e:
+        raise ApiError(400, str(e), "invalid_request_error", e.param) from None
+
+
+async def _parse(request: Request, schema):
+    # JSON whatever the Content-Type says (curl -d sends form-urlencoded).
+    try:
+        return schema.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise invalid_body(e.errors()) from None
 
 
 async def _firsts(streams: list[AsyncIterator]) -> list:
