@@ -80,21 +80,7 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        # Tensor parallelism: ranks 1..t-1 in their own processes, following this
-        # runner's steps (engine/tp_workers.py).
-        self.tp_workers = (
-            TPWorkers(config, self.eos_token_ids) if config.tensor_parallel_size > 1 else None
-        )
-        try:
-            self.model_runner = ModelRunner(
-                config, self.eos_token_ids, self.tp_workers.group if self.tp_workers else None
-            )
-        except Exception as e:
-            self._raise_if_a_rank_died(e)
-            raise
-        if self.tp_workers is not None:
-            # The followers stop with this engine (gc, interpreter exit, or shutdown()).
-            self._stop_workers = weakref.finalize(self, self.tp_workers.close)
+        self._start_model(config)
         self.block_manager = BlockManager(
             self.model_runner.num_kvcache_blocks,
             config.kvcache_block_size,
@@ -136,6 +122,23 @@ class LLMEngine:
         # Late launch: when to build the next step (None: as soon as possible).
         self.step_clock = StepClock() if self.async_scheduling and config.late_launch else None
         self.step_log = StepLog()  # tokens and the device's wait for host work, per step
+
+    def _start_model(self, config: EngineConfig) -> None:
+        """The model runner, and with tensor parallelism ranks 1..t-1 in their own
+        processes, following this runner's steps (engine/tp_workers.py)."""
+        self.tp_workers = (
+            TPWorkers(config, self.eos_token_ids) if config.tensor_parallel_size > 1 else None
+        )
+        try:
+            self.model_runner = ModelRunner(
+                config, self.eos_token_ids, self.tp_workers.group if self.tp_workers else None
+            )
+        except Exception as e:
+            self._raise_if_a_rank_died(e)
+            raise
+        if self.tp_workers is not None:
+            # The followers stop with this engine (gc, interpreter exit, or shutdown()).
+            self._stop_workers = weakref.finalize(self, self.tp_workers.close)
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> LLMEngine:

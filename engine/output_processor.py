@@ -155,46 +155,11 @@ class OutputProcessor:
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind is RequestOutputKind.DELTA
-        holdback = req.stop_holdback
         completions = []
         for seq in req.seqs:
             if delta and seq.finish_reported:
                 continue  # a finished completion of an n > 1 request: nothing new
-            seq_finished = seq.status is SequenceStatus.FINISHED
-            detok = seq.detokenizer
-            text = detok.output_text if detok is not None else ""
-            text_end = len(text) if seq_finished or not holdback else len(text) - holdback
-            reported_text = seq.num_text_reported
-            if text_end < reported_text:
-                text_end = reported_text
-            token_ids = seq.token_ids
-            num_prompt = seq.num_prompt_tokens
-            lps = seq.logprobs
-            if delta:
-                # Only what is new: slices of the tail, never of the whole output.
-                reported = seq.num_tokens_reported
-                out_text = text[reported_text:text_end] if text else ""
-                out_ids = token_ids[num_prompt + reported :]
-                out_lps = lps[reported:] if lps is not None else None
-            else:
-                out_text = text[:text_end]
-                out_ids = token_ids[num_prompt:]
-                out_lps = list(lps) if lps is not None else None
-            seq.num_text_reported = text_end
-            seq.num_tokens_reported = len(token_ids) - num_prompt
-            seq.finish_reported = seq_finished
-            reason = seq.finish_reason
-            completions.append(
-                CompletionOutput(
-                    seq.index,
-                    out_text,
-                    out_ids,
-                    seq.cumulative_logprob if lps is not None else None,
-                    out_lps,
-                    reason.value if reason is not None else None,
-                    seq.stop_reason,
-                )
-            )
+            completions.append(_completion(seq, delta, req.stop_holdback))
         prompt_logprobs = req.prompt_logprobs
         if delta and prompt_logprobs is not None:
             # Streaming sends the prompt's logprobs once, with the first output.
@@ -213,3 +178,40 @@ class OutputProcessor:
             ),
             req.error,
         )
+
+
+def _completion(seq, delta: bool, holdback: int) -> CompletionOutput:
+    """One sequence's output: what is new since its last report (``delta``), or
+    all of it; text held back where a stop string may still complete."""
+    seq_finished = seq.status is SequenceStatus.FINISHED
+    detok = seq.detokenizer
+    text = detok.output_text if detok is not None else ""
+    text_end = len(text) if seq_finished or not holdback else len(text) - holdback
+    reported_text = seq.num_text_reported
+    text_end = max(text_end, reported_text)
+    token_ids = seq.token_ids
+    num_prompt = seq.num_prompt_tokens
+    lps = seq.logprobs
+    if delta:
+        # Only what is new: slices of the tail, never of the whole output.
+        reported = seq.num_tokens_reported
+        out_text = text[reported_text:text_end] if text else ""
+        out_ids = token_ids[num_prompt + reported :]
+        out_lps = lps[reported:] if lps is not None else None
+    else:
+        out_text = text[:text_end]
+        out_ids = token_ids[num_prompt:]
+        out_lps = list(lps) if lps is not None else None
+    seq.num_text_reported = text_end
+    seq.num_tokens_reported = len(token_ids) - num_prompt
+    seq.finish_reported = seq_finished
+    reason = seq.finish_reason
+    return CompletionOutput(
+        seq.index,
+        out_text,
+        out_ids,
+        seq.cumulative_logprob if lps is not None else None,
+        out_lps,
+        reason.value if reason is not None else None,
+        seq.stop_reason,
+    )
