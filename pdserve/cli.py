@@ -233,13 +233,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-tp: each decode rank receives its own KV heads",
     )
     up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=50051, help="router port")
-    up.add_argument("--admin-port", type=int, default=50052)
+    # The router's own variables: `make run PDSERVE_PORT=50061` moves the stack.
+    up.add_argument(
+        "--port",
+        type=int,
+        default=int(env("PDSERVE_PORT", "50051")),
+        help="router port [PDSERVE_PORT]",
+    )
+    up.add_argument(
+        "--admin-port",
+        type=int,
+        default=int(env("PDSERVE_ADMIN_PORT", "50052")),
+        help="router admin API port [PDSERVE_ADMIN_PORT]",
+    )
     up.add_argument(
         "--http-port",
         type=int,
-        default=None,
-        help="OpenAI-compatible HTTP API port of the router (docs/openai.md); off when unset",
+        default=int(env("PDSERVE_HTTP_PORT") or 0) or None,
+        help="OpenAI-compatible HTTP API port of the router (docs/openai.md); off when unset "
+        "[PDSERVE_HTTP_PORT]",
     )
     up.add_argument("--routers", type=int, default=1, help="router replicas")
     up.add_argument(
