@@ -151,6 +151,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         # Secrets go to the children through the environment, not argv (which
         # every local user can read in the process list).
         env={"PDSERVE_ADMIN_TOKEN": args.admin_token} if args.admin_token else {},
+        cpu_threads=args.cpu_threads,
     )
     config = SupervisorConfig(
         max_crashes=args.max_restarts, window_s=args.restart_window, restart=not args.no_restart
@@ -270,6 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--verify-kv", action="store_true", help="checksum every KV transfer")
+    up.add_argument(
+        "--cpu-threads",
+        type=int,
+        # A string default goes through `type`: a bad value is reported like a bad flag.
+        default=env("PDSERVE_CPU_THREADS") or None,
+        help="CPU threads per engine process (OMP_NUM_THREADS); default on a CPU host: "
+        "the usable cores shared by the nodes' processes, or OMP_NUM_THREADS where it is "
+        "set; 0: torch's default [PDSERVE_CPU_THREADS]",
+    )
     up.add_argument("--log-dir", default=None, help="write each process's log here")
     up.add_argument(
         "--no-restart",

@@ -77,3 +77,10 @@ def test_up_takes_the_routers_port_variables(monkeypatch):
     assert (args.port, args.admin_port, args.http_port) == (50161, 50162, 50163)
     args = cli.build_parser().parse_args(["up", "--model", "m", "--port", "7"])
     assert args.port == 7  # a flag beats its variable
+
+
+def test_up_takes_cpu_threads_from_its_variable(monkeypatch):
+    monkeypatch.setenv("PDSERVE_CPU_THREADS", "2")
+    assert cli.build_parser().parse_args(["up", "--model", "m"]).cpu_threads == 2
+    monkeypatch.delenv("PDSERVE_CPU_THREADS")
+    assert cli.build_parser().parse_args(["up", "--model", "m"]).cpu_threads is None
