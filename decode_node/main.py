@@ -48,6 +48,7 @@ async def serve(args: argparse.Namespace) -> int:
         node.advertise_host,
         args.transfer_port,
         transfer_timeout_s=args.transfer_timeout,
+        connect_timeout_s=args.kv_connect_timeout,
         verify_transfers=args.verify_kv,
         kv_lease_s=args.kv_lease,
         max_queued=args.max_queued_requests,

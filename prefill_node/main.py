@@ -88,6 +88,7 @@ async def serve(args: argparse.Namespace) -> int:
         node.node_id,
         node.engine.model_runner.device,
         timeout_s=args.transfer_timeout,
+        connect_timeout_s=args.kv_connect_timeout,
         faults=faults,
     )
     worker = PrefillWorker(

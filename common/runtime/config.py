@@ -163,6 +163,13 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
         "--transfer-timeout", type=float, default=float(env("PDSERVE_TRANSFER_TIMEOUT_S", "30"))
     )
     p.add_argument(
+        "--kv-connect-timeout",
+        type=float,
+        default=float(env("PDSERVE_KV_CONNECT_TIMEOUT_S", "5")),
+        help="seconds each side of a new KV channel waits in its rendezvous once the prefill "
+        "node announced itself; apart from --transfer-timeout [PDSERVE_KV_CONNECT_TIMEOUT_S]",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=float(env("PDSERVE_DRAIN_TIMEOUT_S", "30")),
