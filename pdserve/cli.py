@@ -138,7 +138,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         node_args=["--verify-kv"] if args.verify_kv else [],
         router_args=(["--routing-policy", args.routing_policy] if args.routing_policy else [])
         + (["--api-tokens-file", args.api_tokens_file] if args.api_tokens_file else [])
-        + (["--no-migration"] if args.no_migration else []),
+        + (["--no-migration"] if args.no_migration else [])
+        + (
+            ["--migration-wait", str(args.migration_wait)]
+            if args.migration_wait is not None
+            else []
+        ),
         num_routers=args.routers,
         http_port=args.http_port,
         log_dir=args.log_dir,
@@ -303,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-migration",
         action="store_true",
         help="a stream fails with its decode node (default: it continues on another)",
+    )
+    up.add_argument(
+        "--migration-wait",
+        type=float,
+        default=None,
+        help="seconds a stream whose decode node died waits for a decode node to take it "
+        "when none can now (the routers' --migration-wait; default 15)",
     )
     up.add_argument(
         "--metrics-port",

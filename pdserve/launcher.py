@@ -42,10 +42,12 @@ class Component:
         host = self.address.rsplit(":", 1)[0]
         return f"http://{host}:{self.metrics_port}{METRICS_PATH}" if self.metrics_port else None
 
-    def serving_line(self) -> str:
-        """What `pdserve up` prints once it serves (the pid: to signal it, find its log)."""
+    def serving_line(self, again: bool = False) -> str:
+        """What `pdserve up` prints once it serves (the pid: to signal it, find
+        its log); ``again``: after a restart, with the new process's pid."""
         metrics = f"; metrics on {self.metrics_url}" if self.metrics_port else ""
-        return f"{self.name} serving on {self.address} (pid {self.process.pid}{metrics})"
+        serving = "serving again" if again else "serving"
+        return f"{self.name} {serving} on {self.address} (pid {self.process.pid}{metrics})"
 
 
 @dataclass

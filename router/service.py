@@ -33,6 +33,12 @@ logger = logging.getLogger(__name__)
 # taken for stalled. One probe per node serves every silent stream on it for PROBE_TTL_S.
 PROBE_TIMEOUT_S = 2.0
 PROBE_TTL_S = 1.0
+# A migrated stream with no decode node to continue on reads Redis again this
+# often, for up to --migration-wait, for one to come back.
+MIGRATION_POLL_S = 0.25
+# How long the old connection to a restarted node's address may finish what is
+# on it before it is closed (its process is gone: nothing should be).
+OLD_CHANNEL_GRACE_S = 5.0
 # A client whose deadline passes cancels its stream; our copy of the deadline
 # (its grpc-timeout counted from when the call arrived) ends this much later at
 # most, so a cancel this close to it is the deadline's doing.
@@ -67,6 +73,23 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         self.dispatcher = PrefillDispatcher(self.channel)
         # Per node address: when its last liveness probe started, and the probe.
         self._probes: dict[str, tuple[float, asyncio.Future]] = {}
+        self._closing: set[asyncio.Future] = set()  # old channels of restarted nodes
+        routing.restarted.append(self.forget_connections)
+
+    def forget_connections(self, node) -> None:
+        """``node`` restarted: the next call to its address opens a new
+        connection (and session). The old one may be in gRPC's reconnect
+        backoff after the refused connects of the restart, and would fail
+        calls at once for up to its backoff (router/routing.py)."""
+        address = node.address
+        self._sessions.pop(address, None)
+        self.dispatcher.forget(address)
+        self._probes.pop(address, None)
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            closing = asyncio.ensure_future(channel.close(grace=OLD_CHANNEL_GRACE_S))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
 
     def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -119,7 +142,7 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
             )
         status, usage = grpc.StatusCode.CANCELLED, None
         nodes = ("", "")  # (prefill, decode) of the last attempt, for the access log
-        avoid: set[str] = set()
+        avoid: dict[str, int] = {}  # node id -> started_ms of the process that failed this
         failure: grpc.aio.AioRpcError | None = None  # the last attempt's
         progress = StreamProgress(len(parsed.prompt_token_ids))
         original = parsed
@@ -131,7 +154,10 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                 if started is not None and parsed.block_hashes is not early.block_hashes:
                     started = None  # the checks changed the prompt: read it anew
                 try:
-                    routed = await self.routing.route(parsed, avoid, started)
+                    if attempt == 0 and progress.migrations:
+                        routed = await self.continuation_route(parsed, avoid, client_id, deadline)
+                    else:
+                        routed = await self.routing.route(parsed, avoid, started)
                 except NoRoute as no_route:  # no usable node, or Redis unreachable
                     if failure is not None:  # every node left failed: say how the last did
                         raise RequestFailed(
@@ -154,9 +180,10 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                 if tried.error is None:
                     return
                 failure = tried.error
-                if tried.received and self.migrate(original, progress, failure, client_id):
+                if tried.received and self.migrate(original, progress, failure, routed, client_id):
                     parsed = self.frontend.continuation(original, progress.token_ids)
-                    avoid = {routed.decision.decode.node_id}
+                    failed = routed.decision.decode
+                    avoid = {failed.node_id: failed.started_ms}
                     attempt = -1  # the continuation has its own tries
                     continue
                 if tried.received or not tried.retry_elsewhere(avoid):
@@ -203,7 +230,7 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                     )
                 )
 
-    def migrate(self, parsed, progress: StreamProgress, failure, client_id: str) -> bool:
+    def migrate(self, parsed, progress: StreamProgress, failure, routed, client_id: str) -> bool:
         """Set ``progress`` up for a continuation on another decode node, if allowed."""
         stats = self.routing.stats
         if not migratable(failure, progress, parsed.params, self.routing.config.max_migrations):
@@ -222,14 +249,57 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         stops = parsed.params.stop_strings
         progress.seam = Seam(held, stops, parsed.params.include_stop_str_in_output)
         logger.info(
-            "request %s: decode node failed after %d tokens (%s); migrating (%d of at most %d)",
+            "request %s: decode node %s failed after %d tokens (%s); continuing the stream "
+            "on a decode node (move %d of at most %d)",
             client_id,
+            routed.decision.decode.node_id,
             progress.resume_offset,
             failure.details(),
             progress.migrations,
             self.routing.config.max_migrations,
         )
         return True
+
+    async def continuation_route(self, parsed, avoid, client_id: str, deadline: float | None):
+        """A migrated stream's route. With no decode node to take it now (the
+        only one died), read Redis again every MIGRATION_POLL_S for up to
+        --migration-wait (within the client's deadline) for one to come back:
+        a restarted node registers within seconds. NoRoute once that is over."""
+        wait_s = self.routing.config.migration_wait_s
+        end = time.monotonic() + wait_s
+        if deadline is not None:
+            end = min(end, deadline)
+        try:
+            return await self.routing.route(parsed, avoid)
+        except NoRoute as no_route:
+            if time.monotonic() >= end:
+                raise
+            logger.info(
+                "request %s: no decode node can take the stream now (%s); waiting up to "
+                "%.1f s (--migration-wait) for one to come back",
+                client_id,
+                no_route,
+                end - time.monotonic(),
+            )
+        began = time.monotonic()
+        while True:
+            await asyncio.sleep(MIGRATION_POLL_S)
+            try:
+                routed = await self.routing.route(parsed, avoid)
+            except NoRoute as no_route:
+                if time.monotonic() < end:
+                    continue
+                raise NoRoute(
+                    f"no decode node came back within {time.monotonic() - began:.1f} s "
+                    f"(--migration-wait): {no_route}"
+                ) from None
+            logger.info(
+                "request %s: decode node %s takes the stream after %.1f s",
+                client_id,
+                routed.decision.decode.node_id,
+                time.monotonic() - began,
+            )
+            return routed
 
     async def node_responsive(self, address: str) -> bool:
         """Whether the node at ``address`` answers a health check in time.
@@ -262,6 +332,8 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         await self.dispatcher.close()
         for channel in self._channels.values():
             await channel.close()
+        for closing in list(self._closing):
+            await closing
 
 
 class _Attempt:
@@ -389,18 +461,20 @@ class _Attempt:
         # transport's (refused, reset) or the router's (it stopped answering).
         return _FAILED_NODE_KEY not in dict(self.error.trailing_metadata() or ())
 
-    def retry_elsewhere(self, avoid: set[str]) -> bool:
+    def retry_elsewhere(self, avoid: dict[str, int]) -> bool:
         """Whether the failure allows another attempt (nothing was sent to the
-        client, the cause is a node, not the request); adds the node at fault to ``avoid``."""
+        client, the cause is a node, not the request); adds the node at fault
+        to ``avoid``, with the started_ms of its process."""
         code = self.error.code()
         route = self.routed.decision
         failed = dict(self.error.trailing_metadata() or ()).get(_FAILED_NODE_KEY)
         if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
             return False
         if failed:  # the decode node is fine; its prefill node failed
-            avoid.add(failed)
+            prefill = route.prefill
+            avoid[failed] = prefill.started_ms if prefill and prefill.node_id == failed else 0
             if code is grpc.StatusCode.UNAVAILABLE:
                 self.routing.inflight.failed(failed)
         else:
-            avoid.add(route.decode.node_id)
+            avoid[route.decode.node_id] = route.decode.started_ms
         return True

@@ -61,6 +61,7 @@ ROUTE_FIELDS = (
     "draining",
     "seen_ms",
     "tensor_parallel_size",
+    "started_ms",
 )
 # The hash field holding PACKED_FIELDS as a JSON array, in that order: every
 # routing field but seen_ms, which the server's clock writes by itself. A reader

@@ -67,6 +67,10 @@ class NodeInfo:
     num_gpus: int = 0  # GPUs it holds (one per rank; 0 on a CPU)
     draining: bool = False  # the node itself is shutting down (SIGTERM)
     updated_ms: int = 0  # the node's clock at its last heartbeat
+    # The node's clock when its process started: a restart under the same id
+    # (and address) registers a new value, which tells routers to forget the
+    # old process's failures and connections (router/routing.py). 0: unknown.
+    started_ms: int = 0
     seen_ms: int = 0  # the Redis server's clock at its last heartbeat
     # Counters since the node started.
     requests_total: int = 0
@@ -162,7 +166,7 @@ class NodeInfo:
 
     @classmethod
     def from_route_values(cls, node_id: str, values: list[Any]) -> NodeInfo:
-        """From the 14 fields of ROUTE_FIELDS, in that order (a node hash without ``route``)."""
+        """From the fields of ROUTE_FIELDS, in that order (a node hash without ``route``)."""
         v = [_text(x) if x is not None else "" for x in values]
         return cls(
             node_id=node_id,
@@ -181,6 +185,7 @@ class NodeInfo:
             draining=v[12] not in ("0", "", "False"),
             seen_ms=_int(v[13]),
             tensor_parallel_size=_int(v[14]) or 1,  # a node that predates the field: 1
+            started_ms=_int(v[15]) if len(v) > 15 else 0,
         )
 
 
