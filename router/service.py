@@ -19,7 +19,7 @@ from proto import internal_pb2, pdserve_pb2, pdserve_pb2_grpc
 from router.access_log import AccessEntry, log_access
 from router.dispatch import PrefillDispatcher, failed_by_prefill
 from router.frontend import Frontend
-from router.migration import Seam, StreamProgress, held_back, migratable
+from router.migration import Seam, StreamProgress, continuation_route, held_back, migratable
 from router.node_session import NodeSession
 from router.policy import NoRoute
 from router.relay import node_messages
@@ -33,9 +33,6 @@ logger = logging.getLogger(__name__)
 # taken for stalled. One probe per node serves every silent stream on it for PROBE_TTL_S.
 PROBE_TIMEOUT_S = 2.0
 PROBE_TTL_S = 1.0
-# A migrated stream with no decode node to continue on reads Redis again this
-# often, for up to --migration-wait, for one to come back.
-MIGRATION_POLL_S = 0.25
 # How long the old connection to a restarted node's address may finish what is
 # on it before it is closed (its process is gone: nothing should be).
 OLD_CHANNEL_GRACE_S = 5.0
@@ -155,7 +152,9 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                     started = None  # the checks changed the prompt: read it anew
                 try:
                     if attempt == 0 and progress.migrations:
-                        routed = await self.continuation_route(parsed, avoid, client_id, deadline)
+                        routed = await continuation_route(
+                            self.routing, parsed, avoid, client_id, deadline
+                        )
                     else:
                         routed = await self.routing.route(parsed, avoid, started)
                 except NoRoute as no_route:  # no usable node, or Redis unreachable
@@ -259,47 +258,6 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
             self.routing.config.max_migrations,
         )
         return True
-
-    async def continuation_route(self, parsed, avoid, client_id: str, deadline: float | None):
-        """A migrated stream's route. With no decode node to take it now (the
-        only one died), read Redis again every MIGRATION_POLL_S for up to
-        --migration-wait (within the client's deadline) for one to come back:
-        a restarted node registers within seconds. NoRoute once that is over."""
-        wait_s = self.routing.config.migration_wait_s
-        end = time.monotonic() + wait_s
-        if deadline is not None:
-            end = min(end, deadline)
-        try:
-            return await self.routing.route(parsed, avoid)
-        except NoRoute as no_route:
-            if time.monotonic() >= end:
-                raise
-            logger.info(
-                "request %s: no decode node can take the stream now (%s); waiting up to "
-                "%.1f s (--migration-wait) for one to come back",
-                client_id,
-                no_route,
-                end - time.monotonic(),
-            )
-        began = time.monotonic()
-        while True:
-            await asyncio.sleep(MIGRATION_POLL_S)
-            try:
-                routed = await self.routing.route(parsed, avoid)
-            except NoRoute as no_route:
-                if time.monotonic() < end:
-                    continue
-                raise NoRoute(
-                    f"no decode node came back within {time.monotonic() - began:.1f} s "
-                    f"(--migration-wait): {no_route}"
-                ) from None
-            logger.info(
-                "request %s: decode node %s takes the stream after %.1f s",
-                client_id,
-                routed.decision.decode.node_id,
-                time.monotonic() - began,
-            )
-            return routed
 
     async def node_responsive(self, address: str) -> bool:
         """Whether the node at ``address`` answers a health check in time.

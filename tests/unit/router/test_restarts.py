@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from common.cluster.state import ClusterView, NodeInfo, NodeRole, RouteCandidate
+from router.migration import continuation_route
 from router.policy import NoRoute, RoutingConfig
 from router.routing import Routing
-from router.service import RouterServicer
 
 
 class Views:
@@ -106,28 +106,23 @@ def test_a_migrated_stream_waits_for_a_decode_node_then_fails_after_the_bound():
     views = Views()
     views.nodes = [decode(started_ms=1)]
     r = routing(views, migration_wait_s=1.0)
-    servicer = SimpleNamespace(routing=r)
 
     async def go():
         await r.route(PARSED)
         views.nodes = []  # the only decode node died; its entry expired
         asyncio.get_running_loop().call_later(0.4, lambda: views.nodes.append(decode(2)))
         start = time.monotonic()
-        routed = await RouterServicer.continuation_route(
-            servicer, PARSED, {"decode-0": 1}, "r", None
-        )
+        routed = await continuation_route(r, PARSED, {"decode-0": 1}, "r", None)
         assert routed.decision.decode.started_ms == 2 and time.monotonic() - start < 1.0
         views.nodes = []
         start = time.monotonic()
         with pytest.raises(NoRoute, match="--migration-wait"):
-            await RouterServicer.continuation_route(servicer, PARSED, {"decode-0": 2}, "r", None)
+            await continuation_route(r, PARSED, {"decode-0": 2}, "r", None)
         assert 1.0 <= time.monotonic() - start < 2.0
         # Never past the client's deadline.
         start = time.monotonic()
         with pytest.raises(NoRoute):
-            await RouterServicer.continuation_route(
-                servicer, PARSED, {"decode-0": 2}, "r", time.monotonic() + 0.3
-            )
+            await continuation_route(r, PARSED, {"decode-0": 2}, "r", time.monotonic() + 0.3)
         assert time.monotonic() - start < 0.9
 
     run(go())
