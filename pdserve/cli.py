@@ -238,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor-parallel size of each decode node (default 1); may differ from "
         "--prefill-tp: each decode rank receives its own KV heads",
     )
-    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument(
+        "--host", default="127.0.0.1", help="address every process listens on and advertises"
+    )
     # The router's own variables: `make run PDSERVE_PORT=50061` moves the stack.
     up.add_argument(
         "--port",
@@ -272,9 +274,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="default cost (docs/routing.md)",
     )
     up.add_argument(
-        "--redis-url", default=env("PDSERVE_REDIS_URL"), help="use this Redis, start none"
+        "--redis-url",
+        default=env("PDSERVE_REDIS_URL"),
+        help="use this Redis, start none [PDSERVE_REDIS_URL]",
     )
-    up.add_argument("--max-model-len", type=int, default=None)
+    up.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output, for the nodes and the routers (default: the model's)",
+    )
     up.add_argument("--verify-kv", action="store_true", help="checksum every KV transfer")
     up.add_argument(
         "--cpu-threads",

@@ -124,7 +124,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="no tokenizer: accept token-id prompts only (dummy-weight clusters)",
     )
     p.add_argument(
-        "--enable-reflection", action="store_true", default=env("PDSERVE_REFLECTION") == "1"
+        "--enable-reflection",
+        action="store_true",
+        default=env("PDSERVE_REFLECTION") == "1",
+        help="gRPC server reflection [PDSERVE_REFLECTION=1]",
     )
     p.add_argument(
         "--admin-token",

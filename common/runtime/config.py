@@ -149,7 +149,10 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
         help="cluster state [PDSERVE_REDIS_URL]",
     )
     p.add_argument(
-        "--heartbeat-interval", type=float, default=float(env("PDSERVE_HEARTBEAT_S", "0.5"))
+        "--heartbeat-interval",
+        type=float,
+        default=float(env("PDSERVE_HEARTBEAT_S", "0.5")),
+        help="seconds between heartbeats to Redis [PDSERVE_HEARTBEAT_S]",
     )
     p.add_argument(
         "--log-stats-interval",
@@ -158,9 +161,17 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
         help="seconds between progress lines while busy (tok/s, queue, KV); 0: none "
         "[PDSERVE_LOG_STATS_INTERVAL_S]",
     )
-    p.add_argument("--node-ttl", type=float, default=float(env("PDSERVE_NODE_TTL_S", "5")))
     p.add_argument(
-        "--transfer-timeout", type=float, default=float(env("PDSERVE_TRANSFER_TIMEOUT_S", "30"))
+        "--node-ttl",
+        type=float,
+        default=float(env("PDSERVE_NODE_TTL_S", "5")),
+        help="seconds a node stays registered after its last heartbeat [PDSERVE_NODE_TTL_S]",
+    )
+    p.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=float(env("PDSERVE_TRANSFER_TIMEOUT_S", "30")),
+        help="seconds each KV chunk of a transfer under way may take [PDSERVE_TRANSFER_TIMEOUT_S]",
     )
     p.add_argument(
         "--kv-connect-timeout",
@@ -190,7 +201,10 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
         help="checksum every KV transfer on both sides (slow; for tests) [PDSERVE_VERIFY_KV=1]",
     )
     p.add_argument(
-        "--enable-reflection", action="store_true", default=env("PDSERVE_REFLECTION") == "1"
+        "--enable-reflection",
+        action="store_true",
+        default=env("PDSERVE_REFLECTION") == "1",
+        help="gRPC server reflection [PDSERVE_REFLECTION=1]",
     )
     add_metrics_arguments(p)
     add_gc_arguments(p)
