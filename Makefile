@@ -33,9 +33,15 @@ model: setup
 	$(BIN)/pdserve model prepare --out $(DEMO_MODEL)
 
 # The whole service on this machine (Redis, a prefill node, a decode node, the
-# router on port 50051). Ctrl-C stops it. The offline engine alone: `pdserve demo`.
+# router on port 50051, its OpenAI API on 8000). Ctrl-C stops it. The offline
+# engine alone: `pdserve demo`.
+# ARGS go to `pdserve up` after the defaults here, so they win; PDSERVE_*
+# variables reach it too: make run ARGS="--port 50061 --metrics-port 9500".
+ARGS ?=
 run: model
-	$(BIN)/pdserve up --model $(DEMO_MODEL) --max-model-len 2048
+	@$(BIN)/pdserve up --model $(DEMO_MODEL) --max-model-len 2048 --http-port "$${PDSERVE_HTTP_PORT:-8000}" $(ARGS) || { code=$$?; \
+		[ $$code -ne 2 ] || echo 'make run: pass pdserve up flags as ARGS="...", e.g. ARGS="--port 50061 --metrics-port 9500"' >&2; \
+		exit $$code; }
 
 test: model
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -70,6 +70,8 @@ class KVLanding(LandingCore):
         transfer_timeout_s: float,
         verify_transfers: bool,
         engine: EngineThread | None = None,
+        connect_timeout_s: float = 5.0,
+        wait_s: float | None = None,
     ) -> None:
         super().__init__(runner, stats, verify_transfers)
         self.tp_size = runner.tp.size
@@ -84,6 +86,8 @@ class KVLanding(LandingCore):
             self,
             timeout_s=transfer_timeout_s,
             max_group_bytes=kv.numel() * kv.element_size(),
+            connect_timeout_s=connect_timeout_s,
+            wait_s=wait_s,
         )
         self.reports: ReportListener | None = None
         if self.tp_size > 1:
@@ -95,6 +99,8 @@ class KVLanding(LandingCore):
                 "store_host": store_host,
                 "store_port": store_port,
                 "timeout_s": transfer_timeout_s,
+                "connect_timeout_s": connect_timeout_s,
+                "wait_s": self.receiver.wait_s,
                 "report_port": self.reports.port,
             }
             engine.call(lambda e: e.call_workers("setup", setup)).result()

@@ -48,6 +48,7 @@ async def serve(args: argparse.Namespace) -> int:
         node.advertise_host,
         args.transfer_port,
         transfer_timeout_s=config.transfer_timeout_s,
+        connect_timeout_s=config.kv_connect_timeout_s,
         verify_transfers=config.verify_kv,
         kv_lease_s=args.kv_lease,
         max_queued=config.max_queued_requests,

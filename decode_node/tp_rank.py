@@ -69,6 +69,8 @@ class DecodeRank(LandingCore):
             timeout_s=self.timeout_s,
             max_group_bytes=kv.numel() * kv.element_size(),
             rank=self.rank,
+            connect_timeout_s=payload["connect_timeout_s"],
+            wait_s=payload["wait_s"],
         )
 
     def kv_expect(self, payload: dict) -> None:

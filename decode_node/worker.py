@@ -80,6 +80,7 @@ class DecodeWorker:
         faults: FaultDelays | None = None,
         tls: TLSConfig = NO_TLS,
         tracing: Tracing | None = None,
+        connect_timeout_s: float = 5.0,
     ) -> None:
         if not kv_lease_s > 0:
             raise ValueError(f"the KV lease must be > 0 seconds, got {kv_lease_s}")
@@ -104,6 +105,8 @@ class DecodeWorker:
             transfer_timeout_s=transfer_timeout_s,
             verify_transfers=verify_transfers,
             engine=engine,
+            connect_timeout_s=connect_timeout_s,
+            wait_s=kv_lease_s,
         )
 
     # ----------------------------------------------------------- requests

@@ -185,6 +185,12 @@ def load_worker_extension(name: str) -> type:
 
 
 def threads_per_rank(size: int) -> int:
+    """CPU threads of one rank: OMP_NUM_THREADS where it is set (per process
+    already: `pdserve up` shares the host's cores out that way), else the
+    host's cores shared by the ranks."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
     return max(1, (os.cpu_count() or 1) // size)
 
 

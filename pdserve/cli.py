@@ -138,7 +138,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         node_args=["--verify-kv"] if args.verify_kv else [],
         router_args=(["--routing-policy", args.routing_policy] if args.routing_policy else [])
         + (["--api-tokens-file", args.api_tokens_file] if args.api_tokens_file else [])
-        + (["--no-migration"] if args.no_migration else []),
+        + (["--no-migration"] if args.no_migration else [])
+        + (
+            ["--migration-wait", str(args.migration_wait)]
+            if args.migration_wait is not None
+            else []
+        ),
         num_routers=args.routers,
         http_port=args.http_port,
         log_dir=args.log_dir,
@@ -151,6 +156,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         # Secrets go to the children through the environment, not argv (which
         # every local user can read in the process list).
         env={"PDSERVE_ADMIN_TOKEN": args.admin_token} if args.admin_token else {},
+        cpu_threads=args.cpu_threads,
     )
     config = SupervisorConfig(
         max_crashes=args.max_restarts, window_s=args.restart_window, restart=not args.no_restart
@@ -232,14 +238,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor-parallel size of each decode node (default 1); may differ from "
         "--prefill-tp: each decode rank receives its own KV heads",
     )
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=50051, help="router port")
-    up.add_argument("--admin-port", type=int, default=50052)
+    up.add_argument(
+        "--host", default="127.0.0.1", help="address every process listens on and advertises"
+    )
+    # The router's own variables: `make run PDSERVE_PORT=50061` moves the stack.
+    up.add_argument(
+        "--port",
+        type=int,
+        default=int(env("PDSERVE_PORT", "50051")),
+        help="router port [PDSERVE_PORT]",
+    )
+    up.add_argument(
+        "--admin-port",
+        type=int,
+        default=int(env("PDSERVE_ADMIN_PORT", "50052")),
+        help="router admin API port [PDSERVE_ADMIN_PORT]",
+    )
     up.add_argument(
         "--http-port",
         type=int,
-        default=None,
-        help="OpenAI-compatible HTTP API port of the router (docs/openai.md); off when unset",
+        default=int(env("PDSERVE_HTTP_PORT") or 0) or None,
+        help="OpenAI-compatible HTTP API port of the router (docs/openai.md); off when unset "
+        "[PDSERVE_HTTP_PORT]",
     )
     up.add_argument("--routers", type=int, default=1, help="router replicas")
     up.add_argument(
@@ -254,10 +274,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="default cost (docs/routing.md)",
     )
     up.add_argument(
-        "--redis-url", default=env("PDSERVE_REDIS_URL"), help="use this Redis, start none"
+        "--redis-url",
+        default=env("PDSERVE_REDIS_URL"),
+        help="use this Redis, start none [PDSERVE_REDIS_URL]",
     )
-    up.add_argument("--max-model-len", type=int, default=None)
+    up.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output, for the nodes and the routers (default: the model's)",
+    )
     up.add_argument("--verify-kv", action="store_true", help="checksum every KV transfer")
+    up.add_argument(
+        "--cpu-threads",
+        type=int,
+        # A string default goes through `type`: a bad value is reported like a bad flag.
+        default=env("PDSERVE_CPU_THREADS") or None,
+        help="CPU threads per engine process (OMP_NUM_THREADS); default on a CPU host: "
+        "the usable cores shared by the nodes' processes, or OMP_NUM_THREADS where it is "
+        "set; 0: torch's default [PDSERVE_CPU_THREADS]",
+    )
     up.add_argument("--log-dir", default=None, help="write each process's log here")
     up.add_argument(
         "--no-restart",
@@ -281,6 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-migration",
         action="store_true",
         help="a stream fails with its decode node (default: it continues on another)",
+    )
+    up.add_argument(
+        "--migration-wait",
+        type=float,
+        default=None,
+        help="seconds a stream whose decode node died waits for a decode node to take it "
+        "when none can now (the routers' --migration-wait; default 15)",
     )
     up.add_argument(
         "--metrics-port",

@@ -25,6 +25,7 @@ from common.metrics.server import METRICS_PATH, plan_metrics_ports
 from common.runtime.ports import check_free, cluster_plan
 from common.tls import NO_TLS, TLSConfig
 from pdserve.redis_server import RedisServer, free_port
+from pdserve.threads import plan_threads
 
 
 @dataclass
@@ -41,10 +42,12 @@ class Component:
         host = self.address.rsplit(":", 1)[0]
         return f"http://{host}:{self.metrics_port}{METRICS_PATH}" if self.metrics_port else None
 
-    def serving_line(self) -> str:
-        """What `pdserve up` prints once it serves (the pid: to signal it, find its log)."""
+    def serving_line(self, again: bool = False) -> str:
+        """What `pdserve up` prints once it serves (the pid: to signal it, find
+        its log); ``again``: after a restart, with the new process's pid."""
         metrics = f"; metrics on {self.metrics_url}" if self.metrics_port else ""
-        return f"{self.name} serving on {self.address} (pid {self.process.pid}{metrics})"
+        serving = "serving again" if again else "serving"
+        return f"{self.name} {serving} on {self.address} (pid {self.process.pid}{metrics})"
 
 
 @dataclass
@@ -81,6 +84,9 @@ class ClusterSpec:
     redis_username: str | None = None
     redis_tls_ca: str | None = None  # with a rediss:// redis_url
     env: dict[str, str] = field(default_factory=dict)  # for every child: secrets go here
+    # CPU threads per engine process (pdserve/threads.py): None shares the
+    # cores out on a CPU host, 0 leaves torch's default.
+    cpu_threads: int | None = None
 
 
 class LocalCluster:
@@ -93,6 +99,7 @@ class LocalCluster:
         self.router_ports: list[tuple[int, int]] = [(spec.port, spec.admin_port)]
         self.metrics_ports: dict[str, int] = {}  # by component name
         self.http_ports: list[int] = []  # each router's OpenAI HTTP port, when spec.http_port
+        self.thread_env: dict[str, str] = {}  # OMP_NUM_THREADS ... for every child
 
     @property
     def router_address(self) -> str:
@@ -153,6 +160,7 @@ class LocalCluster:
 
     def _popen(self, name: str, argv: list[str], gpus: str | None) -> subprocess.Popen:
         env = dict(os.environ, **self._secret_env(), PDSERVE_LOG_NAME=name, PYTHONUNBUFFERED="1")
+        env.update(self.thread_env)
         env.update(self.spec.component_env.get(name, {}))
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus
@@ -225,6 +233,11 @@ class LocalCluster:
             if gpus and tp > gpus:
                 raise ValueError(f"{flag} {tp} needs {tp} GPUs; this host shows {gpus}")
         device = ["--device", "cuda"] if gpus else ["--device", "cpu"]
+        engines = spec.num_decode * spec.decode_tp + spec.num_prefill * spec.prefill_tp
+        threads = plan_threads(spec.cpu_threads, engines, gpus, os.environ)
+        self.thread_env = threads.env
+        if threads.reason:
+            progress(threads.reason)
         common = [
             "--model",
             spec.model,

@@ -4,9 +4,10 @@ A component (node or router) that exits -- while the cluster is up or while it
 is still starting -- is started again with the same flags, ports and node id,
 after a delay that doubles with each crash in the window (1 s, 2 s, 4 s ...
 30 s). One that crashed more than ``max_crashes`` times within ``window_s`` is
-given up on, with one line naming it and its log; the rest keep serving. The
-embedded Redis is restarted on its port the same way: nodes and routers
-reconnect and re-register by themselves.
+given up on, with one line naming it and its log; the rest keep serving. A
+restart that serves says so in one line with its new pid. The embedded Redis
+is restarted on its port the same way: nodes and routers reconnect and
+re-register by themselves.
 
 Some exits are not worth retrying, and ``poll`` then returns a ``Stop`` for
 `pdserve up` to act on: a configuration error (exit code 2: a bad flag, a port
@@ -132,9 +133,9 @@ class Supervisor:
                     self._exited(watch, code, now)
                 elif watch.state is Health.STARTING and self._serving(watch.name):
                     watch.state = Health.SERVING
-                    if not watch.served:  # restarts say their one line when they exit
-                        watch.served = True
-                        self.say(self._component(watch.name).serving_line())
+                    # A restart's line names its new pid: the one to signal now.
+                    self.say(self._component(watch.name).serving_line(again=watch.served))
+                    watch.served = True
             elif watch.state is Health.WAITING and now >= watch.restart_at:
                 self._restart(watch, now)
         return self.stop
@@ -218,6 +219,10 @@ class Supervisor:
                 self._exited(watch, -1, now)
                 return
             watch.state = Health.SERVING
+            self.say(
+                f"redis-server serving again on {self.cluster.redis_url} "
+                f"(pid {self.cluster.redis.process.pid})"
+            )
         else:
             self.cluster.respawn(self._component(watch.name))
             watch.state = Health.STARTING

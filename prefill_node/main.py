@@ -89,6 +89,7 @@ async def serve(args: argparse.Namespace) -> int:
         node.node_id,
         node.engine.model_runner.device,
         timeout_s=config.transfer_timeout_s,
+        connect_timeout_s=config.kv_connect_timeout_s,
         faults=faults,
     )
     worker = PrefillWorker(

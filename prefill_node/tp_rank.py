@@ -39,6 +39,7 @@ class PrefillRank:
             payload["node_id"],
             runner.device,
             timeout_s=payload["timeout_s"],
+            connect_timeout_s=payload["connect_timeout_s"],
             faults=FaultDelays.from_env(),
             rank=runner.tp.rank,
         )

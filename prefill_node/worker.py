@@ -175,6 +175,7 @@ class PrefillWorker:
             setup = {
                 "node_id": node_id,
                 "timeout_s": sender.timeout_s,
+                "connect_timeout_s": sender.connect_timeout_s,
                 "layers_per_chunk": layers_per_chunk,
                 "last_layers": last_layers,
             }

@@ -54,6 +54,10 @@ class PrefillDispatcher:
             )
         return session
 
+    def forget(self, address: str) -> None:
+        """The node at ``address`` restarted: its next Prefill opens a new session."""
+        self._sessions.pop(address, None)
+
     def reservation_id(self) -> int:
         """A fresh id (never reused by this router)."""
         rid = self._next_id

@@ -126,7 +126,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="no tokenizer: accept token-id prompts only (dummy-weight clusters)",
     )
     p.add_argument(
-        "--enable-reflection", action="store_true", default=env("PDSERVE_REFLECTION") == "1"
+        "--enable-reflection",
+        action="store_true",
+        default=env("PDSERVE_REFLECTION") == "1",
+        help="gRPC server reflection [PDSERVE_REFLECTION=1]",
     )
     p.add_argument(
         "--admin-token",
@@ -165,6 +168,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_routing_arguments(p)
 
 
+# Shorter names some routing flags also go by.
+ROUTING_FLAG_ALIASES = {"migration_wait_s": ("--migration-wait",)}
+
+
 def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     """One flag per RoutingConfig field (docs/routing.md explains them)."""
     g = p.add_argument_group("routing (docs/routing.md)")
@@ -190,6 +197,8 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
         kind = type(getattr(defaults, f.name))
         g.add_argument(
             f"--{f.name.replace('_', '-')}",
+            *ROUTING_FLAG_ALIASES.get(f.name, ()),
+            dest=f.name,
             type=kind,
             default=kind(default) if default is not None else getattr(defaults, f.name),
             help=f"default {getattr(defaults, f.name)} [{env_name}]",

@@ -15,15 +15,29 @@ would have. The router stitches the new stream to the client:
   is one neither node can see; ``Seam`` finds it, truncates the text there and
   ends the stream as the first node would have;
 * usage counts the original prompt and every generated token.
+
+Where no decode node can take the continuation (the stream's node was the
+only one), ``continuation_route`` waits a bounded time (--migration-wait)
+for one to come back: a supervisor restarts a dead node within seconds.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
 
 from proto import pdserve_pb2
+from router.policy import NoRoute
+
+logger = logging.getLogger(__name__)
+
+# A migrated stream with no decode node to continue on reads Redis again this
+# often, for up to --migration-wait, for one to come back.
+MIGRATION_POLL_S = 0.25
 
 
 @dataclass(slots=True)
@@ -154,3 +168,45 @@ def held_back(tokenizer, token_ids: list[int], sent: str, skip_special_tokens: b
         return ""
     full = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens).rstrip("\ufffd")
     return full[len(sent) :] if full.startswith(sent) else ""
+
+
+async def continuation_route(routing, parsed, avoid, client_id: str, deadline: float | None):
+    """A migrated stream's route. With no decode node to take it now (the
+    only one died), read Redis again every MIGRATION_POLL_S for up to
+    --migration-wait (within the client's deadline) for one to come back:
+    a restarted node registers within seconds. NoRoute once that is over."""
+    wait_s = routing.config.migration_wait_s
+    end = time.monotonic() + wait_s
+    if deadline is not None:
+        end = min(end, deadline)
+    try:
+        return await routing.route(parsed, avoid)
+    except NoRoute as no_route:
+        if time.monotonic() >= end:
+            raise
+        logger.info(
+            "request %s: no decode node can take the stream now (%s); waiting up to "
+            "%.1f s (--migration-wait) for one to come back",
+            client_id,
+            no_route,
+            end - time.monotonic(),
+        )
+    began = time.monotonic()
+    while True:
+        await asyncio.sleep(MIGRATION_POLL_S)
+        try:
+            routed = await routing.route(parsed, avoid)
+        except NoRoute as no_route:
+            if time.monotonic() < end:
+                continue
+            raise NoRoute(
+                f"no decode node came back within {time.monotonic() - began:.1f} s "
+                f"(--migration-wait): {no_route}"
+            ) from None
+        logger.info(
+            "request %s: decode node %s takes the stream after %.1f s",
+            client_id,
+            routed.decision.decode.node_id,
+            time.monotonic() - began,
+        )
+        return routed

@@ -82,6 +82,9 @@ class RoutingConfig:
     # Times a stream whose decode node dies after its first token moves to
     # another one (router/migration.py); 0: it fails instead.
     max_migrations: int = 2
+    # Seconds such a stream waits for a decode node to take it when none can
+    # now (the only one died and is restarting), before it fails.
+    migration_wait_s: float = 15.0
     # Requests this router relays at once; beyond, RESOURCE_EXHAUSTED at once.
     max_in_flight: int = 1024
     # While Redis is unreachable: route on the last-known nodes, probe it this often.
@@ -112,6 +115,8 @@ class RoutingConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if not self.migration_wait_s >= 0:
+            raise ValueError(f"migration_wait_s must be >= 0, got {self.migration_wait_s}")
         for name in ("stale_heartbeat_s", "failure_cooldown_s", "redis_retry_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

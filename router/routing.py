@@ -3,6 +3,13 @@
 Shared by the public service (which routes and relays) and the Admin service
 (which explains a route without taking it), so an explanation is computed
 exactly the way a real decision is.
+
+Restarts: a node that comes back under the same id (a supervisor's restart,
+same address) registers a new ``started_ms``. The first read that shows it
+forgets what the old process did: its failure cool-down, a failed request's
+wish to avoid it, and (through ``restarted``) the router's connections to its
+address, whose reconnect backoff would otherwise refuse the first requests
+for seconds. A node is routable from its first heartbeat on.
 """
 
 from __future__ import annotations
@@ -13,11 +20,11 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from common.cluster.redis_script import Sent
-from common.cluster.state import Cluster, ClusterView, RouteCandidate
+from common.cluster.state import Cluster, ClusterView, NodeInfo, RouteCandidate
 from router.frontend import ParsedRequest
 from router.inflight import InflightTracker
 from router.limits import ServedLength
@@ -32,6 +39,8 @@ from router.policy import (
 from router.stats import RouterStats
 
 logger = logging.getLogger(__name__)
+
+_NONE: Mapping[str, int] = {}  # route()'s default: avoid nothing
 
 
 @dataclass(slots=True)
@@ -66,6 +75,10 @@ class Routing:
         # The last view Redis gave, for routing while it is unreachable.
         self._last_view: ClusterView | None = None
         self._probe: asyncio.Task | None = None
+        # Each node's started_ms as last read; a new one is a new process.
+        self._started: dict[str, int] = {}
+        # Called with a node that restarted (module docstring), on the loop's thread.
+        self.restarted: list[Callable[[NodeInfo], None]] = []
 
     def route_request(self, parsed: ParsedRequest) -> RouteRequest:
         params = parsed.params
@@ -91,17 +104,21 @@ class Routing:
             return None
 
     async def route(
-        self, parsed: ParsedRequest, avoid: Collection[str] = (), started: Sent | None = None
+        self, parsed: ParsedRequest, avoid: Mapping[str, int] = _NONE, started: Sent | None = None
     ) -> Routed:
         """Decide (one Redis round trip); raises NoRoute saying why there is none.
 
-        ``avoid``: nodes that already failed this request (it is being retried).
+        ``avoid``: nodes that already failed this request (it is being
+        retried), each with the ``started_ms`` of the process that failed (0:
+        unknown); a new process under that id is not avoided.
         ``started``: ``start_view(parsed.block_hashes)``'s read, if there is one.
         """
         view = await self.view(parsed.block_hashes, started)
         request = self.route_request(parsed)
         loads = self.inflight.loads(view)
-        for node_id in avoid:
+        for node_id, process in avoid.items():
+            if process and self._started.get(node_id, process) != process:
+                continue  # it restarted since it failed this request
             loads.setdefault(node_id, LocalLoad()).failed_ago_s = 0.0
         decision = choose_route(view, request, self.config, loads, self.rng, next(self._turns))
         return Routed(decision, view, request)
@@ -133,6 +150,7 @@ class Routing:
                 self._last_view = view
                 if self.served is not None:
                     self.served.observe(c.node for c in view.candidates)
+                self._notice_restarts(view)
                 return view
         self.stats.stale_routes += 1
         last = self._last_view
@@ -145,6 +163,22 @@ class Routing:
         ``/v1/models``), for what they registered (router/limits.py)."""
         with contextlib.suppress(NoRoute):
             await self.view([])
+
+    def _notice_restarts(self, view: ClusterView) -> None:
+        """Forget what a restarted node's old process did (module docstring)."""
+        known = self._started
+        for c in view.candidates:
+            node = c.node
+            before = known.get(node.node_id)
+            if before == node.started_ms:
+                continue
+            known[node.node_id] = node.started_ms
+            if before is None or not node.started_ms:
+                continue  # first seen, or a node that does not say
+            logger.info("node %s restarted (a new process at %s)", node.node_id, node.address)
+            self.inflight.succeeded(node.node_id)
+            for hook in self.restarted:
+                hook(node)
 
     async def _probe_until_up(self) -> None:
         while True:

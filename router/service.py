@@ -21,7 +21,7 @@ from proto import internal_pb2, pdserve_pb2, pdserve_pb2_grpc
 from router.access_log import AccessEntry, log_access
 from router.dispatch import PrefillDispatcher, failed_by_prefill
 from router.frontend import Frontend, ParsedRequest
-from router.migration import Seam, StreamProgress, held_back, migratable
+from router.migration import Seam, StreamProgress, continuation_route, held_back, migratable
 from router.node_session import NodeSession
 from router.policy import NoRoute
 from router.relay import node_messages
@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 # taken for stalled. One probe per node serves every silent stream on it for PROBE_TTL_S.
 PROBE_TIMEOUT_S = 2.0
 PROBE_TTL_S = 1.0
+# How long the old connection to a restarted node's address may finish what is
+# on it before it is closed (its process is gone: nothing should be).
+OLD_CHANNEL_GRACE_S = 5.0
 # A client whose deadline passes cancels its stream; our copy of the deadline
 # (its grpc-timeout counted from when the call arrived) ends this much later at
 # most, so a cancel this close to it is the deadline's doing.
@@ -71,6 +74,23 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         self.dispatcher = PrefillDispatcher(self.channel)
         # Per node address: when its last liveness probe started, and the probe.
         self._probes: dict[str, tuple[float, asyncio.Future]] = {}
+        self._closing: set[asyncio.Future] = set()  # old channels of restarted nodes
+        routing.restarted.append(self.forget_connections)
+
+    def forget_connections(self, node) -> None:
+        """``node`` restarted: the next call to its address opens a new
+        connection (and session). The old one may be in gRPC's reconnect
+        backoff after the refused connects of the restart, and would fail
+        calls at once for up to its backoff (router/routing.py)."""
+        address = node.address
+        self._sessions.pop(address, None)
+        self.dispatcher.forget(address)
+        self._probes.pop(address, None)
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            closing = asyncio.ensure_future(channel.close(grace=OLD_CHANNEL_GRACE_S))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
 
     def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -147,7 +167,7 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         nothing reached the client, migrated where its decode node failed mid-stream."""
         stats = self.routing.stats
         parsed, original, progress = state.original, state.original, state.progress
-        avoid: set[str] = set()
+        avoid: dict[str, int] = {}  # node id -> started_ms of the process that failed this
         failure: grpc.aio.AioRpcError | None = None  # the last attempt's
         attempt = -1
         while (attempt := attempt + 1) < self.routing.config.max_attempts:
@@ -155,7 +175,8 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                 stats.retries += 1
             if started is not None and parsed.block_hashes is not early.block_hashes:
                 started = None  # the checks changed the prompt: read it anew
-            routed = await self._route(parsed, avoid, started, failure, state)
+            continuing = attempt == 0 and progress.migrations > 0
+            routed = await self._route(parsed, avoid, started, failure, state, continuing)
             started = None  # one read per decision: retries read again
             if parsed.max_model_len != self.frontend.max_model_len and not progress.migrations:
                 # That read taught the router another context length (the first
@@ -177,9 +198,10 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
             if tried.error is None:
                 return
             failure = tried.error
-            if tried.received and self.migrate(original, progress, failure, state.client_id):
+            if tried.received and self.migrate(original, progress, failure, routed, state):
                 parsed = self.frontend.continuation(original, progress.token_ids)
-                avoid = {routed.decision.decode.node_id}
+                failed = routed.decision.decode
+                avoid = {failed.node_id: failed.started_ms}
                 attempt = -1  # the continuation has its own tries
                 continue
             if tried.received or not tried.retry_elsewhere(avoid):
@@ -193,9 +215,14 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
             )
         raise RequestFailed(failure.code(), f"{failure.details()} (after {attempt + 1} attempts)")
 
-    async def _route(self, parsed, avoid, started, failure, state: _Request):
-        """The nodes for the next attempt (RequestFailed where none is left)."""
+    async def _route(self, parsed, avoid, started, failure, state: _Request, continuing: bool):
+        """The nodes for the next attempt (RequestFailed where none is left);
+        a migrated stream's continuation may wait for a decode node to come back."""
         try:
+            if continuing:
+                return await continuation_route(
+                    self.routing, parsed, avoid, state.client_id, state.deadline
+                )
             routed = await self.routing.route(parsed, avoid, started)
         except NoRoute as no_route:  # no usable node, or Redis unreachable
             if failure is not None:  # every node left failed: say how the last did
@@ -247,7 +274,7 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                 self.routing.stats.requests_by_status[grpc.StatusCode.INVALID_ARGUMENT.name] += 1
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
-    def migrate(self, parsed, progress: StreamProgress, failure, client_id: str) -> bool:
+    def migrate(self, parsed, progress: StreamProgress, failure, routed, state) -> bool:
         """Set ``progress`` up for a continuation on another decode node, if allowed."""
         stats = self.routing.stats
         if not migratable(failure, progress, parsed.params, self.routing.config.max_migrations):
@@ -266,8 +293,10 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         stops = parsed.params.stop_strings
         progress.seam = Seam(held, stops, parsed.params.include_stop_str_in_output)
         logger.info(
-            "request %s: decode node failed after %d tokens (%s); migrating (%d of at most %d)",
-            client_id,
+            "request %s: decode node %s failed after %d tokens (%s); continuing the stream "
+            "on a decode node (move %d of at most %d)",
+            state.client_id,
+            routed.decision.decode.node_id,
             progress.resume_offset,
             failure.details(),
             progress.migrations,
@@ -306,6 +335,8 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         await self.dispatcher.close()
         for channel in self._channels.values():
             await channel.close()
+        for closing in list(self._closing):
+            await closing
 
 
 @dataclass(slots=True)
@@ -456,18 +487,20 @@ class _Attempt:
         # transport's (refused, reset) or the router's (it stopped answering).
         return _FAILED_NODE_KEY not in dict(self.error.trailing_metadata() or ())
 
-    def retry_elsewhere(self, avoid: set[str]) -> bool:
+    def retry_elsewhere(self, avoid: dict[str, int]) -> bool:
         """Whether the failure allows another attempt (nothing was sent to the
-        client, the cause is a node, not the request); adds the node at fault to ``avoid``."""
+        client, the cause is a node, not the request); adds the node at fault
+        to ``avoid``, with the started_ms of its process."""
         code = self.error.code()
         route = self.routed.decision
         failed = dict(self.error.trailing_metadata() or ()).get(_FAILED_NODE_KEY)
         if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
             return False
         if failed:  # the decode node is fine; its prefill node failed
-            avoid.add(failed)
+            prefill = route.prefill
+            avoid[failed] = prefill.started_ms if prefill and prefill.node_id == failed else 0
             if code is grpc.StatusCode.UNAVAILABLE:
                 self.routing.inflight.failed(failed)
         else:
-            avoid.add(route.decode.node_id)
+            avoid[route.decode.node_id] = route.decode.started_ms
         return True

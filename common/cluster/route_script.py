@@ -62,6 +62,7 @@ ROUTE_FIELDS = (
     "seen_ms",
     "tensor_parallel_size",
     "max_model_len",
+    "started_ms",
 )
 # The hash field holding PACKED_FIELDS as a JSON array, in that order: every
 # routing field but seen_ms, which the server's clock writes by itself. A reader

@@ -70,6 +70,10 @@ class NodeInfo:
     max_model_len: int = 0
     draining: bool = False  # the node itself is shutting down (SIGTERM)
     updated_ms: int = 0  # the node's clock at its last heartbeat
+    # The node's clock when its process started: a restart under the same id
+    # (and address) registers a new value, which tells routers to forget the
+    # old process's failures and connections (router/routing.py). 0: unknown.
+    started_ms: int = 0
     seen_ms: int = 0  # the Redis server's clock at its last heartbeat
     # Counters since the node started.
     requests_total: int = 0
@@ -185,6 +189,7 @@ class NodeInfo:
             seen_ms=_int(v[13]),
             tensor_parallel_size=_int(v[14]) or 1,  # a node that predates the field: 1
             max_model_len=_int(v[15]) if len(v) > 15 else 0,
+            started_ms=_int(v[16]) if len(v) > 16 else 0,
         )
 
 

@@ -4,6 +4,16 @@ It moves messages and nothing else: a group's segment headers (rows of 16 int64 
 chunks (any tensor, sent as its bytes). Which message comes when is the
 protocol's business (protocol.py); every wait here has a deadline, and any
 failure closes the channel for good (the epoch moves on and a new one is built).
+
+Building one: both ranks must be in the rendezvous at once, and the two nodes
+get there at unrelated times (the decode node when it reserves, the prefill
+node when the prompt's first step launches, which a busy prefill node may
+delay by far more than any connect timeout). So the sender announces itself
+under ``ready_key`` just before it joins, and the receiver joins only once that
+key is there: the rendezvous itself then takes milliseconds, and
+``connect_timeout_s`` (short, apart from the transfer timeout) bounds a
+channel that cannot be built. A receiver that leaves an epoch marks it under
+``closed_key``: a sender never waits in a rendezvous nobody will join.
 """
 
 from __future__ import annotations
@@ -34,8 +44,22 @@ def pair_key(sender_node: str, sender_rank: int, receiver_rank: int, epoch: int)
     return f"pair/{sender_node}/{sender_rank}-{receiver_rank}/{epoch}"
 
 
+def ready_key(key: str) -> str:
+    """Set by the sender just before it joins the rendezvous of ``key``."""
+    return f"{key}:ready"
+
+
+def closed_key(key: str) -> str:
+    """Set by the receiver once it left (or never will join) the channel of ``key``."""
+    return f"{key}:closed"
+
+
 class TransferError(RuntimeError):
     """A transfer failed (peer gone, deadline passed, bad header); the channel is unusable."""
+
+
+class EpochLeft(TransferError):
+    """The receiver left this channel epoch (``closed_key``): nothing more goes out on it."""
 
 
 class DeadlinePassed(TransferError):
@@ -43,24 +67,32 @@ class DeadlinePassed(TransferError):
 
 
 class PairChannel:
+    """``store``'s own timeout bounds the rendezvous on NCCL (its first
+    operation reads the peer's id from the store); ``connect_timeout_s`` bounds
+    gloo's. Every transfer wait after that passes its own deadline."""
+
     def __init__(
-        self, store: dist.Store, key: str, rank: int, device: torch.device, timeout_s: float
+        self,
+        store: dist.Store,
+        key: str,
+        rank: int,
+        device: torch.device,
+        connect_timeout_s: float,
     ) -> None:
         self.device = device
         self.rank = rank
         self.peer = 1 - rank
-        self.timeout_s = timeout_s
         prefixed = dist.PrefixStore(key, store)
-        timeout = datetime.timedelta(seconds=timeout_s)
+        connect = datetime.timedelta(seconds=connect_timeout_s)
         try:
             if device.type == "cuda":
                 opts = dist.ProcessGroupNCCL.Options()
                 # Our own deadlines abort the group first; NCCL's watchdog (which
                 # would tear the process down) only backs them up.
-                opts._timeout = max(timeout, datetime.timedelta(minutes=10))
+                opts._timeout = datetime.timedelta(minutes=10)
                 self.pg = dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
             else:
-                self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+                self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, connect)
         except Exception as e:
             raise TransferError(f"pair channel {key} could not connect: {e}") from e
         self._block = torch.empty(HEADER_BLOCK, HEADER_WORDS, dtype=torch.int64, device=device)
@@ -136,6 +168,9 @@ class PairChannel:
             raise TransferError(f"KV transfer failed: {e}") from e
 
     def close(self) -> None:
+        """For good. The group goes with it: gloo closes its connections only
+        when the group is destroyed (not on abort), and then the peer's posted
+        operations fail at once instead of waiting out their deadlines."""
         if self.closed:
             return
         self.closed = True
@@ -143,6 +178,17 @@ class PairChannel:
         if self.device.type == "cuda" and abort is not None:
             with contextlib.suppress(Exception):  # best effort on a broken group
                 abort()
+        self.pg = _CLOSED
+
+
+class _Closed:
+    """A closed channel's group: any use is a TransferError, never a hang."""
+
+    def __getattr__(self, name: str):
+        raise TransferError("the KV channel is closed")
+
+
+_CLOSED = _Closed()
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,16 @@ here is refused (``StaleEpoch``).
 
 A peer's thread keeps a header receive posted while any reservation of that
 peer is awaited: from ``expect`` until the reservation's end header arrives
-(after ``unexpect`` too, for at most the transfer timeout, so that segments the
-prefill node sent before it learnt of a cancellation are read and dropped
-rather than left blocking its channel). For each group it reads the k headers
+(after ``unexpect`` too, so that segments the prefill node sent before it
+learnt of a cancellation are read and dropped rather than left blocking its
+channel). How long it waits for the prefill node to start sending is
+``wait_s`` (the decode node's KV lease, which bounds each request's wait
+anyway), not the transfer timeout: a busy prefill node starts a prompt late,
+and a channel closed for that would fail the reservations it was about to
+fill, while the prefill node went on sending on the epoch the receiver left.
+The transfer timeout bounds the chunks of a group once its headers came. A
+channel is built only once its sender announced itself (channel.py), each
+side within ``connect_timeout_s``. For each group it reads the k headers
 (a block message: protocol.py), posts every chunk's receive at once into one
 buffer -- sizes and order follow from the headers (protocol.wire_order) --
 then hands the headers to the sink (``on_group``), and each chunk
@@ -36,7 +43,14 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from common.kv_transfer.channel import RECEIVER, PairChannel, TransferError, pair_key
+from common.kv_transfer.channel import (
+    RECEIVER,
+    PairChannel,
+    TransferError,
+    closed_key,
+    pair_key,
+    ready_key,
+)
 from common.kv_transfer.protocol import (
     ChunkDesc,
     FirstToken,
@@ -48,6 +62,10 @@ from common.kv_transfer.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+
+# How often a receiver waiting for its sender's announcement checks that a
+# reservation still wants the channel.
+ANNOUNCE_POLL_S = 0.25
 
 
 class StaleEpoch(RuntimeError):
@@ -94,6 +112,7 @@ class _Peer:
     cond: threading.Condition = field(default_factory=threading.Condition)
     thread: threading.Thread | None = None
     buffer: torch.Tensor | None = None  # receive buffer (KVReceiver._buffer)
+    store: dist.Store | None = None  # this thread's own connection to the store
 
     def wants_data(self) -> bool:
         now = time.monotonic()
@@ -101,6 +120,15 @@ class _Peer:
             if until is not None and until < now:
                 del self.awaiting[rid]  # its end never came (the Prefill never ran)
         return bool(self.awaiting)
+
+    def group_deadline(self, wait_s: float) -> float:
+        """Until when to wait for the next group's headers (``wants_data`` was
+        true): ``wait_s`` while a request awaits one, else until the last
+        lingering reservation's end is due."""
+        untils = self.awaiting.values()
+        if any(until is None for until in untils):
+            return time.monotonic() + wait_s
+        return max(untils)
 
 
 class KVReceiver:
@@ -115,6 +143,8 @@ class KVReceiver:
         first_epoch: int | None = None,
         max_group_bytes: int = 1 << 40,
         rank: int = 0,
+        connect_timeout_s: float = 5.0,
+        wait_s: float | None = None,
     ) -> None:
         self.node_id = node_id
         self.rank = rank  # this decode node's rank (0 hosts the store)
@@ -125,7 +155,10 @@ class KVReceiver:
         self.host = host
         self.port = port
         self.device = device
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # a started group's chunks, each
+        self.connect_timeout_s = connect_timeout_s
+        # For a prefill node to start sending (module docstring); the KV lease.
+        self.wait_s = timeout_s if wait_s is None else wait_s
         self.sink = sink
         # A group can never be larger than what the node could land (its cache).
         self.max_group_bytes = max_group_bytes
@@ -134,7 +167,7 @@ class KVReceiver:
             port,
             is_master=rank == 0,
             wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=connect_timeout_s),
         )
         self._peers: dict[tuple[str, int], _Peer] = {}
         # Prefill node -> its current channel epoch (every pair channel with it).
@@ -190,12 +223,12 @@ class KVReceiver:
 
     def unexpect(self, peer_id: str, reservation_id: int, sender_rank: int = 0) -> None:
         """The request no longer wants this transfer: keep reading (and dropping)
-        what the peer sends for it until its end header, for at most the timeout."""
+        what the peer sends for it until its end header, for at most ``wait_s``."""
         peer = self._peers.get((peer_id, sender_rank))
         if peer is not None:
             with peer.cond:
                 if reservation_id in peer.awaiting:
-                    peer.awaiting[reservation_id] = time.monotonic() + self.timeout_s
+                    peer.awaiting[reservation_id] = time.monotonic() + self.wait_s
 
     def reset(self, peer_id: str) -> None:
         """The peer failed or restarted (its Prefill call broke): the channels
@@ -203,10 +236,13 @@ class KVReceiver:
         instead of posting a receive to a dead process. Idle channels close now,
         busy ones after their group."""
         with self._lock:
-            if peer_id in self._epochs:
-                self._epochs[peer_id] += 1
+            old = self._epochs.get(peer_id)
+            if old is not None:
+                self._epochs[peer_id] = old + 1
             peers = [p for (node, _), p in self._peers.items() if node == peer_id]
         for peer in peers:
+            if old is not None:
+                self._mark_closed(peer, old)
             with peer.cond:
                 if not peer.receiving and peer.channel is not None:
                     peer.channel.close()
@@ -214,6 +250,7 @@ class KVReceiver:
                     for rid, until in list(peer.awaiting.items()):
                         if until is not None:  # lingering on the old channel: moot now
                             del peer.awaiting[rid]
+                peer.cond.notify_all()  # a wait for the old epoch's sender ends
 
     def fail_epoch(self, peer_id: str, epoch: int) -> bool:
         """``epoch`` of the channels with ``peer_id`` failed (on some rank): move
@@ -228,54 +265,119 @@ class KVReceiver:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # a new thread starts on device 0
         while not self._closed:
-            with peer.cond:
-                while not peer.wants_data() and not self._closed:
-                    peer.cond.wait(timeout=0.5)
-                if self._closed:
-                    return
-                with self._lock:
-                    epoch = self._epochs[peer.node_id]
-                peer.receiving = True
+            epoch = self._await_work(peer)
+            if epoch is None:
+                return
             try:
-                if peer.channel is not None and peer.channel_epoch != epoch:
-                    peer.channel.close()  # the node moved on: a fresh rendezvous
-                    peer.channel = None
-                if peer.channel is None or peer.channel.closed:
-                    peer.channel = PairChannel(
-                        self.store,
-                        pair_key(peer.node_id, peer.rank, self.rank, epoch),
-                        RECEIVER,
-                        self.device,
-                        self.timeout_s,
-                    )
-                    peer.channel_epoch = epoch
-                with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
-                    self._receive_group(peer, peer.channel)
+                channel = self._channel(peer, epoch)
+                with peer.cond:  # after the channel: building it may have taken a while
+                    wanted = channel is not None and peer.wants_data()
+                    deadline = peer.group_deadline(self.wait_s) if wanted else 0.0
+                if wanted:
+                    with (
+                        torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
+                    ):
+                        self._receive_group(peer, channel, deadline)
             except Exception as e:
+                self._channel_failed(peer, epoch, e)
+            finally:
                 with peer.cond:
                     peer.receiving = False
-                    if peer.channel is not None:
-                        peer.channel.close()
-                    peer.channel = None
-                    peer.awaiting.clear()
-                with self._lock:
-                    if self._epochs.get(peer.node_id) == epoch:
-                        self._epochs[peer.node_id] = epoch + 1
-                if not self._closed:
-                    logger.warning(
-                        "KV channel from %s rank %d failed (epoch %d): %s",
-                        peer.node_id,
-                        peer.rank,
-                        epoch,
-                        e,
-                    )
-                    self.sink.on_peer_failed(peer.node_id, e, epoch)
-                continue
-            with peer.cond:
-                peer.receiving = False
 
-    def _receive_group(self, peer: _Peer, channel: PairChannel) -> None:
-        headers = channel.recv_group(time.monotonic() + self.timeout_s)
+    def _await_work(self, peer: _Peer) -> int | None:
+        """Until a reservation of ``peer`` wants data: the channel epoch (None:
+        the receiver closed)."""
+        with peer.cond:
+            while not peer.wants_data() and not self._closed:
+                peer.cond.wait(timeout=0.5)
+            if self._closed:
+                return None
+            with self._lock:
+                epoch = self._epochs[peer.node_id]
+            peer.receiving = True
+            return epoch
+
+    def _channel(self, peer: _Peer, epoch: int) -> PairChannel | None:
+        """The channel of ``epoch``, built once its sender announced itself;
+        None when no reservation wants it any more (or the epoch moved on) first."""
+        if peer.channel is not None and (peer.channel.closed or peer.channel_epoch != epoch):
+            peer.channel.close()  # the node moved on: a fresh rendezvous
+            self._mark_closed(peer, peer.channel_epoch)
+            peer.channel = None
+        if peer.channel is None:
+            key = pair_key(peer.node_id, peer.rank, self.rank, epoch)
+            if not self._await_sender(peer, key, epoch):
+                return None
+            peer.channel = PairChannel(
+                self._store_of(peer), key, RECEIVER, self.device, self.connect_timeout_s
+            )
+            peer.channel_epoch = epoch
+        return peer.channel
+
+    def _await_sender(self, peer: _Peer, key: str, epoch: int) -> bool:
+        """Until the sender announced itself under ``key``; False when nothing
+        wants the channel any more, the epoch moved on or the receiver closed."""
+        store = self._store_of(peer)
+        poll = datetime.timedelta(seconds=ANNOUNCE_POLL_S)
+        while not self._closed:
+            try:
+                store.wait([ready_key(key)], poll)
+                return True
+            except dist.DistStoreError:  # not yet
+                pass
+            with peer.cond:
+                if not peer.wants_data():
+                    return False
+            with self._lock:
+                if self._epochs.get(peer.node_id) != epoch:
+                    return False
+        return False
+
+    def _store_of(self, peer: _Peer) -> dist.Store:
+        """``peer``'s own connection to the store: a wait on a connection
+        holds it, and one peer's waits must not hold up another's rendezvous."""
+        if peer.store is None:
+            peer.store = dist.TCPStore(
+                self.host,
+                self.port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=self.connect_timeout_s),
+            )
+        return peer.store
+
+    def _mark_closed(self, peer: _Peer, epoch: int) -> None:
+        """Tell ``peer``'s sender that this rank left ``epoch``: it must not
+        wait in a rendezvous there (best effort)."""
+        if epoch < 0:
+            return
+        key = closed_key(pair_key(peer.node_id, peer.rank, self.rank, epoch))
+        with contextlib.suppress(Exception):
+            self.store.set(key, "1")
+
+    def _channel_failed(self, peer: _Peer, epoch: int, error: Exception) -> None:
+        """The channel (or its rendezvous) failed: close it, move the node to
+        the next epoch, fail what waits on it."""
+        with peer.cond:
+            if peer.channel is not None:
+                peer.channel.close()
+            peer.channel = None
+            peer.awaiting.clear()
+        self._mark_closed(peer, epoch)
+        with self._lock:
+            if self._epochs.get(peer.node_id) == epoch:
+                self._epochs[peer.node_id] = epoch + 1
+        if not self._closed:
+            logger.warning(
+                "KV channel from %s rank %d failed (epoch %d): %s",
+                peer.node_id,
+                peer.rank,
+                epoch,
+                error,
+            )
+            self.sink.on_peer_failed(peer.node_id, error, epoch)
+
+    def _receive_group(self, peer: _Peer, channel: PairChannel, deadline: float) -> None:
+        headers = channel.recv_group(deadline)
         with peer.cond:
             for h in headers:
                 if h.is_end:

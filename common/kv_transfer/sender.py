@@ -23,6 +23,9 @@ next layers meanwhile.
 A failure closes the channel; every request with a chunk on it or queued
 behind it for the same channel incarnation fails (TransferError), and the next
 transfer to that node builds a new channel under the epoch its Prefill names.
+Building one (channel.py) announces this sender to the decode node and waits
+at most ``connect_timeout_s`` for it, not the transfer timeout: the link's
+thread is the one every transfer to that node waits behind.
 """
 
 from __future__ import annotations
@@ -42,9 +45,12 @@ from common.kv_transfer.channel import (
     POLL_S,
     SENDER,
     DeadlinePassed,
+    EpochLeft,
     PairChannel,
     TransferError,
+    closed_key,
     pair_key,
+    ready_key,
 )
 from common.kv_transfer.checksum import checksum
 from common.kv_transfer.protocol import ChunkDesc, SegmentHeader, group_messages
@@ -278,20 +284,19 @@ class _Link:
                 self.retired.add(self.epoch)
             self.store = None
             self.epoch = dest.epoch  # from here on a failure retires this epoch
+        connect = self.owner.connect_timeout_s
         if self.store is None:
             self.store = dist.TCPStore(
                 dest.store_host,
                 dest.store_port,
                 is_master=False,
-                timeout=datetime.timedelta(seconds=self.timeout_s),
+                timeout=datetime.timedelta(seconds=connect),
             )
-        self.channel = PairChannel(
-            self.store,
-            pair_key(self.owner.node_id, self.owner.rank, self.receiver_rank, dest.epoch),
-            SENDER,
-            self.owner.device,
-            self.timeout_s,
-        )
+        key = pair_key(self.owner.node_id, self.owner.rank, self.receiver_rank, dest.epoch)
+        if self.store.check([closed_key(key)]):
+            raise EpochLeft(f"{self.node_id} left KV channel epoch {dest.epoch}")
+        self.store.set(ready_key(key), "1")  # the receiver joins once this is there
+        self.channel = PairChannel(self.store, key, SENDER, self.owner.device, connect)
         return self.channel
 
     def _fail(self, error: Exception) -> None:
@@ -300,7 +305,9 @@ class _Link:
             self.retired.add(self.epoch)  # the receiver drops its side too
         if self.channel is not None:
             self.channel.close()
-        logger.warning("KV transfer to %s failed: %s", self.node_id, err)
+        # An epoch the decode node left is news, not a failure (its groups are moot).
+        log = logger.info if isinstance(err, EpochLeft) else logger.warning
+        log("KV transfer to %s failed: %s", self.node_id, err)
         self.channel = None
         # The decode node may have restarted: rendezvous through a fresh store
         # connection next time, not the one to the old process.
@@ -329,11 +336,13 @@ class KVSender:
         timeout_s: float = 30.0,
         faults: FaultDelays | None = None,
         rank: int = 0,
+        connect_timeout_s: float = 5.0,
     ) -> None:
         self.node_id = node_id
         self.rank = rank  # this prefill node's rank
         self.device = device
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self.faults = faults or FaultDelays()
         self._links: dict[tuple[str, int], _Link] = {}
         self._lock = threading.Lock()

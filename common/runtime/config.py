@@ -123,7 +123,8 @@ class NodeConfig:
     heartbeat_interval_s: float
     node_ttl_s: float
     log_stats_interval_s: float  # 0: no progress lines
-    transfer_timeout_s: float
+    transfer_timeout_s: float  # a KV group's chunks under way
+    kv_connect_timeout_s: float  # building a KV channel once both ends are there
     drain_timeout_s: float
     max_queued_requests: int  # 0: no bound
     verify_kv: bool
@@ -153,6 +154,7 @@ class NodeConfig:
             node_ttl_s=args.node_ttl,
             log_stats_interval_s=args.log_stats_interval,
             transfer_timeout_s=args.transfer_timeout,
+            kv_connect_timeout_s=args.kv_connect_timeout,
             drain_timeout_s=args.drain_timeout,
             max_queued_requests=args.max_queued_requests,
             verify_kv=args.verify_kv,
@@ -208,7 +210,10 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
         help="cluster state [PDSERVE_REDIS_URL]",
     )
     p.add_argument(
-        "--heartbeat-interval", type=float, default=float(env("PDSERVE_HEARTBEAT_S", "0.5"))
+        "--heartbeat-interval",
+        type=float,
+        default=float(env("PDSERVE_HEARTBEAT_S", "0.5")),
+        help="seconds between heartbeats to Redis [PDSERVE_HEARTBEAT_S]",
     )
     p.add_argument(
         "--log-stats-interval",
@@ -217,9 +222,24 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
         help="seconds between progress lines while busy (tok/s, queue, KV); 0: none "
         "[PDSERVE_LOG_STATS_INTERVAL_S]",
     )
-    p.add_argument("--node-ttl", type=float, default=float(env("PDSERVE_NODE_TTL_S", "5")))
     p.add_argument(
-        "--transfer-timeout", type=float, default=float(env("PDSERVE_TRANSFER_TIMEOUT_S", "30"))
+        "--node-ttl",
+        type=float,
+        default=float(env("PDSERVE_NODE_TTL_S", "5")),
+        help="seconds a node stays registered after its last heartbeat [PDSERVE_NODE_TTL_S]",
+    )
+    p.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=float(env("PDSERVE_TRANSFER_TIMEOUT_S", "30")),
+        help="seconds each KV chunk of a transfer under way may take [PDSERVE_TRANSFER_TIMEOUT_S]",
+    )
+    p.add_argument(
+        "--kv-connect-timeout",
+        type=float,
+        default=float(env("PDSERVE_KV_CONNECT_TIMEOUT_S", "5")),
+        help="seconds each side of a new KV channel waits in its rendezvous once the prefill "
+        "node announced itself; apart from --transfer-timeout [PDSERVE_KV_CONNECT_TIMEOUT_S]",
     )
     p.add_argument(
         "--drain-timeout",
@@ -242,7 +262,10 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
         help="checksum every KV transfer on both sides (slow; for tests) [PDSERVE_VERIFY_KV=1]",
     )
     p.add_argument(
-        "--enable-reflection", action="store_true", default=env("PDSERVE_REFLECTION") == "1"
+        "--enable-reflection",
+        action="store_true",
+        default=env("PDSERVE_REFLECTION") == "1",
+        help="gRPC server reflection [PDSERVE_REFLECTION=1]",
     )
     add_metrics_arguments(p)
     add_tracing_arguments(p)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from common.cluster.redis_auth import check_redis
-from common.cluster.state import Cluster, NodeInfo, NodeRole
+from common.cluster.state import Cluster, NodeInfo, NodeRole, now_ms
 from common.grpc_server import SERVER_OPTIONS, add_health, add_reflection, set_serving
 from common.metrics.gc import GcCollector
 from common.metrics.histogram import Histogram
@@ -64,6 +64,7 @@ class NodeEngine:
             max_model_len=self.config.max_model_len,
             tensor_parallel_size=tp,
             num_gpus=tp if self.engine.model_runner.device.type == "cuda" else 0,
+            started_ms=now_ms(),
             **extra,
         )
 

@@ -261,14 +261,20 @@ def cmd_flush(stub, args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="pdctl", description=__doc__.split("\n")[0])
-    p.add_argument("--address", default=env("PDCTL_ADDRESS", "127.0.0.1:50052"))
+    p.add_argument(
+        "--address",
+        default=env("PDCTL_ADDRESS", "127.0.0.1:50052"),
+        help="the router's admin API [PDCTL_ADDRESS]",
+    )
     p.add_argument("--token", default=env("PDCTL_TOKEN"), help="admin token [PDCTL_TOKEN]")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_client_tls_arguments(p, "PDCTL")
     # --json after the command too (SUPPRESS: it does not reset the global one).
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+    common.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="as pdctl --json"
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     sub.add_parser("nodes", parents=[common], help="list the nodes").set_defaults(func=cmd_nodes)

@@ -192,9 +192,12 @@ def kill_mid_stream(up: UpProcess, sampling, tag: str):
         f"{victim} back in pdctl nodes",
         interval_s=0.5,
     )
-    assert up.pids()[victim] != pid
+    new_pid = up.pids()[victim]
+    assert new_pid != pid
     restart_line(up, victim, pid, mark)
-    assert not up.matches(rf"{victim} serving again")  # one line per restart
+    # One line when it exits, one (with its new pid) when the restart serves.
+    up.wait_line(rf"^{victim} serving again on \S+ \(pid {new_pid}[;)]", 30, mark)
+    assert len(up.matches(rf"^{victim} serving again")) == len(up.matches(rf"^pdserve: {victim} "))
     assert supervisor(up, "restarts_total")[victim] == restarts + 1
     assert_idle(up, expect_nodes=len(NODES))
 

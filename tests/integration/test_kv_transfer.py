@@ -38,6 +38,7 @@ from pdserve.redis_server import free_port
 pytestmark = pytest.mark.timeout(300)
 
 UNIT = 64  # bytes per block x layer x head in these scripts
+CONNECT_S = 1.0  # the receiver's rendezvous bound here
 
 
 def chunk_bytes(rid: int, desc) -> torch.Tensor:
@@ -144,7 +145,14 @@ def receiver():
     col = Collector()
     port = free_port()
     rx = KVReceiver(
-        "decode-a", "127.0.0.1", port, torch.device("cpu"), col, timeout_s=3, first_epoch=0
+        "decode-a",
+        "127.0.0.1",
+        port,
+        torch.device("cpu"),
+        col,
+        timeout_s=3,
+        first_epoch=0,
+        connect_timeout_s=CONNECT_S,
     )
     yield rx, col, port
     rx.close()
@@ -266,40 +274,71 @@ def test_a_sender_dying_mid_group_fails_the_channel_then_the_next_epoch_works(re
     wait_until(lambda: any(rid == 2 for rid, _, _ in col.chunks))
 
 
-def test_absent_peer_times_out_then_the_next_epoch_works(receiver):
+def test_a_sender_that_comes_late_joins_and_none_fails_meanwhile(receiver):
+    """The receiver joins a rendezvous only once its sender announced itself:
+    a prefill node that starts sending long after the reservation (a busy one)
+    is no failed channel, however short the connect timeout."""
     rx, col, port = receiver
     assert rx.expect("prefill-a", 100) == 0
-    # Nobody connects: the rendezvous times out, the peer is reported, the epoch moves on.
-    assert col.event.wait(15)
-    assert col.failed == ["prefill-a"]
-    proc, epochs, results = start_sender(port, [("group", [(segment(100, 0, 1), False)])])
-    epoch = rx.expect("prefill-a", 100)
-    assert epoch == 1
-    epochs.put(epoch)
+    time.sleep(3 * CONNECT_S)  # nobody comes for a while
+    assert col.failed == []
+    script = [("group", [(segment(100, 0, 1), False)]), ("end", 100)]
+    proc, epochs, results = start_sender(port, script)
+    epochs.put(rx.epoch_of("prefill-a"))  # the same epoch: nothing failed
     assert results.get(timeout=60)[100][0] == "ok"
     proc.join(30)
     wait_until(lambda: len(col.chunks) == 2)
+    wait_until(lambda: not rx._peers["prefill-a", 0].awaiting)
+    assert col.failed == []
 
 
-def test_sender_reports_a_peer_that_never_listens_and_a_passed_deadline():
+def test_a_channel_that_cannot_be_built_fails_within_the_connect_timeout():
+    """Nobody joins the sender's rendezvous: its transfer fails within the
+    connect timeout, not the (long) transfer timeout; a passed deadline fails
+    before anything is sent."""
     import torch.distributed as dist
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    sender = KVSender("prefill-b", torch.device("cpu"), timeout_s=1)
+    sender = KVSender("prefill-b", torch.device("cpu"), timeout_s=60, connect_timeout_s=1)
     dest = Destination("decode-x", "127.0.0.1", port, 0)
     late = TransferTicket("late", dest, time.monotonic() - 1, False)
     sender.open_group(dest, [OutgoingSegment(segment(1, 0, 1), late, True)])
     live = TransferTicket("live", dest, time.monotonic() + 30, False)
+    start = time.monotonic()
     group = sender.open_group(dest, [OutgoingSegment(segment(2, 0, 1), live, True)])
     desc = segment(2, 0, 1).chunks()[0]
     sender.send_chunk(group, group.segments[0], desc, chunk_bytes(2, desc), None, 0.0, False)
     with pytest.raises(DeadlinePassed):
         late.done.result(timeout=30)
-    with pytest.raises(TransferError):  # nobody joins the rendezvous
+    with pytest.raises(TransferError, match="could not connect"):
         live.done.result(timeout=30)
+    assert time.monotonic() - start < 10  # the transfer timeout is 60
     sender.close()
     del store
+
+
+def test_a_sender_on_an_epoch_the_receiver_left_fails_at_once(receiver):
+    """The receiver moved on (its prefill node's session broke): a transfer
+    still naming the old epoch fails at once instead of waiting in a
+    rendezvous nobody joins, and the next epoch works."""
+    rx, col, port = receiver
+    old = rx.expect("prefill-a", 300)
+    rx.unexpect("prefill-a", 300)
+    rx.reset("prefill-a")
+    proc, epochs, results = start_sender(port, [("group", [(segment(301, 0, 1), False)])])
+    epochs.put(old)
+    start = time.monotonic()
+    outcome = results.get(timeout=60)
+    assert outcome[301][0] == "EpochLeft" and time.monotonic() - start < CONNECT_S + 4
+    proc.join(30)
+    script = [("group", [(segment(302, 0, 1), False)]), ("end", 302)]
+    proc, epochs, results = start_sender(port, script)
+    epochs.put(rx.expect("prefill-a", 302))
+    assert results.get(timeout=60)[302][0] == "ok"
+    proc.join(30)
+    wait_until(lambda: not rx._peers["prefill-a", 0].awaiting)
+    assert col.failed == []
 
 
 def test_first_tokens_follow_their_groups_chunks_and_the_channel_stays_in_step(receiver):

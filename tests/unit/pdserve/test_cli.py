@@ -63,3 +63,24 @@ def test_a_record_names_the_revision_it_was_given_or_its_checkouts(monkeypatch):
     monkeypatch.delenv("PDSERVE_REVISION")
     revision = git_revision()
     assert revision is None or revision.split("+")[0].isalnum()
+
+
+def test_up_takes_the_routers_port_variables(monkeypatch):
+    """`make run PDSERVE_PORT=...` moves the stack as ARGS="--port ..." would."""
+    for name, value in (
+        ("PDSERVE_PORT", "50161"),
+        ("PDSERVE_ADMIN_PORT", "50162"),
+        ("PDSERVE_HTTP_PORT", "50163"),
+    ):
+        monkeypatch.setenv(name, value)
+    args = cli.build_parser().parse_args(["up", "--model", "m"])
+    assert (args.port, args.admin_port, args.http_port) == (50161, 50162, 50163)
+    args = cli.build_parser().parse_args(["up", "--model", "m", "--port", "7"])
+    assert args.port == 7  # a flag beats its variable
+
+
+def test_up_takes_cpu_threads_from_its_variable(monkeypatch):
+    monkeypatch.setenv("PDSERVE_CPU_THREADS", "2")
+    assert cli.build_parser().parse_args(["up", "--model", "m"]).cpu_threads == 2
+    monkeypatch.delenv("PDSERVE_CPU_THREADS")
+    assert cli.build_parser().parse_args(["up", "--model", "m"]).cpu_threads is None
