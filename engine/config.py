@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.layers.specs import AttentionBackendName, GemvBackend
 from engine.models.config import ModelArchConfig
-from engine.tp_layout import check_tensor_parallel_size
+from engine.tp_layout import check_tensor_parallel_size, expert_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +174,7 @@ class EngineConfig:
             mc.num_attention_heads,
             mc.num_key_value_heads,
             mc.intermediate_size,
+            expert_sizes(mc),
         )
         if self.kvcache_block_size not in ALLOWED_BLOCK_SIZES:
             raise ValueError(

@@ -49,11 +49,23 @@ def backend_class(name: AttentionBackendName) -> type[AttentionBackend]:
 
 
 def select_backend(
-    name: AttentionBackendName, device: torch.device, dtype: torch.dtype
+    name: AttentionBackendName,
+    device: torch.device,
+    dtype: torch.dtype,
+    sliding_window: bool = False,
+    soft_cap: bool = False,
 ) -> type[AttentionBackend]:
+    """The backend class to run; ``sliding_window`` / ``soft_cap``: the model has
+    layers that need them (a backend lacking them is refused, or skipped by auto)."""
+
+    def reason_against(cls: type[AttentionBackend]) -> str | None:
+        return cls.unavailable_reason(device, dtype) or cls.missing_features(
+            sliding_window, soft_cap
+        )
+
     if name is not AttentionBackendName.AUTO:
         cls = backend_class(name)
-        reason = cls.unavailable_reason(device, dtype)
+        reason = reason_against(cls)
         if reason is not None:
             raise ValueError(f"attention_backend {name.value!r} cannot run on {device}: {reason}")
         logger.info("attention backend: %s", cls.name.value)
@@ -64,7 +76,7 @@ def select_backend(
     skipped = []
     for candidate in _AUTO_ORDER_CUDA:
         cls = backend_class(candidate)
-        reason = cls.unavailable_reason(device, dtype)
+        reason = reason_against(cls)
         if reason is None:
             note = f"; not {', '.join(skipped)}" if skipped else ""
             logger.info("attention backend: %s (auto%s)", cls.name.value, note)
