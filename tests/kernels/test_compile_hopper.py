@@ -1,4 +1,4 @@
-"""Issue 16's kernels compiled for Hopper (sm_90) without a GPU.
+"""Our Triton kernels compiled for Hopper (sm_90) without a GPU.
 
 The interpreter runs kernels as numpy code, so it cannot catch what only the
 compiler rejects (a constexpr mixed with a tensor in a condition, a layout
@@ -82,25 +82,39 @@ def compile_rope_qk(has_norm, store_kv):
     compile_for_hopper(fk._rope_qk_kernel, sig, const, num_warps=4)
 
 
-def compile_decode_attention(num_splits):
+def compile_decode_attention(num_splits, sliding=False, softcap=False):
     from engine.layers.attention import triton_decode as td
 
     sig = dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr"], "*bf16")
     sig |= dict.fromkeys(["block_tables_ptr", "seq_lens_ptr"], "*i32")
     sig |= dict.fromkeys(["part_out_ptr", "part_lse_ptr"], "*fp32") | {"out_ptr": "*bf16"}
-    sig |= {"scale": "fp32"}
+    sig |= {"scale": "fp32", "softcap": "fp32", "window": "i32"}
     strides = ["stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head"]
     strides += ["stride_cache_block", "stride_cache_slot", "stride_cache_head", "stride_bt"]
     sig |= dict.fromkeys(strides, "i32") | {"num_splits": "i32"}
     const = dict(ONE_SPLIT=num_splits == 1, GROUP=2, BLOCK_G=16, BLOCK_SIZE=16, HEAD_DIM=128)
-    const |= dict(BLOCK_D=128, BLOCK_N=64)
+    const |= dict(BLOCK_D=128, BLOCK_N=64, SLIDING=sliding, HAS_SOFTCAP=softcap)
     compile_for_hopper(td._decode_split_kernel, sig, const, num_stages=4)
     if num_splits > 1:
         red = dict.fromkeys(["part_out_ptr", "part_lse_ptr"], "*fp32") | {"seq_lens_ptr": "*i32"}
         red |= {"out_ptr": "*bf16", "stride_o_tok": "i32", "stride_o_head": "i32"}
-        red |= {"num_splits": "i32"}
-        const = dict(BLOCK_S=64, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64)
+        red |= {"num_splits": "i32", "window": "i32"}
+        const = dict(BLOCK_S=64, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, SLIDING=sliding)
         compile_for_hopper(td._decode_reduce_kernel, red, const)
+
+
+def compile_prefill_attention(sliding, softcap):
+    from engine.layers.attention import triton_kernels as tk
+
+    sig = dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"], "*bf16")
+    sig |= dict.fromkeys(["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"], "*i32")
+    sig |= {"scale": "fp32", "softcap": "fp32", "window": "i32"}
+    strides = ["stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head"]
+    strides += ["stride_cache_block", "stride_cache_slot", "stride_cache_head", "stride_bt"]
+    sig |= dict.fromkeys(strides, "i32")
+    const = dict(GROUP=4, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=32)
+    const |= dict(SLIDING=sliding, HAS_SOFTCAP=softcap)
+    compile_for_hopper(tk._prefill_kernel, sig, const, num_stages=2)
 
 
 def compile_prefill_split():
@@ -133,6 +147,11 @@ def child() -> dict:
     for num_splits in (1, 33):
         compile_decode_attention(num_splits)
         report[f"decode_attention(splits={num_splits})"] = True
+    compile_decode_attention(33, sliding=True, softcap=True)
+    report["decode_attention(sliding, softcap)"] = True
+    for sliding, softcap in ((False, False), (True, False), (True, True)):
+        compile_prefill_attention(sliding, softcap)
+        report[f"prefill_attention(sliding={sliding}, softcap={softcap})"] = True
     compile_prefill_split()
     report["prefill_split_attention"] = True
     return report
@@ -153,7 +172,7 @@ def test_kernels_compile_for_hopper():
         pytest.skip("no ptxas in this triton")  # pragma: no cover
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == len(SKINNY_CASES) + 5
+    assert len(report) == len(SKINNY_CASES) + 9
     # The tensor-core tile is pipelined by Triton (the FMA tiles prefetch by hand).
     assert report[f"skinny_gemm{SKINNY_CASES[-1]}"] is True
 
