@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from tests.conftest import TINY_CONFIGS, write_config_dir
+from tests.conftest import MOE_KINDS, TINY_CONFIGS, write_config_dir
 
 KINDS = list(TINY_CONFIGS)
 
@@ -70,6 +70,24 @@ def test_chunked_prefill_over_paged_prefix_matches(tiny_model, kind, backend):
     runner = make_runner(model_dir, attention_backend=backend)
     # Chunks that end mid-block, then single-token "decode" steps.
     ours = our_logits(runner, PROMPT, [13, 20, 10, 1, 1])
+    ref = hf_logits(hf, PROMPT)
+    assert torch.allclose(ours, ref, atol=2e-5, rtol=1e-4), (ours - ref).abs().max()
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_moe_through_the_fused_triton_kernel_matches(tiny_model, kind):
+    """The experts through the fused Triton kernel (Triton's interpreter without a
+    GPU) instead of the torch loop: the same logits as HF, chunks and decodes."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from engine.layers.moe.layer import FusedMoE
+
+    model_dir, hf = tiny_model(kind)
+    runner = make_runner(model_dir)
+    moe_layers = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    assert moe_layers
+    for layer in moe_layers:
+        layer.use_triton = True
+    ours = our_logits(runner, PROMPT, [13, 30, 1, 1])
     ref = hf_logits(hf, PROMPT)
     assert torch.allclose(ours, ref, atol=2e-5, rtol=1e-4), (ours - ref).abs().max()
 

@@ -117,6 +117,20 @@ def compile_prefill_attention(sliding, softcap):
     compile_for_hopper(tk._prefill_kernel, sig, const, num_stages=2)
 
 
+def compile_fused_moe(per_pair, even_k, config):
+    from engine.layers.moe import fused_moe as fm
+
+    sig = dict.fromkeys(["a_ptr", "b_ptr", "c_ptr"], "*bf16") | {"topk_weights_ptr": "*fp32"}
+    sig |= dict.fromkeys(["sorted_ids_ptr", "expert_ids_ptr", "num_padded_ptr"], "*i32")
+    sig |= dict.fromkeys(["N", "K", "num_pairs", "stride_am", "stride_be", "stride_bn"], "i32")
+    sig |= dict.fromkeys(["stride_bk", "stride_cm"], "i32")
+    block_m, block_n, block_k, group_m, warps, stages = config
+    const = dict(top_k=8, A_PER_PAIR=per_pair, MUL_ROUTED_WEIGHT=per_pair, EVEN_K=even_k)
+    const |= dict(IEEE=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m)
+    kernel = compile_for_hopper(fm._fused_moe_kernel, sig, const, warps, stages)
+    return "async_copy" in kernel.asm["ttgir"]
+
+
 def compile_prefill_split():
     from engine.layers.attention import triton_prefill_split as ts
 
@@ -154,7 +168,16 @@ def child() -> dict:
         report[f"prefill_attention(sliding={sliding}, softcap={softcap})"] = True
     compile_prefill_split()
     report["prefill_split_attention"] = True
+    for case in MOE_CASES:
+        report[f"fused_moe{case}"] = compile_fused_moe(*case)
     return report
+
+
+MOE_CASES = [
+    (False, True, (16, 64, 128, 1, 4, 3)),  # decode-sized gate/up
+    (True, True, (64, 128, 64, 8, 8, 3)),  # prefill-sized down, routing weight applied
+    (True, False, (32, 64, 64, 8, 4, 3)),  # K not a multiple of the tile
+]
 
 
 @pytest.mark.skipif(HOPPER is None, reason="no triton with a CUDA backend here")
@@ -172,9 +195,11 @@ def test_kernels_compile_for_hopper():
         pytest.skip("no ptxas in this triton")  # pragma: no cover
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == len(SKINNY_CASES) + 9
+    assert len(report) == len(SKINNY_CASES) + 9 + len(MOE_CASES)
     # The tensor-core tile is pipelined by Triton (the FMA tiles prefetch by hand).
     assert report[f"skinny_gemm{SKINNY_CASES[-1]}"] is True
+    # So are the fused MoE tiles (the loads of the next K tile overlap the dot).
+    assert all(report[f"fused_moe{case}"] for case in MOE_CASES)
 
 
 if __name__ == "__main__":
