@@ -100,8 +100,9 @@ def test_sharded_checkpoint_loads_the_same(tiny_model):
     assert torch.allclose(ours, hf_logits(hf, PROMPT), atol=2e-5, rtol=1e-4)
 
 
-def test_dummy_weights_from_config_alone(tmp_path):
-    model_dir = write_config_dir(tmp_path / "cfg-only", TINY_CONFIGS["qwen3"])
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "mixtral", "qwen2_moe"])
+def test_dummy_weights_from_config_alone(tmp_path, kind):
+    model_dir = write_config_dir(tmp_path / "cfg-only", TINY_CONFIGS[kind])
     a = our_logits(make_runner(model_dir, load_format="dummy", seed=1), PROMPT, [len(PROMPT)])
     b = our_logits(make_runner(model_dir, load_format="dummy", seed=1), PROMPT, [len(PROMPT)])
     c = our_logits(make_runner(model_dir, load_format="dummy", seed=2), PROMPT, [len(PROMPT)])
