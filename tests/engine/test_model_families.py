@@ -80,3 +80,51 @@ def test_teacher_forced_top1_agrees_everywhere(family):
         agree += out.outputs[0].token_ids[0] == hf_top[-1]
         total += 1
     assert agree == total, f"{agree}/{total} positions agree"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_all_sliding_model_frees_blocks_behind_its_window_and_still_equals_hf(
+    tiny_model, async_scheduling
+):
+    """Mistral (every layer slides, window 12): three 40-token prompts generating
+    40 tokens each need 30 blocks of 8 whole, but a 14-block pool serves them
+    without preemption, since the blocks behind each window go back as the
+    sequences advance."""
+    model_dir, hf = tiny_model("mistral")
+    prompts = [[(i * 13 + 7 * j) % 500 + 3 for i in range(40)] for j in range(3)]
+    want = [hf_greedy_ids(hf, p, 40) for p in prompts]
+    llm = LLM(
+        str(model_dir),
+        skip_tokenizer_init=True,
+        device="cpu",
+        max_model_len=96,
+        kvcache_block_size=8,
+        num_kvcache_blocks=14,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        async_scheduling=async_scheduling,
+    )
+    params = SamplingParams(temperature=0, max_tokens=40)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    stats = llm.llm_engine.stats()
+    assert stats.num_preemptions == 0 and stats.num_window_freed_blocks >= 20
+    assert_idle(llm)
+
+
+def test_gemma3s_global_layers_keep_every_block(family_gemma3):
+    """Interleaved sliding and global layers: the global ones read the whole
+    context, so nothing is freed (docs/architecture.md, Models)."""
+    llm = family_gemma3
+    assert llm.llm_engine.scheduler.sliding_window is None
+    assert llm.llm_engine.stats().num_window_freed_blocks == 0
+
+
+@pytest.fixture
+def family_gemma3(tiny_model):
+    model_dir, _ = tiny_model("gemma3")
+    llm = LLM(str(model_dir), skip_tokenizer_init=True, device="cpu", max_model_len=128)
+    llm.generate(
+        [{"prompt_token_ids": list(range(3, 60))}], SamplingParams(max_tokens=30), use_tqdm=False
+    )
+    return llm
