@@ -74,15 +74,15 @@ class FusedMoE(nn.Module):
             return reference_experts(x, self.w13_weight, self.w2_weight, weights, ids, self.act)
         from engine.layers.moe.fused_moe import fused_experts
 
-        return fused_experts(
-            x, self.w13_weight, self.w2_weight, weights, ids, self.kernel_config(x), self.act
-        )
+        config = self.kernel_config(x.shape[0])
+        return fused_experts(x, self.w13_weight, self.w2_weight, weights, ids, config, self.act)
 
-    def kernel_config(self, x: torch.Tensor) -> MoeKernelConfig:
-        e, n2, k = self.w13_weight.shape
-        return _config(
-            _device_name(x.device), _dtype_key(x.dtype), x.shape[0], e, n2 // 2, k, self.top_k
-        )
+    def kernel_config(self, num_tokens: int) -> MoeKernelConfig:
+        """The fused kernel's launch config for a step of ``num_tokens`` tokens."""
+        w = self.w13_weight
+        e, n2, k = w.shape
+        name, dtype = _device_name(w.device), _dtype_key(w.dtype)
+        return _config(name, dtype, num_tokens, e, n2 // 2, k, self.top_k)
 
 
 @functools.lru_cache(maxsize=4096)
