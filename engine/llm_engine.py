@@ -92,15 +92,13 @@ class LLMEngine:
             config.kvcache_block_size,
             config.enable_prefix_caching,
         )
-        mc = config.model_config
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            # Where some layers are global (Gemma3), every block stays until the end.
-            sliding_window=mc.sliding_window if mc.all_layers_slide else None,
+            sliding_window=config.model_config.freeing_window,
         )
         self.input_processor = InputProcessor(config, self.tokenizer, self.eos_token_ids, tok_info)
         self.output_processor = OutputProcessor(

@@ -91,6 +91,13 @@ class ModelArchConfig:
         running query's window can be freed (none, where some layers are global)."""
         return bool(self.layer_types) and all(t is LayerType.SLIDING for t in self.layer_types)
 
+    @property
+    def freeing_window(self) -> int | None:
+        """The window behind which a running sequence's KV blocks can be freed:
+        the sliding window where every layer slides, else None (global layers,
+        Gemma3's among them, read the whole context)."""
+        return self.sliding_window if self.all_layers_slide else None
+
     def layer_window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, or None for a global layer."""
         if self.layer_types and self.layer_types[layer] is LayerType.SLIDING:

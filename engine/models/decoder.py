@@ -280,7 +280,7 @@ class DecoderForCausalLM(nn.Module):
         max_positions: int,
         fused_ops: bool = False,
         tp: TPGroup | None = None,
-        triton_moe: bool = False,
+        triton_moe: bool = False,  # experts by the fused Triton kernel (else the torch loop)
     ) -> None:
         super().__init__()
         self.config = cfg

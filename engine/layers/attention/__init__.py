@@ -17,6 +17,7 @@ from engine.layers.attention.backend import (
     AttentionMetadata,
 )
 from engine.layers.attention.torch_backend import TorchAttention
+from engine.models.config import ModelArchConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +53,12 @@ def select_backend(
     name: AttentionBackendName,
     device: torch.device,
     dtype: torch.dtype,
-    sliding_window: bool = False,
-    soft_cap: bool = False,
+    model: ModelArchConfig | None = None,
 ) -> type[AttentionBackend]:
-    """The backend class to run; ``sliding_window`` / ``soft_cap``: the model has
-    layers that need them (a backend lacking them is refused, or skipped by auto)."""
+    """The backend class to run ``model``: one that lacks a feature its layers need
+    (a sliding window, soft-capped scores) is refused, or skipped by auto."""
+    sliding_window = model is not None and model.sliding_window is not None
+    soft_cap = model is not None and model.attn_logit_softcapping is not None
 
     def reason_against(cls: type[AttentionBackend]) -> str | None:
         return cls.unavailable_reason(device, dtype) or cls.missing_features(
