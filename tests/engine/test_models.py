@@ -92,8 +92,9 @@ def test_moe_through_the_fused_triton_kernel_matches(tiny_model, kind):
     assert torch.allclose(ours, ref, atol=2e-5, rtol=1e-4), (ours - ref).abs().max()
 
 
-def test_sharded_checkpoint_loads_the_same(tiny_model):
-    model_dir, hf = tiny_model("llama", max_shard_size="100KB")
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_sharded_checkpoint_loads_the_same(tiny_model, kind):
+    model_dir, hf = tiny_model(kind, max_shard_size="100KB")
     assert (model_dir / "model.safetensors.index.json").is_file()
     assert len(list(model_dir.glob("*.safetensors"))) > 1
     ours = our_logits(make_runner(model_dir), PROMPT, [len(PROMPT)])
