@@ -131,6 +131,23 @@ def compile_fused_moe(per_pair, even_k, config):
     return "async_copy" in kernel.asm["ttgir"]
 
 
+def compile_moe_dispatch(top_k, block_e, renormalize):
+    from engine.layers.moe import dispatch as md
+
+    topk = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32"}
+    topk |= {"num_experts": "i32", "stride_l": "i32"}
+    const = dict(TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_K=8)
+    compile_for_hopper(md._topk_kernel, topk, const)
+    count = {"ids_ptr": "*i32", "counts_ptr": "*i32", "num_pairs": "i32", "num_experts": "i32"}
+    compile_for_hopper(md._count_kernel, count, dict(BLOCK=1024))
+    runs = dict.fromkeys(["counts_ptr", "cursors_ptr", "expert_ids_ptr", "num_padded_ptr"], "*i32")
+    runs |= {"num_experts": "i32", "num_tiles": "i32"}
+    compile_for_hopper(md._runs_kernel, runs, dict(BLOCK_M=16, BLOCK_E=2 * block_e, BLOCK_T=64))
+    place = {"ids_ptr": "*i32", "cursors_ptr": "*i32", "sorted_ids_ptr": "*i32"}
+    place |= {"num_pairs": "i32", "num_experts": "i32"}
+    compile_for_hopper(md._place_kernel, place, dict(BLOCK=1024))
+
+
 def compile_prefill_split():
     from engine.layers.attention import triton_prefill_split as ts
 
@@ -170,6 +187,9 @@ def child() -> dict:
     report["prefill_split_attention"] = True
     for case in MOE_CASES:
         report[f"fused_moe{case}"] = compile_fused_moe(*case)
+    compile_moe_dispatch(8, 128, True)
+    compile_moe_dispatch(2, 8, False)
+    report["moe_dispatch"] = True
     return report
 
 
@@ -195,7 +215,7 @@ def test_kernels_compile_for_hopper():
         pytest.skip("no ptxas in this triton")  # pragma: no cover
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == len(SKINNY_CASES) + 9 + len(MOE_CASES)
+    assert len(report) == len(SKINNY_CASES) + 10 + len(MOE_CASES)
     # The tensor-core tile is pipelined by Triton (the FMA tiles prefetch by hand).
     assert report[f"skinny_gemm{SKINNY_CASES[-1]}"] is True
     # So are the fused MoE tiles (the loads of the next K tile overlap the dot).

@@ -13,10 +13,11 @@ import torch
 
 from engine.layers.activation import SiluAndMul
 from engine.layers.moe.configs import MoeKernelConfig, default_config
-from engine.layers.moe.reference import reference_experts
+from engine.layers.moe.reference import moe_align_reference, reference_experts
 from engine.layers.moe.routing import select_experts
 
 fm = pytest.importorskip("engine.layers.moe.fused_moe", reason="triton is not installed")
+dispatch = pytest.importorskip("engine.layers.moe.dispatch", reason="triton is not installed")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -34,27 +35,44 @@ def routed(num_tokens, hidden, inter, num_experts, top_k, seed=0):
     return x, w13, w2, weights, ids
 
 
+@pytest.mark.parametrize("align", ["triton", "torch"])
 @pytest.mark.parametrize(
-    "num_tokens, num_experts, top_k, block_m", [(1, 4, 2, 16), (37, 8, 3, 16), (9, 5, 1, 32)]
+    "num_tokens, num_experts, top_k, block_m",
+    [(1, 4, 2, 16), (37, 8, 3, 16), (9, 5, 1, 32), (700, 128, 8, 64)],
 )
 def test_align_groups_every_pair_once_in_tiles_of_one_expert(
-    num_tokens, num_experts, top_k, block_m
+    align, num_tokens, num_experts, top_k, block_m
 ):
-    ids = torch.randint(0, num_experts, (num_tokens, top_k), dtype=torch.int32)
+    ids = torch.randint(0, num_experts, (num_tokens, top_k), dtype=torch.int32, device=DEVICE)
     ids[0, 0] = -1  # an expert held by another rank
-    sorted_ids, expert_ids, num_padded = fm.moe_align(ids, num_experts, block_m)
+    fn = dispatch.moe_align if align == "triton" else moe_align_reference
+    sorted_ids, expert_ids, num_padded = fn(ids, num_experts, block_m)
     pairs = num_tokens * top_k
     n = int(num_padded)
-    assert n % block_m == 0 and sorted_ids.numel() >= n
+    flat = ids.reshape(-1).long().cpu()
+    counts = torch.bincount(torch.where(flat < 0, num_experts, flat), minlength=num_experts + 1)
+    assert n == int(((counts + block_m - 1) // block_m * block_m).sum())
+    sorted_ids, expert_ids = sorted_ids.cpu(), expert_ids.cpu()
     real = sorted_ids[:n][sorted_ids[:n] < pairs]
     assert sorted(real.tolist()) == list(range(pairs))  # every pair once
     assert (sorted_ids[n:] == pairs).all()  # the rest is padding
-    flat = ids.reshape(-1).long()
     for t in range(n // block_m):
         tile = sorted_ids[t * block_m : (t + 1) * block_m].long()
         tile = tile[tile < pairs]
         want = expert_ids[t].item()
+        assert len(tile) > 0  # a tile of padding only is never computed
         assert ((flat[tile] == want) | ((flat[tile] < 0) & (want == -1))).all()
+
+
+@pytest.mark.parametrize(
+    "num_experts, top_k, renorm", [(8, 2, True), (60, 4, False), (128, 8, True)]
+)
+def test_fused_topk_picks_what_torch_picks(num_experts, top_k, renorm):
+    logits = torch.randn(33, num_experts, device=DEVICE) * 3
+    weights, ids = dispatch.fused_topk(logits, top_k, renorm)
+    ref_w, ref_ids = select_experts(logits, top_k, renorm)
+    assert torch.equal(ids, ref_ids)
+    assert torch.allclose(weights, ref_w, atol=1e-6, rtol=1e-5)
 
 
 CASES = [

@@ -1,9 +1,10 @@
 """The fused MoE layer's Triton kernel: every expert's projection in one launch.
 
 The design of vLLM's and SGLang's fused_moe. Each token chose ``k`` experts,
-so there are ``T * k`` (token, slot) pairs. ``moe_align`` sorts the pairs by
-expert and pads each expert's run to a multiple of ``BLOCK_M``, so that every
-``BLOCK_M``-row tile of the sorted list belongs to one expert. The kernel
+so there are ``T * k`` (token, slot) pairs. ``moe_align`` (dispatch.py)
+groups the pairs by expert and pads each expert's run to a multiple of
+``BLOCK_M``, so that every ``BLOCK_M``-row tile of the list belongs to one
+expert. The kernel
 gives each program one such tile and ``BLOCK_N`` output columns: it gathers
 the tile's input rows, multiplies them by that expert's weight, and scatters
 the result to the pairs' rows. Two launches make an expert MLP: gate/up
@@ -23,36 +24,7 @@ import triton
 import triton.language as tl
 
 from engine.layers.moe.configs import MoeKernelConfig
-
-
-def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted pair ids [EM] int32, expert of each BLOCK_M tile [EM / BLOCK_M]
-    int32 (-1: write zeros), padded pair count [1] int32) for ids [T, k]
-    (-1: an expert held elsewhere). Padding entries hold ``T * k``."""
-    device = topk_ids.device
-    num_pairs = topk_ids.numel()
-    buckets = num_experts + 1  # the last: experts held elsewhere
-    flat = topk_ids.reshape(-1).long()
-    flat = torch.where(flat < 0, num_experts, flat)
-    counts = torch.zeros(buckets, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    first_padded = ends - padded
-    first_raw = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)
-    bucket = flat[order]
-    dest = first_padded[bucket] + torch.arange(num_pairs, device=device) - first_raw[bucket]
-    max_len = num_pairs + buckets * (block_m - 1)
-    num_tiles = triton.cdiv(max_len, block_m)
-    sorted_ids = torch.full((num_tiles * block_m,), num_pairs, dtype=torch.int32, device=device)
-    sorted_ids[dest] = order.to(torch.int32)
-    tile_start = torch.arange(num_tiles, device=device) * block_m
-    tile_bucket = torch.searchsorted(ends, tile_start, right=True)
-    expert_ids = torch.where(tile_bucket < num_experts, tile_bucket, -1).to(torch.int32)
-    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+from engine.layers.moe.dispatch import moe_align
 
 
 @triton.jit

@@ -61,7 +61,13 @@ class FusedMoE(nn.Module):
         self.use_triton = use_triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.router(x), self.top_k, self.renormalize)
+        logits = self.router(x)
+        if self.use_triton:
+            from engine.layers.moe.dispatch import fused_topk
+
+            weights, ids = fused_topk(logits, self.top_k, self.renormalize)
+        else:
+            weights, ids = select_experts(logits, self.top_k, self.renormalize)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))
