@@ -6,7 +6,8 @@ Mistral's layers attend within a sliding window, Gemma3 interleaves sliding
 and global layers (each with its own RoPE base), scales its embedding,
 norms with (1 + w) before and after attention and the MLP, and may soft-cap
 logits; the MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE) replace the MLP of
-their sparse layers by a mixture of experts (engine/layers/moe/). Projections are fused (q/k/v into ``qkv_proj``, gate/up into
+their sparse layers by a mixture of experts (engine/layers/moe/).
+Projections are fused (q/k/v into ``qkv_proj``, gate/up into
 ``gate_up_proj``) so each layer runs two fewer matmuls; the loader splits the
 checkpoint's separate tensors into them. With ``fused_ops`` (CUDA), RMSNorm,
 SiLU-and-mul and q/k-norm + RoPE run as single Triton kernels. The
@@ -79,7 +80,6 @@ class Attention(nn.Module):
             self.layer_kwargs["sliding_window"] = window
         if cfg.attn_logit_softcapping is not None:
             self.layer_kwargs["logits_soft_cap"] = cfg.attn_logit_softcapping
-        self.sliding_window = window
         # Shared, not owned: registering them as submodules would duplicate them.
         self._rotary = (rotary,)
         self.backend = backend

@@ -53,7 +53,9 @@ class FusedMoE(nn.Module):
         self.shared_expert = None
         self.shared_expert_gate = None
         if shared_intermediate:
-            self.shared_expert = GatedMLP(hidden_size, shared_intermediate, tp, reduce=False)
+            self.shared_expert = GatedMLP(
+                hidden_size, shared_intermediate, tp, fused=fused_ops, reduce=False
+            )
             self.shared_expert_gate = SkinnyLinear(hidden_size, 1, bias=False)
         self.act = SiluAndMul(fused_ops)
         self.tp = tp
