@@ -7,6 +7,7 @@ CUDA graphs against eager ones.
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -17,7 +18,6 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.moe.configs import default_config
 from engine.layers.moe.reference import reference_experts
 from engine.layers.moe.routing import select_experts
-from tests.conftest import TINY_CONFIGS, write_config_dir
 
 pytestmark = pytest.mark.gpu
 
@@ -82,10 +82,10 @@ def test_the_tuner_measures_and_records(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral", "mistral", "gemma3"])
-def test_cuda_graphs_give_the_eager_engines_tokens(tmp_path, kind):
-    """Dummy bf16 weights: decode graphs and piecewise graphs (MoE layers and
-    sliding windows captured) against the same engine run eagerly."""
-    model_dir = write_config_dir(tmp_path / kind, dict(TINY_CONFIGS[kind], torch_dtype="bfloat16"))
+def test_cuda_graphs_give_the_eager_engines_tokens(tiny_model, kind):
+    """The tiny HF checkpoints in fp32: decode graphs and piecewise graphs (MoE
+    layers and sliding windows captured) against the same engine run eagerly."""
+    model_dir, _ = tiny_model(kind)
     prompts = [
         {"prompt_token_ids": [(7 * i + j) % 500 for i in range(n)]}
         for j, n in enumerate((5, 40, 300))
@@ -94,16 +94,13 @@ def test_cuda_graphs_give_the_eager_engines_tokens(tmp_path, kind):
     tokens = []
     for eager in (True, False):
         llm = LLM(
-            str(model_dir),
-            load_format="dummy",
-            skip_tokenizer_init=True,
-            max_model_len=512,
-            enforce_eager=eager,
-            gpu_memory_utilization=0.3,
-        )
+            str(model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
+            enforce_eager=eager, gpu_memory_utilization=0.3,
+        )  # fmt: skip
         tokens.append(
             [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         )
         del llm
+        gc.collect()
         torch.cuda.empty_cache()
     assert tokens[0] == tokens[1]
