@@ -150,3 +150,15 @@ def test_each_rank_reads_its_slice_of_every_expert():
     assert list(lay.local_experts) == [0, 1, 2, 3]  # tensor parallelism keeps every expert
     with pytest.raises(ValueError, match="each expert's intermediate size 30"):
         check_tensor_parallel_size(4, 8, 2, 256, (30,))
+
+
+@pytest.mark.parametrize("shape, billions", [("qwen3-30b-a3b", 30.53), ("mixtral-8x7b", 46.70)])
+def test_the_moe_benchmark_shapes_are_the_public_models(shape, billions):
+    import math
+
+    from engine.models.checkpoint import checkpoint_shapes
+    from engine.models.shapes import SHAPES
+
+    cfg = ModelArchConfig.from_dict(SHAPES[shape])
+    total = sum(math.prod(s) for _, s in checkpoint_shapes(cfg))
+    assert total / 1e9 == pytest.approx(billions, abs=0.01)
