@@ -4,10 +4,9 @@ The design of vLLM's and SGLang's fused_moe. Each token chose ``k`` experts,
 so there are ``T * k`` (token, slot) pairs. ``moe_align`` (dispatch.py)
 groups the pairs by expert and pads each expert's run to a multiple of
 ``BLOCK_M``, so that every ``BLOCK_M``-row tile of the list belongs to one
-expert. The kernel
-gives each program one such tile and ``BLOCK_N`` output columns: it gathers
-the tile's input rows, multiplies them by that expert's weight, and scatters
-the result to the pairs' rows. Two launches make an expert MLP: gate/up
+expert. The kernel gives each program one such tile and ``BLOCK_N`` output
+columns: it gathers the tile's input rows, multiplies them by that expert's
+weight, and scatters the result to the pairs' rows. Two launches make an expert MLP: gate/up
 (``[T*k, 2I]``), then, after SiLU-and-mul, down with the routing weight
 applied (``[T*k, H]``); a sum over the ``k`` slots gives each token's output.
 
