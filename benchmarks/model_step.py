@@ -9,7 +9,11 @@ Floor: ``t >= (weight bytes + B * C * KV bytes per token) / copy bandwidth`` wit
 the device-to-device copy rate (bytes read + written per second) as the
 bandwidth. Prefill: one forward over 8 prompts of 2048 tokens; model FLOPs are
 2 x (matmul parameters) per token plus causal attention; MFU is against the
-bf16 matmul rate.
+bf16 matmul rate. A mixture-of-experts model counts its active parameters: a
+step reads the experts its B tokens chose (expected ``1 - (1 - k/E)^B`` of
+them, routing uniform as with dummy weights) and a token multiplies by k of E.
+
+    python benchmarks/model_step.py both --shapes qwen3-30b-a3b --prefill-shape qwen3-30b-a3b
 """
 
 from __future__ import annotations
@@ -72,8 +76,17 @@ def decode_step(runner, inputs, batch: int):
     return step
 
 
-def weight_bytes_read(runner) -> int:
-    """Parameter bytes one decode step reads (an untied input embedding is only gathered)."""
+def expert_fraction(cfg, tokens: int) -> float:
+    """The expected share of an MoE layer's experts that ``tokens`` tokens choose
+    (uniform routing); 1 for a dense model."""
+    if cfg.moe is None:
+        return 1.0
+    return 1.0 - (1.0 - cfg.moe.top_k / cfg.moe.num_experts) ** tokens
+
+
+def weight_bytes_read(runner, tokens: int = 1) -> int:
+    """Parameter bytes one decode step of ``tokens`` tokens reads (an untied input
+    embedding is only gathered; of stacked experts, those the tokens chose)."""
     model = runner.model
     total = 0
     seen = set()
@@ -83,8 +96,21 @@ def weight_bytes_read(runner) -> int:
         seen.add(id(p))
         if name == "embed_tokens.weight" and not model.config.tie_word_embeddings:
             continue
-        total += p.numel() * p.element_size()
+        share = expert_fraction(model.config, tokens) if p.dim() == 3 else 1.0
+        total += int(p.numel() * p.element_size() * share)
     return total
+
+
+def active_matmul_params(runner) -> float:
+    """Matmul parameters a token multiplies by: every 2-D projection but the input
+    embedding, and top-k of E stacked experts."""
+    cfg = runner.config.model_config
+    active = cfg.moe.top_k / cfg.moe.num_experts if cfg.moe is not None else 0.0
+    return sum(
+        p.numel() * (1.0 if p.dim() == 2 else active)
+        for n, p in runner.model.named_parameters()
+        if p.dim() in (2, 3) and "embed_tokens" not in n
+    )
 
 
 def decode(args, copy_bw) -> list[dict[str, Any]]:
@@ -113,9 +139,9 @@ def decode_shape(args, shape: str, tmp: str, copy_bw: float) -> list[dict[str, A
         shape, tmp, args, ctx + 16, max(batches) * blocks_per_seq + 1, max(batches)
     )
     cfg = runner.config.model_config
-    wbytes = weight_bytes_read(runner)
     rows = []
     for batch in batches:
+        wbytes = weight_bytes_read(runner, batch)
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
         inputs = runner.build_inputs([[1] * (ctx + 1)] * batch, [ctx] * batch, [1] * batch, tables)
         step = decode_step(runner, inputs, batch)
@@ -160,11 +186,7 @@ def prefill(args, peak) -> list[dict[str, Any]]:
             args.prefill_shape, tmp, args, seq_len + 16, seqs * blocks_per_seq + 1, seqs
         )
         cfg = runner.config.model_config
-        matmul_params = sum(
-            p.numel()
-            for n, p in runner.model.named_parameters()
-            if p.dim() == 2 and "embed_tokens" not in n
-        )
+        matmul_params = active_matmul_params(runner)
         if cfg.tie_word_embeddings:
             matmul_params += cfg.vocab_size * cfg.hidden_size
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(seqs)]

@@ -15,6 +15,16 @@ So ``num_free_blocks + num_used_blocks == num_blocks`` always holds;
 A hash is a hint (engine/block_hash.py): before a cached block is reused its
 tokens and its parent hash are compared with the request's.
 
+A model whose every layer attends within a sliding window never reads a
+sequence's keys before its window again: ``free_blocks_before`` releases
+those blocks while the sequence runs, and their table entries read
+``NO_BLOCK`` (the attention backends load nothing before a window). A freed
+block that holds a hash goes to the cached LRU like any other, so a later
+request can still hit it; the cache is then not strictly prefix-closed (the
+block may be evicted while its successors, still in use, stay cached), which
+costs a router at most an overestimated hit: the node verifies hits block by
+block from the first and stops at the first missing one.
+
 The set of cached hashes stays prefix-closed: if a block's hash is cached, so
 is its parent's. Routers rely on it (common/cluster/state.py finds a node's hit by
 binary search). It holds because a hit claims every block before it, freed
@@ -36,6 +46,9 @@ from engine.block_hash import ROOT_HASH
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
+
+# A block table entry whose block was freed (before a sliding window).
+NO_BLOCK = -1
 
 
 @dataclass(slots=True)
@@ -151,6 +164,8 @@ class BlockManager:
         seq.update_block_hashes()
         bs = self.block_size
         for i in range(seq.num_cached_blocks, num_full):
+            if seq.block_table[i] == NO_BLOCK:
+                continue
             block = self.blocks[seq.block_table[i]]
             block_hash = seq.block_hashes[i]
             if block.block_hash is not None:
@@ -243,17 +258,35 @@ class BlockManager:
         # Tail blocks go into the LRU first so they are evicted before the
         # prefix, which other requests are likelier to share.
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"double free of KV block {block_id}")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is not None:
-                    self._free_cached[block_id] = None
-                else:
-                    self._free_uncached.append(block_id)
+            if block_id != NO_BLOCK:
+                self._release(block_id)
         seq.block_table = []
         seq.num_cached_blocks = 0
+        seq.num_window_freed_blocks = 0
+
+    def free_blocks_before(self, seq: Sequence, position: int) -> int:
+        """Release the sequence's blocks that hold only tokens before ``position``
+        (every query from now on sees keys from ``position`` on: a sliding window
+        has passed them); their entries become NO_BLOCK. Returns how many."""
+        upto = min(position // self.block_size, len(seq.block_table))
+        table = seq.block_table
+        for i in range(seq.num_window_freed_blocks, upto):
+            self._release(table[i])
+            table[i] = NO_BLOCK
+        freed = max(0, upto - seq.num_window_freed_blocks)
+        seq.num_window_freed_blocks = max(upto, seq.num_window_freed_blocks)
+        return freed
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"double free of KV block {block_id}")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is not None:
+                self._free_cached[block_id] = None
+            else:
+                self._free_uncached.append(block_id)
 
     def _take_free_blocks(self, n: int) -> list[int]:
         """``n`` free block ids (the caller checked there are): never-cached

@@ -18,7 +18,7 @@ from typing import Any
 from engine.layers.specs import AttentionBackendName, GemvBackend
 from engine.models.config import ModelArchConfig
 from engine.structured.config import StructuredOutputsConfig
-from engine.tp_layout import check_tensor_parallel_size
+from engine.tp_layout import TPLayout
 
 logger = logging.getLogger(__name__)
 
@@ -178,13 +178,8 @@ class EngineConfig:
         self.dtype = _DTYPE_ALIASES[self.dtype]
         _require_int("seed", self.seed, 0, 2**63 - 1)
         _require_int("tensor_parallel_size", self.tensor_parallel_size)
-        mc = self.model_config
-        check_tensor_parallel_size(
-            self.tensor_parallel_size,
-            mc.num_attention_heads,
-            mc.num_key_value_heads,
-            mc.intermediate_size,
-        )
+        # Raises naming the reason when the model cannot be split over that many ranks.
+        TPLayout.for_model(self.model_config, 0, self.tensor_parallel_size)
         if self.kvcache_block_size not in ALLOWED_BLOCK_SIZES:
             raise ValueError(
                 f"kvcache_block_size must be one of {ALLOWED_BLOCK_SIZES}; "

@@ -28,6 +28,8 @@ class EngineStats:
     # model, and tokens sampled; their difference is prompt work.
     num_computed_tokens: int = 0
     num_generated_tokens: int = 0
+    # Blocks freed before a sliding window (models whose layers all slide).
+    num_window_freed_blocks: int = 0
 
 
 def collect_stats(
@@ -53,4 +55,5 @@ def collect_stats(
         prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
         num_computed_tokens=num_computed_tokens,
         num_generated_tokens=num_generated_tokens,
+        num_window_freed_blocks=s.num_window_freed_blocks,
     )

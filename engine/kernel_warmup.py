@@ -11,7 +11,9 @@ and the CUDA-graph captures meet only some of them.
 
 ``warm_up_kernels`` runs one small forward pass of each kind over the real KV
 cache, before any request can own a block (the blocks it writes are free and
-hold nothing), and throws the results away.
+hold nothing), and throws the results away. A mixture-of-experts model's
+fused kernel picks its tiles by the step's token count (a few configs up to
+``max_num_batched_tokens``): one expert call per config compiles them.
 """
 
 from __future__ import annotations
@@ -75,11 +77,35 @@ def warm_up_kernels(runner: _Runner) -> None:
         )
         runner.model(inputs.input_ids, inputs.positions, inputs.meta)
         ran += 1
+    moe_configs = _warm_up_moe(runner.model, cfg.max_num_batched_tokens)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     logger.info(
-        "kernel warm-up: %d of %d passes in %.1f s",
+        "kernel warm-up: %d of %d passes, %d fused-MoE configs in %.1f s",
         ran,
         len(WARMUP_PASSES),
+        moe_configs,
         time.perf_counter() - started,
     )
+
+
+def _warm_up_moe(model: Any, max_tokens: int) -> int:
+    """Run the experts of the model's first MoE layer once per launch config that
+    a step of 1..max_tokens tokens would pick (no collective: every rank runs it
+    alike, but the all-reduce is not needed to compile). Returns how many."""
+    from engine.layers.moe.layer import FusedMoE
+
+    layer = next((m for m in model.modules() if isinstance(m, FusedMoE)), None)
+    if layer is None or not layer.use_triton:
+        return 0
+    w = layer.w13_weight
+    first_tokens: dict[Any, int] = {}
+    for m in range(1, max_tokens + 1):
+        first_tokens.setdefault(layer.kernel_config(m), m)
+    for m in first_tokens.values():
+        x = torch.zeros(m, w.shape[2], dtype=w.dtype, device=w.device)
+        ids = torch.arange(m * layer.top_k, device=w.device, dtype=torch.int32)
+        ids = (ids % layer.num_experts).view(m, layer.top_k)
+        weights = torch.full((m, layer.top_k), 1.0 / layer.top_k, device=w.device)
+        layer.experts(x, weights, ids)
+    return len(first_tokens)

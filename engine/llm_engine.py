@@ -92,6 +92,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            sliding_window=config.model_config.freeing_window,
         )
         self.input_processor = InputProcessor(config, self.tokenizer, self.eos_token_ids, tok_info)
         on_cuda = self.model_runner.device.type == "cuda"

@@ -64,21 +64,22 @@ class ModelRunner:
         self.layout = TPLayout.for_model(cfg, self.tp.rank, self.tp.size)
         self.dtype = resolve_dtype(config.dtype, cfg.torch_dtype, self.device)
         self.block_size = config.kvcache_block_size
-        backend_cls = select_backend(config.attention_backend, self.device, self.dtype)
+        backend_cls = select_backend(config.attention_backend, self.device, self.dtype, cfg)
         # This rank's heads (all of them without tensor parallelism).
         self.attention_backend = backend_cls(
             self.layout.num_local_heads,
             self.layout.num_local_kv_heads,
             cfg.head_dim,
-            cfg.head_dim**-0.5,
+            cfg.softmax_scale,
             self.block_size,
         )
         torch.manual_seed(config.seed)
-        fused = config.fused_ops and self.device.type == "cuda" and _triton_available()
+        on_gpu = self.device.type == "cuda" and _triton_available()  # fused ops, fused MoE
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = DecoderForCausalLM(
-                cfg, self.attention_backend, config.max_model_len, fused_ops=fused, tp=self.tp
-            )
+                cfg, self.attention_backend, config.max_model_len, config.fused_ops and on_gpu,
+                self.tp, triton_moe=on_gpu,
+            )  # fmt: skip
         if config.load_format is LoadFormat.DUMMY:
             init_dummy_weights(self.model, config.seed)
         else:

@@ -120,8 +120,7 @@ class PiecewiseGraphs:
         else:
             layer = model.layers[i - 1]
             x = layer.self_attn.output(self.attn_out[:n])
-            x, residual = layer.post_attention_layernorm(x, self.residual[:n])
-            x = layer.mlp(x)
+            x, residual = layer.after_attention(x, self.residual[:n])
             if i == self.num_layers:
                 x, _ = model.norm(x, residual)
                 self.hidden[:n].copy_(x)

@@ -67,6 +67,8 @@ class ScheduledBatch:
 @dataclass(slots=True)
 class SchedulerStats:
     num_preemptions: int = 0
+    # Blocks released before a sliding window (models whose layers all slide).
+    num_window_freed_blocks: int = 0
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     num_steps: int = 0
@@ -80,8 +82,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
         self.block_manager = block_manager
+        # Set when every layer of the model slides: a running sequence's blocks
+        # before its window are freed as it advances (BlockManager.free_blocks_before).
+        self.sliding_window = sliding_window
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -317,6 +323,7 @@ class Scheduler:
         bm = self.block_manager
         bs = bm.block_size
         caching = bm.enable_prefix_caching
+        window = self.sliding_window
         finished = SequenceStatus.FINISHED
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             if seq.status is finished:
@@ -325,11 +332,25 @@ class Scheduler:
             seq.num_computed_tokens = computed
             if caching and computed // bs > seq.num_cached_blocks:
                 bm.cache_full_blocks(seq)
+            if window is not None:
+                self._free_before_window(seq, computed - window + 1)
             token_ids = seq.token_ids
             if computed == len(token_ids):
                 token_ids.append(PLACEHOLDER)
                 appended.append((i, seq))
         return appended
+
+    def _free_before_window(self, seq: Sequence, first_visible: int) -> None:
+        """Free the blocks wholly before the next query's window (the step just
+        launched may still read them: the device runs it before any later step
+        that could write a reused block). A prefill node's held sequence keeps
+        its blocks for the transfer."""
+        bs = self.block_manager.block_size
+        if seq.hold_kv or first_visible < (seq.num_window_freed_blocks + 1) * bs:
+            return
+        self.stats.num_window_freed_blocks += self.block_manager.free_blocks_before(
+            seq, first_visible
+        )
 
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """``advance`` and fill the placeholders at once (synchronous form)."""

@@ -84,6 +84,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     # How many block_table entries are registered in the prefix cache.
     num_cached_blocks: int = 0
+    # Leading block_table entries freed because every layer's sliding window
+    # has passed them (they read NO_BLOCK, -1: engine/block_manager.py).
+    num_window_freed_blocks: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0

@@ -11,18 +11,29 @@ Megatron-style sharding of a decoder layer over ``size`` ranks:
   multiplies its slice of the input; an all-reduce sums the partial outputs);
 - the embedding and the LM head are vocabulary-parallel: rank r holds rows
   ``[r*s, (r+1)*s)`` with ``s = ceil(vocab/t)`` (the last shard padded with
-  zero rows, so every rank's shard has the same shape for the all-gather).
+  zero rows, so every rank's shard has the same shape for the all-gather);
+- a mixture-of-experts MLP keeps every expert on every rank and shards each
+  expert's intermediate dimension like a dense MLP's (gate/up rows, down
+  columns; one all-reduce after the experts and the shared expert together).
+  The router is replicated. Expert parallelism (a contiguous range of whole
+  experts per rank, ``local_experts``) would change only which experts a rank
+  holds: the fused MoE layer already maps global expert ids to local ones and
+  skips the others (engine/layers/moe/).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MAX_TENSOR_PARALLEL_SIZE = 8
 
 
 def check_tensor_parallel_size(
-    size: int, num_heads: int, num_kv_heads: int, intermediate_size: int
+    size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    expert_sizes: tuple[int, ...] = (),
 ) -> None:
     """ValueError naming the reason when the model cannot be split over ``size`` ranks."""
     if not 1 <= size <= MAX_TENSOR_PARALLEL_SIZE:
@@ -44,6 +55,20 @@ def check_tensor_parallel_size(
             f"tensor_parallel_size {size} must divide the model's intermediate size "
             f"{intermediate_size}"
         )
+    for n in expert_sizes:
+        if n % size:
+            raise ValueError(
+                f"tensor_parallel_size {size} must divide each expert's intermediate size {n}"
+            )
+
+
+def expert_sizes(cfg) -> tuple[int, ...]:
+    """The intermediate sizes of a model's experts and shared expert (none if dense)."""
+    moe = cfg.moe
+    if moe is None:
+        return ()
+    shared = moe.shared_expert_intermediate_size
+    return (moe.intermediate_size, shared) if shared else (moe.intermediate_size,)
 
 
 def kv_head_range(rank: int, size: int, num_kv_heads: int) -> range:
@@ -65,13 +90,21 @@ class TPLayout:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    num_experts: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def for_model(cls, cfg, rank: int = 0, size: int = 1) -> TPLayout:
         """``cfg``: an engine.models.config.ModelArchConfig."""
         check_tensor_parallel_size(
-            size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+            size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.intermediate_size,
+            expert_sizes(cfg),
         )
+        moe = cfg.moe
         return cls(
             rank,
             size,
@@ -80,6 +113,9 @@ class TPLayout:
             cfg.head_dim,
             cfg.intermediate_size,
             cfg.vocab_size,
+            moe.num_experts if moe else 0,
+            moe.intermediate_size if moe else 0,
+            moe.shared_expert_intermediate_size if moe else 0,
         )
 
     # --------------------------------------------------------------- heads
@@ -110,15 +146,7 @@ class TPLayout:
         return [r for r in range(self.size) if kv_head in self.at_rank(r).kv_heads]
 
     def at_rank(self, rank: int) -> TPLayout:
-        return TPLayout(
-            rank,
-            self.size,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.intermediate_size,
-            self.vocab_size,
-        )
+        return replace(self, rank=rank)
 
     # ----------------------------------------------------------------- MLP
     @property
@@ -128,6 +156,31 @@ class TPLayout:
     @property
     def intermediate_range(self) -> range:
         n = self.local_intermediate
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    # ------------------------------------------------------------- experts
+    @property
+    def local_experts(self) -> range:
+        """The experts (global ids) this rank holds: all of them (tensor
+        parallelism shards each expert; expert parallelism would split this)."""
+        return range(self.num_experts)
+
+    @property
+    def local_expert_intermediate(self) -> int:
+        return self.expert_intermediate_size // self.size
+
+    @property
+    def expert_intermediate_range(self) -> range:
+        n = self.local_expert_intermediate
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    @property
+    def local_shared_intermediate(self) -> int:
+        return self.shared_expert_intermediate_size // self.size
+
+    @property
+    def shared_intermediate_range(self) -> range:
+        n = self.local_shared_intermediate
         return range(self.rank * n, (self.rank + 1) * n)
 
     # ---------------------------------------------------------- vocabulary

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,99 @@ TINY_CONFIGS = {
         tie_word_embeddings=False,
         rope_theta=1000000.0,
     ),
+    # Every layer slides: a 12-token window, shorter than the test prompts.
+    "mistral": dict(
+        architectures=["MistralForCausalLM"],
+        model_type="mistral",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        sliding_window=12,
+    ),
+    # Sliding and global layers interleaved (each with its RoPE), soft caps,
+    # Gemma's norms and embedding scale.
+    "gemma3": dict(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=1.0,
+        final_logit_softcapping=0.5,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        rope_local_base_freq=1000.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    ),
+    "mixtral": dict(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+    ),
+    # A shared expert behind a sigmoid gate, top-k weights not renormalised.
+    "qwen2_moe": dict(
+        architectures=["Qwen2MoeForCausalLM"],
+        model_type="qwen2_moe",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+    ),
+    # Layer 1 dense (mlp_only_layers), the others 8 experts, top-2 renormalised.
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+    ),
 }
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def build_tiny_hf_model(kind: str, out_dir: Path, seed: int = 0, max_shard_size: str | None = None):
@@ -95,15 +188,21 @@ def build_tiny_hf_model(kind: str, out_dir: Path, seed: int = 0, max_shard_size:
     raw.pop("architectures")
     config = AutoConfig.for_model(model_type, **raw)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # Eager attention: the one HF path that soft-caps attention scores (Gemma).
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     # HF initialises with std 0.02: give the norms and biases random values too so
-    # the test sees their effect.
+    # the test sees their effect, and make the routers decisive (the top-k choice
+    # matters then, not a near-uniform spread).
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 p.copy_(
                     1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p)
                 )
+            elif re.search(r"\.gate\.weight$", name):
+                p.mul_(50.0)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return model

@@ -7,19 +7,32 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6, fused: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        fused: bool = False,
+        weight_offset: float = 0.0,
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        # One Triton kernel instead of ~8 torch ops (engine/layers/fused_kernels.py).
-        self.fused = fused
+        # Gemma stores its norm weights as w - 1 and multiplies by (1 + w), in
+        # fp32 before rounding (Llama rounds the normalised x first).
+        self.weight_offset = weight_offset
+        # One Triton kernel instead of ~8 torch ops (engine/layers/fused_kernels.py);
+        # it implements the Llama form only.
+        self.fused = fused and weight_offset == 0.0
 
     def _norm(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         # Statistics in fp32 whatever the activation dtype, then back: the same
-        # order of operations as Hugging Face's LlamaRMSNorm, so fp32 runs match it.
+        # order of operations as Hugging Face's LlamaRMSNorm / Gemma3RMSNorm, so
+        # fp32 runs match it.
         out_dtype = out_dtype or x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_offset:
+            return (x32 * (self.weight_offset + self.weight.float())).to(out_dtype)
         return self.weight * x32.to(out_dtype)
 
     def forward(

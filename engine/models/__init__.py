@@ -1,7 +1,8 @@
 """Model definitions and loading.
 
-Supported architectures: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-(one decoder class; their differences are read from config.json).
+Supported architectures: engine/models/families.py's FAMILIES (Llama, Mistral,
+Qwen2, Qwen3, Gemma3 text, Mixtral, Qwen2-MoE, Qwen3-MoE), one decoder class;
+their differences are read from config.json.
 """
 
 from __future__ import annotations

@@ -1,8 +1,13 @@
-"""Decoder-only transformer covering LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
+"""Decoder-only transformer covering every supported family (engine/models/families.py).
 
-The three differ only in facts read from config.json (ModelArchConfig): Qwen2
-has biases on q/k/v, Qwen3 normalises q and k per head before RoPE, Llama may
-have neither. Projections are fused (q/k/v into ``qkv_proj``, gate/up into
+The families differ only in facts read from config.json (ModelArchConfig):
+Qwen2 has biases on q/k/v, Qwen3 normalises q and k per head before RoPE,
+Mistral's layers attend within a sliding window, Gemma3 interleaves sliding
+and global layers (each with its own RoPE base), scales its embedding,
+norms with (1 + w) before and after attention and the MLP, and may soft-cap
+logits; the MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE) replace the MLP of
+their sparse layers by a mixture of experts (engine/layers/moe/).
+Projections are fused (q/k/v into ``qkv_proj``, gate/up into
 ``gate_up_proj``) so each layer runs two fewer matmuls; the loader splits the
 checkpoint's separate tensors into them. With ``fused_ops`` (CUDA), RMSNorm,
 SiLU-and-mul and q/k-norm + RoPE run as single Triton kernels. The
@@ -22,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.activation import SiluAndMul
 from engine.layers.attention import AttentionBackend, AttentionMetadata
+from engine.layers.mlp import GatedMLP
+from engine.layers.moe.layer import FusedMoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.skinny_gemm import SkinnyLinear
@@ -41,6 +47,7 @@ class Attention(nn.Module):
         tp: TPGroup,
         layout: TPLayout,
         fused: bool = False,
+        layer: int = 0,
     ) -> None:
         super().__init__()
         # This rank's heads (all of them without tensor parallelism).
@@ -52,16 +59,27 @@ class Attention(nn.Module):
         self.qkv_proj = SkinnyLinear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        # Row-parallel: each rank's partial product, summed by an all-reduce.
-        self.o_proj = SkinnyLinear(self.q_size, cfg.hidden_size, bias=False)
+        # Row-parallel: each rank's partial product, summed by an all-reduce (a
+        # bias is loaded on rank 0 only).
+        self.o_proj = SkinnyLinear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.tp = tp
+        offset = cfg.gemma.norm_weight_offset
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, weight_offset=offset)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, weight_offset=offset)
         self.qk_norm = cfg.qk_norm
         self.eps = cfg.rms_norm_eps
-        # Fused: q/k norm, RoPE and the KV-cache store in one in-place Triton kernel.
-        self.fused = fused
+        # Fused: q/k norm, RoPE and the KV-cache store in one in-place Triton
+        # kernel (Llama-form norms only: Gemma's run as torch ops).
+        self.fused = fused and offset == 0.0
+        # What the backend needs of this layer (vLLM's names), passed only when set
+        # so that backends without them keep their signature.
+        self.layer_kwargs: dict[str, float | int] = {}
+        window = cfg.layer_window(layer)
+        if window is not None:
+            self.layer_kwargs["sliding_window"] = window
+        if cfg.attn_logit_softcapping is not None:
+            self.layer_kwargs["logits_soft_cap"] = cfg.attn_logit_softcapping
         # Shared, not owned: registering them as submodules would duplicate them.
         self._rotary = (rotary,)
         self.backend = backend
@@ -121,32 +139,51 @@ class Attention(nn.Module):
         """[T, Hq, D]: the attention of the step's tokens (fused: K/V stored by
         ``project``), written into ``out`` when given."""
         backend = self.backend
+        kw = self.layer_kwargs
         if out is not None and backend.accepts_out:
             return backend.forward(
-                q, k, v, self.k_cache, self.v_cache, meta, kv_stored=self.fused, out=out
+                q, k, v, self.k_cache, self.v_cache, meta, kv_stored=self.fused, out=out, **kw
             )
-        result = backend.forward(q, k, v, self.k_cache, self.v_cache, meta, kv_stored=self.fused)
+        result = backend.forward(
+            q, k, v, self.k_cache, self.v_cache, meta, kv_stored=self.fused, **kw
+        )
         return result if out is None else out.copy_(result)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
-class MLP(nn.Module):
-    def __init__(
-        self, cfg: ModelArchConfig, tp: TPGroup, layout: TPLayout, fused: bool = False
-    ) -> None:
-        super().__init__()
-        inter = layout.local_intermediate
-        self.gate_up_proj = SkinnyLinear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
-        # Row-parallel; its bias is loaded on rank 0 only (zero elsewhere), so the
-        # all-reduce adds it once.
-        self.down_proj = SkinnyLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act = SiluAndMul(fused)
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
+def make_mlp(
+    cfg: ModelArchConfig,
+    layer: int,
+    tp: TPGroup,
+    layout: TPLayout,
+    fused: bool = False,
+    triton_moe: bool = False,
+) -> nn.Module:
+    """Layer ``layer``'s MLP: a mixture of experts where the family makes it
+    sparse, else the dense gated MLP."""
+    moe = cfg.moe
+    if moe is not None and moe.sparse_layers[layer]:
+        return FusedMoE(
+            cfg.hidden_size,
+            moe.num_experts,
+            moe.top_k,
+            layout.local_expert_intermediate,
+            tp,
+            moe.renormalize,
+            shared_intermediate=layout.local_shared_intermediate,
+            fused_ops=fused,
+            use_triton=triton_moe,
+        )
+    return GatedMLP(
+        cfg.hidden_size,
+        layout.local_intermediate,
+        tp,
+        bias=cfg.mlp_bias,
+        hidden_act=cfg.hidden_act,
+        fused=fused,
+    )
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -158,15 +195,22 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(layout.vocab_shard_size, cfg.hidden_size))
         self.first = layout.vocab_range.start
         self.tp = tp
+        # Gemma multiplies the rows by sqrt(hidden_size), rounded to the weights'
+        # dtype first as Hugging Face does.
+        self.scale = cfg.gemma.embed_scale
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
-        local = input_ids - self.first
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        x.masked_fill_(outside.unsqueeze(-1), 0.0)
-        return self.tp.all_reduce(x)
+            x = F.embedding(input_ids, self.weight)
+        else:
+            local = input_ids - self.first
+            outside = (local < 0) | (local >= self.weight.shape[0])
+            x = F.embedding(local.masked_fill(outside, 0), self.weight)
+            x.masked_fill_(outside.unsqueeze(-1), 0.0)
+            x = self.tp.all_reduce(x)
+        if self.scale is not None:
+            x = x * torch.tensor(self.scale, dtype=self.weight.dtype)
+        return x
 
 
 class DecoderLayer(nn.Module):
@@ -178,12 +222,25 @@ class DecoderLayer(nn.Module):
         tp: TPGroup,
         layout: TPLayout,
         fused: bool = False,
+        layer: int = 0,
+        triton_moe: bool = False,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, backend, tp, layout, fused)
-        self.mlp = MLP(cfg, tp, layout, fused)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
+        self.self_attn = Attention(cfg, rotary, backend, tp, layout, fused, layer)
+        self.mlp = make_mlp(cfg, layer, tp, layout, fused, triton_moe)
+
+        def norm() -> RMSNorm:
+            h, eps = cfg.hidden_size, cfg.rms_norm_eps
+            return RMSNorm(h, eps, fused, weight_offset=cfg.gemma.norm_weight_offset)
+
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        # Gemma: post_attention_layernorm normalises the attention's output before
+        # the residual add, and two more norms wrap the MLP the same way.
+        self.sandwich = cfg.gemma.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
     def forward(
         self,
@@ -200,6 +257,17 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta)
+        return self.after_attention(x, residual)
+
+    def after_attention(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """From the attention's output to the MLP's (the piecewise CUDA graphs
+        capture this part: engine/piecewise_graphs.py)."""
+        if self.sandwich:
+            x = self.post_attention_layernorm(x)
+            x, residual = self.pre_feedforward_layernorm(x, residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -212,23 +280,46 @@ class DecoderForCausalLM(nn.Module):
         max_positions: int,
         fused_ops: bool = False,
         tp: TPGroup | None = None,
+        triton_moe: bool = False,  # experts by the fused Triton kernel (else the torch loop)
     ) -> None:
         super().__init__()
         self.config = cfg
         self.tp = tp if tp is not None else TPGroup.single(torch.device("cpu"))
         self.layout = TPLayout.for_model(cfg, self.tp.rank, self.tp.size)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
+        # Gemma3's sliding layers rotate with their own base.
+        self.local_rotary = (
+            RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope)
+            if cfg.local_rope is not None
+            else None
+        )
         self.embed_tokens = VocabParallelEmbedding(cfg, self.tp, self.layout)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rotary, backend, self.tp, self.layout, fused_ops)
-            for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(
+                cfg,
+                self._rotary_of(i),
+                backend,
+                self.tp,
+                self.layout,
+                fused_ops,
+                layer=i,
+                triton_moe=triton_moe,
+            )
+            for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops)
+        self.norm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, fused_ops, cfg.gemma.norm_weight_offset
+        )
         # Vocabulary-parallel: each rank's logits for its shard, all-gathered.
         self.lm_head = nn.Linear(cfg.hidden_size, self.layout.vocab_shard_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._fp32_logits_gemm = True
+
+    def _rotary_of(self, layer: int) -> RotaryEmbedding:
+        if self.local_rotary is not None and self.config.layer_window(layer) is not None:
+            return self.local_rotary
+        return self.rotary
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -265,6 +356,9 @@ class DecoderForCausalLM(nn.Module):
                 self._fp32_logits_gemm = False
         if logits is None:
             logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
         if self.tp.size == 1:
             return logits
         # Every rank's shard side by side, the last shard's padding cut off.

@@ -4,8 +4,9 @@ The demo model (9 heads, 3 KV heads) at ``tensor_parallel_size=3`` is held to
 HF transformers' greedy tokens (batched, with prefix-cache hits and with
 preemption under a small pool) and to TP = 1's logprobs and seeded samples; a
 dummy-weight config with 8 heads and 2 KV heads gives the same greedy tokens
-at TP = 1, 2 and 4 (4: each KV head replicated on two ranks). A rank that dies
-is named in the error; shutdown stops every rank.
+at TP = 1, 2 and 4 (4: each KV head replicated on two ranks); so do the tiny
+MoE families and Gemma3 (from HF checkpoints). A rank that dies is named in
+the error; shutdown stops every rank.
 """
 
 from __future__ import annotations
@@ -192,6 +193,43 @@ def test_dummy_weights_give_the_same_greedy_tokens_at_tp_1_2_4(tmp_path):
     assert tokens[2] == tokens[1]
     assert tokens[4] == tokens[1]
     assert len({tuple(t) for t in tokens[1]}) > 1  # not one degenerate answer
+
+
+@pytest.mark.parametrize(
+    "kind, sizes",
+    [("qwen3_moe", (2, 4)), ("mixtral", (4,)), ("qwen2_moe", (2,)), ("gemma3", (2,))],
+)
+def test_tiny_families_give_tp1s_greedy_tokens_and_logprobs_at_tp_2_and_4(tiny_model, kind, sizes):
+    """MoE layers split each expert's intermediate dimension (and the shared
+    expert's) over the ranks; Gemma3 its sliding and global layers' heads."""
+    model_dir, _ = tiny_model(kind)
+    prompts = [
+        {"prompt_token_ids": [(7 * i + 3 * j) % 500 for i in range(n)]}
+        for j, n in enumerate((6, 23, 41))
+    ]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
+    results = {}
+    for tp in (1, *sizes):
+        llm = LLM(
+            str(model_dir),
+            skip_tokenizer_init=True,
+            device="cpu",
+            max_model_len=128,
+            tensor_parallel_size=tp,
+        )
+        try:
+            results[tp] = llm.generate(prompts, params, use_tqdm=False)
+            assert_idle(llm)
+        finally:
+            llm.llm_engine.shutdown()
+    want = [o.outputs[0] for o in results[1]]
+    for tp in sizes:
+        got = [o.outputs[0] for o in results[tp]]
+        assert [c.token_ids for c in got] == [c.token_ids for c in want], f"tp={tp}"
+        for g, w in zip(got, want, strict=True):
+            for gl, wl in zip(g.logprobs, w.logprobs, strict=True):
+                for tok in wl:
+                    assert gl[tok].logprob == pytest.approx(wl[tok].logprob, abs=1e-4)
 
 
 def test_a_dead_rank_is_named_and_shutdown_stops_the_rest(demo_model_dir):

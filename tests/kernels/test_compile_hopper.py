@@ -1,4 +1,4 @@
-"""Issue 16's kernels compiled for Hopper (sm_90) without a GPU.
+"""Our Triton kernels compiled for Hopper (sm_90) without a GPU.
 
 The interpreter runs kernels as numpy code, so it cannot catch what only the
 compiler rejects (a constexpr mixed with a tensor in a condition, a layout
@@ -82,25 +82,70 @@ def compile_rope_qk(has_norm, store_kv):
     compile_for_hopper(fk._rope_qk_kernel, sig, const, num_warps=4)
 
 
-def compile_decode_attention(num_splits):
+def compile_decode_attention(num_splits, sliding=False, softcap=False):
     from engine.layers.attention import triton_decode as td
 
     sig = dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr"], "*bf16")
     sig |= dict.fromkeys(["block_tables_ptr", "seq_lens_ptr"], "*i32")
     sig |= dict.fromkeys(["part_out_ptr", "part_lse_ptr"], "*fp32") | {"out_ptr": "*bf16"}
-    sig |= {"scale": "fp32"}
+    sig |= {"scale": "fp32", "softcap": "fp32", "window": "i32"}
     strides = ["stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head"]
     strides += ["stride_cache_block", "stride_cache_slot", "stride_cache_head", "stride_bt"]
     sig |= dict.fromkeys(strides, "i32") | {"num_splits": "i32"}
     const = dict(ONE_SPLIT=num_splits == 1, GROUP=2, BLOCK_G=16, BLOCK_SIZE=16, HEAD_DIM=128)
-    const |= dict(BLOCK_D=128, BLOCK_N=64)
+    const |= dict(BLOCK_D=128, BLOCK_N=64, SLIDING=sliding, HAS_SOFTCAP=softcap)
     compile_for_hopper(td._decode_split_kernel, sig, const, num_stages=4)
     if num_splits > 1:
         red = dict.fromkeys(["part_out_ptr", "part_lse_ptr"], "*fp32") | {"seq_lens_ptr": "*i32"}
         red |= {"out_ptr": "*bf16", "stride_o_tok": "i32", "stride_o_head": "i32"}
-        red |= {"num_splits": "i32"}
-        const = dict(BLOCK_S=64, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64)
+        red |= {"num_splits": "i32", "window": "i32"}
+        const = dict(BLOCK_S=64, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, SLIDING=sliding)
         compile_for_hopper(td._decode_reduce_kernel, red, const)
+
+
+def compile_prefill_attention(sliding, softcap):
+    from engine.layers.attention import triton_kernels as tk
+
+    sig = dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"], "*bf16")
+    sig |= dict.fromkeys(["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"], "*i32")
+    sig |= {"scale": "fp32", "softcap": "fp32", "window": "i32"}
+    strides = ["stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head"]
+    strides += ["stride_cache_block", "stride_cache_slot", "stride_cache_head", "stride_bt"]
+    sig |= dict.fromkeys(strides, "i32")
+    const = dict(GROUP=4, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=32)
+    const |= dict(SLIDING=sliding, HAS_SOFTCAP=softcap)
+    compile_for_hopper(tk._prefill_kernel, sig, const, num_stages=2)
+
+
+def compile_fused_moe(per_pair, even_k, config):
+    from engine.layers.moe import fused_moe as fm
+
+    sig = dict.fromkeys(["a_ptr", "b_ptr", "c_ptr"], "*bf16") | {"topk_weights_ptr": "*fp32"}
+    sig |= dict.fromkeys(["sorted_ids_ptr", "expert_ids_ptr", "num_padded_ptr"], "*i32")
+    sig |= dict.fromkeys(["N", "K", "num_pairs", "stride_am", "stride_be", "stride_bn"], "i32")
+    sig |= dict.fromkeys(["stride_bk", "stride_cm"], "i32")
+    block_m, block_n, block_k, group_m, warps, stages = config
+    const = dict(top_k=8, A_PER_PAIR=per_pair, MUL_ROUTED_WEIGHT=per_pair, EVEN_K=even_k)
+    const |= dict(IEEE=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m)
+    kernel = compile_for_hopper(fm._fused_moe_kernel, sig, const, warps, stages)
+    return "async_copy" in kernel.asm["ttgir"]
+
+
+def compile_moe_dispatch(top_k, block_e, renormalize):
+    from engine.layers.moe import dispatch as md
+
+    topk = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32"}
+    topk |= {"num_experts": "i32", "stride_l": "i32"}
+    const = dict(TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_K=8)
+    compile_for_hopper(md._topk_kernel, topk, const)
+    count = {"ids_ptr": "*i32", "counts_ptr": "*i32", "num_pairs": "i32", "num_experts": "i32"}
+    compile_for_hopper(md._count_kernel, count, dict(BLOCK=1024))
+    runs = dict.fromkeys(["counts_ptr", "cursors_ptr", "expert_ids_ptr", "num_padded_ptr"], "*i32")
+    runs |= {"num_experts": "i32", "num_tiles": "i32"}
+    compile_for_hopper(md._runs_kernel, runs, dict(BLOCK_M=16, BLOCK_E=2 * block_e, BLOCK_T=64))
+    place = {"ids_ptr": "*i32", "cursors_ptr": "*i32", "sorted_ids_ptr": "*i32"}
+    place |= {"num_pairs": "i32", "num_experts": "i32"}
+    compile_for_hopper(md._place_kernel, place, dict(BLOCK=1024))
 
 
 def compile_prefill_split():
@@ -133,9 +178,26 @@ def child() -> dict:
     for num_splits in (1, 33):
         compile_decode_attention(num_splits)
         report[f"decode_attention(splits={num_splits})"] = True
+    compile_decode_attention(33, sliding=True, softcap=True)
+    report["decode_attention(sliding, softcap)"] = True
+    for sliding, softcap in ((False, False), (True, False), (True, True)):
+        compile_prefill_attention(sliding, softcap)
+        report[f"prefill_attention(sliding={sliding}, softcap={softcap})"] = True
     compile_prefill_split()
     report["prefill_split_attention"] = True
+    for case in MOE_CASES:
+        report[f"fused_moe{case}"] = compile_fused_moe(*case)
+    compile_moe_dispatch(8, 128, True)
+    compile_moe_dispatch(2, 8, False)
+    report["moe_dispatch"] = True
     return report
+
+
+MOE_CASES = [
+    (False, True, (16, 64, 128, 1, 4, 3)),  # decode-sized gate/up
+    (True, True, (64, 128, 64, 8, 8, 3)),  # prefill-sized down, routing weight applied
+    (True, False, (32, 64, 64, 8, 4, 3)),  # K not a multiple of the tile
+]
 
 
 @pytest.mark.skipif(HOPPER is None, reason="no triton with a CUDA backend here")
@@ -153,9 +215,11 @@ def test_kernels_compile_for_hopper():
         pytest.skip("no ptxas in this triton")  # pragma: no cover
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == len(SKINNY_CASES) + 5
+    assert len(report) == len(SKINNY_CASES) + 10 + len(MOE_CASES)
     # The tensor-core tile is pipelined by Triton (the FMA tiles prefetch by hand).
     assert report[f"skinny_gemm{SKINNY_CASES[-1]}"] is True
+    # So are the fused MoE tiles (the loads of the next K tile overlap the dot).
+    assert all(report[f"fused_moe{case}"] for case in MOE_CASES)
 
 
 if __name__ == "__main__":

@@ -290,17 +290,12 @@ MIXED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("q_lens, prefix_lens, num_decodes, prefill_splits", MIXED_CASES)
-def test_mixed_step_matches_torch_backend(q_lens, prefix_lens, num_decodes, prefill_splits):
-    """A step of decodes then prefills: the triton backend runs the decode kernel on
-    the leading one-token rows and the prefill kernel on the rest; the output must
-    be the torch reference's for every row."""
+def mixed_step(q_lens, prefix_lens, num_decodes, heads=8, kv_heads=2, head_dim=64, block_size=16):
+    """A random step of decodes then prefills: (q, k, v, k_cache, v_cache, meta)."""
     from engine.layers.attention import AttentionMetadata
-    from engine.layers.attention.triton_backend import TritonAttention
 
     rng = random.Random(2)
     torch.manual_seed(2)
-    heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
     seq_lens = [q + p for q, p in zip(q_lens, prefix_lens, strict=True)]
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 4
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=DEVICE, dtype=DTYPE)
@@ -328,6 +323,18 @@ def test_mixed_step_matches_torch_backend(q_lens, prefix_lens, num_decodes, pref
         seq_lens_cpu=seq_lens,
         num_decode_seqs=num_decodes,
     )
+    return q, k, v, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("q_lens, prefix_lens, num_decodes, prefill_splits", MIXED_CASES)
+def test_mixed_step_matches_torch_backend(q_lens, prefix_lens, num_decodes, prefill_splits):
+    """A step of decodes then prefills: the triton backend runs the decode kernel on
+    the leading one-token rows and the prefill kernel on the rest; the output must
+    be the torch reference's for every row."""
+    from engine.layers.attention.triton_backend import TritonAttention
+
+    heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
+    q, k, v, k_cache, v_cache, meta = mixed_step(q_lens, prefix_lens, num_decodes)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     triton_attn = TritonAttention(heads, kv_heads, head_dim, head_dim**-0.5, block_size)
     out = triton_attn.forward(q, k, v, k_cache, v_cache, meta)
@@ -338,3 +345,61 @@ def test_mixed_step_matches_torch_backend(q_lens, prefix_lens, num_decodes, pref
     assert torch.allclose(out.float(), ref.float(), atol=ATOL, rtol=ATOL), (
         (out.float() - ref.float()).abs().max()
     )
+
+
+def free_blocks_before_windows(meta, k_cache, v_cache, window: int) -> int:
+    """What the block manager does for a model whose layers all slide: the blocks
+    wholly before every query's window are freed (entry -1; here their memory is
+    NaN, as a reused or never-written block could hold). Returns how many."""
+    freed = 0
+    qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    bs = k_cache.shape[1]
+    for i, seq_len in enumerate(lens):
+        first_query = seq_len - (qsl[i + 1] - qsl[i])
+        for j in range(max(0, first_query - window + 1) // bs):
+            block = int(meta.block_tables[i, j])
+            k_cache[block] = float("nan")
+            v_cache[block] = float("nan")
+            meta.block_tables[i, j] = -1
+            freed += 1
+    return freed
+
+
+WINDOW_CASES = [
+    # (q_lens, prefix_lens, num_decodes, window, soft cap)
+    ([1, 1, 1, 9, 30], [40, 7, 90, 33, 0], 3, 24, None),
+    ([1, 1, 12], [16, 200, 48], 2, 40, None),
+    ([1, 40], [50, 500], 1, 64, 5.0),  # the prefill split gives way to the windowed kernel
+    ([1, 1, 9, 30], [40, 7, 33, 0], 2, None, 2.0),
+    ([3, 70], [0, 40], 0, 17, 3.0),
+]
+
+
+@pytest.mark.parametrize("q_lens, prefix_lens, num_decodes, window, cap", WINDOW_CASES)
+def test_sliding_window_and_soft_cap_match_torch_backend(
+    q_lens, prefix_lens, num_decodes, window, cap
+):
+    """Per-layer sliding windows (with the blocks before them freed and poisoned)
+    and soft-capped scores, decode and prefill kernels against the torch backend."""
+    from engine.layers.attention.triton_backend import TritonAttention
+
+    heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
+    q, k, v, k_cache, v_cache, meta = mixed_step(q_lens, prefix_lens, num_decodes)
+    if window is not None:
+        assert free_blocks_before_windows(meta, k_cache, v_cache, window) > 0
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    kw = {"sliding_window": window, "logits_soft_cap": cap}
+    scale = head_dim**-0.5
+    out = TritonAttention(heads, kv_heads, head_dim, scale, block_size).forward(
+        q, k, v, k_cache, v_cache, meta, **kw
+    )
+    ref = TorchAttention(heads, kv_heads, head_dim, scale, block_size).forward(
+        q, k, v, ref_k, ref_v, meta, **kw
+    )
+    assert torch.isfinite(ref).all()
+    assert torch.allclose(out.float(), ref.float(), atol=ATOL, rtol=ATOL), (
+        (out.float() - ref.float()).abs().max()
+    )
+    plain = TorchAttention(heads, kv_heads, head_dim, scale, block_size)
+    if window is None:  # the cap changes the result
+        assert not torch.allclose(ref, plain.forward(q, k, v, ref_k, ref_v, meta), atol=ATOL)

@@ -17,6 +17,7 @@ from engine.layers.attention.backend import (
     AttentionMetadata,
 )
 from engine.layers.attention.torch_backend import TorchAttention
+from engine.models.config import ModelArchConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +50,24 @@ def backend_class(name: AttentionBackendName) -> type[AttentionBackend]:
 
 
 def select_backend(
-    name: AttentionBackendName, device: torch.device, dtype: torch.dtype
+    name: AttentionBackendName,
+    device: torch.device,
+    dtype: torch.dtype,
+    model: ModelArchConfig | None = None,
 ) -> type[AttentionBackend]:
+    """The backend class to run ``model``: one that lacks a feature its layers need
+    (a sliding window, soft-capped scores) is refused, or skipped by auto."""
+    sliding_window = model is not None and model.sliding_window is not None
+    soft_cap = model is not None and model.attn_logit_softcapping is not None
+
+    def reason_against(cls: type[AttentionBackend]) -> str | None:
+        return cls.unavailable_reason(device, dtype) or cls.missing_features(
+            sliding_window, soft_cap
+        )
+
     if name is not AttentionBackendName.AUTO:
         cls = backend_class(name)
-        reason = cls.unavailable_reason(device, dtype)
+        reason = reason_against(cls)
         if reason is not None:
             raise ValueError(f"attention_backend {name.value!r} cannot run on {device}: {reason}")
         logger.info("attention backend: %s", cls.name.value)
@@ -64,7 +78,7 @@ def select_backend(
     skipped = []
     for candidate in _AUTO_ORDER_CUDA:
         cls = backend_class(candidate)
-        reason = cls.unavailable_reason(device, dtype)
+        reason = reason_against(cls)
         if reason is None:
             note = f"; not {', '.join(skipped)}" if skipped else ""
             logger.info("attention backend: %s (auto%s)", cls.name.value, note)

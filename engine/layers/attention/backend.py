@@ -14,6 +14,13 @@ Contract:
 - ``forward`` first writes the new tokens' K and V into their slots, then attends;
   with ``kv_stored=True`` the caller has written them already (the fused RoPE
   kernel stores k after rotating it, saving a launch).
+- Per layer (vLLM's names): ``sliding_window`` W lets a query at position p
+  see the keys at positions p - W + 1 .. p only (Hugging Face's window: W
+  tokens, itself included); the blocks of a sequence wholly before its
+  queries' windows may be freed (block table entry -1) and are never read.
+  ``logits_soft_cap`` c replaces each scaled score s by c * tanh(s / c).
+  A backend that lacks one says so (``supports_sliding_window``,
+  ``supports_soft_cap``) and ``auto`` skips it for models that need it.
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ class AttentionBackend(ABC):
     # True when ``forward`` takes ``out=`` (a [num_tokens, num_heads, head_dim]
     # tensor to write the result into; the piecewise CUDA graphs' static buffer).
     accepts_out: ClassVar[bool] = False
+    supports_sliding_window: ClassVar[bool] = False
+    supports_soft_cap: ClassVar[bool] = False
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int
@@ -90,5 +99,17 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         kv_stored: bool = False,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
+
+    @classmethod
+    def missing_features(cls, sliding_window: bool, soft_cap: bool) -> str | None:
+        """None if this backend runs a model with these features, else what it lacks."""
+        lacks = []
+        if sliding_window and not cls.supports_sliding_window:
+            lacks.append("sliding-window attention")
+        if soft_cap and not cls.supports_soft_cap:
+            lacks.append("attention logit soft-capping")
+        return f"it lacks {' and '.join(lacks)}" if lacks else None

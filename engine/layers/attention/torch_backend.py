@@ -1,7 +1,8 @@
 """The reference backend: plain torch, one scaled_dot_product_attention per sequence.
 
 Runs on CPU and CUDA. It is the oracle the faster backends are tested against,
-so it favours obviousness over speed.
+so it favours obviousness over speed. Soft-capped scores (Gemma) go through
+an explicit softmax, in Hugging Face's order of operations.
 """
 
 from __future__ import annotations
@@ -30,23 +31,56 @@ def write_kv(
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first ``seq_len`` tokens of one sequence, [seq_len, num_kv_heads, head_dim]."""
+    """The first ``seq_len`` tokens of one sequence, [seq_len, num_kv_heads, head_dim].
+    A freed block's entry (-1, before a sliding window) reads block 0: the caller
+    masks those positions."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
-    blocks = cache.index_select(0, block_table[:num_blocks])
+    blocks = cache.index_select(0, block_table[:num_blocks].clamp_min(0))
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    """[..., heads, q, dim] attention over [..., heads, k, dim] with a boolean mask
+    (True: visible); hidden keys and values must be finite (zero them)."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 class TorchAttention(AttentionBackend):
     name = AttentionBackendName.TORCH
+    supports_sliding_window = True
+    supports_soft_cap = True
 
     def forward(
-        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, kv_stored: bool = False
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        kv_stored: bool = False,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         if not kv_stored:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode_only:
-            return self._decode(q, k_cache, v_cache, meta)
+            return self._decode(q, k_cache, v_cache, meta, sliding_window, logits_soft_cap)
         out = torch.empty_like(q)
         qsl = meta.query_start_loc_cpu
         for i in range(meta.num_seqs):
@@ -54,19 +88,26 @@ class TorchAttention(AttentionBackend):
             query_len, seq_len = end - start, meta.seq_lens_cpu[i]
             keys = gather_kv(k_cache, meta.block_tables[i], seq_len)
             values = gather_kv(v_cache, meta.block_tables[i], seq_len)
-            out[start:end] = self._attend(q[start:end], keys, values, query_len, seq_len)
+            out[start:end] = self._attend(
+                q[start:end], keys, values, query_len, seq_len, sliding_window, logits_soft_cap
+            )
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(
+        self, q, k_cache, v_cache, meta: AttentionMetadata, window, soft_cap
+    ) -> torch.Tensor:
         """One query per sequence: gather every context padded to the longest, mask the padding."""
         block_size = k_cache.shape[1]
         num_blocks = -(-meta.max_seq_len // block_size)
-        tables = meta.block_tables[:, :num_blocks]
+        tables = meta.block_tables[:, :num_blocks].clamp_min(0)
         batch, ctx = meta.num_seqs, num_blocks * block_size
         # [batch, blocks, block_size, kv_heads, dim] -> [batch, kv_heads, ctx, dim]
         keys = k_cache[tables].reshape(batch, ctx, self.num_kv_heads, -1).transpose(1, 2)
         values = v_cache[tables].reshape(batch, ctx, self.num_kv_heads, -1).transpose(1, 2)
-        valid = torch.arange(ctx, device=q.device)[None, :] < meta.seq_lens[:, None]
+        pos = torch.arange(ctx, device=q.device)[None, :]
+        valid = pos < meta.seq_lens[:, None]
+        if window is not None:
+            valid &= pos >= meta.seq_lens[:, None] - window
         # Padding slots hold whatever the cache memory held (possibly NaN bit
         # patterns): masking their scores is not enough, since 0 * NaN = NaN.
         pad = ~valid[:, None, :, None]
@@ -76,24 +117,36 @@ class TorchAttention(AttentionBackend):
             groups = self.num_heads // self.num_kv_heads
             keys = keys.repeat_interleave(groups, dim=1)
             values = values.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :], scale=self.scale
-        )
+        out = attend(q.unsqueeze(2), keys, values, valid[:, None, None, :], self.scale, soft_cap)
         return out.squeeze(2)
 
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_len: int, seq_len: int
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        query_len: int,
+        seq_len: int,
+        window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
         # [tokens, heads, dim] -> [heads, tokens, dim]
         q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+        mask = None
+        if query_len > 1 or window is not None:
+            # Bottom-right causal: new token i sits at position seq_len - query_len + i.
+            q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
+            k_pos = torch.arange(seq_len, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+                # Keys before every query's window may be freed blocks (garbage).
+                seen = (k_pos[0] > seq_len - query_len - window)[None, :, None]
+                k = k.masked_fill(~seen, 0.0)
+                v = v.masked_fill(~seen, 0.0)
         if self.num_kv_heads != self.num_heads:
             groups = self.num_heads // self.num_kv_heads
             k = k.repeat_interleave(groups, dim=0)
             v = v.repeat_interleave(groups, dim=0)
-        mask = None
-        if query_len > 1:
-            # Bottom-right causal: new token i sits at position seq_len - query_len + i.
-            q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        out = attend(q, k, v, mask, self.scale, soft_cap)
         return out.transpose(0, 1)

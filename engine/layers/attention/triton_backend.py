@@ -24,6 +24,8 @@ class TritonAttention(AttentionBackend):
     name = AttentionBackendName.TRITON
     supports_cuda_graphs = True
     accepts_out = True
+    supports_sliding_window = True
+    supports_soft_cap = True
 
     def __init__(self, num_heads, num_kv_heads, head_dim, scale, block_size) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
@@ -85,6 +87,8 @@ class TritonAttention(AttentionBackend):
         meta: AttentionMetadata,
         kv_stored: bool = False,
         out: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         kern = self._kernels
         if not kv_stored:
@@ -94,10 +98,22 @@ class TritonAttention(AttentionBackend):
         d, splits, decode_args, prefill_args, prefill_split = self._step_args(meta, q.device)
         if d:
             self._decode.decode_attention(
-                q[:d], k_cache, v_cache, out[:d], *decode_args, self.scale, splits
+                q[:d],
+                k_cache,
+                v_cache,
+                out[:d],
+                *decode_args,
+                self.scale,
+                splits,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
             )
         if prefill_args is not None:
             n, ws = prefill_split
+            if sliding_window is not None or logits_soft_cap is not None:
+                # The split prefill has neither (a sliding layer reads at most
+                # a window of keys, so its context is short anyway).
+                n, ws = 0, None
             kern.prefill_attention(
                 q[d:],
                 k_cache,
@@ -108,6 +124,8 @@ class TritonAttention(AttentionBackend):
                 self.scale,
                 num_splits=n,
                 workspace=ws,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
             )
         return out
 

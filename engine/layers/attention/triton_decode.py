@@ -7,7 +7,9 @@ once per group, and a second kernel merges the chunks' partial softmaxes.
 Chunks are whole tiles cut from each sequence's own length, so a context
 shorter than the split count was planned for leaves the last splits empty:
 they return at once and the merge skips them. With one split there is no
-merge launch.
+merge launch. A sliding-window layer's context is its window, the last
+``window`` keys: the splits cut that, and nothing before it is read (its
+blocks may be freed).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import triton
 import triton.language as tl
 
 from engine.layers.attention.triton_jit import step_jit
+from engine.layers.attention.triton_scores import scaled_scores
 
 # The launch configuration (tile, warps, pipeline stages): the best of
 # benchmarks/tune_kernels.py on an H200 (see docs/performance.md).
@@ -24,12 +27,20 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
 
 
 @triton.jit
-def _split_bounds(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    """(keys per split, splits with keys) of one sequence: its context cut into
-    num_splits chunks of whole BLOCK_N tiles; a short context fills only the first
-    few (the split kernel and the reduce must agree on this)."""
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    used = tl.cdiv(seq_len, tl.maximum(chunk, 1))
+def _context_start(seq_len, window, SLIDING: tl.constexpr):
+    """The first key the query (at seq_len - 1) sees."""
+    if SLIDING:
+        return tl.maximum(seq_len - window, 0)
+    return 0
+
+
+@triton.jit
+def _split_bounds(num_keys, num_splits, BLOCK_N: tl.constexpr):
+    """(keys per split, splits with keys) of one sequence: its ``num_keys`` visible
+    keys cut into num_splits chunks of whole BLOCK_N tiles; a short context fills
+    only the first few (the split kernel and the reduce must agree on this)."""
+    chunk = tl.cdiv(tl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N
+    used = tl.cdiv(num_keys, tl.maximum(chunk, 1))
     return chunk, used
 
 
@@ -49,6 +60,8 @@ def _decode_split_kernel(
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32 (log-sum-exp, base 2)
     out_ptr,  # the output itself when ONE_SPLIT (no reduce)
     scale,
+    softcap,
+    window,
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -65,13 +78,16 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
     seq_len = tl.load(seq_lens_ptr + seq)
-    chunk, used = _split_bounds(seq_len, num_splits, BLOCK_N)
+    first = _context_start(seq_len, window, SLIDING)
+    chunk, used = _split_bounds(seq_len - first, num_splits, BLOCK_N)
     # A compile-time test around the runtime one (no `and` of constexpr and tensor).
     if not ONE_SPLIT:  # noqa: SIM102
         if split >= used:
@@ -79,7 +95,7 @@ def _decode_split_kernel(
             # sized for): nothing to compute or store; the reduce reads only
             # the used splits.
             return
-    start = split * chunk
+    start = first + split * chunk
     end = tl.minimum(seq_len, start + chunk)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -105,7 +121,7 @@ def _decode_split_kernel(
         kv_off = slots[:, None] + kv_head * stride_cache_head + offs_d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = scaled_scores(q, k, qk_scale, softcap, HAS_SOFTCAP)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
@@ -146,17 +162,21 @@ def _decode_reduce_kernel(
     stride_o_tok,
     stride_o_head,
     num_splits,
+    window,
     BLOCK_S: tl.constexpr,  # num_splits rounded up to a power of two
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    _, used = _split_bounds(tl.load(seq_lens_ptr + seq), num_splits, BLOCK_N)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first = _context_start(seq_len, window, SLIDING)
+    _, used = _split_bounds(seq_len - first, num_splits, BLOCK_N)
     s_mask = offs_s < used  # the splits that ran (the others stored nothing)
     d_mask = offs_d < HEAD_DIM
     base = (seq * num_heads + head) * num_splits
@@ -203,6 +223,8 @@ def decode_attention(
     num_splits: int,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: dict[str, int] | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """One query token per sequence (q: [num_seqs, num_heads, head_dim])."""
     num_seqs, num_heads, head_dim = q.shape
@@ -231,6 +253,8 @@ def decode_attention(
         part_lse,
         out,
         scale,
+        logits_soft_cap or 1.0,
+        sliding_window or 0,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -247,6 +271,8 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=cfg["BLOCK_N"],
+        SLIDING=sliding_window is not None,
+        HAS_SOFTCAP=logits_soft_cap is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -260,9 +286,11 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
         num_splits,
+        sliding_window or 0,
         BLOCK_S=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=cfg["BLOCK_N"],
+        SLIDING=sliding_window is not None,
         num_warps=4,
     )

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from engine.layers.attention.triton_jit import step_jit
 from engine.layers.attention.triton_prefill_split import prefill_split_attention
+from engine.layers.attention.triton_scores import scaled_scores
 
 # Launch configurations (tile sizes, warps, pipeline stages); the defaults are the
 # best of benchmarks/tune_kernels.py on an H200 (see docs/performance.md).
@@ -91,6 +92,7 @@ def _attend_key_tile(
     q,
     q_pos,
     start_n,
+    lo,
     end,
     bt,
     k_cache_ptr,
@@ -99,21 +101,28 @@ def _attend_key_tile(
     offs_d,
     d_mask,
     qk_scale,
+    softcap,
+    window,
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    SLIDING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """One key tile of ``_prefill_kernel``'s online softmax: (acc, m_i, l_i) after
     keys ``start_n`` .. ``start_n + BLOCK_N``. ``MASKED``: the tile crosses the
     causal diagonal or the context's end (keys at ``end`` and past it, and those
-    after a row's own position, are hidden); without it every key is visible to
-    every row, and no select stands between the scaled scores and the exponent."""
+    after a row's own position, are hidden), or a sliding window's start (keys
+    before ``lo`` are not even loaded: their blocks may be freed, and keys at or
+    before a row's position - ``window`` are hidden); without it every key is
+    visible to every row, and no select stands between the scaled scores and the
+    exponent."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if MASKED:
-        n_mask = offs_n < end
+        n_mask = (offs_n < end) & (offs_n >= lo)
         blocks = tl.load(bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
         kv_mask = n_mask[:, None] & d_mask[None, :]
     else:
@@ -122,9 +131,11 @@ def _attend_key_tile(
     slots = blocks.to(tl.int64) * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot
     kv_off = slots[:, None] + kv_head * stride_cache_head + offs_d[None, :]
     k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-    qk = tl.dot(q, tl.trans(k)) * qk_scale
+    qk = scaled_scores(q, k, qk_scale, softcap, HAS_SOFTCAP)
     if MASKED:
         causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if SLIDING:
+            causal &= offs_n[None, :] > q_pos[:, None] - window
         qk = tl.where(causal, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # Rows with nothing visible yet keep m = -inf; guard the exponent.
@@ -150,6 +161,8 @@ def _prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     scale,
+    softcap,
+    window,
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -164,6 +177,8 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,  # keys before each row's window are hidden
+    HAS_SOFTCAP: tl.constexpr,
 ):
     # Grid (heads, sequences, query tiles), the tiles last and counted down: the
     # GPU starts programs in grid order, so the causal triangle's long tiles (the
@@ -207,19 +222,33 @@ def _prefill_kernel(
     # up to 2 bf16 units in the last place (0.5-2e-3 on an H200; the CPU
     # interpreter gives the same bits), and a row's bits now depend on which
     # query tile it falls in (the tile's first row sets the split).
-    full_end = (prefix_len + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
-    for start_n in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_key_tile(
-            acc, m_i, l_i, q, q_pos, start_n, end, bt, k_cache_ptr, v_cache_ptr,
-            kv_head, offs_d, d_mask, qk_scale, stride_cache_block, stride_cache_slot,
-            stride_cache_head, BLOCK_SIZE, BLOCK_N, MASKED=False,
-        )  # fmt: skip
-    for start_n in range(full_end, end, BLOCK_N):
-        acc, m_i, l_i = _attend_key_tile(
-            acc, m_i, l_i, q, q_pos, start_n, end, bt, k_cache_ptr, v_cache_ptr,
-            kv_head, offs_d, d_mask, qk_scale, stride_cache_block, stride_cache_slot,
-            stride_cache_head, BLOCK_SIZE, BLOCK_N, MASKED=True,
-        )  # fmt: skip
+    if SLIDING:
+        # The tile's first row sees nothing before lo: start at its tile, every
+        # tile masked (the window's lower edge crosses them too).
+        lo = tl.maximum(prefix_len + m_block * BLOCK_M - window + 1, 0)
+        for start_n in range(lo // BLOCK_N * BLOCK_N, end, BLOCK_N):
+            acc, m_i, l_i = _attend_key_tile(
+                acc, m_i, l_i, q, q_pos, start_n, lo, end, bt, k_cache_ptr, v_cache_ptr,
+                kv_head, offs_d, d_mask, qk_scale, softcap, window, stride_cache_block,
+                stride_cache_slot, stride_cache_head, BLOCK_SIZE, BLOCK_N, MASKED=True,
+                SLIDING=True, HAS_SOFTCAP=HAS_SOFTCAP,
+            )  # fmt: skip
+    else:
+        full_end = (prefix_len + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+        for start_n in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_key_tile(
+                acc, m_i, l_i, q, q_pos, start_n, 0, end, bt, k_cache_ptr, v_cache_ptr,
+                kv_head, offs_d, d_mask, qk_scale, softcap, window, stride_cache_block,
+                stride_cache_slot, stride_cache_head, BLOCK_SIZE, BLOCK_N, MASKED=False,
+                SLIDING=False, HAS_SOFTCAP=HAS_SOFTCAP,
+            )  # fmt: skip
+        for start_n in range(full_end, end, BLOCK_N):
+            acc, m_i, l_i = _attend_key_tile(
+                acc, m_i, l_i, q, q_pos, start_n, 0, end, bt, k_cache_ptr, v_cache_ptr,
+                kv_head, offs_d, d_mask, qk_scale, softcap, window, stride_cache_block,
+                stride_cache_slot, stride_cache_head, BLOCK_SIZE, BLOCK_N, MASKED=True,
+                SLIDING=False, HAS_SOFTCAP=HAS_SOFTCAP,
+            )  # fmt: skip
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr
@@ -244,11 +273,16 @@ def prefill_attention(
     config: dict[str, int] | None = None,
     num_splits: int = 0,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Varlen causal prefill over the paged cache, written into ``out``. With
     ``num_splits`` >= 1 the split-context kernels run instead (``config`` and
-    ``workspace`` are then theirs: triton_prefill_split.py)."""
+    ``workspace`` are then theirs: triton_prefill_split.py); they take neither
+    a window nor a soft cap."""
     if num_splits >= 1:
+        if sliding_window is not None or logits_soft_cap is not None:
+            raise ValueError("the split prefill takes no sliding window or soft cap")
         prefill_split_attention(
             q,
             k_cache,
@@ -280,6 +314,8 @@ def prefill_attention(
         query_start_loc,
         seq_lens,
         scale,
+        logits_soft_cap or 1.0,
+        sliding_window or 0,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -294,6 +330,8 @@ def prefill_attention(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m,
         BLOCK_N=cfg["BLOCK_N"],
+        SLIDING=sliding_window is not None,
+        HAS_SOFTCAP=logits_soft_cap is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -106,8 +106,9 @@ def test_model_directory_errors(tmp_path):
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
-    raw = dict(TINY_CONFIGS["llama"], architectures=["MistralForCausalLM"])
-    with pytest.raises(ValueError, match="LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    raw = dict(TINY_CONFIGS["llama"], architectures=["GPT2LMHeadModel"])
+    supported = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+    with pytest.raises(ValueError, match=f"'GPT2LMHeadModel'.*supported: {supported}"):
         EngineConfig(model=str(write_config_dir(tmp_path / "m", raw)))
 
 

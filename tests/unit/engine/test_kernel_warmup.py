@@ -62,3 +62,36 @@ def test_the_blocks_it_writes_change_no_output(llm):
     llm.llm_engine.reset_prefix_cache()
     warm_up_kernels(llm.llm_engine.model_runner)  # garbage into free blocks
     assert greedy(llm) == before
+
+
+def test_a_moe_model_runs_each_fused_kernel_config_once(tmp_path, monkeypatch, caplog):
+    """The fused MoE kernel's tiles follow the step's token count: the warm-up
+    calls the experts once per config a step up to the token budget picks."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from engine.layers.moe.layer import FusedMoE
+    from tests.conftest import TINY_CONFIGS, write_config_dir
+
+    model_dir = write_config_dir(tmp_path / "moe", TINY_CONFIGS["mixtral"])
+    llm = LLM(
+        str(model_dir), load_format="dummy", skip_tokenizer_init=True, device="cpu",
+        max_model_len=128, num_kvcache_blocks=64, max_num_batched_tokens=128, max_num_seqs=16,
+    )  # fmt: skip
+    runner = llm.llm_engine.model_runner
+    layers = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    calls = []
+    for layer in layers:
+        layer.use_triton = True  # as on a GPU (the interpreter runs it here)
+    first = layers[0]
+    experts = first.experts
+
+    def counted(x, weights, ids):
+        calls.append(first.kernel_config(x.shape[0]))
+        return experts(x, weights, ids)
+
+    monkeypatch.setattr(first, "experts", counted)
+    with caplog.at_level(logging.INFO, logger="engine.kernel_warmup"):
+        warm_up_kernels(runner)
+    configs = {first.kernel_config(m) for m in range(1, 129)}
+    assert len(configs) > 1  # the budget spans several tile sizes
+    assert set(calls) == configs  # the forward passes, then one call per config
+    assert f"{len(configs)} fused-MoE configs" in caplog.text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, SequenceStatus
 from tests.unit.engine.helpers import make_seq
@@ -251,3 +252,64 @@ def test_prompt_logprobs_requests_compute_the_whole_prompt():
     sched.add(b)
     assert scheduled(step(sched))[b.seq_id] == 20  # no cache read: every position has logits
     assert b.num_cached_tokens == 0
+
+
+def make_sliding(window: int, num_blocks=64, budget=64, caching=True) -> Scheduler:
+    bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
+    return Scheduler(bm, 8, budget, 256, sliding_window=window)
+
+
+def test_blocks_before_every_layers_window_are_freed_as_a_sequence_runs():
+    """Window 6, blocks of 4: once the next query is at position p, keys before
+    p - 5 are never read again, so the blocks wholly before that go back."""
+    from engine.block_manager import NO_BLOCK
+
+    sched = make_sliding(window=6)
+    bm = sched.block_manager
+    seq = make_seq(21, BS, params=SamplingParams(max_tokens=100))
+    sched.add(seq)
+    step(sched)  # 21 tokens computed: the next query (21) sees 16.. -> blocks 0-3 go
+    assert seq.block_table[:4] == [NO_BLOCK] * 4 and NO_BLOCK not in seq.block_table[4:]
+    assert seq.num_window_freed_blocks == 4 and sched.stats.num_window_freed_blocks == 4
+    assert bm.num_used_blocks == 2  # tokens 16..21 (the 22nd's slot comes next step)
+    for _ in range(8):
+        step(sched)
+    # 29 computed: the next query sees 24.. -> 6 blocks freed; 2 held.
+    assert seq.num_window_freed_blocks == 6 and bm.num_used_blocks == 2
+    # What was freed stays in the prefix cache for a later request with this prefix.
+    assert bm.num_cached_free_blocks == 6
+    sched.finish(seq, FinishReason.LENGTH)
+    assert bm.num_free_blocks == bm.num_blocks and seq.block_table == []
+    bm.check_invariants()
+
+
+def test_window_freeing_lets_long_sequences_share_a_small_pool():
+    """Three 40-token sequences in 12 blocks of 4 (30 tokens' worth each without
+    freeing): with a window of 6 each holds at most 3 blocks, nobody is preempted."""
+    sched = make_sliding(window=6, num_blocks=12, budget=16, caching=False)
+    seqs = [make_seq(10, BS, params=SamplingParams(max_tokens=100)) for _ in range(3)]
+    for s in seqs:
+        sched.add(s)
+    for _ in range(40):
+        step(sched)
+    assert sched.stats.num_preemptions == 0
+    assert all(s.num_tokens >= 40 for s in seqs), [s.num_tokens for s in seqs]
+    assert max(len([b for b in s.block_table if b >= 0]) for s in seqs) <= 3
+
+
+def test_held_sequences_and_preemption_with_window_freeing():
+    """A prefill node's held sequence keeps every block (the transfer reads them);
+    a preempted one releases what it still holds and recomputes from scratch."""
+    sched = make_sliding(window=6, num_blocks=64)
+    held, other = make_seq(21, BS), make_seq(21, BS)
+    held.hold_kv = True
+    sched.add(held)
+    sched.add(other)
+    step(sched)
+    assert held.num_window_freed_blocks == 0 and -1 not in held.block_table
+    assert other.num_window_freed_blocks == 4
+    sched._preempt(other)
+    assert other.block_table == [] and other.num_window_freed_blocks == 0
+    sched.block_manager.check_invariants()
+    step(sched)  # recomputed whole, and freed again
+    assert other.num_window_freed_blocks == 4

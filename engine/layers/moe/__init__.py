@@ -1,0 +1,1 @@
+"""Mixture-of-experts layers: routing, the fused Triton experts and their torch reference."""
