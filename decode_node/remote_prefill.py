@@ -134,7 +134,9 @@ class RemotePrefill:
                 )
             )
             self.state = PrefillState.COMMITTED
-        except BaseException:
+        except Exception:
+            # A cancel (the client's, or the request's deadline) is not a
+            # failure: the state stays where it was, the stage its abort counts.
             self.state = PrefillState.FAILED
             raise
         finally:
