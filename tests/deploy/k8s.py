@@ -199,7 +199,7 @@ def parse_component(component: str, argv: list[str], env: dict[str, str]):
 
 def pdctl_reads(env: dict[str, str]) -> set[str]:
     """Variables `pdctl` reads (it runs in the router's container: kubectl exec)."""
-    from router.admin.service import pdctl
+    from router.admin import pdctl
 
     recording = RecordingEnv(env)
     with mock.patch.object(os, "environ", recording):

@@ -18,7 +18,9 @@ from common.kv_transfer.checksum import chain
 from common.kv_transfer.loopback import LoopbackLanding, LoopbackSender
 from common.kv_transfer.ticket import Destination
 from engine import LLM, RequestOutputKind, SamplingParams
+from prefill_node.destinations import PendingDestination
 from prefill_node.kv_stream import KVStreamer
+from proto import internal_pb2
 from tests.engine.conftest import assert_idle
 
 PROMPTS = [
@@ -27,6 +29,35 @@ PROMPTS = [
     "Three facts about the Moon:",
 ]
 DEST = Destination("decode-loopback", "127.0.0.1", 0, 0)
+
+
+def blocks_came(
+    request_id: str, rid: int, first_block: int, num_blocks: int, num_tokens: int, block_size: int
+) -> PendingDestination:
+    """A Prefill's destination whose decode node (DEST) sent its blocks."""
+    req = internal_pb2.PrefillRequest(
+        request_id=request_id,
+        prompt_token_ids=[0] * num_tokens,
+        decode_node_id=DEST.node_id,
+        reservation_id=rid,
+    )
+    pending = PendingDestination(req, block_size)
+    channel = internal_pb2.KVChannel(
+        node_id=DEST.node_id, store_host=DEST.store_host, store_port=DEST.store_port
+    )
+    pending.set(
+        internal_pb2.PrefillBlocks(
+            request_id=request_id,
+            reservation_id=rid,
+            first_block=first_block,
+            num_blocks=num_blocks,
+            channel=channel,
+        )
+    )
+    assert pending.came, pending.error
+    return pending
+
+
 _reservation_ids = itertools.count(1)
 
 
@@ -105,12 +136,15 @@ def disaggregated(
         landing.expect(rid, res.block_ids, res.first_block)
         p.add_request(request_id, prompt_ids, prefill_params(params), hold_kv=True)
         deadline = time.monotonic() + 60
-        ticket = streamer.open(
-            request_id, DEST, rid, res.first_block, len(res.block_ids), deadline, True, None, True
+        block_size = p.config.kvcache_block_size
+        came = blocks_came(
+            request_id, rid, res.first_block, len(res.block_ids), len(prompt_ids), block_size
         )
+        ticket = streamer.open(request_id, came, deadline, True)
         first = run_until_finished(p, request_id)
         # The first token came on the channel too, behind the KV, with the cache hit.
-        assert landing.first_tokens[rid] == (
+        came_first = landing.first_tokens[rid]
+        assert (came_first.token_id, came_first.cached_tokens) == (
             first.outputs[0].token_ids[0],
             first.num_cached_tokens,
         )
@@ -324,7 +358,8 @@ def test_prompts_in_one_prefill_step_share_and_stream_their_prefix(
             landing.expect(rid, res.block_ids, res.first_block)
             p.add_request(request_id, ids, prefill_params(params), hold_kv=True)
             deadline = time.monotonic() + 60
-            ticket = streamer.open(request_id, DEST, rid, 0, len(res.block_ids), deadline, True)
+            came = blocks_came(request_id, rid, 0, len(res.block_ids), len(ids), 16)
+            ticket = streamer.open(request_id, came, deadline, True)
             tickets[request_id] = (rid, ticket)
         computed = p.num_computed_tokens
         while p.has_work():

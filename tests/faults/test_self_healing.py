@@ -25,9 +25,10 @@ import uuid
 import grpc
 import pytest
 
+from benchmarks.direct_client import DirectClient
 from common.runtime.ports import free_port_block
 from pdserve.redis_server import free_port
-from proto import internal_pb2, internal_pb2_grpc, pdserve_pb2
+from proto import internal_pb2, pdserve_pb2
 from tests.faults.harness import Stream, assert_idle, request, run, wait_for, wait_idle
 from tests.pdserve_up import SERVING_LINE, UpProcess
 
@@ -402,17 +403,19 @@ def decode_via(up: UpProcess, decode: str, prefill: str, tag: str) -> pdserve_pb
     (no router: no retry elsewhere hides a failed first attempt)."""
     addresses = {m.group(1): m.group(2) for m in up.matches(SERVING_LINE)}
     rng = random.Random(tag)
-    req = internal_pb2.DecodeRequest(
-        request_id=uuid.uuid4().hex,
-        prompt_token_ids=[rng.randrange(100, 30000) for _ in range(80)],
-        sampling=pdserve_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-        prefill=internal_pb2.NodeRef(node_id=prefill, address=addresses[prefill]),
-    )
-    final = None
-    with grpc.insecure_channel(addresses[decode]) as channel:
-        for response in internal_pb2_grpc.DecodeNodeStub(channel).Decode(req, timeout=120):
-            if response.HasField("final"):
-                final = response.final
+    ids = [rng.randrange(100, 30000) for _ in range(80)]
+    sampling = pdserve_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    client = DirectClient()  # the router's session and Prefill, without its retries
+    try:
+        _, final, _ = client.generate(
+            internal_pb2.NodeRef(node_id=decode, address=addresses[decode]),
+            internal_pb2.NodeRef(node_id=prefill, address=addresses[prefill]),
+            ids,
+            sampling,
+            uuid.uuid4().hex,
+        )
+    finally:
+        client.close()
     assert final is not None
     return final
 
