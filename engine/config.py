@@ -145,6 +145,31 @@ class EngineConfig:
     model_config: ModelArchConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_model()
+        self._parse_names()
+        self._check_memory()
+        _require_int("max_num_seqs", self.max_num_seqs, 1)
+        _require_int("max_logprobs", self.max_logprobs, 0)
+        for name in (
+            "enforce_eager",
+            "fused_ops",
+            "piecewise_cuda_graphs",
+            "enable_prefix_caching",
+            "enable_chunked_prefill",
+            "skip_tokenizer_init",
+            "late_launch",
+        ):
+            _require_bool(name, getattr(self, name))
+        if self.async_scheduling is not None:
+            _require_bool("async_scheduling", self.async_scheduling)
+        self._resolve_lengths()
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        if self.served_model_name is None:
+            self.served_model_name = Path(self.model).resolve().name
+
+    def _check_model(self) -> None:
+        """The model directory, its architecture, and its split over the ranks."""
         if not isinstance(self.model, str | os.PathLike) or not str(self.model):
             raise ValueError(f"model must be a path to a model directory; got {self.model!r}")
         self.model = str(self.model)
@@ -154,6 +179,13 @@ class EngineConfig:
                 "directory (`pdserve model prepare` makes the demo model)"
             )
         self.model_config = ModelArchConfig.from_dir(self.model)
+        _require_int("seed", self.seed, 0, 2**63 - 1)
+        _require_int("tensor_parallel_size", self.tensor_parallel_size)
+        # Raises naming the reason when the model cannot be split over that many ranks.
+        TPLayout.for_model(self.model_config, 0, self.tensor_parallel_size)
+
+    def _parse_names(self) -> None:
+        """The options given by name (vLLM's strings) as their enums and configs."""
         self.preemption_mode = _parse_enum("preemption_mode", self.preemption_mode, PreemptionMode)
         self.load_format = _parse_enum("load_format", self.load_format, LoadFormat)
         self.device = _parse_enum("device", self.device, DeviceKind)
@@ -176,10 +208,9 @@ class EngineConfig:
             allowed = ", ".join(repr(k) for k in _DTYPE_ALIASES)
             raise ValueError(f"dtype must be one of {allowed}; got {self.dtype!r}")
         self.dtype = _DTYPE_ALIASES[self.dtype]
-        _require_int("seed", self.seed, 0, 2**63 - 1)
-        _require_int("tensor_parallel_size", self.tensor_parallel_size)
-        # Raises naming the reason when the model cannot be split over that many ranks.
-        TPLayout.for_model(self.model_config, 0, self.tensor_parallel_size)
+
+    def _check_memory(self) -> None:
+        """The KV cache's block size and how its size is chosen."""
         if self.kvcache_block_size not in ALLOWED_BLOCK_SIZES:
             raise ValueError(
                 f"kvcache_block_size must be one of {ALLOWED_BLOCK_SIZES}; "
@@ -196,25 +227,6 @@ class EngineConfig:
         util = self.gpu_memory_utilization
         if not isinstance(util, int | float) or isinstance(util, bool) or not 0.0 < util <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {util!r}")
-        _require_int("max_num_seqs", self.max_num_seqs, 1)
-        _require_int("max_logprobs", self.max_logprobs, 0)
-        for name in (
-            "enforce_eager",
-            "fused_ops",
-            "piecewise_cuda_graphs",
-            "enable_prefix_caching",
-            "enable_chunked_prefill",
-            "skip_tokenizer_init",
-            "late_launch",
-        ):
-            _require_bool(name, getattr(self, name))
-        if self.async_scheduling is not None:
-            _require_bool("async_scheduling", self.async_scheduling)
-        self._resolve_lengths()
-        if self.tokenizer is None:
-            self.tokenizer = self.model
-        if self.served_model_name is None:
-            self.served_model_name = Path(self.model).resolve().name
 
     def _resolve_lengths(self) -> None:
         limit = self.model_config.max_position_embeddings

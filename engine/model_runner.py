@@ -73,18 +73,7 @@ class ModelRunner:
             cfg.softmax_scale,
             self.block_size,
         )
-        torch.manual_seed(config.seed)
-        on_gpu = self.device.type == "cuda" and _triton_available()  # fused ops, fused MoE
-        with torch.device(self.device), default_dtype(self.dtype):
-            self.model = DecoderForCausalLM(
-                cfg, self.attention_backend, config.max_model_len, config.fused_ops and on_gpu,
-                self.tp, triton_moe=on_gpu,
-            )  # fmt: skip
-        if config.load_format is LoadFormat.DUMMY:
-            init_dummy_weights(self.model, config.seed)
-        else:
-            load_weights(self.model, config.model)
-        self.model.eval()
+        self.model = self._load_model()
         # Decode-sized matmuls: the skinny kernel where it beats cuBLAS (before
         # the graphs are captured, so they capture the chosen kernels).
         self.gemv_plans = plan_model(self.model, config.gemv_backend, self.device, self.dtype)
@@ -94,25 +83,45 @@ class ModelRunner:
         # Every rank holds the same blocks (its heads of them): the smallest pool wins.
         self.num_kvcache_blocks = self.tp.min_int(self._decide_num_blocks())
         self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
-        self.graphs: DecodeGraphs | None = None
         # Told when each layer of a step wrote its KV (a prefill node streaming it).
         self.kv_observer: KVWriteObserver | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            if self.attention_backend.supports_cuda_graphs:
-                self.graphs = DecodeGraphs(
-                    config, self.model, self.attention_backend, self.device, self.dtype
-                )
-            else:
-                logger.info(
-                    "CUDA graphs are off: the %s attention backend reads host values",
-                    self.attention_backend.name.value,
-                )
+        self.graphs = self._decode_graphs()
         # Steps with prefill rows: graphs of everything between the attention calls.
         self.piecewise: PiecewiseGraphs | None = piecewise_graphs_for(
             config, self.model, self.attention_backend, self.device, self.dtype, self.tp.size
         )
         if self.device.type == "cuda":  # compiles now, not under load (kernel_warmup.py)
             warm_up_kernels(self)
+
+    def _load_model(self) -> DecoderForCausalLM:
+        """This rank's part of the model, its weights loaded (or dummy ones)."""
+        config = self.config
+        torch.manual_seed(config.seed)
+        on_gpu = self.device.type == "cuda" and _triton_available()  # fused ops, fused MoE
+        with torch.device(self.device), default_dtype(self.dtype):
+            model = DecoderForCausalLM(
+                config.model_config, self.attention_backend, config.max_model_len,
+                config.fused_ops and on_gpu, self.tp, triton_moe=on_gpu,
+            )  # fmt: skip
+        if config.load_format is LoadFormat.DUMMY:
+            init_dummy_weights(model, config.seed)
+        else:
+            load_weights(model, config.model)
+        return model.eval()
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs of decode steps, where the device and backend allow them."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if not self.attention_backend.supports_cuda_graphs:
+            logger.info(
+                "CUDA graphs are off: the %s attention backend reads host values",
+                self.attention_backend.name.value,
+            )
+            return None
+        return DecodeGraphs(
+            self.config, self.model, self.attention_backend, self.device, self.dtype
+        )
 
     # ------------------------------------------------------------- KV cache
     @property

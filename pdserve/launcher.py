@@ -219,25 +219,29 @@ class LocalCluster:
             cluster_plan(spec.port, spec.admin_port, spec.http_port, self.metrics_ports),
         )
         if self.redis_url is None:
-            if spec.redis_tls_ca:
-                raise ValueError(
-                    "--redis-tls-ca needs --redis-url: the Redis started here has no TLS"
-                )
-            self.redis = RedisServer(
-                password=spec.redis_password, username=spec.redis_username
-            ).start()
-            self.redis_url = self.redis.url
-            progress(f"redis-server on {self.redis_url} (pid {self.redis.process.pid})")
+            self._start_redis(progress)
         gpus = self._gpu_count()
         for flag, tp in (("--decode-tp", spec.decode_tp), ("--prefill-tp", spec.prefill_tp)):
             if gpus and tp > gpus:
                 raise ValueError(f"{flag} {tp} needs {tp} GPUs; this host shows {gpus}")
-        device = ["--device", "cuda"] if gpus else ["--device", "cpu"]
         engines = spec.num_decode * spec.decode_tp + spec.num_prefill * spec.prefill_tp
         threads = plan_threads(spec.cpu_threads, engines, gpus, os.environ)
         self.thread_env = threads.env
         if threads.reason:
             progress(threads.reason)
+        return self._spawn_nodes(gpus) + self._spawn_routers()
+
+    def _start_redis(self, progress) -> None:
+        spec = self.spec
+        if spec.redis_tls_ca:
+            raise ValueError("--redis-tls-ca needs --redis-url: the Redis started here has no TLS")
+        self.redis = RedisServer(password=spec.redis_password, username=spec.redis_username).start()
+        self.redis_url = self.redis.url
+        progress(f"redis-server on {self.redis_url} (pid {self.redis.process.pid})")
+
+    def _spawn_nodes(self, gpus: int) -> list[Component]:
+        """Every decode then prefill node, each on the next GPUs round the host's."""
+        spec = self.spec
         common = [
             "--model",
             spec.model,
@@ -248,64 +252,29 @@ class LocalCluster:
             "--advertise-host",
             spec.host,
             *self._security_args(),
+            "--device",
+            "cuda" if gpus else "cpu",
         ]
-        slot = 0
-        started: list[Component] = []
-
-        def take(tp: int) -> str | None:
-            """The next ``tp`` GPUs, round the host's (None without GPUs)."""
-            nonlocal slot
-            if not gpus:
-                return None
-            first, slot = slot, slot + tp
-            return ",".join(str((first + k) % gpus) for k in range(tp))
-
-        for i in range(spec.num_decode):
-            port, tport = free_port(spec.host), free_port(spec.host)
-            gpu = take(spec.decode_tp)
-            started.append(
-                self._spawn(
-                    f"decode-{i}",
-                    [
-                        "decode",
-                        *common,
-                        "--port",
-                        str(port),
-                        "--transfer-port",
-                        str(tport),
-                        "--node-id",
-                        f"decode-{i}",
-                        *_tp_flag(spec.decode_tp),
-                        *device,
-                        *spec.engine_args,
-                        *spec.node_args,
-                    ],
-                    port,
-                    gpu,
-                )
-            )
-        for i in range(spec.num_prefill):
+        roles = [("decode", spec.decode_tp)] * spec.num_decode
+        roles += [("prefill", spec.prefill_tp)] * spec.num_prefill
+        started, slot, index = [], 0, {"decode": 0, "prefill": 0}
+        for role, tp in roles:
+            name = f"{role}-{index[role]}"
+            index[role] += 1
+            gpu = None
+            if gpus:  # the next ``tp`` GPUs, round the host's
+                gpu = ",".join(str((slot + k) % gpus) for k in range(tp))
+                slot += tp
             port = free_port(spec.host)
-            gpu = take(spec.prefill_tp)
-            started.append(
-                self._spawn(
-                    f"prefill-{i}",
-                    [
-                        "prefill",
-                        *common,
-                        "--port",
-                        str(port),
-                        "--node-id",
-                        f"prefill-{i}",
-                        *_tp_flag(spec.prefill_tp),
-                        *device,
-                        *spec.engine_args,
-                        *spec.node_args,
-                    ],
-                    port,
-                    gpu,
-                )
-            )
+            args = [role, *common, "--port", str(port), "--node-id", name]
+            if role == "decode":
+                args += ["--transfer-port", str(free_port(spec.host))]
+            args += [*_tp_flag(tp), *spec.engine_args, *spec.node_args]
+            started.append(self._spawn(name, args, port, gpu))
+        return started
+
+    def _spawn_routers(self) -> list[Component]:
+        spec = self.spec
         self.router_ports = [(spec.port, spec.admin_port)] + [
             (free_port(spec.host), free_port(spec.host)) for _ in range(spec.num_routers - 1)
         ]
@@ -313,31 +282,13 @@ class LocalCluster:
             self.http_ports = [spec.http_port] + [
                 free_port(spec.host) for _ in range(spec.num_routers - 1)
             ]
+        started = []
         for i, (port, admin_port) in enumerate(self.router_ports):
             http = ["--http-port", str(self.http_ports[i])] if self.http_ports else []
-            started.append(
-                self._spawn(
-                    "router" if i == 0 else f"router-{i}",
-                    [
-                        "router",
-                        "--model",
-                        spec.model,
-                        "--redis-url",
-                        self.redis_url,
-                        "--host",
-                        spec.host,
-                        "--port",
-                        str(port),
-                        "--admin-port",
-                        str(admin_port),
-                        *self._security_args(),
-                        *http,
-                        *spec.router_args,
-                    ],
-                    port,
-                    None,
-                )
-            )
+            args = ["router", "--model", spec.model, "--redis-url", self.redis_url]
+            args += ["--host", spec.host, "--port", str(port), "--admin-port", str(admin_port)]
+            args += [*self._security_args(), *http, *spec.router_args]
+            started.append(self._spawn("router" if i == 0 else f"router-{i}", args, port, None))
         return started
 
     def _wait_serving(self, components: list[Component], progress) -> None:

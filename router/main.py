@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 import signal
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import grpc
 
@@ -222,6 +222,77 @@ def routing_config(args: argparse.Namespace) -> RoutingConfig:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    parts = await _build(args)
+    # Before the first port opens: a SIGTERM once anything can reach us drains
+    # and exits 0 (at the end of start-up), never the default's kill.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await parts.start(args)
+    await stop.wait()
+    await parts.stop(args)
+    return 0
+
+
+@dataclass(slots=True)
+class _Parts:
+    """A router process's servers and what they serve."""
+
+    cluster: Cluster
+    routing: Routing
+    router: RouterServicer
+    tracing: Tracing
+    server: grpc.aio.Server
+    health: object
+    admin: grpc.aio.Server
+    admin_health: object
+    admin_host: str
+    http: object | None
+    collectors: list
+    gc_pauses: GcPauses
+    http_task: asyncio.Future | None = None
+
+    async def start(self, args) -> None:
+        # Metrics first: anything a launcher finds SERVING can be scraped.
+        serve_metrics(args.metrics_port, args.host, self.collectors)
+        await self.server.start()
+        if self.http is not None:
+            self.http_task = await _start_http(self.http, args, self.router.tls)
+        await self.admin.start()
+        # Start-up is over (tokenizer, servers): full collections skip it from now on.
+        if args.gc_freeze:
+            freeze_heap("router")
+        self.gc_pauses.install()  # start-up's collections delay no stream: not timed
+        await set_serving(self.health, [ROUTER], True)
+        await set_serving(self.admin_health, [ADMIN], True)
+        logger.info(
+            "router serving on %s:%d (admin on %s:%d), routing policy %s",
+            args.host,
+            args.port,
+            self.admin_host,
+            args.admin_port,
+            self.routing.config.policy.value,
+        )
+
+    async def stop(self, args) -> None:
+        # NOT_SERVING at once; streams in flight get the drain timeout, new calls are refused.
+        await set_serving(self.health, [ROUTER], False)
+        logger.info("router stopping: %d streams in flight", self.routing.inflight.in_flight)
+        if self.http is not None:
+            self.http.should_exit = True  # stops accepting; streams get the same drain timeout
+        await self.server.stop(grace=args.drain_timeout)
+        if self.http_task is not None:
+            await self.http_task
+        await self.admin.stop(grace=1)
+        await self.router.close()
+        await self.routing.close()
+        await self.cluster.close()
+        self.tracing.shutdown()
+
+
+async def _build(args: argparse.Namespace) -> _Parts:
+    """Everything the router serves with, its ports bound, nothing started."""
     if not args.model:
         raise ValueError("--model (or PDSERVE_MODEL) is required")
     # Security configuration first: a bad path or flag fails before any loading.
@@ -230,14 +301,7 @@ async def serve(args: argparse.Namespace) -> int:
     public_auth, admin_auth = router_interceptors(args.api_tokens_file, args.admin_token)
     # Before loading the tokenizer: a taken port is one line, at once.
     check_free(args.host, router_ports(args))
-    kwargs = {"kvcache_block_size": args.kvcache_block_size}
-    if args.served_model_name:
-        kwargs["served_model_name"] = args.served_model_name
-    if args.max_model_len:
-        kwargs["max_model_len"] = args.max_model_len
-    if args.skip_tokenizer_init:
-        kwargs["skip_tokenizer_init"] = True
-    config = EngineConfig.from_kwargs(args.model, **kwargs)
+    config = _engine_config(args)
     route_config = routing_config(args)  # ValueError names a bad knob
     frontend = Frontend(config)
     cluster = Cluster.from_url(args.redis_url, redis_connection)
@@ -253,13 +317,35 @@ async def serve(args: argparse.Namespace) -> int:
     await routing.read_nodes()  # the nodes' context length, where they registered already
     tracing = Tracing("pdserve-router", args.otlp_endpoint, f"router:{args.port}")
     router = RouterServicer(
-        frontend,
-        routing,
-        tls=tls,
-        access_log=not args.no_access_log,
-        tracing=tracing,
+        frontend, routing, tls=tls, access_log=not args.no_access_log, tracing=tracing
     )
+    server, health = await _public_server(args, router, public_auth, tls)
+    admin, admin_health, admin_host = await _admin_server(
+        args, admin_auth, AdminServicer(cluster, routing, frontend, router.channel), tls
+    )
+    gc_pauses = GcPauses()  # installed once serving
+    collectors = [RouterCollector(routing), GcCollector(gc_pauses, {})]
+    http = _http_server(args, router, public_auth, collectors, tls)
+    return _Parts(
+        cluster, routing, router, tracing, server, health, admin, admin_health, admin_host,
+        http, collectors, gc_pauses,
+    )  # fmt: skip
 
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The model's tokenizer and limits, as the router checks requests against them."""
+    kwargs = {"kvcache_block_size": args.kvcache_block_size}
+    if args.served_model_name:
+        kwargs["served_model_name"] = args.served_model_name
+    if args.max_model_len:
+        kwargs["max_model_len"] = args.max_model_len
+    if args.skip_tokenizer_init:
+        kwargs["skip_tokenizer_init"] = True
+    return EngineConfig.from_kwargs(args.model, **kwargs)
+
+
+async def _public_server(args, router: RouterServicer, public_auth, tls: TLSConfig):
+    """The public gRPC API (not started) and its health service."""
     # Clients' mistakes get INVALID_ARGUMENT naming them, even those the servicer
     # never sees: oversized metadata, request bytes that do not parse (invalid UTF-8).
     server = grpc.aio.server(
@@ -270,7 +356,11 @@ async def serve(args: argparse.Namespace) -> int:
     if args.enable_reflection:
         add_reflection(server, [ROUTER])
     listen(server, args.host, args.port, "--port", "router public API", tls)
+    return server, health
 
+
+async def _admin_server(args, admin_auth, servicer: AdminServicer, tls: TLSConfig):
+    """The admin API (not started), its health service and the host it listens on."""
     if admin_auth:
         admin = grpc.aio.server(interceptors=admin_auth)
         admin_host = args.host
@@ -279,74 +369,35 @@ async def serve(args: argparse.Namespace) -> int:
         admin = grpc.aio.server()
         admin_host = "127.0.0.1"
         logger.warning("no --admin-token: the admin API listens on 127.0.0.1 only")
-    admin_pb2_grpc.add_AdminServicer_to_server(
-        AdminServicer(cluster, routing, frontend, router.channel), admin
-    )
+    admin_pb2_grpc.add_AdminServicer_to_server(servicer, admin)
     admin_health = await add_health(admin, [ADMIN])
     listen(admin, admin_host, args.admin_port, "--admin-port", "router admin API", tls)
-    gc_pauses = GcPauses()  # installed once serving (below)
-    collectors = [RouterCollector(routing), GcCollector(gc_pauses, {})]
-    http = None
-    if args.http_port:
-        from router.http import app as http_app  # FastAPI is imported only where the port is on
+    return admin, admin_health, admin_host
 
-        http_stats = http_app.HttpStats()
-        collectors.append(http_app.HttpCollector(http_stats))
-        app = http_app.build_app(router, public_auth[0] if public_auth else None, http_stats)
-        http = http_app.make_server(
-            app, args.host, args.http_port, tls, args.drain_timeout, args.http_keep_alive_s
-        )
-    # Before the first port opens: a SIGTERM once anything can reach us drains
-    # and exits 0 (at the end of start-up), never the default's kill.
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    # Metrics first: anything a launcher finds SERVING can be scraped.
-    serve_metrics(args.metrics_port, args.host, collectors)
-    await server.start()
-    http_task = None
-    if http is not None:
-        http_task = asyncio.ensure_future(http.serve())
-        while not http.started:  # serving before health says SERVING
-            if http_task.done():
-                http_task.result()  # the port is taken, etc.: fail as loudly as gRPC would
-                raise RuntimeError(f"HTTP server on port {args.http_port} did not start")
-            await asyncio.sleep(0.01)
-        logger.info(
-            "OpenAI API on http%s://%s:%d/v1",
-            "s" if tls.serves_tls else "",
-            args.host,
-            args.http_port,
-        )
-    await admin.start()
-    # Start-up is over (tokenizer, servers): full collections skip it from now on.
-    if args.gc_freeze:
-        freeze_heap("router")
-    gc_pauses.install()  # start-up's collections delay no stream: not timed
-    await set_serving(health, [ROUTER], True)
-    await set_serving(admin_health, [ADMIN], True)
-    logger.info(
-        "router serving on %s:%d (admin on %s:%d), routing policy %s",
-        args.host,
-        args.port,
-        admin_host,
-        args.admin_port,
-        route_config.policy.value,
+
+def _http_server(args, router: RouterServicer, public_auth, collectors: list, tls: TLSConfig):
+    """The OpenAI API's server (not started), its collector added; None without --http-port."""
+    if not args.http_port:
+        return None
+    from router.http import app as http_app  # FastAPI is imported only where the port is on
+
+    http_stats = http_app.HttpStats()
+    collectors.append(http_app.HttpCollector(http_stats))
+    app = http_app.build_app(router, public_auth[0] if public_auth else None, http_stats)
+    return http_app.make_server(
+        app, args.host, args.http_port, tls, args.drain_timeout, args.http_keep_alive_s
     )
 
-    await stop.wait()
-    # NOT_SERVING at once; streams in flight get the drain timeout, new calls are refused.
-    await set_serving(health, [ROUTER], False)
-    logger.info("router stopping: %d streams in flight", routing.inflight.in_flight)
-    if http is not None:
-        http.should_exit = True  # stops accepting; streams get the same drain timeout
-    await server.stop(grace=args.drain_timeout)
-    if http_task is not None:
-        await http_task
-    await admin.stop(grace=1)
-    await router.close()
-    await routing.close()
-    await cluster.close()
-    tracing.shutdown()
-    return 0
+
+async def _start_http(http, args, tls: TLSConfig) -> asyncio.Future:
+    """Serve the OpenAI API; returns once it accepts connections."""
+    http_task = asyncio.ensure_future(http.serve())
+    while not http.started:  # serving before health says SERVING
+        if http_task.done():
+            http_task.result()  # the port is taken, etc.: fail as loudly as gRPC would
+            raise RuntimeError(f"HTTP server on port {args.http_port} did not start")
+        await asyncio.sleep(0.01)
+    logger.info(
+        "OpenAI API on http%s://%s:%d/v1", "s" if tls.serves_tls else "", args.host, args.http_port
+    )
+    return http_task

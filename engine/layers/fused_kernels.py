@@ -243,6 +243,18 @@ def _rope_qk_kernel(
                 tl.store(v_cache_ptr + dst + dims, v, mask=mask)
 
 
+def _store_args(kv_store, k, cos_cache, positions):
+    """The kernel's cache-store arguments: (v, k_cache, v_cache, slots, v's
+    two strides) and the cache's strides; placeholders where it stores none."""
+    if kv_store is None:
+        return (k, cos_cache, cos_cache, positions, 0, 0), (0, 0)
+    v, k_cache, v_cache, slots = kv_store
+    if v_cache.stride()[1:] != k_cache.stride()[1:]:
+        raise ValueError("k_cache and v_cache must have the same layout")
+    store = (v, k_cache, v_cache, slots, v.stride(0), v.stride(1))
+    return store, (k_cache.stride(1), k_cache.stride(2))
+
+
 def rope_qk_(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -264,15 +276,7 @@ def rope_qk_(
     num_kv_heads = k.shape[1]
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q and k are normalised together: give both norm weights or neither")
-    if kv_store is not None:
-        v, k_cache, v_cache, slots = kv_store
-        store = (v, k_cache, v_cache, slots, v.stride(0), v.stride(1))
-        cache_strides = (k_cache.stride(1), k_cache.stride(2))
-        if v_cache.stride()[1:] != k_cache.stride()[1:]:
-            raise ValueError("k_cache and v_cache must have the same layout")
-    else:
-        store = (k, cos_cache, cos_cache, positions, 0, 0)
-        cache_strides = (0, 0)
+    store, cache_strides = _store_args(kv_store, k, cos_cache, positions)
     v, k_cache, v_cache, slots, stride_v_tok, stride_v_head = store
     # Up to 8 heads a program: 2 KB of bf16 q or k each, and still a few
     # programs per token for a batch-1 decode step's parallelism.

@@ -43,6 +43,12 @@ LONG_FUNCTIONS = {
     "engine.layers.attention.triton_kernels:_prefill_kernel": (
         "one Triton program: its loop carries registers a helper call cannot"
     ),
+    "engine.layers.attention.triton_kernels:_attend_key_tile": (
+        "a Triton function inlined into its kernel: one key tile's online softmax"
+    ),
+    "engine.layers.moe.fused_moe:_fused_moe_kernel": (
+        "one Triton program: its loop carries registers a helper call cannot"
+    ),
     "engine.layers.fused_kernels:_rope_qk_kernel": (
         "one Triton program: q and k rotated and stored in one launch"
     ),

@@ -232,17 +232,7 @@ def decode_attention(
     group = num_heads // num_kv_heads
     cfg = dict(DECODE_CONFIG)
     cfg.update(config or {})
-    if num_splits == 1:
-        part_out = part_lse = out  # unused: the split kernel writes the output itself
-    elif workspace is None:
-        part_out = torch.empty(
-            num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
-        )
-        part_lse = torch.empty(
-            num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device
-        )
-    else:
-        part_out, part_lse = workspace
+    part_out, part_lse = _split_workspace(q, out, num_splits, workspace)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -276,8 +266,30 @@ def decode_attention(
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
+    if num_splits > 1:
+        _reduce_splits(
+            part_out, part_lse, seq_lens, out, num_splits, sliding_window, cfg["BLOCK_N"]
+        )
+
+
+def _split_workspace(q, out, num_splits, workspace):
+    """(partial outputs, their log-sum-exps): the caller's, new ones, or
+    ``out`` twice where one split writes the output itself."""
     if num_splits == 1:
-        return
+        return out, out  # unused
+    if workspace is not None:
+        return workspace
+    num_seqs, num_heads, head_dim = q.shape
+    part_out = torch.empty(
+        num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+    )
+    part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    return part_out, part_lse
+
+
+def _reduce_splits(part_out, part_lse, seq_lens, out, num_splits, sliding_window, block_n):
+    """Merge the splits' partial outputs into ``out``."""
+    num_seqs, num_heads, head_dim = out.shape
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out,
         part_lse,
@@ -290,7 +302,7 @@ def decode_attention(
         BLOCK_S=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_N=block_n,
         SLIDING=sliding_window is not None,
         num_warps=4,
     )

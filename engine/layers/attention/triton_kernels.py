@@ -298,6 +298,25 @@ def prefill_attention(
             config,
         )
         return
+    _prefill_one_pass(
+        q,
+        k_cache,
+        v_cache,
+        out,
+        (block_tables, query_start_loc, seq_lens),
+        max_query_len,
+        scale,
+        config,
+        sliding_window,
+        logits_soft_cap,
+    )
+
+
+def _prefill_one_pass(
+    q, k_cache, v_cache, out, step, max_query_len, scale, config, sliding_window, logits_soft_cap
+):
+    """The one-kernel prefill: a program per (head, sequence, query tile)."""
+    block_tables, query_start_loc, seq_lens = step
     _, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

@@ -327,34 +327,14 @@ def prefill_split_attention(
     into ``num_splits`` chunks (1: the whole context, stored directly); writes
     into ``out``. The workspace (make_workspace; only for 2 splits or more) must
     have num_splits splits and at least q's rows."""
-    num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
     cfg = dict(PREFILL_SPLIT_CONFIG)
     cfg.update(config or {})
-    # A group wider than the tile still needs one token's rows in it.
-    block_m = max(cfg["BLOCK_M"], triton.next_power_of_2(group))
-    toks = tokens_per_tile(group, block_m)
+    consts = _tile_constants(q.shape[1] // num_kv_heads, q.shape[2], cfg)
     one = num_splits == 1
-    if one:
-        part_out = part_lse = out  # unused: the split kernel writes the output itself
-        rows = num_tokens
-    else:
-        if workspace is None:
-            workspace = make_workspace(num_tokens, num_heads, head_dim, num_splits, q.device)
-        part_out, part_lse = workspace
-        assert part_lse.shape[0] == num_splits and part_lse.shape[1] >= num_tokens
-        rows = part_lse.shape[1]
-    m_blocks = triton.cdiv(max_query_len, toks)
-    consts = dict(
-        GROUP=group,
-        TOKS=toks,
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=block_m,
-        BLOCK_N=cfg["BLOCK_N"],
-    )
+    part_out, part_lse, rows = _split_buffers(q, out, num_splits, workspace)
+    m_blocks = triton.cdiv(max_query_len, consts["TOKS"])
     _prefill_split_kernel[(m_blocks * num_splits, num_kv_heads, num_seqs)](
         q,
         k_cache,
@@ -382,9 +362,14 @@ def prefill_split_attention(
         num_stages=cfg["num_stages"],
         **consts,
     )
-    if one:
-        return
-    _prefill_merge_kernel[(m_blocks, num_kv_heads, num_seqs)](
+    if not one:
+        grid = (m_blocks, num_kv_heads, num_seqs)
+        _merge_splits(grid, part_out, part_lse, out, query_start_loc, seq_lens, rows, consts)
+
+
+def _merge_splits(grid, part_out, part_lse, out, query_start_loc, seq_lens, rows, consts):
+    """The splits' partial outputs merged into ``out``."""
+    _prefill_merge_kernel[grid](
         part_out,
         part_lse,
         out,
@@ -393,7 +378,38 @@ def prefill_split_attention(
         out.stride(0),
         out.stride(1),
         rows,
-        num_splits,
+        part_lse.shape[0],
         num_warps=4,
         **consts,
     )
+
+
+def _tile_constants(group: int, head_dim: int, cfg: dict[str, int]) -> dict[str, int]:
+    """The kernels' compile-time tile shape for a query-head group."""
+    # A group wider than the tile still needs one token's rows in it.
+    block_m = max(cfg["BLOCK_M"], triton.next_power_of_2(group))
+    return dict(
+        GROUP=group,
+        TOKS=tokens_per_tile(group, block_m),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=cfg["BLOCK_N"],
+    )
+
+
+def _split_buffers(q, out, num_splits, workspace):
+    """(partial outputs, their log-sum-exps, rows per split): the workspace's
+    (a new one where none was given), or ``out`` where one split writes it."""
+    num_tokens, num_heads, head_dim = q.shape
+    if num_splits == 1:
+        return out, out, num_tokens  # the buffers unused
+    if workspace is None:
+        workspace = make_workspace(num_tokens, num_heads, head_dim, num_splits, q.device)
+    part_out, part_lse = workspace
+    if part_lse.shape[0] != num_splits or part_lse.shape[1] < num_tokens:
+        raise ValueError(
+            f"a workspace of {part_lse.shape[0]} splits x {part_lse.shape[1]} rows for "
+            f"{num_splits} splits of {num_tokens} tokens"
+        )
+    return part_out, part_lse, part_lse.shape[1]

@@ -34,6 +34,7 @@ class FirstReadRouting:
         self.stats = RouterStats()
         self.inflight = InflightTracker()
         self.routed = 0
+        self.restarted = []  # hooks for a node that restarted (Routing.restarted)
 
     def start_view(self, hashes):
         return None
