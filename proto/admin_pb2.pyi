@@ -12,7 +12,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "role", "address", "kv_blocks_total", "kv_blocks_free", "running", "waiting", "queued_prefill_tokens", "cached_blocks", "draining", "heartbeat_age_ms", "requests_total", "preemptions", "computed_tokens_total", "generated_tokens_total", "tensor_parallel_size", "num_gpus")
+    __slots__ = ("node_id", "role", "address", "kv_blocks_total", "kv_blocks_free", "running", "waiting", "queued_prefill_tokens", "cached_blocks", "draining", "heartbeat_age_ms", "requests_total", "preemptions", "computed_tokens_total", "generated_tokens_total", "tensor_parallel_size", "num_gpus", "model_family")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class NodeInfo(_message.Message):
     GENERATED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_GPUS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FAMILY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     address: str
@@ -47,7 +48,8 @@ class NodeInfo(_message.Message):
     generated_tokens_total: int
     tensor_parallel_size: int
     num_gpus: int
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., heartbeat_age_ms: _Optional[int] = ..., requests_total: _Optional[int] = ..., preemptions: _Optional[int] = ..., computed_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_gpus: _Optional[int] = ...) -> None: ...
+    model_family: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., heartbeat_age_ms: _Optional[int] = ..., requests_total: _Optional[int] = ..., preemptions: _Optional[int] = ..., computed_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_gpus: _Optional[int] = ..., model_family: _Optional[str] = ...) -> None: ...
 
 class ListNodesResponse(_message.Message):
     __slots__ = ("nodes",)

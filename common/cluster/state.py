@@ -65,6 +65,7 @@ class NodeInfo:
     max_num_seqs: int = 0
     tensor_parallel_size: int = 1  # ranks of its engine, one process each
     num_gpus: int = 0  # GPUs it holds (one per rank; 0 on a CPU)
+    model_family: str = ""  # engine/models/families.py: "llama", "qwen3_moe", ...
     # The longest prompt + output its engine serves; routers take theirs from
     # it (router/limits.py). 0: a node of a release that does not publish it.
     max_model_len: int = 0

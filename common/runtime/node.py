@@ -62,6 +62,7 @@ class NodeEngine:
             block_size=self.config.kvcache_block_size,
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.config.max_model_len,
+            model_family=self.config.model_config.family,
             tensor_parallel_size=tp,
             num_gpus=tp if self.engine.model_runner.device.type == "cuda" else 0,
             started_ms=now_ms(),

@@ -38,6 +38,7 @@ NODE_COLUMNS = [
     ("NODE", "node_id"),
     ("ROLE", "role"),
     ("ADDRESS", "address"),
+    ("FAMILY", "model_family"),
     ("TP", "tensor_parallel_size"),
     ("GPUS", "num_gpus"),
     ("KV FREE", "kv_blocks_free"),

@@ -162,6 +162,7 @@ def node_to_proto(n: NodeInfo, cached_blocks: int, server_now_ms: int) -> admin_
         generated_tokens_total=n.generated_tokens,
         tensor_parallel_size=n.tensor_parallel_size,
         num_gpus=n.num_gpus,
+        model_family=n.model_family,
     )
 
 

@@ -9,7 +9,10 @@ model's vocabulary, tokenizer and chat template, so the router can tokenize.
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -67,5 +70,14 @@ def test_a_disaggregated_request_equals_the_local_engine(moe_dir, tmp_path):
         assert final.usage.prefill_node == "prefill-0"  # the KV crossed to the decode node
         assert final.usage.completion_tokens == 16
         assert text == local.outputs[0].text
+        # pdctl nodes names each node's model family (from its registration).
+        cmd = [sys.executable, "-m", "router.admin.pdctl", "--address", up.admin, "nodes"]
+        listed = json.loads(subprocess.run(cmd + ["--json"], capture_output=True).stdout)
+        assert {r["node_id"]: r["model_family"] for r in listed} == {
+            "prefill-0": "qwen3_moe",
+            "decode-0": "qwen3_moe",
+        }
+        table = subprocess.run(cmd, capture_output=True, text=True).stdout.splitlines()
+        assert "FAMILY" in table[0] and all("qwen3_moe" in row for row in table[1:])
     finally:
         assert up.stop(timeout=120) == 0
