@@ -18,11 +18,11 @@ per process.
 
 The chain runs in C (``engine/_block_hash.c``, built with the package) where it
 was built: the spec makes it sequential, and in Python each block costs four
-method calls around one BLAKE2b compression (about 0.4 ms of a routing decision
-for an 8k-token prompt; docs/lab/2026-11-21-routing-workload-and-decision.md).
+method calls around one BLAKE2b compression, a large share of a routing
+decision for a long prompt (docs/lab/2026-11-21-routing-workload-and-decision.md).
 The C call reads the token ids straight from the caller's list, validating
-them as ``pack_tokens`` does: packing 8,192 ids with ``array('I')`` first cost
-about 60 us, a third of the hashing
+them as ``pack_tokens`` does: packing the ids with ``array('I')`` first cost
+a third as much as the hashing itself
 (docs/lab/2026-11-25-routing-decision-second-pass.md). Without the extension
 (no C compiler at install, or one built from an older source) hashlib computes
 the same digests; the tests check that both agree with a literal reading of
@@ -59,8 +59,8 @@ def id_bounds(ids: Sequence[int]) -> tuple[int, int] | None:
     """(min, max) of a non-empty list or tuple of exact ints, in one pass in C
     (the extension builds it beside the chain: engine/_block_hash.c); None for
     anything else, or without the extension: the caller then checks the ids
-    in Python (engine/input_processor.py). 3.5 against 115 us for the type
-    check, min and max of 2048 ids on the 2-core VM."""
+    in Python (engine/input_processor.py), which walks the list several times
+    (docs/lab/2026-11-27-prefill-node-step-vs-local.md)."""
     return _id_bounds(ids) if _id_bounds is not None else None
 
 

@@ -293,9 +293,9 @@ class BlockManager:
         ones first, then the least recently freed cached ones, unhashed.
 
         In bulk because a prompt takes all its blocks at once, on a node's
-        critical path: 128 of them for 2048 tokens, one Python call each cost a
-        decode node's reservation 0.3 ms
-        (docs/lab/2026-11-27-prefill-hop-same-gpu-baseline.md).
+        critical path: a 2048-token prompt takes 128 of them, and one Python
+        call each added measurably to a decode node's reservation
+        (docs/lab/2026-11-27-inline-commands-decode-node.md).
 
         In ascending order: which block holds which of the prompt's positions is
         free to choose, and runs of consecutive ids let a KV transfer gather them

@@ -1,16 +1,14 @@
 """Pitched device-to-device copies on the GPU's copy engines (CUDA driver API).
 
 Why: a streamed KV chunk is gathered out of the paged cache before it goes on
-the wire, beside the forward's next layers. ``index_select`` does it with an
-SM kernel that shares the SMs with those layers: the held chunk of a
-2048-token Llama-3.1-8B prompt (28 layers, 235 MB) took 0.69 ms on an H200 and
-slowed four layers computing beside it by 0.49 ms. Where the prompt's blocks
-are consecutive each K or V half of it is one pitched copy (a row per layer,
-the layer's blocks' bytes), which the copy engines moved in 0.34 ms, slowing
-the same layers by 0.12 ms (they still share the memory;
-docs/lab/2026-11-28-held-chunk-copy-engines.md). torch has no pitched copy, so
-``cuMemcpy2DAsync`` is called through ctypes; anything it refuses is the
-caller's to copy another way. The driver takes pitches up to a limit (2 GiB
+the wire, beside the forward's next layers. ``index_select`` does it with an SM
+kernel that shares the SMs with those layers, so it slows the layers computing
+beside it. Where the prompt's blocks are consecutive each K or V half of it is
+one pitched copy (a row per layer, the layer's blocks' bytes), which the copy
+engines move faster and with a fraction of that slowdown (they still share the
+memory; docs/lab/2026-11-28-held-chunk-copy-engines.md). torch has no pitched
+copy, so ``cuMemcpy2DAsync`` is called through ctypes; anything it refuses is
+the caller's to copy another way. The driver takes pitches up to a limit (2 GiB
 on current GPUs); a cache whose layer stride is over it (many blocks: a small
 model's cache, a large GPU's) is copied a row, a layer, per call instead
 (engine/kv_blocks.py).

@@ -12,8 +12,8 @@ except while it waits for work. A caller may ask for a command to run on its
 own thread (``call(fn, inline=True)``): it does when the engine thread is
 idle, waiting, with no command queued before it, else the command is queued as
 usual. Why: a round trip through an idle engine thread is two hand-overs
-between threads (wake it, then wake the caller's loop), 0.1-0.4 ms each on the
-GPU host, twice on every disaggregated request's time to first token (the
+between threads (wake it, then wake the caller's loop), each a measurable part
+of a request's time to first token, twice on every disaggregated request's (the
 decode node's reservation and its commit;
 docs/lab/2026-11-27-prefill-hop-same-gpu-baseline.md).
 
@@ -49,8 +49,8 @@ WAIT_SLICE_S = 0.002
 # committed it, or by a step that launched nothing), the thread sleeps this
 # long before its next step, so the loop it woke takes the GIL and sends them
 # first: the next step's launch would otherwise hold the GIL for its whole host
-# work (a decode step's: about half a millisecond on an H100) while the first
-# token waits. The device runs the step in flight meanwhile, if there is one.
+# work while the first token waits (docs/lab/2026-11-26-layer-wise-kv-streaming.md).
+# The device runs the step in flight meanwhile, if there is one.
 HANDOFF_S = 0.0002
 Sink = Callable[[RequestOutput | BaseException], None]
 

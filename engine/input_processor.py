@@ -191,7 +191,7 @@ class InputProcessor:
 
     def _check_ids(self, name: str, ids: list[int] | tuple[int, ...]) -> None:
         # Both bounds in one pass in C (engine/_block_hash.c), else min and max
-        # (also C); the generator, 5x slower, only names the culprit.
+        # (also C); the generator, much slower, only names the culprit.
         if not ids:
             return
         bounds = id_bounds(ids)

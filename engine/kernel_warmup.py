@@ -1,7 +1,8 @@
 """Compile, at start-up, the attention kernel variants a server meets later.
 
 Why: a Triton kernel variant first met while serving compiles inside that
-step (0.5-1 s on an H200), and every request waits. Per-step metadata no
+step, and every request waits for the compile
+(docs/lab/2026-11-25-stalls-under-load.md). Per-step metadata no
 longer makes new variants (``engine/layers/attention/triton_jit.py``), but the
 kernels still choose constexprs by the step's shape: the short-query tiles
 (a prefill of at most 32 tokens), the split prefill and its merge (a short

@@ -35,10 +35,9 @@ MAX_COPY_RUNS = 8
 # Nor more driver calls than this for one gather (a copy per layer: 2 x layers
 # per run), each some microseconds of the engine thread's time.
 MAX_COPIES = 64
-# A copy per layer only of runs this large: 28 layers' copies of 1 MB (a
-# 512-token 8B prompt) slowed four layers beside them by 0.28-0.66 ms, more
-# than the kernel's 0.11-0.19; of 4 MB (2048 tokens) by 0.03-0.06 ms, against
-# the kernel's 0.47-0.51 (one H200, docs/lab/2026-11-28-copy-engine-pitch-limit.md).
+# A copy per layer only of runs this large: many small copies slowed the layers
+# computing beside them by more than the gather kernel they replace, large ones
+# by much less (docs/lab/2026-11-28-copy-engine-pitch-limit.md).
 MIN_LAYER_COPY_BYTES = 4 << 20
 
 

@@ -173,8 +173,9 @@ class Scheduler:
         """The reserved prompt's KV has landed: the sequence joins the running batch.
 
         Its full blocks join the prefix cache at its first step's ``advance``
-        (after that step's launch), not here: registering a 2048-token
-        prompt's 128 blocks took 0.25 ms, on the request's time to first token."""
+        (after that step's launch), not here: registering a long prompt's
+        blocks is host work on the request's time to first token
+        (docs/lab/2026-11-27-inline-commands-decode-node.md)."""
         del self.reserved[seq.seq_id]
         seq.num_computed_tokens = seq.num_tokens
         seq.status = SequenceStatus.RUNNING

@@ -75,15 +75,15 @@ def layer_spans(
 
     ``last_layers`` = 0: one span, every layer streamed in chunks of
     ``layers_per_chunk``. Otherwise only the last ``last_layers`` layers are;
-    the layers before them go as one chunk once the last of them ran, while
-    the last layers compute. Why hold them: NVLink stays in its active power
-    state for some 50-100 ms after any transfer, and a prefill's GPU is
-    power-capped, so a link active over the whole forward costs its matmuls
-    2.0-2.4% of their throughput (docs/performance.md, "NVLink's power and the
-    forward"); held, the link wakes for the last layers only, and the held
-    chunk is one large message, the wire's fastest size. It pays only if the
-    link sends that chunk within the last layers' compute; the gathered chunk
-    is (L - N) / L of the step's KV, memory the engine's budget does not count."""
+    the layers before them go as one chunk once the last of them ran, while the
+    last layers compute. Why hold them: NVLink stays in its active power state
+    for a while after any transfer, and a prefill's GPU is power-capped, so a
+    link active over the whole forward costs its matmuls some of their
+    throughput (docs/lab/2026-11-27-nvlink-power-and-the-forward.md); held, the
+    link wakes for the last layers only, and the held chunk is one large
+    message, the wire's fastest size. It pays only if the link sends that chunk
+    within the last layers' compute; the gathered chunk is (L - N) / L of the
+    step's KV, memory the engine's budget does not count."""
     held = num_layers - last_layers
     if last_layers == 0 or held <= 0 or layers_per_chunk >= num_layers:
         return [(0, num_layers, layers_per_chunk)]
@@ -399,7 +399,8 @@ class KVStreamer:
 
         On a GPU nothing of it runs before the launch: preparing a group (a
         block index copied to the device, the headers, the sender's link) took
-        0.3 ms of host time while the device sat idle before the first layer.
+        host time while the device sat idle before the first layer
+        (docs/lab/2026-11-27-prefill-node-step-vs-local.md).
         At the first layer's hook the host is ahead of the device by that
         layer, so the groups are prepared then; a failure fails the step's
         transfers, not the step. They are queued with the step's first chunk,
@@ -520,13 +521,14 @@ class KVStreamer:
 
         On a GPU the gathers run on a stream of their own, after the layer, on
         the copy engines where they can: on the engine's stream the held chunk's
-        gather (28 layers' blocks, 8B, 2048 tokens) held the next layer back by
-        0.44-0.48 ms (docs/performance.md). The engine's stream waits for them at
-        the step's last layer, so that no later step's KV writes (into blocks
-        freed by an abort, a preemption) touch a block before it was read; not
-        later (before the next step): the last chunk's send kernel then waited
-        for SMs behind the sampling, 0.25 against 0.09 ms left after the last
-        layer on two H200s."""
+        gather held the next layer back
+        (docs/lab/2026-11-28-prefill-before-reservation.md). The engine's stream
+        waits for them at the step's last layer, so that no later step's KV
+        writes (into blocks freed by an abort, a preemption) touch a block
+        before it was read; not later (before the next step): the last chunk's
+        send kernel then waited for SMs behind the sampling, and more KV was
+        left to send after the last layer
+        (docs/lab/2026-11-28-held-chunk-copy-engines.md)."""
         gather = self.gather_stream
         if chunks:
             now = time.monotonic()

@@ -19,14 +19,14 @@ from proto import internal_pb2, internal_pb2_grpc
 SERVICE = internal_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name
 
 
-# Layers per KV chunk: measured in docs/performance.md ("Layer-wise KV streaming").
+# Layers per KV chunk: measured in docs/lab/2026-11-26-layer-wise-kv-streaming.md.
 DEFAULT_KV_STREAM_LAYERS = 1
 # Every layer streams unless told: holding the first layers pays only where
 # the link sends them during the last layers' compute (NVLink between GPUs of
-# one host, layers as heavy as an 8B model's), and there it took 1-1.6 ms off a
-# 2048-token TTFT; over a slower link or with light layers it would leave the
-# held chunk's transfer after the forward (docs/performance.md, "NVLink's
-# power and the forward").
+# one host, layers as heavy as an 8B model's), and there it shortened a long
+# prompt's TTFT; over a slower link or with light layers it would leave the
+# held chunk's transfer after the forward
+# (docs/lab/2026-11-27-nvlink-power-and-the-forward.md).
 DEFAULT_KV_STREAM_LAST_LAYERS = 0
 
 
@@ -53,8 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("PDSERVE_KV_STREAM_LAST_LAYERS") or DEFAULT_KV_STREAM_LAST_LAYERS,
         help="stream only a prompt's last N layers that way; the KV of the layers before "
         "them goes as one chunk once they ran, so that NVLink is active only at the end of "
-        "the forward (4 took 1-1.6 ms off a 2048-token TTFT between two H200s); only where "
-        "the link sends that chunk within the last N layers' compute; 0: every layer "
+        "the forward, where the link's active power state costs the matmuls throughput; only "
+        "where the link sends that chunk within the last N layers' compute; 0: every layer "
         f"streamed (default {DEFAULT_KV_STREAM_LAST_LAYERS}) [PDSERVE_KV_STREAM_LAST_LAYERS]",
     )
 

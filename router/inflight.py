@@ -8,8 +8,8 @@ routers share nothing else: each keeps its own share even, and sees the
 others' only through the nodes' reports. A burst sent through several routers
 at once can therefore lean: when one node's report already shows another
 router's latest requests and its peer's does not yet, every router favours
-the same node until the next heartbeat (24 requests through 2 routers onto 2
-decode nodes split 12/12 most often, up to 9/15 on a loaded 2-core host).
+the same node until the next heartbeat, and a burst splits unevenly
+(docs/lab/2026-11-21-routing-workload-and-decision.md has the splits measured).
 Counting every router's in-flight requests in Redis would remove that; not
 done.
 

@@ -1,12 +1,11 @@
 """The routing read's own connection to Redis: one script, pipelined, parsed by hiredis.
 
 A routing decision is one EVALSHA. Through redis-py's asyncio client that
-command cost the router about 0.1 ms of Python beyond the round trip itself
-(connection pool, retry wrapper, the parser's reads from a stream); written
+command cost the router Python beyond the round trip itself (connection pool,
+retry wrapper, the parser's reads from a stream), on every request; written
 straight to a socket, its reply parsed by hiredis in the protocol's callback,
-the same round trip took 0.10 instead of 0.19 ms for one node and 0.44
-instead of 0.61 ms for 16 nodes and an 8k-token prompt (2-core VM, alternating
-calls; docs/lab/2026-11-25-router-own-path.md). Everything else -- heartbeats,
+the same round trip is markedly shorter
+(docs/lab/2026-11-25-router-own-path.md). Everything else -- heartbeats,
 operator commands, the start-up check -- stays on redis-py.
 
 The connection is opened from the redis-py client's own settings (host and

@@ -19,9 +19,9 @@ before it reuses it.
 Bisection replaced galloping (which took 2·log2(hit) lookups: fewer for hits
 under about sqrt(n) blocks, twice as many for long ones). Looking up several
 blocks per call with SMISMEMBER (a k-ary search) was measured and is slower:
-on Redis 6.2 a call from Lua costs about 0.5 us and each block in an
-SMISMEMBER about 0.3 us more, so the cost follows the number of blocks looked
-up, and bisection looks up the fewest
+on Redis 6.2 each block in an SMISMEMBER costs nearly as much as a call from
+Lua, so the cost follows the number of blocks looked up, and bisection looks
+up the fewest
 (docs/lab/2026-11-25-routing-decision-second-pass.md).
 
 The routing fields are also written packed, as one JSON array in the hash's
@@ -36,8 +36,8 @@ and nodes can be upgraded in any order.
 The reply is one flat array. Redis 6.2 sends each nested array of a script's
 reply (a node's values, as it was) with a write() and a TCP segment of its
 own: 17 for 16 nodes, where the client read the reply in as many pieces. That
-cost about 90 us per read on the 2-core VM, none of it in INFO commandstats'
-figure for the script (docs/lab/2026-11-25-routing-decision-second-pass.md).
+cost the read time that INFO commandstats' figure for the script does not
+show (docs/lab/2026-11-25-routing-decision-second-pass.md).
 """
 
 from __future__ import annotations

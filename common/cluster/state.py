@@ -149,9 +149,9 @@ class NodeInfo:
         ``parsed``: node id -> (route bytes, NodeInfo's arguments before
         ``seen_ms``) of the last read, updated here. A node's route changes with
         its heartbeat, twice a second, while routing reads it on every request,
-        and decoding the JSON was most of the client's time per node (about 7.7
-        against 1.7 us with this); passing the fields by position rather than by
-        name halves what is left (0.75 against 1.6 us on the 2-core VM).
+        and decoding the JSON was most of the client's time per node; passing
+        the fields by position rather than by name halves what is left
+        (docs/lab/2026-11-25-router-own-path.md).
         """
         if len(values) != 2:
             return cls.from_route_values(node_id, values)

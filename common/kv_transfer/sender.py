@@ -149,8 +149,9 @@ class _Link:
                 elif not self.cuda:
                     self._wait_oldest()
                 # Post first, settle after: with chunks queued back to back,
-                # settling one finished send between two posts (0.1-0.2 ms of
-                # this thread's time each on a GPU host) left the wire idle.
+                # settling one finished send between two posts (host time of
+                # this thread's) left the wire idle
+                # (docs/lab/2026-11-28-kv-wire-host-costs.md).
                 if self.cuda and (self.queue.empty() or len(self.outstanding) > _REAP_AFTER):
                     self._reap()
             except Exception as e:

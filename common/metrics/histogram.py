@@ -1,12 +1,12 @@
 """A cumulative histogram cheap enough to observe every token, and the buckets we use.
 
-prometheus-client's ``Histogram.observe`` takes one value per call (about 2.5 us
-on a shared 2-core host); the router observes one inter-token latency per
-generated token, so a 1000-token reply would cost milliseconds of event-loop
-time. This one takes a batch (one sort, a bisect per bucket, one lock) and
-knows nothing about Prometheus: the stats objects that own it stay importable
-without prometheus-client, and the collectors in this package turn it into a
-``HistogramMetricFamily`` at scrape time.
+prometheus-client's ``Histogram.observe`` takes one value per call, each call
+some Python (docs/metrics.md, "Histogram buckets"); the router observes one
+inter-token latency per generated token, so a long reply would cost milliseconds
+of event-loop time. This one takes a batch (one sort, a bisect per bucket, one
+lock) and knows nothing about Prometheus: the stats objects that own it stay
+importable without prometheus-client, and the collectors in this package turn it
+into a ``HistogramMetricFamily`` at scrape time.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-# Latencies in seconds. TTFT spans a cached short prompt on an idle H200
+# Latencies in seconds. TTFT spans a cached short prompt on an idle GPU
 # (milliseconds) to a long prompt queued behind others on a CPU (tens of s).
 TTFT_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -47,8 +47,8 @@ KV_TRANSFER_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
-# Bytes per second of one transfer: gloo on loopback (~1e8-1e9) to NCCL over
-# NVLink (3.4e11 measured for 1 GiB on H200s).
+# Bytes per second of one transfer: gloo on loopback to NCCL over NVLink, some
+# three orders of magnitude apart (docs/metrics.md, "Histogram buckets").
 KV_BANDWIDTH_BUCKETS = (
     1e6, 1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 2.5e10, 5e10,
     1e11, 2e11, 3e11, 5e11, 1e12,

@@ -2,13 +2,13 @@
 
 Why: CPython's full (generation 2) collection walks every container object
 alive, and a node's heap after start-up is mostly torch, triton, transformers
-and the model's modules -- about 220,000 objects that never become garbage. A
-full collection of that heap stops every thread of the process for about
-0.2 s (measured on a 2-core VM: docs/lab/2026-11-25-stalls-under-load.md);
-the engine thread cannot launch a step and the gRPC loop cannot
+and the model's modules -- hundreds of thousands of objects that never become
+garbage. A full collection of that heap stops every thread of the process
+for longer than many steps (docs/lab/2026-11-25-stalls-under-load.md); the
+engine thread cannot launch a step and the gRPC loop cannot
 stream a token meanwhile. Under load such collections come every few seconds,
 because requests' objects live long enough to be promoted, so they land on
-first tokens as a random extra 0.1-0.3 s: the bimodal TTFT at saturation.
+first tokens as a random extra delay: the bimodal TTFT at saturation.
 
 ``freeze_heap`` collects once and moves everything alive into the permanent
 generation (``gc.freeze``), which later collections skip: a full collection
@@ -48,7 +48,8 @@ def add_gc_arguments(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=env_switch("PDSERVE_GC_FREEZE") is not False,
         help="once serving, freeze the start-up heap out of the garbage collector's reach, so "
-        "full collections stop pausing the process for ~0.2 s (default on) [PDSERVE_GC_FREEZE=1|0]",
+        "full collections stop walking it and pausing the process (default on) "
+        "[PDSERVE_GC_FREEZE=1|0]",
     )
 
 

@@ -187,7 +187,7 @@ def _rope_qk_kernel(
 ):
     # One program per (token, group of HB heads): q's groups, then k's; one launch
     # for both. A program per head was 128 elements of work, too little to hide
-    # its loads' latency (a 2048-token Llama-3.1-8B step: 82k programs, 47 us).
+    # its loads' latency (docs/lab/2026-11-27-mixed-steps-side-by-side.md).
     tok = tl.program_id(0)
     group = tl.program_id(1)
     q_groups = tl.cdiv(NUM_Q_HEADS, HB)

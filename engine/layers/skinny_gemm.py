@@ -3,7 +3,7 @@
 A decode step at batch 1..16 turns every projection into a matrix-vector (or
 matrix-few-vectors) product: it reads the whole weight once and does almost
 no arithmetic, so it should run at HBM bandwidth. cuBLAS's kernels for these
-shapes reach 1-3 TB/s on an H200 for the Qwen3-0.6B's 4-12 MB projections
+shapes stay well below it for a small model's projections of a few MB
 (docs/lab/2026-11-24-host-work-and-batch1-step.md): at that size each launch is mostly
 latency. This kernel gives each program ``BLOCK_N`` rows of ``W`` (and, with
 ``SPLIT_K > 1``, a share of ``K``, summed by a second tiny kernel), streams

@@ -2,7 +2,8 @@
 
 The tensor-parallel hand-off (engine/parallel/handoff.py) runs once per
 engine step, so its latency is added to every step. Over gloo (TCP on
-loopback) a broadcast costs about 180 us and a step needs two; here rank 0
+loopback) a step needs two broadcasts, each a round trip through the kernel's
+network stack (docs/lab/2026-11-24-tp-handoff.md); here rank 0
 writes the message's int64 words into a shared-memory segment and bumps a
 sequence number, and each follower, polling that number, copies the words
 and acknowledges. The writer waits for every acknowledgement of message N

@@ -2,7 +2,7 @@
 
 Why not aiohttp: on one core the generator must keep its schedule at ≥ 2,000
 requests/s (docs/lab/2026-11-26-load-generator-capacity.md), and with
-aiohttp it managed about 1,200 on the 2-core CI host: a request built a
+aiohttp it fell well short of that: a request built a
 ClientRequest, a ClientResponse, a payload, a timer and their tasks, and every
 line of the event stream was one ``await`` of a stream reader. Here a request
 is one write and one future; the response is parsed where its bytes arrive

@@ -11,16 +11,14 @@ when the previous reply is complete.
 The generator's own garbage collector is kept off the clock: a full collection
 walks every container alive (the datasets' prompts, the imports, the earlier
 rates' results) and stops the process meanwhile, so requests leave late and
-tokens are stamped late. Measured: 60-100 ms pauses with the shared-prefix
-dataset on the 2-core CPU host; in 37 of the 39 side-by-side records of
-2026-11-27 on the GPU hosts, one rate of a sweep sent a request 40-150 ms late
-(``send_lag_max_ms``; 1-21 ms at the other rates), for pdserve and vLLM alike.
-So each rate starts by collecting once and freezing what is alive
-(``gc.freeze``: later collections skip it, and walk only what the rate
-allocates), and ends by unfreezing; the record says how many full collections
-ran during the rate and the longest pause of any. The freeze is the process's:
-the unfreeze also undoes any freeze a caller made before (the bench CLI makes
-none).
+tokens are stamped late: one rate of a sweep showed a send lag
+(``send_lag_max_ms``) many times the others', for pdserve and vLLM alike
+(docs/lab/2026-11-27-pdserve-bench-serve.md). So each rate starts by collecting
+once and freezing what is alive (``gc.freeze``: later collections skip it, and
+walk only what the rate allocates), and ends by unfreezing; the record says how
+many full collections ran during the rate and the longest pause of any. The
+freeze is the process's: the unfreeze also undoes any freeze a caller made
+before (the bench CLI makes none).
 """
 
 from __future__ import annotations

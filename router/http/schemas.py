@@ -215,9 +215,9 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     # Token ids first and strict, tried left to right: pydantic's default
-    # ("smart") union tries every member on every element, 0.9 ms for the body
-    # of a 2,176-token prompt against 0.14 ms this way (2-core VM; a bool or
-    # "12" is no token id).
+    # ("smart") union tries every member on every element, several times the
+    # cost for a long prompt (docs/lab/2026-11-25-serving-afternoon.md; a bool
+    # or "12" is no token id).
     prompt: Annotated[
         list[StrictInt] | str | list[str] | list[list[StrictInt]],
         Field(union_mode="left_to_right"),

@@ -22,7 +22,8 @@ from engine.layers.attention.triton_jit import step_jit
 from engine.layers.attention.triton_scores import scaled_scores
 
 # The launch configuration (tile, warps, pipeline stages): the best of
-# benchmarks/tune_kernels.py on an H200 (see docs/performance.md).
+# benchmarks/tune_kernels.py on one GPU (docs/performance.md, "Kernel tuning",
+# names it and the record).
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
 
 

@@ -6,9 +6,8 @@ step's metadata differs from step to step in exactly those ways: the block
 table's width (the step's longest sequence, in blocks) and the slices of the
 metadata that a mixed step hands its decode and prefill parts (offset by the
 number of decode rows). So new variants kept turning up under load, each a
-0.5-1 s compile inside a step while every request waited
-(on an H200: five after start-up in 256 random requests, steps of 510-970
-ms; docs/lab/2026-11-25-stalls-under-load.md).
+compile inside a step while every request waited
+(docs/lab/2026-11-25-stalls-under-load.md).
 
 Those arguments are only read as scalars or gathered (block ids, sequence
 lengths, query offsets), so specialising on them buys nothing: ``step_jit``

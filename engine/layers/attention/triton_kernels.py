@@ -27,7 +27,8 @@ from engine.layers.attention.triton_prefill_split import prefill_split_attention
 from engine.layers.attention.triton_scores import scaled_scores
 
 # Launch configurations (tile sizes, warps, pipeline stages); the defaults are the
-# best of benchmarks/tune_kernels.py on an H200 (see docs/performance.md).
+# best of benchmarks/tune_kernels.py on one GPU (docs/performance.md, "Kernel
+# tuning", names it and the record).
 PREFILL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 PREFILL_CONFIG_SHORT = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
@@ -219,7 +220,8 @@ def _prefill_kernel(
     # Per row the same tiles in the same order as one masked loop, but not quite
     # the same bits on a GPU: without the select, the compiler fuses the scale
     # into the exponent's subtraction (one rounding fewer), so outputs move by
-    # up to 2 bf16 units in the last place (0.5-2e-3 on an H200; the CPU
+    # up to 2 bf16 units in the last place
+    # (docs/lab/2026-11-27-prefill-attention-prefix-sharing.md; the CPU
     # interpreter gives the same bits), and a row's bits now depend on which
     # query tile it falls in (the tile's first row sets the split).
     if SLIDING:

@@ -3,8 +3,8 @@
 The case: a request whose prompt is mostly a cached prefix (the shared-prefix
 serving workload: 128 new tokens over 2,048 cached). triton_kernels.py's
 ``_prefill_kernel`` gives one program to each 64 query rows and query head,
-each walking the whole context: 64 programs on a 132-SM H200, every one a long
-serial loop, so the GPU sits mostly idle
+each walking the whole context: for 128 new tokens that is fewer programs than
+a large GPU has SMs, every one a long serial loop, so the GPU sits mostly idle
 (docs/lab/2026-11-25-shared-prefix-steps-slower.md).
 
 Here each program takes one tile of query rows and one *chunk* of the
@@ -25,8 +25,8 @@ split does not pay (a long query, no cached context before the query, or too
 little context for two chunks) and
 the caller runs ``_prefill_kernel`` as before. One split (callers may ask for
 it) stores the rows directly, without workspace or merge: the packed tile
-alone, which measured no faster than ``_prefill_kernel`` (H200, 4-8 prompts of
-128 tokens), so the rule never picks it.
+alone, which measured no faster than ``_prefill_kernel``
+(docs/lab/2026-11-25-prefill-split-over-context.md), so the rule never picks it.
 """
 
 from __future__ import annotations
@@ -38,16 +38,18 @@ import triton.language as tl
 from engine.layers.attention.triton_jit import step_jit
 
 # Rows (query tokens x GROUP heads) and keys per tile, warps, stages: the best
-# of `benchmarks/tune_kernels.py --part split-prefill --sweep` on an H200 over
-# 1-8 prompts of 32-512 tokens (geometric mean of 24 configurations; within 4%
-# of each 1-prompt case's best; 64-key tiles take 1.2x as long at 4-8 x 128).
+# geometric mean of `benchmarks/tune_kernels.py --part split-prefill --sweep`
+# over short queries of one to several prompts, chosen for the many-prompt
+# cases as well as the one-prompt ones (the sweep:
+# docs/lab/2026-11-25-prefill-split-over-context.md).
 PREFILL_SPLIT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 # The fewest keys a split gets: each split costs its partial's store and the
 # merge's read (fp32, num_heads x head_dim per query token), so a chunk must
 # carry enough keys to amortise them.
 MIN_PREFILL_SPLIT_KEYS = 256
 MAX_PREFILL_SPLITS = 16
-# Longer queries were not measured (1 x 512 new tokens gained 1.08x): their
+# Longer queries were not measured (at 512 new tokens the gain was already
+# small: docs/lab/2026-11-25-prefill-split-over-context.md): their
 # grid covers the GPU on its own and the causal triangle empties the early
 # tiles' last chunks.
 PREFILL_SPLIT_MAX_QUERY = 512
@@ -73,12 +75,12 @@ def prefill_num_splits(
     MIN_PREFILL_SPLIT_KEYS keys of context before it (a fresh prompt: this
     kernel was not measured there). Else as many splits as keep the programs
     (query tiles x KV heads x sequences, sized by the longest query, times the
-    splits) within two per SM, but at least two: on an H200 (sweep of
-    `tune_kernels.py --part split-prefill --sweep-splits`, 2,048 cached) that
-    is 8 splits for 1 x 32 or 1 x 64 new tokens (6 is at most 3% faster), 4
-    for 1 x 128 (27 us; 6: 29, 8: 31) and 2 where the grid alone covers the
-    GPU (4 and 8 x 128, 1 x 512: 1.1-1.4x faster than one split, which is no
-    faster than the unsplit kernel there). Never fewer than
+    splits) within two per SM, but at least two: more splits for one short
+    prompt, two where the grid alone covers the GPU (two splits were still
+    faster than one there, and one is no faster than the unsplit kernel);
+    the rule matched the best of `tune_kernels.py --part split-prefill
+    --sweep-splits` to within a few percent
+    (docs/lab/2026-11-25-prefill-split-over-context.md). Never fewer than
     MIN_PREFILL_SPLIT_KEYS keys a chunk, at most MAX_PREFILL_SPLITS; 0 where
     that leaves fewer than two.
     """
