@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from common.kv_transfer.loopback import LoopbackSender
-from common.kv_transfer.ticket import Destination
 from engine import kv_blocks
 from engine.copy_engine import CopyEngine
 from engine.kv_blocks import MAX_COPY_RUNS, _copy_runs, block_runs, cache_copier, gather_blocks
 from prefill_node.kv_stream import KVStreamer, StepSegment
+from tests.engine.test_disaggregation import DEST, blocks_came
 
 pytestmark = pytest.mark.gpu
 
@@ -192,10 +192,11 @@ def test_the_next_step_waits_for_the_streamers_gathers_before_writing_kv(cache):
     expected = kv[:, :, blocks].clone()
     torch.empty_like(expected).zero_()  # loads the fill kernel (a first load synchronises)
     deadline = time.monotonic() + 30
-    dest = Destination("decode-0", "127.0.0.1", 0, 0)
+    dest = DEST
     for request_id in ("warm-up", "r"):  # the first fills the allocators' caches
         sender.chunks.clear()
-        streamer.open(request_id, dest, 7, 0, len(blocks), deadline, False)
+        came = blocks_came(request_id, 7, 0, len(blocks), len(blocks) * BS, BS)
+        streamer.open(request_id, came, deadline, False)
         segment = StepSegment(request_id, dest, 7, 0, len(blocks), True, blocks, deadline)
         layer_done = streamer._emit([segment])
         with torch.cuda.stream(streamer.gather_stream):
