@@ -54,8 +54,8 @@ def chat(**body):
 def test_max_tokens_absent_null_and_given():
     assert completion().to_generate()[0].sampling.max_tokens == 16  # OpenAI's default there
     assert not completion(max_tokens=None).to_generate()[0].sampling.HasField("max_tokens")
-    assert not chat().to_generate().sampling.HasField("max_tokens")  # up to the context left
-    assert chat(max_tokens=5, max_completion_tokens=9).to_generate().sampling.max_tokens == 9
+    assert not chat().to_generate()[0].sampling.HasField("max_tokens")  # up to the context left
+    assert chat(max_tokens=5, max_completion_tokens=9).to_generate()[0].sampling.max_tokens == 9
 
 
 def test_echo_with_logprobs_asks_for_the_prompts_logprobs():
@@ -70,8 +70,9 @@ def test_echo_with_logprobs_asks_for_the_prompts_logprobs():
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"guided_json": {"type": "object"}}, "guided_json"),
-        ({"structured_outputs": {"regex": "a"}}, "structured_outputs"),
+        ({"guided_json": 5}, "guided_json"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
         ({"use_beam_search": True}, "use_beam_search"),
         ({"priority": 3}, "priority"),
         ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
@@ -105,7 +106,7 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:,"}}
          "messages.0.content.0", "audio is not supported"),
         ({"functions": [{"name": "f"}]}, "functions", "not supported"),
         ({"function_call": "auto"}, "function_call", "not supported"),
-        ({"tools": [{"type": "function"}]}, "tools", "not supported"),
+        ({"tools": [{"type": "function"}]}, "tools.0.function", "needs a function"),
         ({"modalities": ["text", "audio"]}, "modalities", "audio"),
         ({"audio": {"voice": "alloy"}}, "audio", "audio"),
         ({"echo": True}, "echo", "not supported"),
@@ -120,5 +121,5 @@ def test_chat_fields_and_parts_that_ask_for_what_pdserve_lacks_are_named(body, p
 
 def test_text_parts_are_joined():
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    request = chat(messages=[{"role": "developer", "content": parts}]).to_generate()
+    request, _ = chat(messages=[{"role": "developer", "content": parts}]).to_generate()
     assert [(m.role, m.content) for m in request.chat.messages] == [("system", "ab")]
