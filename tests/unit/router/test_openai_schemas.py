@@ -123,3 +123,57 @@ def test_text_parts_are_joined():
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     request, _ = chat(messages=[{"role": "developer", "content": parts}]).to_generate()
     assert [(m.role, m.content) for m in request.chat.messages] == [("system", "ab")]
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(
+    ("body", "kind", "value"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object", True),
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+         "json_schema", json.dumps(SCHEMA)),
+        ({"guided_json": SCHEMA}, "json_schema", json.dumps(SCHEMA)),
+        ({"guided_regex": "[ab]+"}, "regex", "[ab]+"),
+        ({"guided_choice": ["x", "y"]}, "choice", ["x", "y"]),
+        ({"guided_grammar": 'root ::= "a"'}, "grammar", 'root ::= "a"'),
+        ({"structured_outputs": {"choice": ["x"]}}, "choice", ["x"]),
+        ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+         "json_schema", json.dumps(SCHEMA)),
+    ],
+)  # fmt: skip
+def test_every_spelling_of_a_constraint_reaches_the_wire(body, kind, value):
+    so = chat(**body).to_generate()[0].sampling.structured_outputs
+    assert so.WhichOneof("kind") == kind
+    got = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
+    assert got == value
+    assert so.disable_any_whitespace == bool(body.get("structured_outputs", {}).get("disable_any_whitespace"))  # fmt: skip
+    (g,) = completion(**body).to_generate()
+    assert g.sampling.structured_outputs == so
+    assert (
+        not chat(response_format={"type": "text"})
+        .to_generate()[0]
+        .sampling.HasField("structured_outputs")
+    )
+
+
+def test_tools_reach_the_template_and_tool_messages_are_kept():
+    tool = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
+    messages = [
+        {"role": "user", "content": "?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]  # fmt: skip
+    request, plan = chat(messages=messages, tools=[tool], tool_choice="required").to_generate()
+    assert [t.name for t in request.chat.tools] == ["f"] and plan.constraint_param == "tool_choice"
+    call = request.chat.messages[1].tool_calls[0]
+    assert (call.id, call.name, call.arguments) == ("call_1", "f", '{"a": 1}')
+    assert request.chat.messages[2].tool_call_id == "call_1"
+    assert request.sampling.structured_outputs.json_schema
+    with pytest.raises(InvalidField) as e:
+        chat(tools=[tool], tool_choice="required", guided_regex="a").to_generate()
+    assert e.value.param == "tool_choice" and "guided_regex" in str(e.value)
