@@ -6,10 +6,11 @@ servicers turn into INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from engine.outputs import RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from engine.sequence import FinishReason, Logprob
 from proto import pdserve_pb2
 
@@ -77,7 +78,39 @@ def sampling_params_from_proto(
         kwargs["allowed_token_ids"] = list(msg.allowed_token_ids)
     if msg.logit_bias:
         kwargs["logit_bias"] = dict(msg.logit_bias)
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs_from_proto(msg.structured_outputs)
     return SamplingParams(**kwargs)
+
+
+def structured_outputs_from_proto(msg: pdserve_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    """The engine's spec; ValueError (naming the field) when no kind is set."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ValueError(
+            "structured_outputs sets no kind: set one of json_schema, regex, choice, "
+            "grammar, json_object, structural_tag"
+        )
+    if kind == "json_object" and not msg.json_object:
+        raise ValueError("structured_outputs.json_object must be true when set")
+    value = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
+    name = "json" if kind == "json_schema" else kind
+    return StructuredOutputsParams(
+        **{name: value}, disable_any_whitespace=msg.disable_any_whitespace
+    )
+
+
+def structured_outputs_to_proto(so: StructuredOutputsParams) -> pdserve_pb2.StructuredOutputs:
+    """The wire form of an engine spec (json as its text)."""
+    msg = pdserve_pb2.StructuredOutputs(disable_any_whitespace=so.disable_any_whitespace)
+    kind = so.kind
+    if kind == "json":
+        msg.json_schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
+    elif kind == "choice":
+        msg.choice.choices.extend(so.choice)
+    else:
+        setattr(msg, kind, getattr(so, kind))
+    return msg
 
 
 def token_logprobs_to_proto(token_id: int, entry: dict[int, Logprob]) -> pdserve_pb2.TokenLogprobs:

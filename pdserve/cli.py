@@ -139,6 +139,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         router_args=(["--routing-policy", args.routing_policy] if args.routing_policy else [])
         + (["--api-tokens-file", args.api_tokens_file] if args.api_tokens_file else [])
         + (["--no-migration"] if args.no_migration else [])
+        + (["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else [])
+        + (["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else [])
         + (
             ["--migration-wait", str(args.migration_wait)]
             if args.migration_wait is not None
@@ -324,6 +326,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds a stream whose decode node died waits for a decode node to take it "
         "when none can now (the routers' --migration-wait; default 15)",
+    )
+    up.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json"),
+        default=None,
+        help="the routers' --tool-call-parser: the model family's tool-call format, for "
+        "the HTTP API's tool_choice auto (docs/openai.md)",
+    )
+    up.add_argument(
+        "--reasoning-parser",
+        choices=("qwen3", "deepseek_r1"),
+        default=None,
+        help="the routers' --reasoning-parser: a thinking model's reasoning_content",
     )
     up.add_argument(
         "--metrics-port",

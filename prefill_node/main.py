@@ -75,13 +75,15 @@ def check_group_room(args: argparse.Namespace) -> None:
 async def serve(args: argparse.Namespace) -> int:
     config = NodeConfig.from_args(args)
     check_group_room(args)
-    # A prefill node never produces text: no tokenizer to load.
+    # A prefill node never produces text, but it loads the tokenizer (unless
+    # --skip-tokenizer-init) for structured outputs: it samples a structured
+    # request's first token under the grammar, which is compiled for the
+    # tokenizer's vocabulary.
     ports = [PlannedPort(config.port, "--port", "prefill node gRPC API")]
     node = start_node_engine(
         config,
         NodeRole.PREFILL,
         ports,
-        skip_tokenizer_init=True,
         worker_extension_cls="prefill_node.tp_rank:PrefillRank",
     )
     faults = fault_delays(node.node_id)

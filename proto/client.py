@@ -61,6 +61,8 @@ def build_request(
                 sp.logit_bias[int(token)] = float(bias)
         elif name in _REPEATED:
             getattr(sp, name).extend([value] if isinstance(value, str) else value)
+        elif name == "structured_outputs":  # a StructuredOutputs message
+            sp.structured_outputs.CopyFrom(value)
         elif name in pdserve_pb2.SamplingParams.DESCRIPTOR.fields_by_name:
             setattr(sp, name, value)
         else:

@@ -13,6 +13,7 @@ refused (vLLM's rule), never cut short.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from common.wire import sampling_params_from_proto, token_ids_of
@@ -20,6 +21,8 @@ from engine.block_hash import HasherCache
 from engine.config import EngineConfig
 from engine.input_processor import InputProcessor
 from engine.sampling_params import SamplingParams
+from engine.structured import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS
+from engine.structured.json_schema import check_schema
 from engine.tokenizer import load_tokenizer
 from proto import pdserve_pb2
 from router.limits import ServedLength
@@ -143,11 +146,12 @@ class Frontend:
             raise ValueError("chat has no messages")
         if self.tokenizer is None:
             raise ValueError("this router has no tokenizer: send token_ids")
-        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        messages = [chat_message(m) for m in chat.messages]
         add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        extra = template_kwargs(chat)
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_prompt, tokenize=False
+                messages, add_generation_prompt=add_prompt, tokenize=False, **extra
             )
         except Exception as e:  # a template that rejects the roles, etc.
             raise ValueError(f"chat template failed: {e}") from e
@@ -175,3 +179,67 @@ def _resolved(sampling: pdserve_pb2.SamplingParams, max_tokens: int) -> pdserve_
     out.CopyFrom(sampling)
     out.max_tokens = max_tokens
     return out
+
+
+def chat_message(m: pdserve_pb2.ChatMessage) -> dict:
+    """A message as chat templates read it (Hugging Face's convention: a tool
+    call's arguments as a dict where they are a JSON object)."""
+    out: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": _arguments(c.arguments)},
+            }
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    return out
+
+
+def _arguments(text: str):
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def template_kwargs(chat: pdserve_pb2.ChatMessages) -> dict:
+    """The template's tools and extra variables; ValueError naming a bad one."""
+    extra: dict = {}
+    if chat.chat_template_kwargs:
+        try:
+            extra = json.loads(chat.chat_template_kwargs)
+        except ValueError as e:
+            raise ValueError(f"chat.chat_template_kwargs is not valid JSON: {e}") from None
+        if not isinstance(extra, dict):
+            raise ValueError("chat.chat_template_kwargs must be a JSON object")
+        for name in ("messages", "tools", "add_generation_prompt", "tokenize"):
+            if name in extra:
+                raise ValueError(f"chat.chat_template_kwargs cannot set {name}")
+    if chat.tools:
+        extra["tools"] = [_tool(i, t) for i, t in enumerate(chat.tools)]
+    return extra
+
+
+def _tool(i: int, tool: pdserve_pb2.Tool) -> dict:
+    function: dict = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    if not tool.name:
+        raise ValueError(f"chat.tools.{i}.name is empty")
+    if tool.parameters:
+        where = f"chat.tools.{i}.parameters"
+        try:
+            function["parameters"] = json.loads(tool.parameters)
+        except ValueError as e:
+            raise ValueError(f"{where} is not valid JSON: {e}") from None
+        # A schema a grammar could not enforce (tool_choice required or named) is
+        # refused for every tool_choice: the same tools must serve every turn.
+        check_schema(function["parameters"], where, MAX_SPEC_CHARS, MAX_SCHEMA_DEPTH)
+    return {"type": "function", "function": function}

@@ -32,6 +32,8 @@ from engine.config import EngineConfig
 from proto import admin_pb2, admin_pb2_grpc, pdserve_pb2
 from router.admin.service import AdminServicer
 from router.frontend import Frontend
+from router.http.reasoning import REASONING_PARSERS
+from router.http.tool_parsers import TOOL_CALL_PARSERS
 from router.metrics import RouterCollector
 from router.policy import RoutingConfig, RoutingPolicy
 from router.routing import Routing
@@ -155,6 +157,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds the OpenAI HTTP API keeps an idle keep-alive connection open; keep "
         "it above the idle timeout of any load balancer in front (default "
         f"{HTTP_KEEP_ALIVE_S}, above the common 60 s) [PDSERVE_HTTP_KEEP_ALIVE_S]",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=env("PDSERVE_TOOL_CALL_PARSER") or None,
+        help="the model family's tool-call format, for the HTTP API's tool_choice auto "
+        "(hermes: Hermes, Qwen2.5, Qwen3; llama3_json: Llama 3.x); unset: tool_choice auto "
+        "is refused, required and named work (docs/openai.md) [PDSERVE_TOOL_CALL_PARSER]",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=env("PDSERVE_REASONING_PARSER") or None,
+        help="split a thinking model's <think>...</think> into the HTTP API's "
+        "reasoning_content (qwen3, deepseek_r1) [PDSERVE_REASONING_PARSER]",
     )
     p.add_argument(
         "--no-access-log",
@@ -383,7 +400,13 @@ def _http_server(args, router: RouterServicer, public_auth, collectors: list, tl
 
     http_stats = http_app.HttpStats()
     collectors.append(http_app.HttpCollector(http_stats))
-    app = http_app.build_app(router, public_auth[0] if public_auth else None, http_stats)
+    app = http_app.build_app(
+        router,
+        public_auth[0] if public_auth else None,
+        http_stats,
+        args.tool_call_parser,
+        args.reasoning_parser,
+    )
     return http_app.make_server(
         app, args.host, args.http_port, tls, args.drain_timeout, args.http_keep_alive_s
     )

@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from common.metrics.families import counter, gauge, histogram, labelled_counter
+from engine.sampling_params import STRUCTURED_KINDS
 
 if TYPE_CHECKING:
     from router.routing import Routing
@@ -51,6 +52,14 @@ class RouterCollector(Collector):
             NO_LABELS,
             "status",
             by_status,
+        )
+        yield labelled_counter(
+            "pdserve_router_structured_requests_total",
+            "Requests accepted with a structured output (JSON schema, regex, choice, grammar, "
+            "JSON object, structural tag; tool_choice required or named is a JSON schema), by kind.",
+            NO_LABELS,
+            "kind",
+            dict.fromkeys(STRUCTURED_KINDS, 0) | dict(stats.structured_by_kind),
         )
         yield gauge(
             "pdserve_router_requests_in_flight",

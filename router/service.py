@@ -268,11 +268,14 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
     def parse(self, request, early, count: bool = True) -> ParsedRequest:
         """The request checked (router/frontend.py), or RequestFailed(INVALID_ARGUMENT)."""
         try:
-            return self.frontend.parse(request, early)
+            parsed = self.frontend.parse(request, early)
         except ValueError as e:
             if count:  # else the request's end counts it
                 self.routing.stats.requests_by_status[grpc.StatusCode.INVALID_ARGUMENT.name] += 1
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if count and (so := parsed.params.structured_outputs) is not None:
+            self.routing.stats.structured_by_kind[so.kind] += 1
+        return parsed
 
     def migrate(self, parsed, progress: StreamProgress, failure, routed, state) -> bool:
         """Set ``progress`` up for a continuation on another decode node, if allowed."""

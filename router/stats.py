@@ -83,6 +83,8 @@ class RouterStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     requests_by_status: Counter = field(default_factory=Counter)
+    # Accepted requests with a structured output, by kind (json, regex, choice...).
+    structured_by_kind: Counter = field(default_factory=Counter)
     requests_by_decode_node: Counter = field(default_factory=Counter)
     requests_by_prefill_node: Counter = field(default_factory=Counter)
     local_prefills: int = 0

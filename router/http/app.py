@@ -94,9 +94,16 @@ class _Count:
             self.stats.by_endpoint_status[(path, status)] += 1
 
 
-def build_app(servicer: RouterServicer, auth, stats: HttpStats) -> FastAPI:
-    """``auth``: the gRPC TokenAuthInterceptor (same tokens file, same rights), or None."""
-    edge = _Edge(servicer, auth)
+def build_app(
+    servicer: RouterServicer,
+    auth,
+    stats: HttpStats,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+) -> FastAPI:
+    """``auth``: the gRPC TokenAuthInterceptor (same tokens file, same rights), or
+    None; the parsers: the router's --tool-call-parser and --reasoning-parser."""
+    edge = _Edge(servicer, auth, tool_call_parser, reasoning_parser)
     app = FastAPI(title="pdserve", openapi_url=None, docs_url=None, redoc_url=None)
     app.add_middleware(_Count, stats=stats)
     _add_error_handlers(app)
@@ -143,7 +150,11 @@ async def _version():
 class _Edge:
     """The routes' work: JSON in, the servicer's one request path, OpenAI JSON out."""
 
-    def __init__(self, servicer: RouterServicer, auth) -> None:
+    def __init__(
+        self, servicer: RouterServicer, auth, tool_parser: str | None, reasoning: str | None
+    ) -> None:
+        self.tool_parser = tool_parser
+        self.reasoning = reasoning is not None
         self.servicer = servicer
         self.frontend = servicer.frontend
         self.model_id = servicer.frontend.model_id
@@ -184,6 +195,7 @@ class _Edge:
         body = await _parse(request, CompletionRequest)
         self.check_model(body.model)
         generate = _to_generate(body.to_generate)
+        constraint = _to_generate(body.constraint)
         echo = [_prompt_text(self.frontend, g) for g in generate] if body.echo else None
         echo_logprobs = _echo_logprobs(self.frontend, generate) if body.echo_logprobs else None
         assembler = Assembler(
@@ -198,12 +210,14 @@ class _Edge:
             echo_only=body.echo_only,
             prompt_logprobs=body.prompt_logprobs is not None,
         )
-        return await self.run(request, body, generate, assembler)
+        return await self.run(
+            request, body, generate, assembler, constraint.param if constraint else None
+        )
 
     async def chat(self, request: Request):
         body = await _parse(request, ChatCompletionRequest)
         self.check_model(body.model)
-        generate = [_to_generate(body.to_generate)]
+        generate, plan = _to_generate(lambda: body.to_generate(self.tool_parser, self.reasoning))
         assembler = Assembler(
             self.frontend,
             "chatcmpl",
@@ -213,10 +227,18 @@ class _Edge:
             chat=True,
             top_logprobs=body.top_logprobs or 0,
             prompt_logprobs=body.prompt_logprobs is not None,
+            output=plan,
         )
-        return await self.run(request, body, generate, assembler)
+        return await self.run(request, body, [generate], assembler, plan.constraint_param)
 
-    async def run(self, request: Request, body, generate: list, assembler: Assembler):
+    async def run(
+        self,
+        request: Request,
+        body,
+        generate: list,
+        assembler: Assembler,
+        constraint_param: str | None = None,
+    ):
         timeout = _timeout_of(request)
         # The client's W3C trace context: the request's span is its child (common/tracing.py).
         traceparent = request.headers.get(TRACEPARENT_KEY, "")
@@ -232,6 +254,13 @@ class _Edge:
             field_name = e.details.split(" ", 1)[0]
             if error.status == 400 and field_name in type(body).model_fields:
                 error.param = field_name
+            elif error.status == 400 and field_name.startswith("structured_outputs"):
+                # The spec came from this field (response_format, tool_choice...):
+                # the message names it as the client wrote it.
+                field_name = field_name.rstrip(":")
+                if constraint_param is not None:
+                    error.message = constraint_param + e.details[len(field_name) :]
+                error.param = constraint_param or field_name
             raise error from None
         except BaseException:
             await _close(streams)

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from proto import pdserve_pb2
+from router.http.chat_output import OutputPlan
 
 # json.dumps(obj, separators=(",", ":")) without building an encoder per call.
 _compact = json.JSONEncoder(separators=(",", ":")).encode
@@ -64,6 +65,7 @@ class Assembler:
         echo_logprobs: EchoLogprobs | None = None,
         echo_only: bool = False,
         prompt_logprobs: bool = False,
+        output: OutputPlan | None = None,
     ) -> None:
         self.tokenizer = frontend.tokenizer
         self.id = f"{prefix}-{uuid.uuid4().hex}"
@@ -83,6 +85,11 @@ class Assembler:
         self.top_logprobs = top_logprobs
         self.object = "chat.completion" if chat else "text_completion"
         self.choices = [_Choice() for _ in range(n * num_prompts)]
+        # Chat with a reasoning parser or tools: each choice's text is split
+        # into content, reasoning and tool calls (router/http/chat_output.py).
+        self.outputs = (
+            [output.new_choice() for _ in self.choices] if output and output.active else None
+        )
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
         self._head: str | None = None  # a stream chunk's encoded start (``_events``)
 
@@ -213,7 +220,14 @@ class Assembler:
         for number, c in enumerate(self.choices):
             text = "".join(c.text)
             logprobs = self._shape(c.logprobs) if c.logprobs else None
-            if self.chat:
+            finish_reason = c.finish_reason
+            if self.outputs is not None:
+                out = self.outputs[number]
+                out.feed(text)
+                out.finish()
+                body = {"message": out.message(), "logprobs": logprobs}
+                finish_reason = out.finish_reason(finish_reason)
+            elif self.chat:
                 body = {"message": {"role": "assistant", "content": text}, "logprobs": logprobs}
             else:
                 if self.echo is not None:
@@ -225,7 +239,7 @@ class Assembler:
                 {
                     "index": number,
                     **body,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason,
                 }
             )
@@ -302,6 +316,9 @@ class Assembler:
             logprobs = self._logprobs(self.choices[number], delta, record=False)
             if not delta.text and not delta.token_ids and logprobs is None:
                 continue  # nothing was generated in this message for this choice
+            if self.outputs is not None:
+                out.extend(self._parsed(number, delta.text, logprobs))
+                continue
             # A step's tokens always make a chunk, even with no text yet (half a
             # UTF-8 character held back, or no tokenizer at all): clients and load
             # generators time tokens by chunks, as they do against vLLM.
@@ -317,16 +334,39 @@ class Assembler:
             for number in self._final(index, response.final):
                 c = self.choices[number]
                 body = {"delta": {}} if self.chat else {"text": ""}
+                finish_reason = c.finish_reason
+                if self.outputs is not None:
+                    parsed = self.outputs[number]
+                    out.extend(self._parsed_chunks(number, parsed.finish(), None))
+                    finish_reason = parsed.finish_reason(finish_reason)
                 out.append(
                     {
                         "index": number,
                         **body,
                         "logprobs": None,
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": finish_reason,
                         "stop_reason": c.stop_reason,
                     }
                 )
         return out
+
+    def _parsed(self, number: int, text: str, logprobs) -> list[dict]:
+        """A chat delta's text as parsed deltas (content, reasoning, tool calls)."""
+        return self._parsed_chunks(number, self.outputs[number].feed(text), logprobs)
+
+    @staticmethod
+    def _parsed_chunks(number: int, deltas: list[dict], logprobs) -> list[dict]:
+        if not deltas and logprobs is not None:
+            deltas = [{}]  # the tokens' logprobs still go out (their text is held back)
+        return [
+            {
+                "index": number,
+                "delta": d,
+                "logprobs": logprobs if i == 0 else None,
+                "finish_reason": None,
+            }
+            for i, d in enumerate(deltas)
+        ]
 
     def start_chunks(self) -> list[dict]:
         """What comes before any token: chat's role, completions' echoed prompt."""

@@ -10,19 +10,24 @@ OpenAI and vLLM ignore fields they do not know.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from proto import pdserve_pb2
+from router.http.chat_output import OutputPlan
+from router.http.structured import (
+    Constraint,
+    InvalidField,
+    from_guided,
+    from_response_format,
+    from_vllm_object,
+    one_constraint,
+)
+from router.http.tools import plan_tools
 
-
-class InvalidField(ValueError):
-    """A field the request cannot have (400, ``param`` naming it)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "InvalidField", "OutputPlan"]
 
 
 class _Body(BaseModel):
@@ -34,23 +39,14 @@ class _Body(BaseModel):
 # Fields of OpenAI's or vLLM's request bodies that pdserve does not honour, and
 # why: refused with 400 naming them where they ask for something (a null, false,
 # empty or default value asks for nothing and passes), never silently dropped.
-_STRUCTURED = "structured outputs are not supported yet"
 NOT_SUPPORTED = {
     "functions": "functions (the deprecated function calling) are not supported",
     "function_call": "function_call (the deprecated function calling) is not supported",
-    "tools": "tools (function calling) are not supported",
     "audio": "audio output is not supported by this model",
     "web_search_options": "web search is not supported",
     "reasoning_effort": "reasoning_effort is not supported: this model does not reason",
     "verbosity": "verbosity is not supported",
-    "guided_json": _STRUCTURED,
-    "guided_regex": _STRUCTURED,
-    "guided_choice": _STRUCTURED,
-    "guided_grammar": _STRUCTURED,
-    "guided_decoding_backend": _STRUCTURED,
-    "guided_whitespace_pattern": _STRUCTURED,
-    "structured_outputs": _STRUCTURED,
-    "structural_tag": _STRUCTURED,
+    "structural_tag": "structural_tag is not supported here: use structured_outputs",
     "use_beam_search": "beam search is not supported",
     "bad_words": "bad_words is not supported",
     "logits_processors": "logits_processors are not supported",
@@ -60,7 +56,6 @@ NOT_SUPPORTED = {
     "prompt_embeds": "prompt_embeds are not supported",
     "continue_final_message": "continue_final_message is not supported",
     "chat_template": "a request's own chat_template is not supported",
-    "chat_template_kwargs": "chat_template_kwargs are not supported",
     "documents": "documents are not supported",
     "mm_processor_kwargs": "multimodal inputs are not supported by this model",
     "kv_transfer_params": "kv_transfer_params are not supported (pdserve moves KV itself)",
@@ -76,7 +71,6 @@ _ONLY = {
     # truncate_prompt_tokens keeps the last tokens.
     "truncation_side": (("left",), "only truncation_side 'left' is supported"),
     "store": ((False,), "stored completions are not supported"),
-    "tool_choice": (("none",), "tool_choice needs tools, which are not supported"),
 }
 
 
@@ -142,6 +136,21 @@ class _Sampling(_Body):
     request_id: str | None = None  # vLLM's: the request's id in the router's logs
     # pdserve's tenant isolation of the prefix cache (GenerateRequest.cache_salt).
     cache_salt: str | None = None
+    # OpenAI's structured outputs (vLLM's structured_outputs and guided_* are
+    # read from the extras: router/http/structured.py).
+    response_format: dict | None = None
+
+    def constraint(self, *more: Constraint | None) -> Constraint | None:
+        """The output's one constraint, from whichever field asked for it."""
+        extra = self.model_extra or {}
+        return one_constraint(
+            [
+                from_response_format(self.response_format),
+                from_vllm_object(extra.get("structured_outputs")),
+                *from_guided(extra),
+                *more,
+            ]
+        )
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> pdserve_pb2.SamplingParams:
         s = pdserve_pb2.SamplingParams(n=self.n)
@@ -255,6 +264,8 @@ class CompletionRequest(_Sampling):
                 "truncate_prompt_tokens with echo and logprobs is not supported",
             )
         sampling = self.sampling(1 if self.echo_only else self.max_tokens, self.logprobs)
+        if (constraint := self.constraint()) is not None:
+            sampling.structured_outputs.CopyFrom(constraint.spec)
         if self.echo_logprobs and self.prompt_logprobs is None:
             # The echoed prompt's logprobs are its prompt logprobs, as many
             # candidates as the generated tokens get (vLLM).
@@ -309,12 +320,34 @@ _MEDIA = {
 class ChatMessage(_Body):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def to_proto(self, i: int, out: pdserve_pb2.ChatMessage) -> None:
+        # The chat templates of small models know "system", not OpenAI's newer name for it.
+        out.role = "system" if self.role == "developer" else self.role
+        out.content = self.text(i)
+        out.tool_call_id = self.tool_call_id or ""
+        out.name = self.name or ""
+        for j, call in enumerate(self.tool_calls or ()):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise InvalidField(
+                    f"messages.{i}.tool_calls.{j}.function", "a tool call needs a function name"
+                )
+            args = function.get("arguments", "{}")
+            out.tool_calls.add(
+                id=str(call.get("id") or ""),
+                name=function["name"],
+                arguments=args if isinstance(args, str) else json.dumps(args),
+            )
 
     def text(self, i: int) -> str:
         """The message's text; 400 naming the part that is not text."""
-        for name in ("tool_calls", "function_call", "audio"):
+        for name in ("function_call", "audio"):
             if (self.model_extra or {}).get(name):
                 raise InvalidField(
                     f"messages.{i}.{name}", f"messages with {name} are not supported"
@@ -341,14 +374,20 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    response_format: dict | None = None
     modalities: list[str] | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None
 
-    def to_generate(self) -> pdserve_pb2.GenerateRequest:
+    def to_generate(
+        self, tool_parser: str | None = None, reasoning: bool = False
+    ) -> tuple[pdserve_pb2.GenerateRequest, OutputPlan]:
+        """The request, and what its output text goes through (tool calls, reasoning)."""
         self.check()
         check_special_tokens(self.model_extra, False)
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise InvalidField("response_format", "only response_format type 'text' is supported")
+        plan = plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, tool_parser)
+        constraint = self.constraint(plan.constraint() if plan else None)
         if any(m != "text" for m in self.modalities or ()):
             raise InvalidField(
                 "modalities",
@@ -361,9 +400,16 @@ class ChatCompletionRequest(_Sampling):
         given = [v for v in (self.max_completion_tokens, self.max_tokens) if v is not None]
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         request = self.generate_request(self.sampling(given[0] if given else None, logprobs))
-        request.chat.add_generation_prompt = self.add_generation_prompt
+        if constraint is not None:
+            request.sampling.structured_outputs.CopyFrom(constraint.spec)
+        chat = request.chat
+        chat.add_generation_prompt = self.add_generation_prompt
         for i, m in enumerate(self.messages):
-            # The chat templates of small models know "system", not OpenAI's newer name for it.
-            role = "system" if m.role == "developer" else m.role
-            request.chat.messages.add(role=role, content=m.text(i))
-        return request
+            m.to_proto(i, chat.messages.add())
+        if plan is not None:
+            chat.tools.extend(plan.messages)
+        if self.chat_template_kwargs:
+            chat.chat_template_kwargs = json.dumps(self.chat_template_kwargs)
+        return request, OutputPlan(
+            reasoning, plan, tool_parser, constraint.param if constraint else None
+        )

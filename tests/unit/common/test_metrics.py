@@ -124,9 +124,12 @@ def test_router_exports_latency_histograms_and_final_statuses():
     stats.routed("d0", None)
     stats.finished(RequestTrace(start=0.0), 1.0, "RESOURCE_EXHAUSTED")
     stats.redis_errors = 3
+    stats.structured_by_kind["regex"] += 2
     s = scrape(RouterCollector(routing))
 
     assert value(s, "pdserve_router_requests_total", status="OK") == 1
+    structured = "pdserve_router_structured_requests_total"
+    assert value(s, structured, kind="regex") == 2 and value(s, structured, kind="json") == 0
     assert value(s, "pdserve_router_requests_total", status="RESOURCE_EXHAUSTED") == 1
     # Known statuses exist before they first happen (rate() needs the 0).
     assert value(s, "pdserve_router_requests_total", status="DEADLINE_EXCEEDED") == 0

@@ -55,7 +55,7 @@ def error_of(text: str) -> dict:
 @pytest.mark.parametrize(
     ("body", "param"),
     [(b"{not json", None), ({"prompt": {"a": 1}}, "prompt"),
-     ({"prompt": "x", "guided_regex": "a"}, "guided_regex")],
+     ({"prompt": "x", "guided_regex": 5}, "guided_regex")],
 )  # fmt: skip
 def test_bodies_pdserve_refuses_are_400_with_openais_fields(body, param):
     status, text = post(FakeServicer(), body)

@@ -54,8 +54,8 @@ def chat(**body):
 def test_max_tokens_absent_null_and_given():
     assert completion().to_generate()[0].sampling.max_tokens == 16  # OpenAI's default there
     assert not completion(max_tokens=None).to_generate()[0].sampling.HasField("max_tokens")
-    assert not chat().to_generate().sampling.HasField("max_tokens")  # up to the context left
-    assert chat(max_tokens=5, max_completion_tokens=9).to_generate().sampling.max_tokens == 9
+    assert not chat().to_generate()[0].sampling.HasField("max_tokens")  # up to the context left
+    assert chat(max_tokens=5, max_completion_tokens=9).to_generate()[0].sampling.max_tokens == 9
 
 
 def test_echo_with_logprobs_asks_for_the_prompts_logprobs():
@@ -70,8 +70,9 @@ def test_echo_with_logprobs_asks_for_the_prompts_logprobs():
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"guided_json": {"type": "object"}}, "guided_json"),
-        ({"structured_outputs": {"regex": "a"}}, "structured_outputs"),
+        ({"guided_json": 5}, "guided_json"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
         ({"use_beam_search": True}, "use_beam_search"),
         ({"priority": 3}, "priority"),
         ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
@@ -105,7 +106,7 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:,"}}
          "messages.0.content.0", "audio is not supported"),
         ({"functions": [{"name": "f"}]}, "functions", "not supported"),
         ({"function_call": "auto"}, "function_call", "not supported"),
-        ({"tools": [{"type": "function"}]}, "tools", "not supported"),
+        ({"tools": [{"type": "function"}]}, "tools.0.function", "needs a function"),
         ({"modalities": ["text", "audio"]}, "modalities", "audio"),
         ({"audio": {"voice": "alloy"}}, "audio", "audio"),
         ({"echo": True}, "echo", "not supported"),
@@ -120,5 +121,59 @@ def test_chat_fields_and_parts_that_ask_for_what_pdserve_lacks_are_named(body, p
 
 def test_text_parts_are_joined():
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    request = chat(messages=[{"role": "developer", "content": parts}]).to_generate()
+    request, _ = chat(messages=[{"role": "developer", "content": parts}]).to_generate()
     assert [(m.role, m.content) for m in request.chat.messages] == [("system", "ab")]
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(
+    ("body", "kind", "value"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object", True),
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+         "json_schema", json.dumps(SCHEMA)),
+        ({"guided_json": SCHEMA}, "json_schema", json.dumps(SCHEMA)),
+        ({"guided_regex": "[ab]+"}, "regex", "[ab]+"),
+        ({"guided_choice": ["x", "y"]}, "choice", ["x", "y"]),
+        ({"guided_grammar": 'root ::= "a"'}, "grammar", 'root ::= "a"'),
+        ({"structured_outputs": {"choice": ["x"]}}, "choice", ["x"]),
+        ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+         "json_schema", json.dumps(SCHEMA)),
+    ],
+)  # fmt: skip
+def test_every_spelling_of_a_constraint_reaches_the_wire(body, kind, value):
+    so = chat(**body).to_generate()[0].sampling.structured_outputs
+    assert so.WhichOneof("kind") == kind
+    got = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
+    assert got == value
+    assert so.disable_any_whitespace == bool(body.get("structured_outputs", {}).get("disable_any_whitespace"))  # fmt: skip
+    (g,) = completion(**body).to_generate()
+    assert g.sampling.structured_outputs == so
+    assert (
+        not chat(response_format={"type": "text"})
+        .to_generate()[0]
+        .sampling.HasField("structured_outputs")
+    )
+
+
+def test_tools_reach_the_template_and_tool_messages_are_kept():
+    tool = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
+    messages = [
+        {"role": "user", "content": "?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]  # fmt: skip
+    request, plan = chat(messages=messages, tools=[tool], tool_choice="required").to_generate()
+    assert [t.name for t in request.chat.tools] == ["f"] and plan.constraint_param == "tool_choice"
+    call = request.chat.messages[1].tool_calls[0]
+    assert (call.id, call.name, call.arguments) == ("call_1", "f", '{"a": 1}')
+    assert request.chat.messages[2].tool_call_id == "call_1"
+    assert request.sampling.structured_outputs.json_schema
+    with pytest.raises(InvalidField) as e:
+        chat(tools=[tool], tool_choice="required", guided_regex="a").to_generate()
+    assert e.value.param == "tool_choice" and "guided_regex" in str(e.value)

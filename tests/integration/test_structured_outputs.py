@@ -1,0 +1,394 @@
+"""Structured outputs, tool calls and reasoning through one live `pdserve up` (1
+prefill, 1 decode node, --tool-call-parser hermes, --reasoning-parser qwen3)
+(issue 51): short prompts prefill on the decode node, long ones (past the
+router's local-prefill threshold) on the prefill node, whose first token is
+sampled under the grammar and replayed into the decode node's matcher.
+
+Requests go in batches (one thread each) so that the engine serves them
+together; every output that ends with "stop" must validate, and every one
+must end with "stop" (the schemas are bounded so that it can)."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from pdserve.redis_server import free_port
+from proto import pdserve_pb2, pdserve_pb2_grpc
+from proto.client import build_request
+from tests.integration.structured_schemas import SCHEMAS
+from tests.pdserve_up import UpProcess
+
+pytestmark = pytest.mark.timeout(900)
+
+# Past the router's local-prefill threshold (256 uncached tokens): a prefill node's work.
+LONG_SYSTEM = "You answer with data only, in the format the user asks for. " * 20
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "unit": {"enum": ["C", "F"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+MODEL = "smollm2-135m-instruct"  # the demo model directory's name
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def up(demo_model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("structured-logs")
+    http_port = free_port()
+    cluster = UpProcess(
+        ["--model", str(demo_model_dir), "--prefill", "1", "--decode", "1"]
+        + ["--port", str(free_port()), "--admin-port", str(free_port())]
+        + ["--http-port", str(http_port), "--metrics-port", "0", "--max-model-len", "2048"]
+        + ["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--log-dir", str(logs)]
+    )
+    cluster.wait_ready()
+    cluster.http_port = http_port
+    yield cluster
+    cluster.stop(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(up) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{up.http_port}/v1", api_key="x", max_retries=0, timeout=600
+    )
+
+
+@pytest.fixture(scope="module")
+def stub(up):
+    channel = grpc.insecure_channel(up.router)
+    yield pdserve_pb2_grpc.RouterStub(channel)
+    channel.close()
+
+
+def messages(text: str, remote: bool) -> list[dict]:
+    system = [{"role": "system", "content": LONG_SYSTEM}] if remote else []
+    return [*system, {"role": "user", "content": text}]
+
+
+def in_parallel(fn, items: list) -> list:
+    with ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
+def check(schema: dict, text: str) -> None:
+    cls = jsonschema.validators.validator_for(schema)
+    cls(schema, format_checker=cls.FORMAT_CHECKER).validate(json.loads(text))
+
+
+def streamed_chat(client, **kwargs) -> tuple[str, str, list]:
+    """(content, finish_reason, chunks) of a streamed chat completion."""
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)  # fmt: skip
+    return content, finish, chunks
+
+
+def spelling(i: int, schema: dict) -> dict:
+    """The schema in one of the ways a client asks for it (all of them used)."""
+    if i % 3 == 0:
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}}  # fmt: skip
+        return {"response_format": fmt}
+    if i % 3 == 1:  # compact: fewer tokens
+        return {"extra_body": {"structured_outputs": {"json": schema, "disable_any_whitespace": True}}}  # fmt: skip
+    return {"extra_body": {"guided_json": schema}}
+
+
+def test_every_schema_validates_streamed_or_not_local_or_disaggregated(client):
+    """Each schema once, in one batch, its case turning through streamed or
+    not, local or disaggregated prefill (a long prompt with a salt of its own,
+    so the decode node's cache cannot make it local), and the spellings;
+    seeded sampling at temperature 1.0."""
+
+    def one(i):
+        stream, remote = bool(i & 1), bool(i & 2)
+        kwargs = spelling(i, SCHEMAS[i])
+        extra = kwargs.setdefault("extra_body", {})
+        if remote:
+            extra["cache_salt"] = f"schema-{i}"
+        kwargs |= dict(
+            model=MODEL,
+            messages=messages("Reply with a JSON value.", remote),
+            max_tokens=160,
+            temperature=1.0,
+            seed=i,
+        )
+        if stream:
+            text, finish, _ = streamed_chat(client, **kwargs)
+        else:
+            choice = client.chat.completions.create(**kwargs).choices[0]
+            text, finish = choice.message.content, choice.finish_reason
+        return i, text, finish
+
+    for i, text, finish in in_parallel(one, list(range(len(SCHEMAS)))):
+        assert finish == "stop", (i, text)
+        check(SCHEMAS[i], text)
+
+
+def test_disaggregated_grpc_schemas_compact_and_seeded_repeatable(stub):
+    """Over gRPC (where the Final names the prefill node), compact JSON; the
+    same seed gives the same output on a second run."""
+    # Schemas the first test sent to the prefill node: their grammars are in
+    # both nodes' caches (a cold compile on a busy CPU can outlast the decode
+    # node's KV lease, and the request then retries with local prefill).
+    picks = [i for i in range(len(SCHEMAS)) if i & 2][::2]
+
+    def one(i):
+        request = build_request(
+            chat=messages("Reply with a JSON value.", remote=True),
+            cache_salt=f"grpc-{i}",
+            max_tokens=120,
+            temperature=1.0,
+            seed=i,
+            structured_outputs=pdserve_pb2.StructuredOutputs(
+                json_schema=json.dumps(SCHEMAS[i]), disable_any_whitespace=True
+            ),
+        )
+        responses = list(stub.Generate(request, timeout=600))
+        text = "".join(d.text for r in responses for d in r.deltas)
+        return i, text, responses[-1].final
+
+    first = in_parallel(one, picks)
+    for i, text, final in first:
+        assert final.usage.prefill_node, "a long prompt goes to the prefill node"
+        assert final.completions[0].finish_reason == pdserve_pb2.FINISH_REASON_STOP, (i, text)
+        check(SCHEMAS[i], text)
+        assert "\n" not in text and "  " not in text  # no free whitespace
+    again = in_parallel(one, picks[:3])
+    assert [t for _, t, _ in again] == [t for _, t, _ in first[:3]]
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_regex_choice_and_grammar(client, remote):
+    specs = [
+        ({"guided_regex": r"[A-Z][a-z]{2,6} [0-9]{2}"}, r"[A-Z][a-z]{2,6} [0-9]{2}"),
+        ({"guided_regex": r"(yes|no), because [a-z ]{3,12}\."}, r"(yes|no), because [a-z ]{3,12}\."),
+        ({"guided_choice": ["Paris", "London", "Rome"]}, r"Paris|London|Rome"),
+        ({"structured_outputs": {"choice": ["positive", "negative"]}}, r"positive|negative"),
+        ({"guided_grammar": 'root ::= "ID-" [0-9] [0-9] [0-9]'}, r"ID-[0-9]{3}"),
+    ]  # fmt: skip
+    import re
+
+    def one(k):
+        extra, _ = specs[k]
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=messages("Answer.", remote),
+            max_tokens=40,
+            temperature=1.0,
+            seed=k,
+            extra_body=extra | ({"cache_salt": f"re-{k}"} if remote else {}),
+        ).choices[0]
+
+    for (_, pattern), choice in zip(specs, in_parallel(one, range(len(specs))), strict=True):
+        assert choice.finish_reason == "stop"
+        assert re.fullmatch(pattern, choice.message.content), (pattern, choice.message.content)
+
+
+class Address(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=10)
+    zip_code: str = pydantic.Field(pattern=r"^[0-9]{5}$")
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=10)
+    age: int = pydantic.Field(ge=0, le=120)
+    role: str = pydantic.Field(json_schema_extra={"enum": ["dev", "ops"]})
+    home: Address
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_the_openai_clients_parse_with_a_pydantic_model(client, remote):
+    completion = client.beta.chat.completions.parse(
+        model=MODEL,
+        messages=messages("Describe a person.", remote),
+        response_format=Person,
+        extra_body={"cache_salt": "parse"} if remote else None,
+        max_tokens=120,
+        temperature=1.0,
+        seed=7,
+    )
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, Person) and isinstance(parsed.home, Address)
+    assert parsed.role in ("dev", "ops") and len(parsed.home.zip_code) == 5
+
+
+def test_tool_calls_required_and_named_then_the_result_round_trip(client):
+    asked = messages("What is the weather in Paris?", remote=False)
+
+    def call(choice, stream=False):
+        kwargs = dict(
+            model=MODEL, messages=asked, tools=[WEATHER], tool_choice=choice, max_tokens=60, seed=3
+        )
+        if stream:
+            return streamed_chat(client, **kwargs)
+        return client.chat.completions.create(**kwargs).choices[0]
+
+    for choice in ("required", NAMED):
+        got = call(choice)
+        assert got.finish_reason == "tool_calls" and got.message.content is None
+        (tc,) = got.message.tool_calls
+        assert tc.id.startswith("call_") and tc.function.name == "get_weather"
+        check(WEATHER["function"]["parameters"], tc.function.arguments)
+    # The call's result goes back as a tool message; the model answers in text.
+    follow = [
+        *asked,
+        {"role": "assistant", "content": None, "tool_calls": [tc.model_dump()]},
+        {"role": "tool", "tool_call_id": tc.id, "content": '{"temperature": 21}'},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=follow, tools=[WEATHER], tool_choice="none", max_tokens=8
+    ).choices[0]
+    assert answer.message.content and not answer.message.tool_calls
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_tool_calls_stream_as_delta_tool_calls(client, choice):
+    _, finish, chunks = streamed_chat(
+        client,
+        model=MODEL,
+        messages=messages("Weather in Oslo?", remote=True),
+        tools=[WEATHER],
+        tool_choice=NAMED if choice == "named" else "required",
+        extra_body={"cache_salt": f"tools-{choice}"},
+        max_tokens=60,
+        seed=5,
+    )
+    parts = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+    assert finish == "tool_calls" and parts[0].id and parts[0].function.name == "get_weather"
+    arguments = "".join(p.function.arguments or "" for p in parts)
+    check(WEATHER["function"]["parameters"], arguments)
+
+
+HERMES_REGEX = (
+    r'Sure\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,6}", '
+    r'"unit": "(C|F)"\}\}</tool_call>'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_calls_are_parsed_by_the_hermes_parser(client, stream):
+    """tool_choice auto: the model's own <tool_call> text (forced here by a
+    regex: the demo model never writes one) becomes message.tool_calls."""
+    kwargs = dict(
+        model=MODEL,
+        messages=messages("Weather in Rome?", remote=False),
+        tools=[WEATHER],
+        max_tokens=80,
+        extra_body={"guided_regex": HERMES_REGEX},
+    )
+    if stream:
+        content, finish, chunks = streamed_chat(client, **kwargs)
+        parts = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+        name, args = parts[0].function.name, "".join(p.function.arguments for p in parts)
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        content, finish = choice.message.content, choice.finish_reason
+        (tc,) = choice.message.tool_calls
+        name, args = tc.function.name, tc.function.arguments
+    assert (content, finish, name) == ("Sure. ", "tool_calls", "get_weather")
+    check(WEATHER["function"]["parameters"], args)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_content_is_split_from_the_answer(client, stream):
+    kwargs = dict(
+        model=MODEL,
+        messages=messages("Think, then answer.", remote=True),
+        max_tokens=40,
+        extra_body={
+            "guided_regex": r"<think>[a-z ]{2,12}</think>[A-Z]{2,4}",
+            "cache_salt": f"think-{stream}",
+        },
+    )
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        content = "".join(d.content or "" for d in deltas)
+    else:
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        reasoning, content = message.reasoning_content, message.content
+    assert 2 <= len(reasoning) <= 12 and reasoning.replace(" ", "").isalpha(), reasoning
+    assert content.isupper() and 2 <= len(content) <= 4, content
+
+
+def test_a_grammar_longer_than_max_tokens_ends_with_length(client):
+    choice = client.chat.completions.create(
+        model=MODEL,
+        messages=messages("Count.", remote=False),
+        max_tokens=5,
+        extra_body={"guided_regex": "[0-9]{30,40}"},
+    ).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content.isdigit()
+
+
+BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}
+BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param", "words"),
+    [
+        ({"response_format": BAD_SCHEMA}, "response_format.json_schema.schema", "'type' must be"),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
+         "response_format.json_schema.schema", "uniqueItems"),
+        ({"extra_body": {"guided_regex": "(?=a)b"}}, "guided_regex", "lookaround"),
+        ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex", "not a valid regex"),
+        ({"extra_body": {"guided_grammar": "root ::= ("}}, "guided_grammar", "guided_grammar"),
+        ({"extra_body": {"guided_regex": "a" * 70000}}, "guided_regex", "too large"),
+        ({"extra_body": {"guided_choice": []}}, "guided_choice", "empty"),
+        ({"extra_body": {"structured_outputs": {"json": {}, "regex": "a"}}}, "structured_outputs",
+         "exactly one"),
+        ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}},
+         "guided_regex", "both constrain"),
+        ({"tools": [BAD_TOOL]}, "tools.0.function.parameters", "negation"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice.function.name", "not in tools"),
+    ],
+)  # fmt: skip
+def test_bad_specs_are_400s_naming_the_field(client, kwargs, param, words):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=messages("x", False), max_tokens=4, **kwargs
+        )
+    body = info.value.body
+    assert body["param"] == param and words in body["message"], body
+
+
+def test_grpc_refuses_bad_specs_before_any_node_and_keeps_serving(stub):
+    for spec, words in [
+        (pdserve_pb2.StructuredOutputs(json_schema="{not json"), "structured_outputs.json"),
+        (pdserve_pb2.StructuredOutputs(regex="(?<=a)b"), "structured_outputs.regex"),
+        (pdserve_pb2.StructuredOutputs(), "sets no kind"),
+    ]:
+        request = build_request("Hi", max_tokens=4, structured_outputs=spec)
+        if not spec.WhichOneof("kind"):
+            request.sampling.structured_outputs.SetInParent()
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request, timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in info.value.details(), info.value.details()
+    good = build_request(
+        "Hi", max_tokens=8, structured_outputs=pdserve_pb2.StructuredOutputs(regex="[a-c]{3}")
+    )
+    text = "".join(d.text for r in stub.Generate(good, timeout=120) for d in r.deltas)
+    assert len(text) == 3 and set(text) <= set("abc")
