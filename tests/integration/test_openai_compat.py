@@ -264,8 +264,9 @@ def test_prompt_logprobs_over_grpc_and_vllms_extra(up, client, model, ids, engin
     [
         ({"prompt": ""}, "prompt", "empty"),
         ({"prompt": "Hi", "max_tokens": 0}, "max_tokens", "max_tokens"),
-        ({"prompt": "Hi", "extra_body": {"guided_json": {"type": "object"}}}, "guided_json", "not"),
-        ({"prompt": "Hi", "extra_body": {"structured_outputs": {"regex": "a+"}}}, "structured_outputs", "not"),
+        ({"prompt": "Hi", "extra_body": {"guided_regex": "a(b"}}, "guided_regex", "not a valid regex"),
+        ({"prompt": "Hi", "extra_body": {"structured_outputs": {"json": {}, "regex": "a"}}},
+         "structured_outputs", "exactly one"),
         ({"prompt": "Hi", "extra_body": {"use_beam_search": True}}, "use_beam_search", "not"),
     ],
 )  # fmt: skip
@@ -286,7 +287,7 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "not supported"),
         ({"function_call": "auto"}, "function_call", "not supported"),
         ({"modalities": ["text", "audio"]}, "modalities", "audio"),
-        ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json", "not"),
+        ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex", "not a valid regex"),
     ],
 )  # fmt: skip
 def test_chat_refusals_have_openai_shapes(client, model, kwargs, param, words):
