@@ -19,6 +19,7 @@ them, routing uniform as with dummy weights) and a token multiplies by k of E.
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import tempfile
 from pathlib import Path
@@ -143,7 +144,11 @@ def decode_shape(args, shape: str, tmp: str, copy_bw: float) -> list[dict[str, A
     for batch in batches:
         wbytes = weight_bytes_read(runner, batch)
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
-        inputs = runner.build_inputs([[1] * (ctx + 1)] * batch, [ctx] * batch, [1] * batch, tables)
+        # A different token per sequence: an MoE layer then routes them apart,
+        # as a real batch is (one token for all would read only its k experts).
+        rng = random.Random(batch)
+        ids = [[1] * ctx + [rng.randrange(2, cfg.vocab_size)] for _ in range(batch)]
+        inputs = runner.build_inputs(ids, [ctx] * batch, [1] * batch, tables)
         step = decode_step(runner, inputs, batch)
         with torch.inference_mode():
             ms = cuda_time_ms(step, warmup=3, iters=20)
