@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -148,9 +147,11 @@ class KVReceiver:
     ) -> None:
         self.node_id = node_id
         self.rank = rank  # this decode node's rank (0 hosts the store)
-        # Epochs start at a random point: a restarted decode node must not name
-        # an epoch (a rendezvous key) a sender still holds from the previous
-        # process. Benchmarks and tests pin it.
+        # Epochs start at the clock (microseconds since 1970): a restarted decode
+        # node must not name an epoch (a rendezvous key) a sender still holds
+        # from its previous process, and its epochs must be newer than that
+        # process's, since a prefill node takes a lower one for stale
+        # (prefill_node/kv_stream.py). Benchmarks and tests pin it.
         self._first_epoch = first_epoch
         self.host = host
         self.port = port
@@ -182,7 +183,7 @@ class KVReceiver:
             epoch = self._epochs.get(node_id)
             if epoch is None:
                 first = self._first_epoch
-                epoch = self._epochs[node_id] = secrets.randbits(48) if first is None else first
+                epoch = self._epochs[node_id] = time.time_ns() // 1000 if first is None else first
             return epoch
 
     def expect(

@@ -370,3 +370,18 @@ def test_first_tokens_follow_their_groups_chunks_and_the_channel_stays_in_step(r
     for rid, desc, data in col.chunks:
         assert torch.equal(data, chunk_bytes(rid, desc))
     assert all(r[0] == "ok" for r in report.values()) and col.failed == []
+
+
+def test_a_restarted_receivers_epochs_are_newer_than_the_old_ones():
+    """A prefill node takes a lower epoch than the newest it saw from a decode
+    node for stale; a restarted decode node (a new receiver) must therefore
+    name higher ones."""
+    epochs = []
+    for _ in range(2):
+        rx = KVReceiver("decode-a", "127.0.0.1", free_port(), torch.device("cpu"), Collector())
+        try:
+            epochs.append(rx.epoch_of("prefill-a"))
+            assert rx.epoch_of("prefill-a") == epochs[-1]  # one per peer, until it fails
+        finally:
+            rx.close()
+    assert epochs[1] > epochs[0]
