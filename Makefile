@@ -43,8 +43,11 @@ run: model
 		[ $$code -ne 2 ] || echo 'make run: pass pdserve up flags as ARGS="...", e.g. ARGS="--port 50061 --metrics-port 9500"' >&2; \
 		exit $$code; }
 
+# Two workers, whole modules each (their live clusters are module fixtures):
+# most of a cluster test's time is spent waiting, so two share the 2-core CI.
+PYTEST_WORKERS ?= 2
 test: model
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

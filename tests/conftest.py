@@ -10,6 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Under pytest-xdist (make test's workers), a worker computes on one thread:
+# two workers with torch's default threads each would oversubscribe the cores.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
+
 # Without a GPU, Triton kernels run under Triton's interpreter (on CPU tensors).
 # It must be chosen before any kernel module is imported.
 if not torch.cuda.is_available():
