@@ -276,8 +276,30 @@ def write_config_dir(tmp_path: Path, raw: dict) -> Path:
     return tmp_path
 
 
+# Modules of live clusters, the longest first: make test's workers take whole
+# modules in collection order, and a long module started last would run on
+# alone at the end.
+LONG_MODULES_FIRST = (
+    "tests/faults/test_self_healing.py",
+    "tests/integration/test_openai_compat.py",
+    "tests/integration/test_structured_outputs.py",
+    "tests/faults/",
+    "tests/integration/",
+)
+
+
+def _start_order(item) -> int:
+    path = item.nodeid.split("::")[0]
+    for rank, prefix in enumerate(LONG_MODULES_FIRST):
+        if path.startswith(prefix):
+            return rank
+    return len(LONG_MODULES_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip cleanly (with a reason) where CUDA is missing."""
+    """The long modules first (LONG_MODULES_FIRST); GPU tests skip cleanly
+    (with a reason) where CUDA is missing."""
+    items.sort(key=_start_order)  # stable: a module's tests keep their order
     try:
         import torch
 

@@ -52,7 +52,9 @@ def cluster(demo_model_dir, tmp_path_factory):
         tmp_path_factory.mktemp("redis-logs"),
         num_prefill=1,
         num_decode=1,
-        router_args=REMOTE_PREFILL_ONLY,
+        # A stream whose only decode node stalls fails once it is found, rather
+        # than waiting for the node to come back (test_decode_restart.py's case).
+        router_args=[*REMOTE_PREFILL_ONLY, "--migration-wait", "0"],
     )
     with LocalCluster(s) as c:
         yield c

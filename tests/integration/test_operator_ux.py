@@ -109,6 +109,8 @@ def test_a_component_on_a_taken_port_fails_in_one_line(demo_model_dir, taken_por
     out = run(
         [*PDSERVE, component, "--model", str(demo_model_dir), "--host", "127.0.0.1"]
         + ["--port", str(taken_port), "--metrics-port", "0", "--redis-url", "redis://127.0.0.1:1"]
+        # The router's admin API: a free port, not the default another test's cluster may hold.
+        + (["--admin-port", str(free_port())] if component == "router" else [])
     )
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
