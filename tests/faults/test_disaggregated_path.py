@@ -42,7 +42,9 @@ from tests.faults.harness import (
 pytestmark = pytest.mark.timeout(900)
 
 TRANSFER_PAUSE_S = 2.0
-REPLY_HOLD_S = 3.0
+# Well above a loaded CI machine's request time: a stream that waited for its
+# reply would take at least this long.
+REPLY_HOLD_S = 8.0
 LEASE_S = 5.0
 TRANSFER_TIMEOUT_S = 5.0
 TTL_S = 3.0
