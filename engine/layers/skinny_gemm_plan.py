@@ -25,10 +25,8 @@ Tables: ``skinny_gemm_configs/<GPU name>.json`` beside this file:
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
-import re
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -39,6 +37,7 @@ from torch import nn
 
 from engine.layers.skinny_gemm import M_BUCKETS, GemvConfig, GemvPlan, default_config
 from engine.layers.specs import GemvBackend
+from engine.layers.tuned_tables import read_table, table_file_name
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +46,6 @@ MARGIN = 0.97  # the kernel is chosen only when it takes at most 97% of cuBLAS's
 ROTATE_BYTES = 256 << 20  # weight copies per timing: more than any L2 holds
 MAX_COPIES = 64
 DTYPES = (torch.bfloat16, torch.float16)
-
-
-def device_key(device: torch.device) -> str:
-    """The table's file name for this GPU: its name with runs of other characters as _."""
-    return re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(device)).strip("_")
 
 
 def dtype_key(dtype: torch.dtype) -> str:
@@ -63,17 +57,11 @@ def shape_key(n: int, k: int) -> str:
 
 
 def table_path(device: torch.device) -> Path:
-    return CONFIG_DIR / f"{device_key(device)}.json"
+    return CONFIG_DIR / table_file_name(torch.cuda.get_device_name(device))
 
 
 def load_table(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        logger.warning("skinny GEMM table %s is unreadable (%s); measuring instead", path, e)
-        return {}
+    return read_table(path, "skinny GEMM", "measuring instead")
 
 
 def choose(entry: dict | None, backend: GemvBackend) -> tuple[bool, GemvConfig | None]:

@@ -12,13 +12,10 @@ beyond them). A shape no table has gets ``default_config``.
 from __future__ import annotations
 
 import functools
-import json
-import logging
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from engine.layers.tuned_tables import read_table, table_file_name
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "moe_configs"
 
@@ -56,20 +53,9 @@ def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeKernelCo
     return MoeKernelConfig(64, 128, 64, group_m=8, num_warps=8, num_stages=3)
 
 
-def table_name(device_name: str) -> str:
-    """The table's file name for a GPU: its name with runs of other characters as _."""
-    return re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json"
-
-
 @functools.cache
 def load_table(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        logger.warning("fused MoE table %s is unreadable (%s); using default configs", path, e)
-        return {}
+    return read_table(path, "fused MoE", "using default configs")
 
 
 def tuned_entry(entries: dict, num_tokens: int) -> dict | None:
@@ -92,7 +78,7 @@ def config_for(
 ) -> MoeKernelConfig:
     """The tuned config of this GPU for the shape and token count, else the default."""
     if device_name is not None:
-        table = load_table(CONFIG_DIR / table_name(device_name))
+        table = load_table(CONFIG_DIR / table_file_name(device_name))
         entries = table.get(dtype, {}).get(shape_key(num_experts, n, k, top_k), {})
         entry = tuned_entry(entries, num_tokens)
         if entry is not None:

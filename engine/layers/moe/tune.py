@@ -36,6 +36,7 @@ from engine.layers.moe.configs import MoeKernelConfig
 from engine.layers.moe.fused_moe import fused_experts
 from engine.layers.moe.reference import reference_experts
 from engine.layers.moe.routing import select_experts
+from engine.layers.tuned_tables import table_file_name
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 ROUTINGS = 8  # calls per timed graph, each with its own routing
@@ -169,7 +170,7 @@ def expert_layer(shape: str, tp: int, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def write_table(records: dict[int, dict], key: tuple, dtype: str) -> Path:
-    path = moe_configs.CONFIG_DIR / moe_configs.table_name(torch.cuda.get_device_name())
+    path = moe_configs.CONFIG_DIR / table_file_name(torch.cuda.get_device_name())
     table = json.loads(path.read_text()) if path.is_file() else {}
     entries = table.setdefault(dtype, {}).setdefault(moe_configs.shape_key(*key), {})
     for m, rec in records.items():
