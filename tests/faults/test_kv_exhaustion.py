@@ -1,11 +1,11 @@
 """KV exhaustion on a decode node: preemption by recompute leaves outputs
 unchanged (real processes; every prompt prefilled remotely and its KV sent).
 
-The decode node has 28 blocks of 16 tokens. Eight concurrent greedy requests
-of ~15 prompt + 64 output tokens need about 40: the node must preempt running
+The decode node has 20 blocks of 16 tokens. Eight concurrent greedy requests
+of ~15 prompt + 40 output tokens need about 32: the node must preempt running
 sequences (their blocks freed, their tokens recomputed later on the decode
 node itself) and still produce, token for token, what each request produces
-with blocks to spare (four at a time, about 20 blocks: no preemption).
+with blocks to spare (four at a time, about 16 blocks: no preemption).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from tests.faults.harness import Stream, assert_idle, counters, request, spec
 
 pytestmark = pytest.mark.timeout(900)
 
-NUM_BLOCKS = 28
-MAX_TOKENS = 64
+NUM_BLOCKS = 20
+MAX_TOKENS = 40
 UNPRESSURED = 4  # requests at a time that fit with room to spare
 PROMPTS = [
     f"Request {i}: describe the colour {c} in one long sentence."

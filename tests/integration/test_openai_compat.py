@@ -1,5 +1,5 @@
 """OpenAI compatibility as clients meet it, on one live `pdserve up --max-model-len
-2048 --http-port` (1 prefill, 1 decode node; the router is not told the length):
+1024 --http-port` (1 prefill, 1 decode node; the router is not told the length):
 the official client's and LangChain's default calls, lm-evaluation-harness's
 loglikelihood requests replayed, one context length everywhere, OpenAI's error
 shapes (issue 50, items 1, 2, 3, 7 and 8's `pdctl nodes`)."""
@@ -21,7 +21,7 @@ from tests.pdserve_up import UpProcess
 
 pytestmark = pytest.mark.timeout(900)
 
-MAX_LEN = 2048  # the nodes'; the router's own default would be the model's 8192
+MAX_LEN = 1024  # the nodes'; the router's own default would be the model's 8192
 GRPC_NAMES = {c.name for c in grpc.StatusCode}
 # What lm-eval's `local-completions` sends for a loglikelihood request
 # (lm_eval/models/openai_completions.py, LocalCompletionsAPI._create_payload).
@@ -171,18 +171,18 @@ def test_unset_max_tokens_runs_to_the_context_left_on_both_endpoints_and_grpc(
 
 def test_models_and_every_refusal_say_the_nodes_max_model_len(up, client, model, ids):
     assert client.models.list().data[0].model_extra["max_model_len"] == MAX_LEN
-    # Longer than the model's own 8192: refused by the router, which says 2048 too.
+    # Longer than the model's own 8192: refused by the router, which says 1024 too.
     e = error_of(lambda: client.completions.create(model=model, prompt=ids(10_001), max_tokens=4))
     assert e.status_code == 400 and e.body["code"] == "context_length_exceeded"
     assert f"max_model_len is {MAX_LEN}" in e.body["message"]
     # Fits the nodes' prompt limit but not with its max_tokens: refused, not cut short.
-    e = error_of(lambda: client.completions.create(model=model, prompt=ids(2001), max_tokens=100))
+    e = error_of(lambda: client.completions.create(model=model, prompt=ids(977), max_tokens=100))
     assert e.status_code == 400 and e.body["code"] == "context_length_exceeded"
     assert f"max_model_len {MAX_LEN}" in e.body["message"]
     assert "ask for at most 47 tokens" in e.body["message"]
     with grpc.insecure_channel(up.router) as channel, pytest.raises(grpc.RpcError) as info:
         stub = pdserve_pb2_grpc.RouterStub(channel)
-        list(stub.Generate(build_request(token_ids=ids(2001), max_tokens=100), timeout=60))
+        list(stub.Generate(build_request(token_ids=ids(977), max_tokens=100), timeout=60))
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "at most 47 tokens" in info.value.details()
 
