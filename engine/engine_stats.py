@@ -61,8 +61,10 @@ def collect_stats(
     )
     s = sched.stats
     stats = EngineStats(
-        num_running=len(sched.running),
-        num_waiting=len(sched.waiting),
+        # A sequence loading from the host tier holds a slot and blocks like a
+        # running one; a swapped-out one waits to resume.
+        num_running=len(sched.running) + len(sched.loading),
+        num_waiting=len(sched.waiting) + len(sched.swapped),
         num_reserved=len(sched.reserved),
         num_queued_prefill_tokens=queued,
         num_kv_blocks=bm.num_blocks,

@@ -25,10 +25,11 @@ def slots(n: int) -> float:
     return n * BLOCK_BYTES / GiB
 
 
-def make_llm(model_dir, num_blocks: int, **kwargs) -> LLM:
+def make_llm(model_dir, num_blocks: int, device: str = "cpu", **kwargs) -> LLM:
     return LLM(
         str(model_dir),
-        device="cpu",
+        device=device,
+        dtype="float32",
         skip_tokenizer_init=True,
         kvcache_block_size=BS,
         num_kvcache_blocks=num_blocks,
@@ -125,23 +126,29 @@ def unpressured(tiny_llama_dir):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize(("tier_blocks", "swapped"), [(64, True), (3, False)])
+@pytest.mark.parametrize(("tier_blocks", "async_scheduling"), [(64, True), (3, False)])
 def test_swap_preemption_under_kv_pressure_keeps_outputs(
-    tiny_llama_dir, unpressured, tier_blocks, swapped
+    tiny_llama_dir, unpressured, tier_blocks, async_scheduling
 ):
     """A 17-block pool admits the four prompts and cannot hold them as they grow:
-    victims go to the host tier and back, or (a 3-block tier, too small for
-    any of them) fall back to recompute."""
+    victims go to the host tier and back (under async scheduling too, where a
+    victim's last token is still on the device), or, with a 3-block tier too
+    small for any of them, fall back to recompute."""
     llm = make_llm(
-        tiny_llama_dir, num_blocks=17, swap_space=slots(tier_blocks), preemption_mode="swap"
+        tiny_llama_dir,
+        num_blocks=17,
+        swap_space=slots(tier_blocks),
+        preemption_mode="swap",
+        async_scheduling=async_scheduling,
     )
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     outs = llm.generate(pressure_prompts(), params, use_tqdm=False)
     stats = llm.llm_engine.stats()
     assert [o.outputs[0].token_ids for o in outs] == unpressured
     assert stats.num_preemptions > 0
-    if swapped:
-        assert stats.num_swap_preemptions > 0 and stats.num_swap_fallbacks == 0
+    if tier_blocks == 64:
+        assert stats.num_swap_preemptions == stats.num_preemptions
+        assert stats.num_swap_fallbacks == 0
     else:
         assert stats.num_swap_preemptions == 0
         assert stats.num_swap_fallbacks == stats.num_preemptions
