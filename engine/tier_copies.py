@@ -27,6 +27,11 @@ scheduler runs only once the engine saw their event complete
 (``TierTransfers.poll``). Copies to the host are read before loads on the one
 stream, so a block that spills and is loaded into in the same step is read
 before it is overwritten. On a CPU every copy is done when ``flush`` returns.
+
+Why not engine/copy_engine.py's pitched copies: they move runs of consecutive
+blocks device to device, a driver call per run; evicted blocks and the slots
+they go to are scattered, so a gather into one contiguous buffer and a single
+bus copy cost one launch each whatever the layout.
 """
 
 from __future__ import annotations

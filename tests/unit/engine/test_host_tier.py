@@ -84,6 +84,21 @@ def test_held_and_landing_slots_are_never_evicted_and_swap_out_is_all_or_nothing
     tier.check_invariants()
 
 
+def test_a_flush_empties_both_tiers_and_spills_nothing():
+    tier = HostTier(4)
+    bm = BlockManager(4, BS, host_tier=tier)
+    seq = make_seq(9, BS)  # two full blocks and a token
+    bm.allocate_slots(seq, 9)
+    bm.cache_full_blocks(seq, 9)
+    bm.free(seq)
+    spill_chain(tier, [1, 2], first_block=2)
+    assert bm.reset_prefix_cache() == 2 + 2
+    assert not tier.take_copies()
+    assert tier.num_cached_slots == 0 and tier.num_free_slots == 4
+    bm.check_invariants()
+    tier.check_invariants()
+
+
 def make(num_blocks, slots, mode=PreemptionMode.RECOMPUTE, max_seqs=8):
     tier = HostTier(slots)
     bm = BlockManager(num_blocks, BS, host_tier=tier)
