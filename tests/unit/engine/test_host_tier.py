@@ -150,6 +150,26 @@ def test_an_evicted_prefix_spills_and_a_later_prompt_loads_it_back():
     assert sched.block_manager.num_free_blocks == 4 and tier.num_free_slots == 8
 
 
+def test_a_load_holds_up_only_its_own_sequence():
+    sched, tier = make(num_blocks=8, slots=8)
+    prompt = list(range(300, 313))
+    seeded = make_seq(prompt, BS)
+    seeded.update_block_hashes()
+    for i, block_hash in enumerate(seeded.block_hashes):  # the tier holds its 3 full blocks
+        parent = seeded.block_hashes[i - 1] if i else bytes(16)
+        tier.spill(block_hash, parent, tuple(prompt[i * BS : (i + 1) * BS]), i)
+    tier.landed(tier.take_copies())
+    other = make_seq(6, BS)
+    sched.add(other)
+    run_step(sched, tier)
+    again = make_seq(prompt, BS)
+    sched.add(again)
+    batch = sched.schedule()
+    assert [s.seq_id for s in batch.seqs] == [other.seq_id]  # other decodes meanwhile
+    assert again.status is SequenceStatus.LOADING and sched.take_new_loads() == [again]
+    assert len(tier.take_copies().to_device) == 3
+
+
 def test_swap_preemption_parks_blocks_and_resumes_without_recompute():
     sched, tier = make(num_blocks=6, slots=8, mode=PreemptionMode.SWAP)
     a, b = make_seq(12, BS), make_seq(12, BS)
