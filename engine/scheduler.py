@@ -339,9 +339,11 @@ class Scheduler:
         return True
 
     def _resume_swapped(self) -> bool:
-        """Start loading swapped sequences back, oldest victim first; False
-        while one must wait (its swap-out still copying, or too few blocks or
-        sequence slots): no waiting sequence is admitted before it."""
+        """Start loading swapped sequences back, the last victim first (victims
+        are taken newest request first, so that is the oldest request, as
+        with recompute's queue front); False while one must wait (its
+        swap-out still copying, or too few blocks or sequence slots): no
+        waiting sequence is admitted before it."""
         bm = self.block_manager
         while self.swapped:
             seq = self.swapped[0]
