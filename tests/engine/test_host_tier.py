@@ -1,10 +1,12 @@
-"""The host tier end to end (swap_space, preemption_mode="swap") on a tiny random
-Llama on the CPU, where the "device" pool and the host tier are both CPU memory
-and run the same bookkeeping and batched copies as on a GPU.
+"""The host tier end to end (swap_space, preemption_mode="swap") on a tiny
+Llama with random weights built from its config alone, on the CPU, where the
+"device" pool and the host tier are both CPU memory and run the same
+bookkeeping and batched copies as on a GPU.
 
 The oracle is the same engine without a host tier (itself checked against HF
 transformers in test_models.py / test_hf_parity.py): KV copied out and back must
-give the same greedy tokens as KV kept or recomputed.
+give the same greedy tokens as KV kept or recomputed, and those tokens depend
+on the prompt (a wrong block would change them).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.device import GiB
+from tests.conftest import TINY_CONFIGS, write_config_dir
 
 BS = 8
 # One KV block of the tiny Llama in fp32: K and V x 2 layers x 8 tokens x 2 heads x 16.
@@ -25,9 +28,16 @@ def slots(n: int) -> float:
     return n * BLOCK_BYTES / GiB
 
 
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """The tiny Llama's config.json alone: the engine draws its weights."""
+    return write_config_dir(tmp_path_factory.mktemp("tiny-llama-config"), TINY_CONFIGS["llama"])
+
+
 def make_llm(model_dir, num_blocks: int, device: str = "cpu", **kwargs) -> LLM:
     return LLM(
         str(model_dir),
+        load_format="dummy",
         device=device,
         dtype="float32",
         skip_tokenizer_init=True,
@@ -77,16 +87,17 @@ def run_two_turns(llm: LLM, order=range(8)) -> tuple[list[list[int]], list[int]]
 
 
 @pytest.fixture(scope="module")
-def without_tier(tiny_llama_dir):
-    llm = make_llm(tiny_llama_dir, num_blocks=16)
+def without_tier(llama_dir):
+    llm = make_llm(llama_dir, num_blocks=16)
     answers, cached = run_two_turns(llm)
+    assert len({tuple(a) for a in answers}) > len(answers) // 2  # they follow the prompts
     return answers, cached, llm.llm_engine.stats()
 
 
-def test_second_turns_load_their_evicted_prefix_from_the_host_tier(tiny_llama_dir, without_tier):
+def test_second_turns_load_their_evicted_prefix_from_the_host_tier(llama_dir, without_tier):
     answers, cached_before, before = without_tier
     assert not any(cached_before)  # the device pool alone kept no prefix
-    llm = make_llm(tiny_llama_dir, num_blocks=16, swap_space=slots(64))
+    llm = make_llm(llama_dir, num_blocks=16, swap_space=slots(64))
     got, cached = run_two_turns(llm)
     stats = llm.llm_engine.stats()
     assert got == answers
@@ -100,12 +111,12 @@ def test_second_turns_load_their_evicted_prefix_from_the_host_tier(tiny_llama_di
     assert_idle(llm)
 
 
-def test_a_full_host_tier_keeps_the_most_recent_prefixes(tiny_llama_dir, without_tier):
+def test_a_full_host_tier_keeps_the_most_recent_prefixes(llama_dir, without_tier):
     """A tier of 12 blocks holds only the last two conversations' 5 full blocks
     each (LRU): second turns taken newest first hit for those and miss for the
     oldest, and the answers stay the same."""
     answers, _, _ = without_tier
-    llm = make_llm(tiny_llama_dir, num_blocks=16, swap_space=slots(12))
+    llm = make_llm(llama_dir, num_blocks=16, swap_space=slots(12))
     got, cached = run_two_turns(llm, order=range(7, -1, -1))
     assert got == answers
     assert cached[7] >= 4 * BS and cached[6] >= 4 * BS
@@ -118,8 +129,8 @@ def pressure_prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def unpressured(tiny_llama_dir):
-    llm = make_llm(tiny_llama_dir, num_blocks=64)
+def unpressured(llama_dir):
+    llm = make_llm(llama_dir, num_blocks=64)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     outs = llm.generate(pressure_prompts(), params, use_tqdm=False)
     assert llm.llm_engine.stats().num_preemptions == 0
@@ -128,14 +139,14 @@ def unpressured(tiny_llama_dir):
 
 @pytest.mark.parametrize(("tier_blocks", "async_scheduling"), [(64, True), (3, False)])
 def test_swap_preemption_under_kv_pressure_keeps_outputs(
-    tiny_llama_dir, unpressured, tier_blocks, async_scheduling
+    llama_dir, unpressured, tier_blocks, async_scheduling
 ):
     """A 17-block pool admits the four prompts and cannot hold them as they grow:
     victims go to the host tier and back (under async scheduling too, where a
     victim's last token is still on the device), or, with a 3-block tier too
     small for any of them, fall back to recompute."""
     llm = make_llm(
-        tiny_llama_dir,
+        llama_dir,
         num_blocks=17,
         swap_space=slots(tier_blocks),
         preemption_mode="swap",
@@ -155,8 +166,8 @@ def test_swap_preemption_under_kv_pressure_keeps_outputs(
     assert_idle(llm)
 
 
-def test_swap_needs_a_host_tier(tiny_llama_dir):
+def test_swap_needs_a_host_tier(llama_dir):
     with pytest.raises(ValueError, match="swap_space"):
-        make_llm(tiny_llama_dir, num_blocks=16, preemption_mode="swap")
+        make_llm(llama_dir, num_blocks=16, preemption_mode="swap")
     with pytest.raises(ValueError, match="swap_space"):
-        make_llm(tiny_llama_dir, num_blocks=16, swap_space=-1)
+        make_llm(llama_dir, num_blocks=16, swap_space=-1)

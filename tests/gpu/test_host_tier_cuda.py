@@ -15,6 +15,7 @@ import torch
 from engine import SamplingParams
 from engine.host_tier import HostTier
 from engine.tier_copies import TierTransfers
+from tests.conftest import TINY_CONFIGS, write_config_dir
 from tests.engine.test_host_tier import make_llm, pressure_prompts, run_two_turns, slots
 from tests.unit.engine.helpers import make_seq
 
@@ -82,10 +83,11 @@ def test_a_load_lands_before_it_is_reported_and_holds_no_step_up(tiers):
     assert tier.num_free_slots == tier.num_slots
 
 
-def test_engine_outputs_with_the_host_tier_equal_those_without(tiny_llama_dir):
+def test_engine_outputs_with_the_host_tier_equal_those_without(tmp_path):
     """The torch attention backend, as on the CPU; async scheduling (CUDA's default)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    tiny_llama_dir = write_config_dir(tmp_path / "m", TINY_CONFIGS["llama"])
     plain = make_llm(tiny_llama_dir, num_blocks=16, device="cuda", attention_backend="torch")
     want, _ = run_two_turns(plain)
     tiered = make_llm(
