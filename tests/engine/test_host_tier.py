@@ -166,6 +166,24 @@ def test_swap_preemption_under_kv_pressure_keeps_outputs(
     assert_idle(llm)
 
 
+def test_a_reservation_spills_what_it_evicts_before_its_kv_lands(llama_dir):
+    """Decode node: a reservation that evicts cached blocks finds their copies
+    done when it returns (a KV transfer then writes the blocks)."""
+    llm = make_llm(llama_dir, num_blocks=16, swap_space=slots(16))
+    engine = llm.llm_engine
+    (first,) = conversations(1)
+    llm.generate([first], GREEDY, use_tqdm=False)  # 5 cached blocks
+    other = [(i * 7 + 1) % 500 for i in range(15 * BS)]
+    reservation = engine.reserve_request("r", other, GREEDY)
+    assert reservation is not None and not engine.tier_transfers.busy
+    stats = engine.stats()
+    assert stats.num_blocks_copied_to_host == 4  # its 15 blocks took 4 of the 5 cached
+    assert engine.host_tier.num_cached_slots == 4
+    engine.abort_request("r")
+    engine.step()
+    assert_idle(llm)
+
+
 def test_swap_needs_a_host_tier(llama_dir):
     with pytest.raises(ValueError, match="swap_space"):
         make_llm(llama_dir, num_blocks=16, preemption_mode="swap")
