@@ -33,6 +33,11 @@ child), a flush drops only evictable blocks, and a block computed twice (two
 requests prefilling the same prefix at once) stays cached as a second holder
 of its hash: when the first holder is evicted the hash moves to the second
 instead of vanishing under the second's cached children.
+
+With a host tier (``swap_space``) a cached block whose hash leaves this pool
+by eviction spills there (engine/host_tier.py queues its copy, which the
+engine runs before the block is written again); a flush
+(``reset_prefix_cache``) drops both tiers' evictable blocks.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from engine.block_hash import ROOT_HASH
+from engine.host_tier import HostTier
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -76,6 +82,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         record_events: bool = False,
+        host_tier: HostTier | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -92,6 +99,7 @@ class BlockManager:
         # hash -> True (stored) / False (removed); the last event wins.
         self._events: dict[bytes, bool] = {}
         self.num_verification_failures = 0
+        self.host_tier = host_tier
 
     # ----------------------------------------------------------------- counts
     @property
@@ -193,9 +201,11 @@ class BlockManager:
         """
         n = len(self._free_cached)
         for block_id in self._free_cached:
-            self._unhash(self.blocks[block_id])
+            self._unhash(self.blocks[block_id], spill=False)
             self._free_uncached.append(block_id)
         self._free_cached.clear()
+        if self.host_tier is not None:
+            n += self.host_tier.reset()
         return n
 
     def enable_events(self) -> None:
@@ -320,6 +330,7 @@ class BlockManager:
         blocks = self.blocks
         index = self._hash_to_block
         events = self._events if self._record_events else None
+        tier = self.host_tier
         for block_id in block_ids:
             block = blocks[block_id]
             h = block.block_hash
@@ -330,9 +341,13 @@ class BlockManager:
             if events is not None:
                 events.pop(h, None)
                 events[h] = False
+            if tier is not None:
+                tier.spill(h, block.parent_hash, block.token_ids, block_id)
             block.block_hash = block.parent_hash = block.token_ids = None
 
-    def _unhash(self, block: Block) -> None:
+    def _unhash(self, block: Block, spill: bool = True) -> None:
+        """Forget the block's hash; ``spill``: keep its content in the host tier
+        if the hash leaves this pool (an eviction, not a flush)."""
         h = block.block_hash
         if h is None:
             return
@@ -345,6 +360,8 @@ class BlockManager:
                 if self._record_events:
                     self._events.pop(h, None)
                     self._events[h] = False
+                if spill and self.host_tier is not None:
+                    self.host_tier.spill(h, block.parent_hash, block.token_ids, block.block_id)
         elif others is not None:
             others.discard(block.block_id)
         if others is not None and not others:

@@ -33,7 +33,8 @@ DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
 
 
 class PreemptionMode(enum.Enum):
-    RECOMPUTE = "recompute"
+    RECOMPUTE = "recompute"  # free the blocks; recompute from the prefix cache on resume
+    SWAP = "swap"  # copy the blocks to the host tier and back (needs swap_space)
 
 
 class LoadFormat(enum.Enum):
@@ -113,6 +114,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    # vLLM's name: GiB of host memory holding KV blocks behind the device pool
+    # (engine/host_tier.py): evicted prefix-cache blocks spill there and hits
+    # are copied back; preemption_mode="swap" parks preempted sequences there.
+    # 0: no host tier.
+    swap_space: float = 0
     tensor_parallel_size: int = 1
     load_format: LoadFormat = LoadFormat.AUTO
     skip_tokenizer_init: bool = False
@@ -150,6 +156,7 @@ class EngineConfig:
         self._check_memory()
         _require_int("max_num_seqs", self.max_num_seqs, 1)
         _require_int("max_logprobs", self.max_logprobs, 0)
+        self._check_swap()
         for name in (
             "enforce_eager",
             "fused_ops",
@@ -227,6 +234,16 @@ class EngineConfig:
         util = self.gpu_memory_utilization
         if not isinstance(util, int | float) or isinstance(util, bool) or not 0.0 < util <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {util!r}")
+
+    def _check_swap(self) -> None:
+        """The host tier's size, and what needs one."""
+        space = self.swap_space
+        if not isinstance(space, int | float) or isinstance(space, bool) or not space >= 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0; got {space!r}")
+        if self.preemption_mode is PreemptionMode.SWAP and space == 0:
+            raise ValueError('preemption_mode="swap" needs a host tier: set swap_space > 0')
+        if space > 0 and self.tensor_parallel_size > 1:
+            raise ValueError("swap_space is not supported with tensor_parallel_size > 1 yet")
 
     def _resolve_lengths(self) -> None:
         limit = self.model_config.max_position_embeddings

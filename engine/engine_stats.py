@@ -30,21 +30,41 @@ class EngineStats:
     num_generated_tokens: int = 0
     # Blocks freed before a sliding window (models whose layers all slide).
     num_window_freed_blocks: int = 0
+    # The host tier (swap_space; all 0 without one): its slots, the free ones
+    # (empty or evictable cached), prefix blocks served from it, blocks and
+    # bytes copied each way, and preemptions by swap and those that fell back
+    # to recompute because the tier could not take the victim.
+    num_host_kv_blocks: int = 0
+    num_free_host_kv_blocks: int = 0
+    host_tier_hit_blocks: int = 0
+    num_blocks_copied_to_host: int = 0
+    num_blocks_copied_to_device: int = 0
+    bytes_copied_to_host: int = 0
+    bytes_copied_to_device: int = 0
+    num_swap_preemptions: int = 0
+    num_swap_fallbacks: int = 0
 
 
 def collect_stats(
-    sched: Scheduler, bm: BlockManager, num_computed_tokens: int, num_generated_tokens: int
+    sched: Scheduler,
+    bm: BlockManager,
+    num_computed_tokens: int,
+    num_generated_tokens: int,
+    kv_block_bytes: int = 0,
 ) -> EngineStats:
     """The snapshot now. Queued prefill tokens count the waiting prompts and the
-    unfinished chunks of running ones (a decode row has one uncomputed token)."""
+    unfinished chunks of running ones (a decode row has one uncomputed token).
+    ``kv_block_bytes``: one block's bytes (what the host tier's copies move)."""
     queued = sum(seq.num_uncomputed_tokens for seq in sched.waiting)
     queued += sum(
         seq.num_uncomputed_tokens for seq in sched.running if seq.num_uncomputed_tokens > 1
     )
     s = sched.stats
-    return EngineStats(
-        num_running=len(sched.running),
-        num_waiting=len(sched.waiting),
+    stats = EngineStats(
+        # A sequence loading from the host tier holds a slot and blocks like a
+        # running one; a swapped-out one waits to resume.
+        num_running=len(sched.running) + len(sched.loading),
+        num_waiting=len(sched.waiting) + len(sched.swapped),
         num_reserved=len(sched.reserved),
         num_queued_prefill_tokens=queued,
         num_kv_blocks=bm.num_blocks,
@@ -56,4 +76,17 @@ def collect_stats(
         num_computed_tokens=num_computed_tokens,
         num_generated_tokens=num_generated_tokens,
         num_window_freed_blocks=s.num_window_freed_blocks,
+        num_swap_preemptions=s.num_swap_preemptions,
+        num_swap_fallbacks=s.num_swap_fallbacks,
     )
+    tier = bm.host_tier
+    if tier is not None:
+        t = tier.stats
+        stats.num_host_kv_blocks = tier.num_slots
+        stats.num_free_host_kv_blocks = tier.num_free_slots
+        stats.host_tier_hit_blocks = t.hit_blocks
+        stats.num_blocks_copied_to_host = t.blocks_to_host
+        stats.num_blocks_copied_to_device = t.blocks_to_device
+        stats.bytes_copied_to_host = t.blocks_to_host * kv_block_bytes
+        stats.bytes_copied_to_device = t.blocks_to_device * kv_block_bytes
+    return stats

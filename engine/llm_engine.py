@@ -8,6 +8,10 @@ Life cycle of a request inside the engine:
 2. Each ``step``: the Scheduler picks (sequence, new tokens) pairs — decodes
    first, then chunks of prefills starting past their verified prefix-cache
    hit — and claims KV blocks, preempting by recompute if the pool is full.
+   With a host tier (``swap_space``) the step's copies between the tiers
+   (spilled evictions, prefix hits there, swaps) are issued as one batch
+   before the forward; a sequence loading from the host joins a later step
+   once its copies landed (engine/tier_copies.py).
 3. The ModelRunner writes the new tokens' KV into their blocks, runs the model
    and samples for sequences whose last uncomputed token was in the step.
 4. The Scheduler advances ``num_computed_tokens`` and registers newly full
@@ -32,7 +36,9 @@ from engine.block_hash import MAX_CACHED_HASHERS, HasherCache
 from engine.block_manager import BlockManager, CacheEvents
 from engine.config import EngineConfig
 from engine.detokenizer import TokenizerInfo
+from engine.device import GiB
 from engine.engine_stats import EngineStats, collect_stats
+from engine.host_tier import HostTier
 from engine.input_processor import InputProcessor, PromptType
 from engine.kv_writes import KVWriteObserver
 from engine.model_runner import ModelRunner
@@ -51,6 +57,7 @@ from engine.sequence import (
 )
 from engine.step_clock import StepClock, StepKind
 from engine.structured.scheduling import StructuredOutputs
+from engine.tier_copies import TierTransfers
 from engine.tokenizer import load_tokenizer
 from engine.tp_workers import TPWorkers
 
@@ -81,10 +88,12 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self._start_model(config)
+        self.host_tier = self._host_tier(config)
         self.block_manager = BlockManager(
             self.model_runner.num_kvcache_blocks,
             config.kvcache_block_size,
             config.enable_prefix_caching,
+            host_tier=self.host_tier,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -93,6 +102,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             sliding_window=config.model_config.freeing_window,
+            preemption_mode=config.preemption_mode,
         )
         self.input_processor = InputProcessor(config, self.tokenizer, self.eos_token_ids, tok_info)
         on_cuda = self.model_runner.device.type == "cuda"
@@ -141,6 +151,44 @@ class LLMEngine:
             # The followers stop with this engine (gc, interpreter exit, or shutdown()).
             self._stop_workers = weakref.finalize(self, self.tp_workers.close)
 
+    def _host_tier(self, config: EngineConfig) -> HostTier | None:
+        """The host tier's slots and the copies into and out of them (None: off)."""
+        self.tier_transfers: TierTransfers | None = None
+        if not config.swap_space:
+            return None
+        block_bytes = self.model_runner.kv_block_bytes
+        num_slots = int(config.swap_space * GiB) // block_bytes
+        if num_slots < 1:
+            raise ValueError(
+                f"swap_space ({config.swap_space} GiB) holds no KV block ({block_bytes} bytes)"
+            )
+        tier = HostTier(num_slots)
+        self.tier_transfers = TierTransfers(tier, self.model_runner.kv_cache)
+        return tier
+
+    def _flush_tiers(self, wait: bool = False) -> None:
+        """Issue the copies scheduling queued (before anything can write the
+        blocks they read); ``wait``: until they are done (a KV transfer writes
+        reserved blocks on a stream of its own)."""
+        if self.tier_transfers is None:
+            return
+        loads = self.scheduler.take_new_loads()
+        now = time.monotonic()
+        for seq in loads:
+            req = self.requests.get(seq.request_id)
+            if req is not None and req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        self.tier_transfers.flush(loads)
+        if wait:
+            self._poll_tiers(wait=True)
+
+    def _poll_tiers(self, wait: bool = False) -> None:
+        """Sequences whose copies from the host landed join the running batch."""
+        if self.tier_transfers is not None and self.tier_transfers.busy:
+            loaded = self.tier_transfers.poll(wait)
+            if loaded:
+                self.scheduler.loads_done(loaded)
+
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> LLMEngine:
         return cls(EngineConfig.from_kwargs(model, **kwargs))
@@ -186,7 +234,9 @@ class LLMEngine:
         if req.params.prompt_logprobs is not None:
             raise ValueError("a request prefilled remotely cannot ask for prompt_logprobs")
         seq = req.seqs[0]
-        if not self.scheduler.reserve(seq):
+        reserved = self.scheduler.reserve(seq)
+        self._flush_tiers(wait=True)  # blocks it evicted spill before the KV lands
+        if not reserved:
             return None
         self.requests[request_id] = req
         if req.params.needs_penalties:
@@ -282,6 +332,7 @@ class LLMEngine:
             or self._touched
             or self._in_flight is not None
             or self.scheduler.has_unfinished()
+            or (self.tier_transfers is not None and self.tier_transfers.busy)
         )
 
     def get_num_unfinished_requests(self) -> int:
@@ -299,6 +350,7 @@ class LLMEngine:
         return outputs
 
     def step(self) -> list[RequestOutput]:
+        self._poll_tiers()
         self._fail_grammars()  # and start the matchers of compiled ones
         outputs = self.take_outputs()  # now, not after another forward pass
         prev, self._in_flight = self._in_flight, None
@@ -307,6 +359,7 @@ class LLMEngine:
             return outputs
         began = time.monotonic()
         batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else ScheduledBatch()
+        self._flush_tiers()
         scheduled_s = time.monotonic() - began
         if batch.admitted:
             now = time.monotonic()
@@ -324,6 +377,9 @@ class LLMEngine:
                 return outputs  # the next step schedules what this one's tokens allow
             prev = None
         if not batch.seqs:
+            if self.scheduler.loading:  # nothing else to run: wait for the copies
+                self._poll_tiers(wait=True)
+                return outputs
             if batch.preempted or self.structured.idle_wait():
                 return outputs  # memory was reclaimed, or grammars compile
             raise RuntimeError("the scheduler could not schedule any pending sequence")
@@ -446,8 +502,13 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     def stats(self) -> EngineStats:
+        block_bytes = self.tier_transfers.block_bytes if self.tier_transfers else 0
         return collect_stats(
-            self.scheduler, self.block_manager, self.num_computed_tokens, self.num_generated_tokens
+            self.scheduler,
+            self.block_manager,
+            self.num_computed_tokens,
+            self.num_generated_tokens,
+            block_bytes,
         )
 
     # ------------------------------------------------------- for the nodes

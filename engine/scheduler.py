@@ -25,6 +25,17 @@ When the KV pool cannot hold a running sequence's next tokens, the most
 recently admitted sequence not yet scheduled this step is preempted: its blocks
 are freed (cached ones stay in the prefix cache, so the recompute mostly hits)
 and it goes back to the front of the queue with ``num_computed_tokens = 0``.
+
+With a host tier (engine/host_tier.py) two more paths exist, both through
+LOADING: the sequence holds device blocks that copies from the host fill, is
+not scheduled, and joins the running batch once the engine reports the copies
+landed (``loads_done``), so only it waits for them.
+- A waiting prompt whose prefix continues past its device-cache hit in the
+  host tier claims blocks for those hits and loads them.
+- ``preemption_mode="swap"``: a victim's blocks are copied to the host tier
+  (SWAPPED); swapped sequences resume, before any waiting one is admitted,
+  by loading them back. A victim whose blocks the tier cannot take is
+  preempted by recompute instead (``num_swap_fallbacks``).
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.config import PreemptionMode
 from engine.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -72,6 +84,10 @@ class SchedulerStats:
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     num_steps: int = 0
+    # Preemptions by swap, and those that fell back to recompute (the host
+    # tier could not take the victim's blocks).
+    num_swap_preemptions: int = 0
+    num_swap_fallbacks: int = 0
 
 
 class Scheduler:
@@ -83,8 +99,13 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         sliding_window: int | None = None,
+        preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
     ) -> None:
         self.block_manager = block_manager
+        self.host_tier = block_manager.host_tier
+        if preemption_mode is PreemptionMode.SWAP and self.host_tier is None:
+            raise ValueError('preemption_mode="swap" needs a host tier (swap_space > 0)')
+        self.preemption_mode = preemption_mode
         # Set when every layer of the model slides: a running sequence's blocks
         # before its window are freed as it advances (BlockManager.free_blocks_before).
         self.sliding_window = sliding_window
@@ -98,6 +119,12 @@ class Scheduler:
         self.reserved: dict[int, Sequence] = {}
         # Prefill node: finished sequences whose blocks are held for a transfer.
         self.held: dict[str, Sequence] = {}
+        # Host tier: sequences whose blocks copies from the host fill (kept
+        # until the copies land, even if finished meanwhile: the copies write
+        # their blocks), those started this step, and swapped-out ones.
+        self.loading: dict[int, Sequence] = {}
+        self._new_loads: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
         self.stats = SchedulerStats()
 
     # ------------------------------------------------------------ membership
@@ -107,10 +134,10 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.loading) + len(self.swapped)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading or self.swapped)
 
     def finish(
         self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None
@@ -130,6 +157,15 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.RESERVED:
             del self.reserved[seq.seq_id]
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.host_tier.release(seq.swapped_slots)
+            seq.swapped_slots = []
+        elif seq.status is SequenceStatus.LOADING:
+            # Its blocks are freed once its copies land (``loads_done``).
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+            return
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -144,8 +180,8 @@ class Scheduler:
 
     @property
     def num_free_slots(self) -> int:
-        """Sequence slots neither running nor reserved (what a new request may take)."""
-        return self.max_num_seqs - len(self.running) - len(self.reserved)
+        """Sequence slots neither running, reserved nor loading (what a new request may take)."""
+        return self.max_num_seqs - len(self.running) - len(self.reserved) - len(self.loading)
 
     # ------------------------------------------------------ remote prefill
     def reserve(self, seq: Sequence) -> bool:
@@ -230,7 +266,7 @@ class Scheduler:
             if num_tokens - computed > 1:  # a prompt chunk (a decode row's token may be unread)
                 self.block_manager.cache_full_blocks(seq, computed + num_new)
 
-        if not batch.preempted:
+        if not batch.preempted and self._resume_swapped():
             budget = self._admit_waiting(batch, budget)
         self.stats.num_steps += 1
         return batch
@@ -256,12 +292,14 @@ class Scheduler:
         # committed remote prefill preempted before its first step (the most
         # recent, so the first victim) has registered nothing yet (``commit``).
         self.block_manager.cache_full_blocks(seq)
+        seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        if self.preemption_mode is PreemptionMode.SWAP and self._swap_out(seq):
+            return
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
         self.waiting.appendleft(seq)
-        self.stats.num_preemptions += 1
         logger.warning(
             "preempted request %s (seq %d, %d tokens) by recompute: KV cache is full "
             "(%d preemptions so far); consider a larger KV cache or a lower max_num_seqs",
@@ -271,13 +309,116 @@ class Scheduler:
             self.stats.num_preemptions,
         )
 
+    def _swap_out(self, seq: Sequence) -> bool:
+        """Park the victim's computed blocks in the host tier (SWAPPED); False,
+        nothing changed, where it has none or the tier cannot take them (nor
+        blocks a sliding window freed: its table has holes)."""
+        bm = self.block_manager
+        num_blocks = bm.blocks_needed(seq.num_computed_tokens)
+        if num_blocks == 0:
+            return False
+        slots = None
+        if not seq.num_window_freed_blocks and len(seq.block_table) >= num_blocks:
+            slots = self.host_tier.swap_out(seq.block_table[:num_blocks])
+        if slots is None:
+            self.stats.num_swap_fallbacks += 1
+            return False
+        bm.free(seq)  # the copies run before any later write to these blocks
+        seq.swapped_slots = slots
+        seq.status = SequenceStatus.SWAPPED
+        self.swapped.appendleft(seq)
+        self.stats.num_swap_preemptions += 1
+        logger.warning(
+            "preempted request %s (seq %d, %d tokens) by swap: KV cache is full "
+            "(%d preemptions so far); consider a larger KV cache or a lower max_num_seqs",
+            seq.request_id,
+            seq.seq_id,
+            seq.num_tokens,
+            self.stats.num_preemptions,
+        )
+        return True
+
+    def _resume_swapped(self) -> bool:
+        """Start loading swapped sequences back, the last victim first (victims
+        are taken newest request first, so that is the oldest request, as
+        with recompute's queue front); False while one must wait (its
+        swap-out still copying, or too few blocks or sequence slots): no
+        waiting sequence is admitted before it."""
+        bm = self.block_manager
+        while self.swapped:
+            seq = self.swapped[0]
+            if self.num_free_slots <= 0 or not self.host_tier.all_landed(seq.swapped_slots):
+                return False
+            if not bm.allocate_slots(seq, 0):  # blocks for its computed tokens
+                return False
+            self.swapped.popleft()
+            # The sequence's references to its slots pass to the load.
+            self.host_tier.load(seq.swapped_slots, seq.block_table)
+            seq.swapped_slots = []
+            self._begin_load(seq)
+        return True
+
+    def _host_hits(self, seq: Sequence, start: int) -> list[int]:
+        """Host-tier slots continuing a waiting prompt's device-cache hit of
+        ``start`` blocks (``find_cached_prefix`` hashed its blocks)."""
+        bm = self.block_manager
+        if self.host_tier is None or not bm.enable_prefix_caching or seq.hasher is None:
+            return []
+        bs = bm.block_size
+        limit = min((seq.num_tokens - 1) // bs, len(seq.block_hashes))
+        return self.host_tier.find_prefix(seq.block_hashes, seq.token_ids, bs, start, limit)
+
+    def _start_load(self, seq: Sequence, prefix: list[int], hits: list[int]) -> bool:
+        """Claim the device-cache hit and blocks for the host-tier hits, and queue
+        their copies (LOADING); False, nothing changed, when blocks are short."""
+        bm, tier = self.block_manager, self.host_tier
+        bs = bm.block_size
+        tier.hold(hits)  # a spill this allocation causes must not evict them
+        if not bm.allocate_slots(seq, len(hits) * bs, prefix):
+            tier.release(hits)
+            return False
+        first = len(prefix)
+        tier.load(hits, seq.block_table[first : first + len(hits)])
+        tier.stats.hit_blocks += len(hits)
+        seq.num_computed_tokens += len(hits) * bs
+        if seq.num_cached_tokens < 0:  # first admission: report the hit once
+            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            self.stats.prefix_cache_queried_tokens += seq.num_tokens
+            self.stats.prefix_cache_hit_tokens += first * bs
+        self._begin_load(seq)
+        return True
+
+    def _begin_load(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.LOADING
+        self.loading[seq.seq_id] = seq
+        self._new_loads.append(seq)
+
+    def take_new_loads(self) -> list[Sequence]:
+        """Sequences that began loading since the last take (their copies are
+        the host tier's ``take_copies``)."""
+        loads, self._new_loads = self._new_loads, []
+        return loads
+
+    def loads_done(self, seqs: list[Sequence]) -> None:
+        """Their copies from the host tier have landed: they join the running
+        batch, and the loaded blocks the device prefix cache; one finished
+        meanwhile frees its blocks now."""
+        for seq in seqs:
+            del self.loading[seq.seq_id]
+            if seq.status is SequenceStatus.FINISHED:
+                self.block_manager.free(seq)
+                continue
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.block_manager.cache_full_blocks(seq)
+
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         bm = self.block_manager
         waiting = self.waiting
         # Sequences whose grammar still compiles keep their place in the queue;
         # those behind them are admitted meanwhile.
         compiling: list[Sequence] = []
-        while waiting and budget > 0 and len(self.running) + len(self.reserved) < self.max_num_seqs:
+        while waiting and budget > 0 and self.num_free_slots > 0:
             seq = waiting[0]
             if seq.awaiting_grammar:
                 compiling.append(waiting.popleft())
@@ -286,6 +427,12 @@ class Scheduler:
             # request computes its whole prompt (its blocks still get cached).
             use_cache = seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is None
             prefix = bm.find_cached_prefix(seq) if use_cache else []
+            hits = self._host_hits(seq, len(prefix)) if use_cache else []
+            if hits:
+                if not self._start_load(seq, prefix, hits):
+                    break
+                waiting.popleft()
+                continue
             num_prefix_tokens = len(prefix) * bm.block_size
             num_new = seq.num_uncomputed_tokens - num_prefix_tokens
             if num_new > budget:

@@ -32,6 +32,11 @@ class SequenceStatus(enum.Enum):
     # Decode node: blocks reserved for the prompt, which a prefill node computes;
     # not scheduled until its KV lands and it is committed.
     RESERVED = enum.auto()
+    # Blocks claimed and being filled by copies from the host tier (a prefix
+    # hit there, or a swap-in); not scheduled until they have landed.
+    LOADING = enum.auto()
+    # Preempted by swap: its KV waits in the host tier (``swapped_slots``).
+    SWAPPED = enum.auto()
     FINISHED = enum.auto()
 
 
@@ -97,6 +102,8 @@ class Sequence:
     num_tokens_reported: int = 0
     finish_reported: bool = False
     num_preemptions: int = 0
+    # Preempted by swap: the host-tier slots holding its blocks, in table order.
+    swapped_slots: list[int] = field(default_factory=list)
     # Prefill node: keep the blocks when the sequence finishes, until the node has
     # gathered them for the transfer (LLMEngine.release_held).
     hold_kv: bool = False

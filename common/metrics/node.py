@@ -153,9 +153,58 @@ class NodeCollector(Collector):
             int(self.engine.alive),
         )
         yield from self._engine(labels)
+        yield from self._host_tier(labels)
         yield from self._counters(labels)
         yield from self._histograms(labels)
         yield from self._heartbeat(labels)
+
+    def _host_tier(self, labels: dict[str, str]) -> Iterator[Metric]:
+        """The KV blocks' host tier (``--swap-space``; all 0 without one)."""
+        s = self.engine.stats
+        yield gauge(
+            "pdserve_host_kv_blocks_capacity",
+            "KV block slots in the host tier behind the KV pool (0: no host tier).",
+            labels,
+            s.num_host_kv_blocks,
+        )
+        yield gauge(
+            "pdserve_host_kv_blocks_free",
+            "Host-tier slots a spill or swap can take (empty, or cached and evictable).",
+            labels,
+            s.num_free_host_kv_blocks,
+        )
+        yield counter(
+            "pdserve_host_tier_hit_blocks_total",
+            "Prefix blocks served from the host tier (copied back, not recomputed).",
+            labels,
+            s.host_tier_hit_blocks,
+        )
+        yield labelled_counter(
+            "pdserve_kv_tier_copied_blocks_total",
+            "KV blocks copied between the pool and the host tier, by direction.",
+            labels,
+            "direction",
+            {"to_host": s.num_blocks_copied_to_host, "to_device": s.num_blocks_copied_to_device},
+        )
+        yield labelled_counter(
+            "pdserve_kv_tier_copied_bytes_total",
+            "KV bytes copied between the pool and the host tier, by direction.",
+            labels,
+            "direction",
+            {"to_host": s.bytes_copied_to_host, "to_device": s.bytes_copied_to_device},
+        )
+        yield counter(
+            "pdserve_swap_preemptions_total",
+            "Sequences preempted by swap (blocks to the host tier and back).",
+            labels,
+            s.num_swap_preemptions,
+        )
+        yield counter(
+            "pdserve_swap_fallbacks_total",
+            "Preemptions by swap that fell back to recompute (the host tier was full).",
+            labels,
+            s.num_swap_fallbacks,
+        )
 
     def _counters(self, labels: dict[str, str]) -> Iterator[Metric]:
         if self.counters is not None:
@@ -262,7 +311,7 @@ class NodeCollector(Collector):
         yield family
         yield counter(
             "pdserve_preemptions_total",
-            "Sequences preempted (by recompute) for lack of KV blocks.",
+            "Sequences preempted (by recompute or swap) for lack of KV blocks.",
             labels,
             s.num_preemptions,
         )

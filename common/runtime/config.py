@@ -37,6 +37,8 @@ ENGINE_FLAGS: dict[str, type] = {
     "seed": int,
     "load_format": str,
     "tensor_parallel_size": int,
+    "swap_space": float,
+    "preemption_mode": str,
 }
 
 

@@ -167,6 +167,15 @@ def engine_stats(**overrides) -> EngineStats:
         num_preemptions=17,
         prefix_cache_queried_tokens=19,
         prefix_cache_hit_tokens=23,
+        num_host_kv_blocks=29,
+        num_free_host_kv_blocks=31,
+        host_tier_hit_blocks=37,
+        num_blocks_copied_to_host=41,
+        num_blocks_copied_to_device=43,
+        bytes_copied_to_host=53,
+        bytes_copied_to_device=59,
+        num_swap_preemptions=61,
+        num_swap_fallbacks=67,
     )
     return EngineStats(**(base | overrides))
 
@@ -194,6 +203,20 @@ def test_node_exports_engine_snapshot_and_block_states():
     assert value(s, "pdserve_prefix_cache_hit_tokens_total") == 23
     assert value(s, "pdserve_node_info", model="smol", block_size="16") == 1
     assert value(s, "pdserve_engine_alive") == 1 and value(s, "pdserve_node_draining") == 0
+
+
+def test_node_exports_the_host_tier():
+    engine = SimpleNamespace(stats=engine_stats(), alive=True)
+    s = scrape(NodeCollector(node_info(), engine))
+    assert value(s, "pdserve_host_kv_blocks_capacity") == 29
+    assert value(s, "pdserve_host_kv_blocks_free") == 31
+    assert value(s, "pdserve_host_tier_hit_blocks_total") == 37
+    assert value(s, "pdserve_kv_tier_copied_blocks_total", direction="to_host") == 41
+    assert value(s, "pdserve_kv_tier_copied_blocks_total", direction="to_device") == 43
+    assert value(s, "pdserve_kv_tier_copied_bytes_total", direction="to_host") == 53
+    assert value(s, "pdserve_kv_tier_copied_bytes_total", direction="to_device") == 59
+    assert value(s, "pdserve_swap_preemptions_total") == 61
+    assert value(s, "pdserve_swap_fallbacks_total") == 67
 
 
 def test_every_engine_stats_field_is_exported():

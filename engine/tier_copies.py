@@ -1,0 +1,180 @@
+"""The host tier's memory and the copies between it and the device's KV cache.
+
+engine/host_tier.py decides which block goes to which slot; this module moves
+the bytes. The tier is one tensor shaped like the device cache with slots for
+blocks, ``[2, num_layers, num_slots, block_size, kv_heads, head_dim]``, in
+pinned memory where the cache is on a GPU (plain CPU memory otherwise: on a
+CPU engine both "tiers" are host memory, and the same bookkeeping runs).
+
+A step's copies go as one batch each way, whatever the number of blocks:
+
+- to the host: one gather kernel (``index_select`` over the evicted blocks)
+  into a contiguous buffer, one device-to-host copy of it into a pinned
+  staging buffer, and, once that has landed, one ``index_copy_`` on the host
+  into the slots;
+- to the device: one ``index_select`` on the host out of the slots into a
+  pinned staging buffer, one host-to-device copy, one ``index_copy_`` kernel
+  into the blocks.
+
+On a GPU they run on a copy stream of their own, ordered as follows. The copy
+stream first waits for everything the compute stream has queued (the steps
+that wrote the blocks being copied out, and any step in flight that may still
+write a freed block being loaded into). The compute stream then waits for the
+gather only (an event right after it), not for the transfer over the bus: an
+evicted block may be written by the very next step, and the gather has read
+it by then. Loads are waited for by no one but their sequences, which the
+scheduler runs only once the engine saw their event complete
+(``TierTransfers.poll``). Copies to the host are read before loads on the one
+stream, so a block that spills and is loaded into in the same step is read
+before it is overwritten. On a CPU every copy is done when ``flush`` returns.
+
+Why not engine/copy_engine.py's pitched copies: they move runs of consecutive
+blocks device to device, a driver call per run; evicted blocks and the slots
+they go to are scattered, so a gather into one contiguous buffer and a single
+bus copy cost one launch each whatever the layout.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.host_tier import HostTier, TierCopies
+from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class CopyBatch:
+    """One step's copies in flight."""
+
+    copies: TierCopies
+    loads: list[Sequence]  # sequences whose blocks the copies to the device fill
+    done: torch.cuda.Event | None = None  # None: done (a CPU)
+    # Copies to the host land here first; ``slots`` get them once done.
+    staged: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    keep: list[torch.Tensor] = field(default_factory=list)  # alive until done
+
+    def is_done(self) -> bool:
+        return self.done is None or self.done.query()
+
+
+def _index(ids: list[int], device: torch.device) -> torch.Tensor:
+    idx = torch.tensor(ids, dtype=torch.int64)
+    return idx.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else idx
+
+
+class TierTransfers:
+    """The engine's side of the host tier: each step's copies issued as a batch
+    and tracked until they land."""
+
+    def __init__(self, tier: HostTier, kv_cache: torch.Tensor) -> None:
+        self.tier = tier
+        self.kv_cache = kv_cache
+        self.on_cuda = kv_cache.is_cuda
+        shape = (*kv_cache.shape[:2], tier.num_slots, *kv_cache.shape[3:])
+        # Lazy on a CPU (pages are committed as slots fill); pinned on a GPU
+        # host, so copies to and from it never go through pageable memory.
+        self.host = torch.empty(shape, dtype=kv_cache.dtype, pin_memory=self.on_cuda)
+        self.stream = torch.cuda.Stream(kv_cache.device) if self.on_cuda else None
+        self._in_flight: deque[CopyBatch] = deque()
+
+    @property
+    def block_bytes(self) -> int:
+        kv = self.kv_cache
+        return kv.numel() // kv.shape[2] * kv.element_size()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._in_flight)
+
+    def flush(self, loads: list[Sequence]) -> None:
+        """Issue the copies the tier queued (``loads``: the sequences they fill).
+        Before the next step is launched: that step may reuse evicted blocks."""
+        copies = self.tier.take_copies()
+        if not copies and not loads:
+            return
+        batch = CopyBatch(copies, loads)
+        if self.on_cuda:
+            self._issue_cuda(batch)
+        else:
+            self._issue_cpu(batch)
+        self.tier.copies_issued(copies)  # the loads have read their slots
+        self._in_flight.append(batch)
+
+    def poll(self, wait: bool = False) -> list[Sequence]:
+        """Retire the batches that are done (all of them with ``wait``), in
+        issue order; returns the sequences whose loads landed."""
+        loaded: list[Sequence] = []
+        while self._in_flight and (wait or self._in_flight[0].is_done()):
+            batch = self._in_flight.popleft()
+            if batch.done is not None:
+                batch.done.synchronize()
+            if batch.staged is not None:
+                self.host.index_copy_(2, batch.slots, batch.staged)
+            self.tier.landed(batch.copies)
+            loaded.extend(batch.loads)
+        return loaded
+
+    def _issue_cpu(self, batch: CopyBatch) -> None:
+        kv, host = self.kv_cache, self.host
+        if batch.copies.to_host:
+            blocks, slots = zip(*batch.copies.to_host, strict=True)
+            host.index_copy_(
+                2, _index(slots, host.device), kv.index_select(2, _index(blocks, kv.device))
+            )
+        if batch.copies.to_device:
+            slots, blocks = zip(*batch.copies.to_device, strict=True)
+            kv.index_copy_(
+                2, _index(blocks, kv.device), host.index_select(2, _index(slots, host.device))
+            )
+
+    def _issue_cuda(self, batch: CopyBatch) -> None:
+        kv, stream = self.kv_cache, self.stream
+        compute = torch.cuda.current_stream(kv.device)
+        # Index tensors and buffers first, on the compute stream (the memory
+        # the engine's budget knows): the copy stream's wait below orders it
+        # after their uploads and after every write already queued.
+        out_idx = in_idx = None
+        if batch.copies.to_host:
+            blocks, slots = zip(*batch.copies.to_host, strict=True)
+            out_idx = self._for_copy_stream(_index(list(blocks), kv.device))
+            out = self._for_copy_stream(kv.new_empty(self._shape(len(blocks))))
+            batch.staged = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            batch.slots = torch.tensor(slots, dtype=torch.int64)
+            batch.keep.append(out)
+        if batch.copies.to_device:
+            slots, blocks = zip(*batch.copies.to_device, strict=True)
+            src = torch.empty(self._shape(len(slots)), dtype=kv.dtype, pin_memory=True)
+            torch.index_select(self.host, 2, torch.tensor(slots, dtype=torch.int64), out=src)
+            in_idx = self._for_copy_stream(_index(list(blocks), kv.device))
+            landed = self._for_copy_stream(kv.new_empty(src.shape))
+            batch.keep += [src, landed]
+        stream.wait_stream(compute)
+        gathered = None
+        with torch.cuda.stream(stream):
+            if out_idx is not None:
+                torch.index_select(kv, 2, out_idx, out=out)
+                gathered = torch.cuda.Event()
+                gathered.record(stream)
+                batch.staged.copy_(out, non_blocking=True)
+            if in_idx is not None:
+                landed.copy_(src, non_blocking=True)
+                kv.index_copy_(2, in_idx, landed)
+            batch.done = torch.cuda.Event()
+            batch.done.record(stream)
+        if gathered is not None:
+            compute.wait_event(gathered)  # evicted blocks are free to rewrite after it
+
+    def _shape(self, num_blocks: int) -> tuple[int, ...]:
+        kv = self.kv_cache
+        return (*kv.shape[:2], num_blocks, *kv.shape[3:])
+
+    def _for_copy_stream(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor of the compute stream's pool (the memory the engine's budget
+        knows) that the copy stream uses: not reused before the copy stream's
+        use of it is done."""
+        t.record_stream(self.stream)
+        return t

@@ -1,0 +1,191 @@
+"""The host tier end to end (swap_space, preemption_mode="swap") on a tiny
+Llama with random weights built from its config alone, on the CPU, where the
+"device" pool and the host tier are both CPU memory and run the same
+bookkeeping and batched copies as on a GPU.
+
+The oracle is the same engine without a host tier (itself checked against HF
+transformers in test_models.py / test_hf_parity.py): KV copied out and back must
+give the same greedy tokens as KV kept or recomputed, and those tokens depend
+on the prompt (a wrong block would change them).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.device import GiB
+from tests.conftest import TINY_CONFIGS, write_config_dir
+
+BS = 8
+# One KV block of the tiny Llama in fp32: K and V x 2 layers x 8 tokens x 2 heads x 16.
+BLOCK_BYTES = 2 * 2 * BS * 2 * 16 * 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def slots(n: int) -> float:
+    """swap_space (GiB) holding exactly ``n`` blocks."""
+    return n * BLOCK_BYTES / GiB
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """The tiny Llama's config.json alone: the engine draws its weights."""
+    return write_config_dir(tmp_path_factory.mktemp("tiny-llama-config"), TINY_CONFIGS["llama"])
+
+
+def make_llm(model_dir, num_blocks: int, device: str = "cpu", **kwargs) -> LLM:
+    return LLM(
+        str(model_dir),
+        load_format="dummy",
+        device=device,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        kvcache_block_size=BS,
+        num_kvcache_blocks=num_blocks,
+        max_model_len=16 * BS,
+        **kwargs,
+    )
+
+
+def assert_idle(llm: LLM) -> None:
+    """Every block of both tiers free again (possibly still cached); books balance."""
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests() and not engine.has_work()
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks
+    if engine.host_tier is not None:
+        engine.host_tier.check_invariants()
+        assert engine.host_tier.num_free_slots == engine.host_tier.num_slots
+
+
+def conversations(n: int) -> list[list[int]]:
+    """First turns: distinct 37-token prompts (4 full blocks and a bit)."""
+    return [[(c * 131 + i * 17 + 5) % 500 for i in range(37)] for c in range(n)]
+
+
+def run_two_turns(llm: LLM, order=range(8)) -> tuple[list[list[int]], list[int]]:
+    """Eight conversations, one request at a time: every first turn, then every
+    second turn (the first turn's prompt and answer and 12 new tokens), in
+    ``order``. The working set is about four times the device pool, so a
+    conversation's prefix has left the device pool by its second turn.
+    Returns the answers and each second turn's cached tokens, by conversation."""
+    firsts = conversations(8)
+    answers, seconds = [], []
+    for prompt in firsts:
+        (out,) = llm.generate([prompt], GREEDY, use_tqdm=False)
+        answers.append(out.outputs[0].token_ids)
+        seconds.append(prompt + list(out.outputs[0].token_ids) + [7 + len(seconds)] * 12)
+    cached = [0] * len(seconds)
+    answers += [[]] * len(seconds)
+    for c in order:
+        (out,) = llm.generate([seconds[c]], GREEDY, use_tqdm=False)
+        answers[len(firsts) + c] = out.outputs[0].token_ids
+        cached[c] = out.num_cached_tokens
+    return answers, cached
+
+
+@pytest.fixture(scope="module")
+def without_tier(llama_dir):
+    llm = make_llm(llama_dir, num_blocks=16)
+    answers, cached = run_two_turns(llm)
+    assert len({tuple(a) for a in answers}) > len(answers) // 2  # they follow the prompts
+    return answers, cached, llm.llm_engine.stats()
+
+
+def test_second_turns_load_their_evicted_prefix_from_the_host_tier(llama_dir, without_tier):
+    answers, cached_before, before = without_tier
+    assert not any(cached_before)  # the device pool alone kept no prefix
+    llm = make_llm(llama_dir, num_blocks=16, swap_space=slots(64))
+    got, cached = run_two_turns(llm)
+    stats = llm.llm_engine.stats()
+    assert got == answers
+    # Each second turn reuses its first turn's 4 full prompt blocks at least.
+    assert all(c >= 4 * BS for c in cached), cached
+    assert stats.host_tier_hit_blocks >= 8 * 4
+    assert stats.num_computed_tokens <= before.num_computed_tokens - 8 * 4 * BS
+    assert stats.num_blocks_copied_to_device == stats.host_tier_hit_blocks
+    assert stats.bytes_copied_to_device == stats.host_tier_hit_blocks * BLOCK_BYTES
+    assert stats.num_blocks_copied_to_host > 0 and stats.num_host_kv_blocks == 64
+    assert_idle(llm)
+
+
+def test_a_full_host_tier_keeps_the_most_recent_prefixes(llama_dir, without_tier):
+    """A tier of 12 blocks holds only the last two conversations' 5 full blocks
+    each (LRU): second turns taken newest first hit for those and miss for the
+    oldest, and the answers stay the same."""
+    answers, _, _ = without_tier
+    llm = make_llm(llama_dir, num_blocks=16, swap_space=slots(12))
+    got, cached = run_two_turns(llm, order=range(7, -1, -1))
+    assert got == answers
+    assert cached[7] >= 4 * BS and cached[6] >= 4 * BS
+    assert cached[0] == 0
+    assert_idle(llm)
+
+
+def pressure_prompts() -> list[list[int]]:
+    return [[(p * 71 + i * 29 + 3) % 500 for i in range(30 + 5 * p)] for p in range(4)]
+
+
+@pytest.fixture(scope="module")
+def unpressured(llama_dir):
+    llm = make_llm(llama_dir, num_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs = llm.generate(pressure_prompts(), params, use_tqdm=False)
+    assert llm.llm_engine.stats().num_preemptions == 0
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize(("tier_blocks", "async_scheduling"), [(64, True), (3, False)])
+def test_swap_preemption_under_kv_pressure_keeps_outputs(
+    llama_dir, unpressured, tier_blocks, async_scheduling
+):
+    """A 17-block pool admits the four prompts and cannot hold them as they grow:
+    victims go to the host tier and back (under async scheduling too, where a
+    victim's last token is still on the device), or, with a 3-block tier too
+    small for any of them, fall back to recompute."""
+    llm = make_llm(
+        llama_dir,
+        num_blocks=17,
+        swap_space=slots(tier_blocks),
+        preemption_mode="swap",
+        async_scheduling=async_scheduling,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs = llm.generate(pressure_prompts(), params, use_tqdm=False)
+    stats = llm.llm_engine.stats()
+    assert [o.outputs[0].token_ids for o in outs] == unpressured
+    assert stats.num_preemptions > 0
+    if tier_blocks == 64:
+        assert stats.num_swap_preemptions == stats.num_preemptions
+        assert stats.num_swap_fallbacks == 0
+    else:
+        assert stats.num_swap_preemptions == 0
+        assert stats.num_swap_fallbacks == stats.num_preemptions
+    assert_idle(llm)
+
+
+def test_a_reservation_spills_what_it_evicts_before_its_kv_lands(llama_dir):
+    """Decode node: a reservation that evicts cached blocks finds their copies
+    done when it returns (a KV transfer then writes the blocks)."""
+    llm = make_llm(llama_dir, num_blocks=16, swap_space=slots(16))
+    engine = llm.llm_engine
+    (first,) = conversations(1)
+    llm.generate([first], GREEDY, use_tqdm=False)  # 5 cached blocks
+    other = [(i * 7 + 1) % 500 for i in range(15 * BS)]
+    reservation = engine.reserve_request("r", other, GREEDY)
+    assert reservation is not None and not engine.tier_transfers.busy
+    stats = engine.stats()
+    assert stats.num_blocks_copied_to_host == 4  # its 15 blocks took 4 of the 5 cached
+    assert engine.host_tier.num_cached_slots == 4
+    engine.abort_request("r")
+    engine.step()
+    assert_idle(llm)
+
+
+def test_swap_needs_a_host_tier(llama_dir):
+    with pytest.raises(ValueError, match="swap_space"):
+        make_llm(llama_dir, num_blocks=16, preemption_mode="swap")
+    with pytest.raises(ValueError, match="swap_space"):
+        make_llm(llama_dir, num_blocks=16, swap_space=-1)

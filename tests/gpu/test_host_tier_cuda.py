@@ -1,0 +1,121 @@
+"""The host tier's copies on a real stream (engine/tier_copies.py): a spill reads
+a block only after the steps queued before it wrote it, and before the next
+step rewrites it; a load is reported only once it landed and holds no other
+work up; and the engine's greedy outputs with the tier (spills, hits, swaps,
+under async scheduling) equal those without it.
+Run on a GPU host: ``python -m pytest tests/gpu -m gpu``."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.host_tier import HostTier
+from engine.tier_copies import TierTransfers
+from tests.conftest import TINY_CONFIGS, write_config_dir
+from tests.engine.test_host_tier import make_llm, pressure_prompts, run_two_turns, slots
+from tests.unit.engine.helpers import make_seq
+
+pytestmark = pytest.mark.gpu
+
+SHAPE = (2, 3, 32, 16, 2, 64)  # [2, layers, blocks, block size, heads, head dim]
+SPIN = 200_000_000  # cycles torch.cuda._sleep holds a stream (a good part of a second)
+
+
+@pytest.fixture
+def tiers():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    kv = torch.randn(SHAPE, device="cuda")
+    tier = HostTier(8)
+    return kv, tier, TierTransfers(tier, kv)
+
+
+def spill(tier: HostTier, block: int, tag: int) -> int:
+    """Spill one block under hash ``tag``; its slot."""
+    tier.spill(tag.to_bytes(16, "little"), bytes(16), (tag,) * SHAPE[3], block)
+    return tier._hash_to_slot[tag.to_bytes(16, "little")]
+
+
+def test_a_spill_reads_the_block_after_queued_writes_and_before_the_next(tiers):
+    kv, tier, transfers = tiers
+    torch.cuda._sleep(SPIN)  # a long step on the compute stream...
+    kv[:, :, 5].fill_(7.0)  # ...that writes block 5 at its end
+    slot5 = spill(tier, 5, 1)
+    before3 = kv[:, :, 3].clone()
+    with torch.cuda.stream(transfers.stream):
+        torch.cuda._sleep(SPIN)  # the copy stream is busy too
+    slot3 = spill(tier, 3, 2)
+    transfers.flush([])
+    kv[:, :, 3].fill_(-1.0)  # the next step reuses block 3
+    kv[:, :, 5].fill_(-1.0)
+    transfers.poll(wait=True)
+    assert torch.equal(transfers.host[:, :, slot5], torch.full_like(before3, 7.0).cpu())
+    assert torch.equal(transfers.host[:, :, slot3], before3.cpu())
+    tier.check_invariants()
+
+
+def test_a_load_lands_before_it_is_reported_and_holds_no_step_up(tiers):
+    kv, tier, transfers = tiers
+    want = kv[:, :, 2].clone()
+    slot = spill(tier, 2, 3)
+    transfers.flush([])
+    transfers.poll(wait=True)
+    seq = make_seq(4)
+    tier.hold([slot])
+    tier.load([slot], [9])
+    with torch.cuda.stream(transfers.stream):
+        torch.cuda._sleep(SPIN)
+    transfers.flush([seq])
+    began = time.monotonic()
+    x = torch.ones(64, device="cuda")
+    (x * 2).sum().item()  # a step on the compute stream: not behind the load
+    step_s = time.monotonic() - began
+    assert transfers.poll() == []  # still copying: the sequence stays out
+    assert transfers.poll(wait=True) == [seq]
+    loaded_s = time.monotonic() - began
+    assert step_s < loaded_s / 4, (step_s, loaded_s)
+    assert torch.equal(kv[:, :, 9], want)
+    tier.check_invariants()
+    assert tier.num_free_slots == tier.num_slots
+
+
+def test_engine_outputs_with_the_host_tier_equal_those_without(tmp_path):
+    """The torch attention backend, as on the CPU; async scheduling (CUDA's default)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    tiny_llama_dir = write_config_dir(tmp_path / "m", TINY_CONFIGS["llama"])
+    plain = make_llm(tiny_llama_dir, num_blocks=16, device="cuda", attention_backend="torch")
+    want, _ = run_two_turns(plain)
+    tiered = make_llm(
+        tiny_llama_dir,
+        num_blocks=16,
+        device="cuda",
+        attention_backend="torch",
+        swap_space=slots(64),
+    )
+    got, cached = run_two_turns(tiered)
+    assert got == want and all(cached)
+    assert tiered.llm_engine.stats().host_tier_hit_blocks >= 32
+
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    big = make_llm(tiny_llama_dir, num_blocks=64, device="cuda", attention_backend="torch")
+    want = [o.outputs[0].token_ids for o in big.generate(pressure_prompts(), params)]
+    swapping = make_llm(
+        tiny_llama_dir,
+        num_blocks=17,
+        device="cuda",
+        attention_backend="torch",
+        swap_space=slots(64),
+        preemption_mode="swap",
+    )
+    got = [o.outputs[0].token_ids for o in swapping.generate(pressure_prompts(), params)]
+    assert got == want and swapping.llm_engine.stats().num_swap_preemptions > 0
+    engine = swapping.llm_engine
+    while engine.has_work():  # the last spills land
+        engine.step()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.host_tier.num_free_slots == engine.host_tier.num_slots
