@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.lora.slots import LoRASlots
 from engine.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -83,8 +84,12 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         sliding_window: int | None = None,
+        lora_slots: LoRASlots | None = None,
     ) -> None:
         self.block_manager = block_manager
+        # With LoRA: a sequence naming an adapter holds one of its device slots
+        # while it runs (or is reserved); without a free one it waits.
+        self.lora_slots = lora_slots
         # Set when every layer of the model slides: a running sequence's blocks
         # before its window are freed as it advances (BlockManager.free_blocks_before).
         self.sliding_window = sliding_window
@@ -121,6 +126,8 @@ class Scheduler:
             if reason is FinishReason.ABORT:
                 self.release_held(seq)
             return
+        if seq.status in (SequenceStatus.RUNNING, SequenceStatus.RESERVED):
+            self._release_lora(seq)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             # A committed remote prefill that ends at its first token ran no
@@ -137,6 +144,16 @@ class Scheduler:
             self.held[seq.request_id] = seq
         else:
             self.block_manager.free(seq)
+
+    def _acquire_lora(self, seq: Sequence) -> bool:
+        """A device slot for the sequence's adapter (True without one)."""
+        if seq.lora_request is None or self.lora_slots is None:
+            return True
+        return self.lora_slots.acquire(seq.lora_request.lora_int_id) is not None
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_request is not None and self.lora_slots is not None:
+            self.lora_slots.release(seq.lora_request.lora_int_id)
 
     def release_held(self, seq: Sequence) -> None:
         if self.held.pop(seq.request_id, None) is not None:
@@ -155,12 +172,13 @@ class Scheduler:
         has to arrive; False (nothing changed) when blocks or sequence slots are
         short.
         """
-        if self.num_free_slots <= 0:
+        if self.num_free_slots <= 0 or not self._acquire_lora(seq):
             return False
         bm = self.block_manager
         prefix = bm.find_cached_prefix(seq)
         num_prefix_tokens = len(prefix) * bm.block_size
         if not bm.allocate_slots(seq, seq.num_tokens - num_prefix_tokens, prefix):
+            self._release_lora(seq)
             return False
         seq.num_cached_tokens = num_prefix_tokens
         self.stats.prefix_cache_queried_tokens += seq.num_tokens
@@ -252,6 +270,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._release_lora(seq)
         # What it computed stays in the prefix cache for its recompute: a
         # committed remote prefill preempted before its first step (the most
         # recent, so the first victim) has registered nothing yet (``commit``).
@@ -274,13 +293,14 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         bm = self.block_manager
         waiting = self.waiting
-        # Sequences whose grammar still compiles keep their place in the queue;
-        # those behind them are admitted meanwhile.
-        compiling: list[Sequence] = []
+        # Sequences whose grammar still compiles, or whose LoRA adapter finds
+        # no free device slot, keep their place in the queue; those behind
+        # them are admitted meanwhile.
+        passed: list[Sequence] = []
         while waiting and budget > 0 and len(self.running) + len(self.reserved) < self.max_num_seqs:
             seq = waiting[0]
-            if seq.awaiting_grammar:
-                compiling.append(waiting.popleft())
+            if seq.awaiting_grammar or not self._acquire_lora(seq):
+                passed.append(waiting.popleft())
                 continue
             # Prompt logprobs need logits at every prompt position, so such a
             # request computes its whole prompt (its blocks still get cached).
@@ -290,9 +310,11 @@ class Scheduler:
             num_new = seq.num_uncomputed_tokens - num_prefix_tokens
             if num_new > budget:
                 if not self.enable_chunked_prefill:
+                    self._release_lora(seq)
                     break
                 num_new = budget
             if not bm.allocate_slots(seq, num_new, prefix):
+                self._release_lora(seq)
                 break
             waiting.popleft()
             if seq.num_cached_tokens < 0:  # first admission: report the hit once
@@ -307,7 +329,7 @@ class Scheduler:
             budget -= num_new
             # Prompts admitted after it in this step may hit these blocks.
             bm.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
-        waiting.extendleft(reversed(compiling))
+        waiting.extendleft(reversed(passed))
         return budget
 
     # --------------------------------------------------------------- update
