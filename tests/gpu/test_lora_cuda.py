@@ -1,18 +1,15 @@
-"""Multi-LoRA on a GPU: the Triton shrink / expand against the torch path, and
-the engine's mixed-adapter batches against HF + PEFT, with CUDA graphs replaying
-decode steps that mix adapters.
+"""Multi-LoRA on a GPU: the engine's mixed-adapter batches (Triton shrink /
+expand) against HF + PEFT, and CUDA graphs replaying decode steps that mix
+adapters against eager steps (the kernels alone: tests/kernels/test_lora_kernels.py).
 
 Run on a GPU host: ``python -m pytest tests/gpu/test_lora_cuda.py -m gpu``.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
-from engine.lora.punica import LoRABatch, expand, shrink
 from tests.conftest import hf_greedy_ids
 from tests.engine.test_lora import _prompts, make_lora_setup
 
@@ -22,34 +19,6 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def lora_setup(tiny_model, tmp_path_factory):
     return make_lora_setup(tiny_model, tmp_path_factory)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
-def test_triton_shrink_expand_equal_the_torch_path(dtype, num_tokens):
-    gen = torch.Generator().manual_seed(num_tokens)
-    loras, rank, slices, k = 4, 16, (96, 32, 32), 200
-    x = torch.randn(num_tokens, k, generator=gen).to("cuda", dtype)
-    a = torch.randn(loras, len(slices) * rank, k, generator=gen).to("cuda", dtype)
-    bs = [torch.randn(loras, n, rank, generator=gen).to("cuda", dtype) for n in slices]
-    slots = torch.randint(-1, loras, (num_tokens,), generator=gen).numpy().astype(np.int32)
-    slots_dev = torch.from_numpy(slots).cuda()
-    results = []
-    for use_triton in (False, True):
-        batch = LoRABatch.build(slots, slots_dev, use_triton)
-        y = torch.randn(num_tokens, sum(slices), generator=torch.Generator().manual_seed(1))
-        y = y.to("cuda", dtype)
-        u = shrink(x, a, batch)
-        offset = 0
-        for i, b in enumerate(bs):
-            expand(y, u[:, i * rank : (i + 1) * rank], b, batch, offset)
-            offset += b.shape[1]
-        results.append((u, y))
-    (u_ref, y_ref), (u_tri, y_tri) = results
-    tol = 1e-3 if dtype is torch.float32 else 3e-2
-    assert torch.allclose(u_tri, u_ref, rtol=tol, atol=tol * 10)
-    assert torch.allclose(y_tri.float(), y_ref.float(), rtol=tol, atol=tol * 30)
-    assert (u_tri[torch.from_numpy(slots < 0).cuda()] == 0).all()
 
 
 def _mixed(setup, **kwargs):
