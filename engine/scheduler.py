@@ -295,11 +295,17 @@ class Scheduler:
         waiting = self.waiting
         # Sequences whose grammar still compiles, or whose LoRA adapter finds
         # no free device slot, keep their place in the queue; those behind
-        # them are admitted meanwhile.
+        # them are admitted meanwhile, except other adapters' once one waits
+        # for a slot: admitting them would keep the slots busy and starve it.
         passed: list[Sequence] = []
+        slot_wait = False
         while waiting and budget > 0 and len(self.running) + len(self.reserved) < self.max_num_seqs:
             seq = waiting[0]
-            if seq.awaiting_grammar or not self._acquire_lora(seq):
+            if seq.awaiting_grammar:
+                passed.append(waiting.popleft())
+                continue
+            if seq.lora_request is not None and (slot_wait or not self._acquire_lora(seq)):
+                slot_wait = True
                 passed.append(waiting.popleft())
                 continue
             # Prompt logprobs need logits at every prompt position, so such a

@@ -20,6 +20,8 @@ import pytest
 import torch
 
 from engine import LLM, LoRARequest, SamplingParams
+from engine.block_hash import hash_prompt_blocks, lora_extra_key
+from engine.lora.adapter import adapter_digest
 from tests.conftest import hf_greedy_ids
 from tests.engine.conftest import assert_idle
 
@@ -155,6 +157,13 @@ def test_prefix_cache_never_serves_one_adapters_kv_to_another(lora_setup):
     assert out.num_cached_tokens == 32  # every full block but the last (it computes a token)
     assert out.outputs[0].token_ids == _hf_greedy(hf2, prompt)
     assert_idle(llm)
+    # The cached blocks carry what the router computes from the spec: the model
+    # id, and the adapter's digest as an extra key (none for the base model).
+    cached = set(engine.cached_block_hashes())
+    name = engine.config.served_model_name
+    for lora in (a1, a2, None):
+        keys = (lora_extra_key(adapter_digest(lora)),) if lora else ()
+        assert set(hash_prompt_blocks(prompt, name, 8, extra_keys=keys)) <= cached
 
 
 def _copy_adapter(src: str, dst, edit=None):
