@@ -257,6 +257,16 @@ class LLMEngine:
             request_id, prompt, params, arrival_time, self._hashers, lora_request, extra_keys
         )
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter now (vLLM's name), not at its first request."""
+        self._lora_keys(lora_request)
+        return True
+
+    def list_loras(self) -> set[int]:
+        """The ``lora_int_id`` of every adapter this engine has read."""
+        lora = self.model_runner.lora
+        return set(lora.known) if lora is not None else set()
+
     def _lora_keys(self, lora_request: LoRARequest | None) -> ExtraKeys:
         """The block-hash extra keys of a request's adapter, checked (and read
         from disk on first sight); () for the base model."""

@@ -201,6 +201,10 @@ def test_bad_adapters_and_requests_are_refused_with_the_reason(lora_setup, tmp_p
     no_weights = _copy_adapter(good.lora_path, tmp_path / "nw")
     (tmp_path / "nw" / "adapter_model.safetensors").unlink()
     refuse(LoRARequest("nw", 12, no_weights), "adapter_model.safetensors.*does not exist")
+    assert llm.llm_engine.add_lora(good)  # vLLM's: read and checked before any request
+    assert llm.llm_engine.list_loras() == {good.lora_int_id}
+    with pytest.raises(ValueError, match="use_dora"):
+        llm.llm_engine.add_lora(LoRARequest("dora", 10, dora))
     llm.generate([prompt], SamplingParams(max_tokens=2), lora_request=good)
     refuse(LoRARequest("other", good.lora_int_id, adapters[1][0].lora_path), "lora_int_id 1 is")
     refuse([good, good], "2 lora_requests for 1 prompts")
