@@ -1,4 +1,4 @@
-"""The block-hash spec (docs/architecture.md, version 1): router and nodes must agree bit for bit."""
+"""The block-hash spec (docs/architecture.md, version 2): router and nodes must agree bit for bit."""
 
 from __future__ import annotations
 
