@@ -5,6 +5,12 @@ One program per (token, output tile), reading the token's slot from the
 device: the launch depends on no host value but the shapes, so a CUDA graph
 can replay it with new slots in its input buffer. A token of slot -1 writes
 zeros (shrink) or nothing (expand). Products accumulate in fp32.
+
+Per token, each program reads its slot's whole A (or B tile): right for
+decode steps, where a slot's weights are read once per token anyway; a long
+prefill reads them once per token too (from L2, the slots being small), where
+a segment-grouped kernel (punica's sgmv: a tile of one slot's tokens per
+program, tensor-core dots) would read them once per tile. Not done yet.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ def shrink_triton(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -
     num_tokens, k = x.shape
     r = a.shape[1]
     u = torch.empty(num_tokens, r, dtype=torch.float32, device=x.device)
-    block_r = min(triton.next_power_of_2(r), 64)
+    block_r = min(max(triton.next_power_of_2(r), 16), 64)
     grid = (num_tokens, triton.cdiv(r, block_r))
     _shrink_kernel[grid](
         x, a, token_slots, u, k, r, x.stride(0), a.stride(0), a.stride(1), u.stride(0),
@@ -79,7 +85,7 @@ def expand_triton(
     n, r = b.shape[1], b.shape[2]
     if u.stride(-1) != 1:
         u = u.contiguous()
-    block_r = min(triton.next_power_of_2(r), 64)
+    block_r = min(max(triton.next_power_of_2(r), 16), 64)
     grid = (num_tokens, triton.cdiv(n, 64))
     _expand_kernel[grid](
         u, b, token_slots, y, n, r, offset, u.stride(0), b.stride(0), b.stride(1), y.stride(0),
