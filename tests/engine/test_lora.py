@@ -132,10 +132,11 @@ def test_more_adapters_than_slots_wait_for_one_and_stay_correct(lora_setup):
     llm = _llm(model_dir, max_loras=1, max_cpu_loras=2)
     _check_mixed_batch(llm, hf_base, adapters)
     lora = llm.llm_engine.model_runner.lora
-    assert lora.num_slot_loads >= 3  # one slot, three adapters: reloaded in turn
+    # First come, first served through one slot: a1 a2 a3 a1 a2 a3, each a
+    # copy into the slot; from the fourth on the adapter had left the host
+    # LRU of two and was read from disk again, and the outputs stayed right.
+    assert lora.num_slot_loads == 6
     assert len(lora.host) == 2  # the host LRU holds max_cpu_loras
-    # Again: the evicted adapter is read from disk and still right.
-    _check_mixed_batch(llm, hf_base, adapters)
 
 
 def test_prefix_cache_never_serves_one_adapters_kv_to_another(lora_setup):
