@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.llm import LLM
+    from engine.lora.request import LoRARequest
     from engine.outputs import CompletionOutput, RequestOutput
     from engine.sampling_params import (
         GuidedDecodingParams,
@@ -29,6 +30,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "GuidedDecodingParams",
+    "LoRARequest",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
@@ -42,6 +44,7 @@ _LAZY = {
     "StructuredOutputsParams": "engine.sampling_params",
     "GuidedDecodingParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
+    "LoRARequest": "engine.lora.request",
     "CompletionOutput": "engine.outputs",
 }
 

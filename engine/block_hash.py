@@ -1,16 +1,22 @@
 """Chained block hashes: the one implementation the router and the nodes share.
 
-Spec, version 1 (docs/architecture.md, "Block hashes"). Router and nodes must agree bit for bit,
+Spec, version 2 (docs/architecture.md, "Block hashes"). Router and nodes must agree bit for bit,
 so anything that changes a digest bumps ``BLOCK_HASH_VERSION``.
 
 - A block is ``block_size`` consecutive token ids; only full blocks are hashed.
 - ``h_0`` is 16 zero bytes; ``h_i = BLAKE2b-128(key, h_{i-1} || tokens_i)`` where
   ``tokens_i`` is the block's ids as little-endian uint32.
-- ``key = BLAKE2b-256("pdserve/block-hash/v1" 0x00 model_id 0x00 cache_salt)``:
-  keyed by the model identity and the request's optional ``cache_salt``, so two
-  tenants with different salts never share a hash (and so never a cache hit,
-  which would leak timing). The key is derived because BLAKE2b keys are limited
-  to 64 bytes and model ids are not.
+- ``key = BLAKE2b-256("pdserve/block-hash/v1" 0x00 model_id 0x00 cache_salt
+  [0x00 extra_key]...)``: keyed by the model identity and the request's
+  optional ``cache_salt``, so two tenants with different salts never share a
+  hash (and so never a cache hit, which would leak timing). The key is derived
+  because BLAKE2b keys are limited to 64 bytes and model ids are not.
+- ``extra_key``s (version 2) name whatever else changes the numbers a block's
+  KV holds, each ``name=value``, sorted by name, each name at most once: the
+  request's LoRA adapter (``lora=<adapter digest>``, ``lora_extra_key``);
+  the KV cache dtype and weight quantization join the same list. A request
+  with none hashes exactly as version 1 did, so base-model blocks keep their
+  digests.
 
 Hashes are hints: whoever finds a hash in its cache still verifies the block's
 tokens before reusing it. Nothing here uses Python's ``hash()``, which is salted
@@ -32,6 +38,7 @@ the spec.
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 from array import array
 from collections.abc import Sequence
@@ -46,7 +53,7 @@ _id_bounds = getattr(_native, "id_bounds", None)
 # Whether ``id_bounds`` runs in C (the benchmarks record it).
 ID_BOUNDS_NATIVE = _id_bounds is not None
 
-BLOCK_HASH_VERSION = 1
+BLOCK_HASH_VERSION = 2
 DIGEST_SIZE = 16
 ROOT_HASH = bytes(DIGEST_SIZE)
 MAX_TOKEN_ID = 2**32 - 1
@@ -64,12 +71,41 @@ def id_bounds(ids: Sequence[int]) -> tuple[int, int] | None:
     return _id_bounds(ids) if _id_bounds is not None else None
 
 
-def derive_key(model_id: str, cache_salt: str | None = None) -> bytes:
-    """The 32-byte BLAKE2b key for one model and one (optional) tenant salt."""
+_EXTRA_KEY = re.compile(r"([a-z][a-z0-9_]*)=([^\x00]+)")
+# The extra key of a LoRA adapter (engine/lora/adapter.py: its digest).
+LORA_KEY_NAME = "lora"
+ExtraKeys = tuple[str, ...]
+
+
+def lora_extra_key(adapter_digest: str) -> str:
+    """The extra key of a request under an adapter: its content digest, not its
+    name or ``lora_int_id`` (docs/engine.md, "LoRA adapters")."""
+    return f"{LORA_KEY_NAME}={adapter_digest}"
+
+
+def canonical_extra_keys(extra_keys: Sequence[str] = ()) -> ExtraKeys:
+    """``extra_keys`` checked and sorted by name (the order the spec fixes)."""
+    names = {}
+    for key in extra_keys:
+        match = _EXTRA_KEY.fullmatch(key) if isinstance(key, str) else None
+        if match is None:
+            raise ValueError(f"a block-hash extra key must be 'name=value'; got {key!r}")
+        if match[1] in names:
+            raise ValueError(f"block-hash extra key {match[1]!r} given twice")
+        names[match[1]] = key
+    return tuple(names[n] for n in sorted(names))
+
+
+def derive_key(
+    model_id: str, cache_salt: str | None = None, extra_keys: Sequence[str] = ()
+) -> bytes:
+    """The 32-byte BLAKE2b key for one model, one (optional) tenant salt and
+    the block identity's extra keys."""
     if not model_id:
         raise ValueError("model_id must be a non-empty string")
-    material = b"\0".join((_KEY_DOMAIN, model_id.encode(), (cache_salt or "").encode()))
-    return hashlib.blake2b(material, digest_size=32).digest()
+    parts = [_KEY_DOMAIN, model_id.encode(), (cache_salt or "").encode()]
+    parts += [k.encode() for k in canonical_extra_keys(extra_keys)]
+    return hashlib.blake2b(b"\0".join(parts), digest_size=32).digest()
 
 
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
@@ -90,7 +126,8 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
 
 
 class BlockHasher:
-    """Computes the chained hashes of full blocks for one (model, salt, block size)."""
+    """Computes the chained hashes of full blocks for one (model, salt, extra
+    keys, block size)."""
 
     __slots__ = ("_base", "_key", "_native", "block_size")
 
@@ -100,6 +137,7 @@ class BlockHasher:
         block_size: int,
         cache_salt: str | None = None,
         native: bool | None = None,
+        extra_keys: Sequence[str] = (),
     ) -> None:
         """``native``: None uses the C chain where it is built; False always hashlib
         (tests and benchmarks compare the two); True insists on the C chain."""
@@ -111,7 +149,7 @@ class BlockHasher:
                 "reinstall the package where one is available, or pass native=None"
             )
         self.block_size = block_size
-        self._key = derive_key(model_id, cache_salt)
+        self._key = derive_key(model_id, cache_salt, extra_keys)
         self._native = _native if native is not False else None
         # A keyed BLAKE2b object is set up once; copying it per block is much
         # cheaper than re-deriving the keyed state for every block.
@@ -149,31 +187,37 @@ class BlockHasher:
 
 
 def hash_prompt_blocks(
-    token_ids: Sequence[int], model_id: str, block_size: int, cache_salt: str | None = None
+    token_ids: Sequence[int],
+    model_id: str,
+    block_size: int,
+    cache_salt: str | None = None,
+    extra_keys: Sequence[str] = (),
 ) -> list[bytes]:
     """Convenience: all full-block hashes of a prompt (what the router looks up)."""
-    return BlockHasher(model_id, block_size, cache_salt).hash_blocks(token_ids)
+    hasher = BlockHasher(model_id, block_size, cache_salt, extra_keys=extra_keys)
+    return hasher.hash_blocks(token_ids)
 
 
 MAX_CACHED_HASHERS = 256
 
 
 class HasherCache:
-    """The block hasher of each tenant salt, the most recently used ones only
-    (salts are per tenant, so unbounded); the router and the engine both keep one."""
+    """The block hasher of each (tenant salt, extra keys), the most recently
+    used ones only (salts are per tenant, so unbounded); the router and the
+    engine both keep one."""
 
     def __init__(self, model_id: str, block_size: int, capacity: int = MAX_CACHED_HASHERS):
         self.model_id = model_id
         self.block_size = block_size
         self.capacity = capacity
-        self._hashers: dict[str | None, BlockHasher] = {}
+        self._hashers: dict[tuple[str | None, ExtraKeys], BlockHasher] = {}
 
-    def get(self, cache_salt: str | None) -> BlockHasher:
-        salt = cache_salt or None
-        hasher = self._hashers.pop(salt, None)
+    def get(self, cache_salt: str | None, extra_keys: ExtraKeys = ()) -> BlockHasher:
+        key = (cache_salt or None, extra_keys)
+        hasher = self._hashers.pop(key, None)
         if hasher is None:
-            hasher = BlockHasher(self.model_id, self.block_size, salt)
-        self._hashers[salt] = hasher
+            hasher = BlockHasher(self.model_id, self.block_size, key[0], extra_keys=extra_keys)
+        self._hashers[key] = hasher
         if len(self._hashers) > self.capacity:
             del self._hashers[next(iter(self._hashers))]
         return hasher

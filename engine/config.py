@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.layers.specs import AttentionBackendName, GemvBackend
+from engine.lora.config import LoRADType, check_lora_options
 from engine.models.config import ModelArchConfig
 from engine.structured.config import StructuredOutputsConfig
 from engine.tp_layout import TPLayout
@@ -147,6 +148,16 @@ class EngineConfig:
     # name for the backend.
     structured_outputs_config: StructuredOutputsConfig | dict | None = None
     guided_decoding_backend: str | None = None
+    # vLLM's LoRA options (engine/lora/): requests may name a PEFT adapter
+    # (LoRARequest); up to max_loras adapters share a step, each in a device
+    # slot sized for max_lora_rank, and max_cpu_loras (default max_loras) stay
+    # in host memory behind them. lora_dtype "auto": the model's dtype.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: LoRADType = LoRADType.AUTO
+    fully_sharded_loras: bool = False
     # Derived in __post_init__.
     model_config: ModelArchConfig = field(init=False, repr=False)
 
@@ -165,11 +176,21 @@ class EngineConfig:
             "enable_chunked_prefill",
             "skip_tokenizer_init",
             "late_launch",
+            "enable_lora",
+            "fully_sharded_loras",
         ):
             _require_bool(name, getattr(self, name))
         if self.async_scheduling is not None:
             _require_bool("async_scheduling", self.async_scheduling)
         self._resolve_lengths()
+        self.max_cpu_loras = check_lora_options(
+            self.enable_lora,
+            self.max_loras,
+            self.max_lora_rank,
+            self.max_cpu_loras,
+            self.tensor_parallel_size,
+            self.fully_sharded_loras,
+        )
         if self.tokenizer is None:
             self.tokenizer = self.model
         if self.served_model_name is None:
@@ -200,6 +221,7 @@ class EngineConfig:
             "attention_backend", self.attention_backend, AttentionBackendName
         )
         self.gemv_backend = _parse_enum("gemv_backend", self.gemv_backend, GemvBackend)
+        self.lora_dtype = _parse_enum("lora_dtype", self.lora_dtype, LoRADType)
         self.structured_outputs_config = StructuredOutputsConfig.parse(
             self.structured_outputs_config, self.guided_decoding_backend
         )
@@ -244,6 +266,10 @@ class EngineConfig:
             raise ValueError('preemption_mode="swap" needs a host tier: set swap_space > 0')
         if space > 0 and self.tensor_parallel_size > 1:
             raise ValueError("swap_space is not supported with tensor_parallel_size > 1 yet")
+        # A sequence loading from the host tier or swapped out would have to
+        # keep (or take again) its adapter's device slot: not built yet.
+        if space > 0 and self.enable_lora:
+            raise ValueError("swap_space is not supported with enable_lora yet")
 
     def _resolve_lengths(self) -> None:
         limit = self.model_config.max_position_embeddings

@@ -17,9 +17,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine.block_hash import HasherCache, id_bounds
+from engine.block_hash import ExtraKeys, HasherCache, id_bounds
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, stop_holdback
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.sequence import Request, Sequence
 from engine.structured import validate as validate_structured_outputs
@@ -69,9 +70,12 @@ class InputProcessor:
         params: SamplingParams | None,
         arrival_time: float | None,
         hashers: HasherCache | None,
+        lora_request: LoRARequest | None = None,
+        extra_keys: ExtraKeys = (),
     ) -> Request:
         """A checked request with one Sequence per completion (``n``), not yet queued.
-        ``hashers``: the engine's block hashers (None without prefix caching)."""
+        ``hashers``: the engine's block hashers (None without prefix caching);
+        ``extra_keys``: the block identity beyond model and salt (its adapter's)."""
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
@@ -83,7 +87,7 @@ class InputProcessor:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         processed = self.process(prompt, params)
         params.max_tokens = processed.max_tokens  # its own copy: resolved once, here
-        hasher = hashers.get(processed.cache_salt) if hashers is not None else None
+        hasher = hashers.get(processed.cache_salt, extra_keys) if hashers is not None else None
         seqs = []
         for index in range(params.n):
             seq = Sequence(
@@ -94,6 +98,7 @@ class InputProcessor:
                 num_prompt_tokens=len(processed.token_ids),
                 params=params,
                 hasher=hasher,
+                lora_request=lora_request,
             )
             if self.tok_info is not None and params.detokenize:
                 seq.detokenizer = IncrementalDetokenizer(self.tok_info, processed.token_ids, params)

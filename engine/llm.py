@@ -16,6 +16,7 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.input_processor import PromptType
 from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -42,16 +43,19 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt; outputs come back in the prompts' order.
 
         A prompt is text, a list of token ids, or a dict with "prompt" or
         "prompt_token_ids" (and optionally "cache_salt"). A single list of ints is
-        one prompt; a list of lists is many.
+        one prompt; a list of lists is many. ``lora_request``: one adapter for
+        every prompt, or one per prompt (None: the base model), as vLLM's.
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
-        return self._run(prompt_list, params_list, use_tqdm)
+        loras = _loras_per_prompt(lora_request, len(prompt_list))
+        return self._run(prompt_list, params_list, use_tqdm, loras)
 
     def chat(
         self,
@@ -96,14 +100,18 @@ class LLM:
         return [p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
 
     def _run(
-        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        loras: list[LoRARequest | None],
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
         added: list[str] = []
         try:
-            for request_id, prompt, p in zip(ids, prompts, params, strict=True):
-                engine.add_request(request_id, prompt, p)
+            for request_id, prompt, p, lora in zip(ids, prompts, params, loras, strict=True):
+                engine.add_request(request_id, prompt, p, lora_request=lora)
                 added.append(request_id)
             return self._drain(ids, use_tqdm)
         except BaseException:
@@ -167,6 +175,21 @@ class LLM:
             raise RuntimeError("the profiler is not running (call start_profile first)")
         self._profiler.stop()
         self._profiler = None
+
+
+def _loras_per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if not isinstance(lora_request, list | tuple):
+        raise ValueError(
+            f"lora_request must be a LoRARequest or a list of them; got "
+            f"{type(lora_request).__name__}"
+        )
+    if len(lora_request) != n:
+        raise ValueError(f"got {len(lora_request)} lora_requests for {n} prompts")
+    return list(lora_request)
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

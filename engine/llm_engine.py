@@ -32,7 +32,7 @@ import weakref
 from dataclasses import dataclass
 
 from engine.async_step import InFlightStep, StepLog
-from engine.block_hash import MAX_CACHED_HASHERS, HasherCache
+from engine.block_hash import MAX_CACHED_HASHERS, ExtraKeys, HasherCache, lora_extra_key
 from engine.block_manager import BlockManager, CacheEvents
 from engine.config import EngineConfig
 from engine.detokenizer import TokenizerInfo
@@ -41,6 +41,7 @@ from engine.engine_stats import EngineStats, collect_stats
 from engine.host_tier import HostTier
 from engine.input_processor import InputProcessor, PromptType
 from engine.kv_writes import KVWriteObserver
+from engine.lora.request import LoRARequest
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -103,6 +104,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             sliding_window=config.model_config.freeing_window,
             preemption_mode=config.preemption_mode,
+            lora_slots=self.model_runner.lora_slots,
         )
         self.input_processor = InputProcessor(config, self.tokenizer, self.eos_token_ids, tok_info)
         on_cuda = self.model_runner.device.type == "cuda"
@@ -201,10 +203,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         hold_kv: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. ``hold_kv`` (prefill node): keep its blocks when it
-        finishes, until ``release_held``."""
-        req = self._new_request(request_id, prompt, params, arrival_time)
+        finishes, until ``release_held``. ``lora_request``: its adapter (an
+        engine with ``enable_lora``)."""
+        req = self._new_request(request_id, prompt, params, arrival_time, lora_request)
         for seq in req.seqs:
             seq.hold_kv = hold_kv
         self.requests[request_id] = req
@@ -220,6 +224,7 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Reservation | None:
         """Decode node: claim KV blocks for a prompt that a prefill node will compute.
 
@@ -228,7 +233,7 @@ class LLMEngine:
         node lacks blocks or sequence slots. The request is not scheduled until
         ``commit_request``; ``abort_request`` frees its blocks.
         """
-        req = self._new_request(request_id, prompt, params, arrival_time)
+        req = self._new_request(request_id, prompt, params, arrival_time, lora_request)
         if req.params.n != 1:
             raise ValueError("a request prefilled remotely must have n = 1")
         if req.params.prompt_logprobs is not None:
@@ -291,14 +296,42 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None,
         arrival_time: float | None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         if isinstance(request_id, str) and (
             request_id in self.requests or request_id in self.scheduler.held
         ):
             raise ValueError(f"request_id {request_id!r} is already in use")
+        extra_keys = self._lora_keys(lora_request)
         return self.input_processor.new_request(
-            request_id, prompt, params, arrival_time, self._hashers
+            request_id, prompt, params, arrival_time, self._hashers, lora_request, extra_keys
         )
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter now (vLLM's name), not at its first request."""
+        self._lora_keys(lora_request)
+        return True
+
+    def list_loras(self) -> set[int]:
+        """The ``lora_int_id`` of every adapter this engine has read."""
+        lora = self.model_runner.lora
+        return set(lora.known) if lora is not None else set()
+
+    def _lora_keys(self, lora_request: LoRARequest | None) -> ExtraKeys:
+        """The block-hash extra keys of a request's adapter, checked (and read
+        from disk on first sight); () for the base model."""
+        if lora_request is None:
+            return ()
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(
+                f"lora_request must be a LoRARequest; got {type(lora_request).__name__}"
+            )
+        if self.model_runner.lora is None:
+            raise ValueError(
+                f"request names LoRA adapter {lora_request.lora_name!r} but the engine was "
+                "started without enable_lora=True"
+            )
+        return (lora_extra_key(self.model_runner.lora.register(lora_request)),)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Free the requests' KV blocks now (reserved and held ones too); unknown

@@ -24,6 +24,8 @@ from engine.kv_writes import KVWriteObserver
 from engine.layers.attention import select_backend
 from engine.layers.sampler import GrammarBitmask, Sampler, SamplingRow
 from engine.layers.skinny_gemm_plan import plan_model
+from engine.lora.manager import LoRAManager
+from engine.lora.slots import LoRASlots
 from engine.model_io import ModelInputs, StepOutput
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.loader import init_dummy_weights, load_weights
@@ -74,6 +76,16 @@ class ModelRunner:
             self.block_size,
         )
         self.model = self._load_model()
+        # LoRA: the projections wrapped (before the skinny-GEMM plans and the
+        # graphs), the device slots' bookkeeping for the scheduler.
+        self.lora: LoRAManager | None = None
+        self.lora_slots: LoRASlots | None = None
+        if config.enable_lora:
+            use_triton = self.device.type == "cuda" and _triton_available()
+            self.lora = LoRAManager(
+                config, self.model, self.layout, self.device, self.dtype, use_triton
+            )
+            self.lora_slots = LoRASlots(config.max_loras)
         # Decode-sized matmuls: the skinny kernel where it beats cuBLAS (before
         # the graphs are captured, so they capture the chosen kernels).
         self.gemv_plans = plan_model(self.model, config.gemv_backend, self.device, self.dtype)
@@ -85,11 +97,15 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
         # Told when each layer of a step wrote its KV (a prefill node streaming it).
         self.kv_observer: KVWriteObserver | None = None
+        if self.lora is not None:  # the graphs capture the LoRA kernels too
+            self.lora.ctx.batch = self.lora.graph_batch
         self.graphs = self._decode_graphs()
         # Steps with prefill rows: graphs of everything between the attention calls.
         self.piecewise: PiecewiseGraphs | None = piecewise_graphs_for(
             config, self.model, self.attention_backend, self.device, self.dtype, self.tp.size
         )
+        if self.lora is not None:
+            self.lora.end_step()
         if self.device.type == "cuda":  # compiles now, not under load (kernel_warmup.py)
             warm_up_kernels(self)
 
@@ -319,6 +335,8 @@ class ModelRunner:
         )
         sampling = batch.sampling_rows()
         plan = StepPlan(host)
+        if self.lora is not None:
+            self.lora.plan_step(plan, [s.lora_request for s in seqs], num_new, self.lora_slots)
         if sampling:
             # A decode step where every row samples reads every hidden row: no gather.
             if len(sampling) == host.num_tokens:
@@ -392,15 +410,33 @@ class ModelRunner:
         """The step's hidden states on this rank, and a function giving the
         sampled rows' logits. Rank 0 first sends the plan to the other ranks."""
         extra = list(patch) if patch is not None else []
+        if plan.lora_slots is not None:  # in the inputs' one copy
+            extra.append(plan.lora_slots)
         if plan.logit_rows is not None:
             extra.append(plan.logit_rows)
         inputs, extra_dev = to_model_inputs(plan.host, self.staging, extra)
+        # The graphs hold the LoRA products only where the Triton kernels run
+        # (they read each token's slot from a buffer: engine/lora/manager.py).
+        graphs_ok = plan.lora_slots is None or self.lora.in_graphs
         if self.tp.is_driver:
             plan.use_graph = (
-                after_layer is None and self.graphs is not None and self.graphs.can_run(inputs)
+                after_layer is None
+                and graphs_ok
+                and self.graphs is not None
+                and self.graphs.can_run(inputs)
             )
             if self.handoff is not None:
                 self.handoff.send(plan)
+        piecewise = (
+            not plan.use_graph
+            and graphs_ok
+            and self.piecewise is not None
+            and self.tp.size == 1
+            and self.piecewise.can_run(inputs)
+        )
+        if self.lora is not None:
+            slots_dev = extra_dev[len(patch or ())] if plan.lora_slots is not None else None
+            self.lora.begin_step(plan, slots_dev, graph=plan.use_graph or piecewise)
         if patch is not None:
             dest, src = extra_dev[0], extra_dev[1]
             inputs.input_ids[dest] = prev.sampled_device[src]
@@ -409,10 +445,12 @@ class ModelRunner:
             self.tp.broadcast(inputs.input_ids)
         if plan.use_graph:
             hidden = self.graphs.run(inputs)
-        elif self.piecewise is not None and self.tp.size == 1 and self.piecewise.can_run(inputs):
+        elif piecewise:
             hidden = self.piecewise.run(inputs, after_layer)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, after_layer)
+        if self.lora is not None:
+            self.lora.end_step()
 
         def logits_of(h: torch.Tensor) -> torch.Tensor:
             return self.model.compute_logits(h[extra_dev[-1]] if plan.logit_rows is not None else h)

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import PreemptionMode
+from engine.lora.slots import LoRASlots
 from engine.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -100,12 +101,16 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         sliding_window: int | None = None,
         preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
+        lora_slots: LoRASlots | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.host_tier = block_manager.host_tier
         if preemption_mode is PreemptionMode.SWAP and self.host_tier is None:
             raise ValueError('preemption_mode="swap" needs a host tier (swap_space > 0)')
         self.preemption_mode = preemption_mode
+        # With LoRA: a sequence naming an adapter holds one of its device slots
+        # while it runs (or is reserved, or loads); without a free one it waits.
+        self.lora_slots = lora_slots
         # Set when every layer of the model slides: a running sequence's blocks
         # before its window are freed as it advances (BlockManager.free_blocks_before).
         self.sliding_window = sliding_window
@@ -148,6 +153,8 @@ class Scheduler:
             if reason is FinishReason.ABORT:
                 self.release_held(seq)
             return
+        if seq.status in (SequenceStatus.RUNNING, SequenceStatus.RESERVED):
+            self._release_lora(seq)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             # A committed remote prefill that ends at its first token ran no
@@ -174,6 +181,16 @@ class Scheduler:
         else:
             self.block_manager.free(seq)
 
+    def _acquire_lora(self, seq: Sequence) -> bool:
+        """A device slot for the sequence's adapter (True without one)."""
+        if seq.lora_request is None or self.lora_slots is None:
+            return True
+        return self.lora_slots.acquire(seq.lora_request.lora_int_id) is not None
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_request is not None and self.lora_slots is not None:
+            self.lora_slots.release(seq.lora_request.lora_int_id)
+
     def release_held(self, seq: Sequence) -> None:
         if self.held.pop(seq.request_id, None) is not None:
             self.block_manager.free(seq)
@@ -191,12 +208,13 @@ class Scheduler:
         has to arrive; False (nothing changed) when blocks or sequence slots are
         short.
         """
-        if self.num_free_slots <= 0:
+        if self.num_free_slots <= 0 or not self._acquire_lora(seq):
             return False
         bm = self.block_manager
         prefix = bm.find_cached_prefix(seq)
         num_prefix_tokens = len(prefix) * bm.block_size
         if not bm.allocate_slots(seq, seq.num_tokens - num_prefix_tokens, prefix):
+            self._release_lora(seq)
             return False
         seq.num_cached_tokens = num_prefix_tokens
         self.stats.prefix_cache_queried_tokens += seq.num_tokens
@@ -288,6 +306,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._release_lora(seq)
         # What it computed stays in the prefix cache for its recompute: a
         # committed remote prefill preempted before its first step (the most
         # recent, so the first victim) has registered nothing yet (``commit``).
@@ -415,13 +434,20 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         bm = self.block_manager
         waiting = self.waiting
-        # Sequences whose grammar still compiles keep their place in the queue;
-        # those behind them are admitted meanwhile.
-        compiling: list[Sequence] = []
+        # Sequences whose grammar still compiles, or whose LoRA adapter finds
+        # no free device slot, keep their place in the queue; those behind
+        # them are admitted meanwhile, except other adapters' once one waits
+        # for a slot: admitting them would keep the slots busy and starve it.
+        passed: list[Sequence] = []
+        slot_wait = False
         while waiting and budget > 0 and self.num_free_slots > 0:
             seq = waiting[0]
             if seq.awaiting_grammar:
-                compiling.append(waiting.popleft())
+                passed.append(waiting.popleft())
+                continue
+            if seq.lora_request is not None and (slot_wait or not self._acquire_lora(seq)):
+                slot_wait = True
+                passed.append(waiting.popleft())
                 continue
             # Prompt logprobs need logits at every prompt position, so such a
             # request computes its whole prompt (its blocks still get cached).
@@ -430,6 +456,7 @@ class Scheduler:
             hits = self._host_hits(seq, len(prefix)) if use_cache else []
             if hits:
                 if not self._start_load(seq, prefix, hits):
+                    self._release_lora(seq)
                     break
                 waiting.popleft()
                 continue
@@ -437,9 +464,11 @@ class Scheduler:
             num_new = seq.num_uncomputed_tokens - num_prefix_tokens
             if num_new > budget:
                 if not self.enable_chunked_prefill:
+                    self._release_lora(seq)
                     break
                 num_new = budget
             if not bm.allocate_slots(seq, num_new, prefix):
+                self._release_lora(seq)
                 break
             waiting.popleft()
             if seq.num_cached_tokens < 0:  # first admission: report the hit once
@@ -454,7 +483,7 @@ class Scheduler:
             budget -= num_new
             # Prompts admitted after it in this step may hit these blocks.
             bm.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
-        waiting.extendleft(reversed(compiling))
+        waiting.extendleft(reversed(passed))
         return budget
 
     # --------------------------------------------------------------- update

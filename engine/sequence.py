@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.block_hash import ROOT_HASH
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -113,6 +114,9 @@ class Sequence:
     # Structured outputs: its grammar is still compiling, so the scheduler
     # passes over it (engine/structured/manager.py).
     awaiting_grammar: bool = False
+    # Its LoRA adapter (None: the base model); while running it holds a device
+    # slot of the scheduler's LoRASlots (engine/lora/slots.py).
+    lora_request: LoRARequest | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -124,6 +124,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         # One certificate set for every process: each is a server and a client.
         raise ValueError("pdserve up with TLS wants --tls-cert, --tls-key and --tls-ca together")
     engine_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+    engine_args += lora_node_args(args)
     spec = ClusterSpec(
         model=args.model,
         num_prefill=args.prefill,
@@ -164,6 +165,20 @@ def cmd_up(args: argparse.Namespace) -> int:
         max_crashes=args.max_restarts, window_s=args.restart_window, restart=not args.no_restart
     )
     return run_up(LocalCluster(spec), config, lambda cluster: print_ready(cluster, args, tls))
+
+
+def lora_node_args(args: argparse.Namespace) -> list[str]:
+    """The nodes' LoRA flags from ``pdserve up``'s (none without --lora-modules)."""
+    if not args.lora_modules:
+        if args.max_loras or args.max_lora_rank:
+            raise ValueError("--max-loras and --max-lora-rank go with --lora-modules")
+        return []
+    out = ["--enable-lora", "--lora-modules", *args.lora_modules]
+    if args.max_loras:
+        out += ["--max-loras", str(args.max_loras)]
+    if args.max_lora_rank:
+        out += ["--max-lora-rank", str(args.max_lora_rank)]
+    return out
 
 
 def print_ready(cluster, args: argparse.Namespace, tls) -> None:
@@ -295,6 +310,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU threads per engine process (OMP_NUM_THREADS); default on a CPU host: "
         "the usable cores shared by the nodes' processes, or OMP_NUM_THREADS where it is "
         "set; 0: torch's default [PDSERVE_CPU_THREADS]",
+    )
+    up.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        default=None,
+        help="PEFT LoRA adapters every node reads and checks at start (LoRA on); the router "
+        "does not route requests to adapters yet",
+    )
+    up.add_argument(
+        "--max-loras", type=positive_int, default=None, help="adapters on a node's device at once"
+    )
+    up.add_argument(
+        "--max-lora-rank", type=positive_int, default=None, help="the largest adapter rank"
     )
     up.add_argument("--log-dir", default=None, help="write each process's log here")
     up.add_argument(

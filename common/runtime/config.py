@@ -18,6 +18,7 @@ from common.runtime.progress_log import DEFAULT_INTERVAL_S as DEFAULT_STATS_INTE
 from common.runtime.reliability import FAULT_DELAYS_ENV, FaultDelays
 from common.tls import TLSConfig, add_tls_arguments
 from common.tracing import add_tracing_arguments
+from engine.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,9 @@ ENGINE_FLAGS: dict[str, type] = {
     "tensor_parallel_size": int,
     "swap_space": float,
     "preemption_mode": str,
+    "max_loras": int,
+    "max_lora_rank": int,
+    "max_cpu_loras": int,
 }
 
 
@@ -82,6 +86,20 @@ def add_engine_flags(parser: Any) -> None:
         help="[PDSERVE_ENFORCE_EAGER=1]",
     )
     parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=env(engine_env_name("enable_lora")) == "1" or None,
+        help="serve LoRA adapters (docs/engine.md, LoRA adapters) [PDSERVE_ENABLE_LORA=1]",
+    )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        default=(env("PDSERVE_LORA_MODULES") or "").split() or None,
+        help="PEFT adapters to load at start (needs --enable-lora), their ids 1, 2, ... in "
+        "this order [PDSERVE_LORA_MODULES, space-separated]",
+    )
+    parser.add_argument(
         "--skip-tokenizer-init",
         action="store_true",
         default=env(engine_env_name("skip_tokenizer_init")) == "1" or None,
@@ -100,7 +118,7 @@ def add_engine_flags(parser: Any) -> None:
 
 def engine_kwargs(args: Any) -> dict[str, Any]:
     out = {n: getattr(args, n) for n in ENGINE_FLAGS if getattr(args, n, None) is not None}
-    for flag in ("enforce_eager", "skip_tokenizer_init"):
+    for flag in ("enforce_eager", "skip_tokenizer_init", "enable_lora"):
         if getattr(args, flag, None):
             out[flag] = True
     for switch in ENGINE_SWITCHES:
@@ -135,6 +153,7 @@ class NodeConfig:
     gc_freeze: bool
     otlp_endpoint: str | None
     engine: dict[str, Any]  # EngineConfig options (vLLM's names)
+    lora_modules: tuple[LoRARequest, ...] = ()  # adapters loaded at start
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> NodeConfig:
@@ -165,7 +184,25 @@ class NodeConfig:
             gc_freeze=args.gc_freeze,
             otlp_endpoint=args.otlp_endpoint,
             engine=engine_kwargs(args),
+            lora_modules=lora_modules(getattr(args, "lora_modules", None), args.enable_lora),
         )
+
+
+def lora_modules(values: list[str] | None, enable_lora: bool | None) -> tuple[LoRARequest, ...]:
+    """``--lora-modules name=path ...`` (vLLM's flag) as LoRARequests, ids 1..n."""
+    if not values:
+        return ()
+    if not enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    out: list[LoRARequest] = []
+    for i, value in enumerate(values, start=1):
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH items; got {value!r}")
+        if any(r.lora_name == name for r in out):
+            raise ValueError(f"--lora-modules names adapter {name!r} twice")
+        out.append(LoRARequest(name, i, path))
+    return tuple(out)
 
 
 def fault_delays(node_id: str) -> FaultDelays:

@@ -87,6 +87,9 @@ def start_node_engine(
     node_id = node.node_id or f"{role.value}-{node.advertise_host}-{node.port}"
     tracing = Tracing(f"pdserve-{role.value}", node.otlp_endpoint, node_id)
     engine = LLMEngine(config)
+    for lora in node.lora_modules:  # read and checked now: a bad adapter fails the start
+        engine.add_lora(lora)
+        logger.info("LoRA adapter %r loaded from %s", lora.lora_name, lora.lora_path)
     engine.enable_cache_events()
     thread = EngineThread(engine, name=f"engine-{node_id}").start()
     return NodeEngine(config, engine, thread, node_id, node.advertise_host, tracing)

@@ -19,12 +19,14 @@ of the step's input ids, after the header says ``patched``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
 
+from engine.lora.request import LoRARequest
 from engine.parallel.group import TPGroup
 from engine.parallel.shm_channel import ShmBroadcast
 from engine.step_inputs import HostInputs
@@ -64,17 +66,37 @@ class StepPlan:
     logit_rows: np.ndarray | None = None  # int64 hidden rows, when ``logits`` is ROWS
     # Hidden-row slices [lo, hi) whose logits prompt logprobs read, in order.
     prompt_slices: list[tuple[int, int]] = field(default_factory=list)
+    # LoRA: each token's adapter slot (int32, -1: none; None: no adapter in the
+    # step), and the adapters to copy into their slots first.
+    lora_slots: np.ndarray | None = None
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
 
 
 # op, num_tokens, num_seqs, table_width, patched, use_graph, logits,
-# num_logit_rows, num_prompt_slices, payload words
-HEADER_WORDS = 10
+# num_logit_rows, num_prompt_slices, payload words, has LoRA slots, LoRA loads' bytes
+HEADER_WORDS = 12
+# Room in a plan for the LoRA copies of one step (JSON: slot, name, id, path).
+LORA_LOAD_BYTES = 8192
+
+
+def _encode_lora(plan: StepPlan) -> tuple[np.ndarray, bytes]:
+    if plan.lora_slots is None:
+        return np.empty(0, np.int64), b""
+    loads = [[slot, r.lora_name, r.lora_int_id, r.lora_path] for slot, r in plan.lora_loads]
+    raw = json.dumps(loads).encode() if loads else b""
+    return plan.lora_slots.astype(np.int64), raw
+
+
+def _decode_lora(slots: np.ndarray, raw: bytes) -> tuple[np.ndarray, list]:
+    loads = json.loads(raw) if raw else []
+    return slots.astype(np.int32), [(s, LoRARequest(n, i, p)) for s, n, i, p in loads]
 
 
 def encode(plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
     h = plan.host
     rows = plan.logit_rows if plan.logit_rows is not None else np.empty(0, np.int64)
     slices = np.asarray(plan.prompt_slices, dtype=np.int64).reshape(-1)
+    lora_slots, lora_raw = _encode_lora(plan)
     payload = np.concatenate(
         [
             h.input_ids,
@@ -85,6 +107,8 @@ def encode(plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
             h.block_tables.reshape(-1).astype(np.int64),
             rows.astype(np.int64, copy=False),
             slices,
+            lora_slots,
+            _words(lora_raw),
         ]
     )
     header = np.array(
@@ -99,6 +123,8 @@ def encode(plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
             len(rows),
             len(plan.prompt_slices),
             len(payload),
+            plan.lora_slots is not None,
+            len(lora_raw),
         ],
         dtype=np.int64,
     )
@@ -106,13 +132,13 @@ def encode(plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
 
 
 def decode(header: np.ndarray, payload: np.ndarray) -> StepPlan:
-    _, num_tokens, num_seqs, width, patched, use_graph, logits, num_rows, num_slices, _ = (
-        int(x) for x in header
-    )
+    (_, num_tokens, num_seqs, width, patched, use_graph, logits, num_rows, num_slices, _,
+     has_lora, lora_bytes) = (int(x) for x in header)  # fmt: skip
     cuts = np.cumsum(
-        [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width, num_rows]
-    )
-    ids, pos, slots, qsl, lens, tables, rows, slices = np.split(payload, cuts)
+        [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width, num_rows,
+         2 * num_slices, num_tokens if has_lora else 0]
+    )  # fmt: skip
+    ids, pos, slots, qsl, lens, tables, rows, slices, lora_slots, lora_raw = np.split(payload, cuts)
     host = HostInputs(
         input_ids=ids,
         positions=pos,
@@ -121,8 +147,11 @@ def decode(header: np.ndarray, payload: np.ndarray) -> StepPlan:
         slot_mapping=slots,
         block_tables=tables.astype(np.int32).reshape(num_seqs, width),
     )
+    lora = _decode_lora(lora_slots, lora_raw.tobytes()[:lora_bytes]) if has_lora else (None, [])
     return StepPlan(
         host,
+        lora_slots=lora[0],
+        lora_loads=lora[1],
         patched=bool(patched),
         use_graph=bool(use_graph),
         logits=Logits(logits),
@@ -142,6 +171,8 @@ def max_plan_words(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> i
         + max_seqs * max_blocks_per_seq
         + max_seqs
         + 2 * slices
+        + max_tokens  # LoRA slots
+        + LORA_LOAD_BYTES // 8
     )
 
 

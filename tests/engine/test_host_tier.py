@@ -189,3 +189,5 @@ def test_swap_needs_a_host_tier(llama_dir):
         make_llm(llama_dir, num_blocks=16, preemption_mode="swap")
     with pytest.raises(ValueError, match="swap_space"):
         make_llm(llama_dir, num_blocks=16, swap_space=-1)
+    with pytest.raises(ValueError, match="swap_space is not supported with enable_lora"):
+        make_llm(llama_dir, num_blocks=16, swap_space=0.01, enable_lora=True)

@@ -1,4 +1,4 @@
-"""The block-hash spec (docs/architecture.md, version 1): router and nodes must agree bit for bit."""
+"""The block-hash spec (docs/architecture.md, version 2): router and nodes must agree bit for bit."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from engine.block_hash import (
     NATIVE_AVAILABLE,
     ROOT_HASH,
     BlockHasher,
+    HasherCache,
     derive_key,
     hash_prompt_blocks,
     id_bounds,
@@ -56,7 +57,7 @@ def test_the_c_chain_is_built_where_there_is_a_compiler():
 def test_pinned_digests_of_spec_version_1(native):
     # Changing any of these means router and nodes of different versions would
     # disagree: bump BLOCK_HASH_VERSION and the key domain together.
-    assert BLOCK_HASH_VERSION == 1
+    assert BLOCK_HASH_VERSION == 2  # version 2 added extra keys; these digests stand
     hashes = BlockHasher("demo-model", 16, native=native).hash_blocks(list(range(32)))
     assert [h.hex() for h in hashes] == [
         "6de08888fb15dcdbfa6a769fd84687b9",
@@ -256,3 +257,32 @@ def test_id_bounds_in_c_equal_min_and_max():
     cases += [[rng.randrange(128_256) for _ in range(2048)]]
     for ids in cases:
         assert id_bounds(ids) == (min(ids), max(ids)), ids
+
+
+@pytest.mark.parametrize("native", IMPLEMENTATIONS)
+def test_extra_keys_key_the_hash_and_leave_version_1_digests_alone(native):
+    from engine.block_hash import canonical_extra_keys, derive_key, lora_extra_key
+
+    tokens = list(range(32))
+    base = BlockHasher("demo-model", 16, native=native).hash_blocks(tokens)
+    assert base[0].hex() == "6de08888fb15dcdbfa6a769fd84687b9"  # as version 1
+    lora_a = BlockHasher("demo-model", 16, native=native, extra_keys=[lora_extra_key("aa")])
+    lora_b = BlockHasher("demo-model", 16, native=native, extra_keys=[lora_extra_key("bb")])
+    a, b = lora_a.hash_blocks(tokens), lora_b.hash_blocks(tokens)
+    assert len({base[0], a[0], b[0]}) == 3
+    # The spec read literally: the keys sorted by name after the salt.
+    extras = ["lora=aa", "kv_cache_dtype=fp8"]
+    material = b"\0".join(
+        [b"pdserve/block-hash/v1", b"demo-model", b"", b"kv_cache_dtype=fp8", b"lora=aa"]
+    )
+    assert (
+        derive_key("demo-model", None, extras) == hashlib.blake2b(material, digest_size=32).digest()
+    )
+    assert canonical_extra_keys(extras) == ("kv_cache_dtype=fp8", "lora=aa")
+    for bad in (["lora"], ["lora=a", "lora=b"], ["Lora=x"], ["lora=\0"]):
+        with pytest.raises(ValueError, match="extra key"):
+            canonical_extra_keys(bad)
+    # The router's cache and the engine's give the same hasher per identity.
+    cache = HasherCache("demo-model", 16)
+    assert cache.get(None, ("lora=aa",)).hash_blocks(tokens) == a
+    assert cache.get(None).hash_blocks(tokens) == base
