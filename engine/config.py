@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.layers.specs import AttentionBackendName, GemvBackend
 from engine.models.config import ModelArchConfig
+from engine.spec_decode.config import SpeculativeConfig, SpeculativeMethod
 from engine.structured.config import StructuredOutputsConfig
 from engine.tp_layout import TPLayout
 
@@ -141,6 +142,9 @@ class EngineConfig:
     # name for the backend.
     structured_outputs_config: StructuredOutputsConfig | dict | None = None
     guided_decoding_backend: str | None = None
+    # vLLM's: speculative decoding ({"method": "ngram", "num_speculative_tokens":
+    # k, ...}; engine/spec_decode/config.py). Steps are synchronous with it.
+    speculative_config: SpeculativeConfig | dict | None = None
     # Derived in __post_init__.
     model_config: ModelArchConfig = field(init=False, repr=False)
 
@@ -163,6 +167,7 @@ class EngineConfig:
         if self.async_scheduling is not None:
             _require_bool("async_scheduling", self.async_scheduling)
         self._resolve_lengths()
+        self._check_speculation()
         if self.tokenizer is None:
             self.tokenizer = self.model
         if self.served_model_name is None:
@@ -197,6 +202,7 @@ class EngineConfig:
             self.structured_outputs_config, self.guided_decoding_backend
         )
         self.guided_decoding_backend = None  # folded into structured_outputs_config
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.worker_extension_cls is not None and not _EXTENSION_NAME.fullmatch(
             str(self.worker_extension_cls)
         ):
@@ -227,6 +233,32 @@ class EngineConfig:
         util = self.gpu_memory_utilization
         if not isinstance(util, int | float) or isinstance(util, bool) or not 0.0 < util <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {util!r}")
+
+    def _check_speculation(self) -> None:
+        """What speculative decoding cannot be combined with (yet), refused at start."""
+        spec = self.speculative_config
+        if spec is None:
+            return
+        if self.async_scheduling:
+            # A verify step's accepted length decides the next step's inputs and
+            # block needs, so the next step cannot be planned before it is read.
+            raise ValueError(
+                "speculative_config needs synchronous steps: async_scheduling=True cannot be "
+                "combined with it (leave async_scheduling unset or False)"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
+        if spec.method is SpeculativeMethod.DRAFT_MODEL:
+            draft = ModelArchConfig.from_dir(spec.model)
+            if draft.vocab_size != self.model_config.vocab_size:
+                raise ValueError(
+                    f"speculative_config.model's vocabulary ({draft.vocab_size} tokens) does not "
+                    f"match the target model's ({self.model_config.vocab_size})"
+                )
+            raise ValueError(
+                "speculative_config method 'draft_model' is not implemented in this engine yet; "
+                "use method 'ngram'"
+            )
 
     def _resolve_lengths(self) -> None:
         limit = self.model_config.max_position_embeddings
@@ -271,6 +303,8 @@ class EngineConfig:
             for name in self.field_names()
         }
         plain["structured_outputs_config"] = self.structured_outputs_config.to_dict()
+        if self.speculative_config is not None:
+            plain["speculative_config"] = self.speculative_config.to_dict()
         return json.dumps(plain)
 
     @classmethod

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.scheduler import Scheduler
+from engine.spec_decode.speculator import SpecDecodeStats
 
 
 @dataclass(slots=True)
@@ -30,10 +31,16 @@ class EngineStats:
     num_generated_tokens: int = 0
     # Blocks freed before a sliding window (models whose layers all slide).
     num_window_freed_blocks: int = 0
+    # Speculative decoding's counters since start (None: not configured).
+    spec_decode: SpecDecodeStats | None = None
 
 
 def collect_stats(
-    sched: Scheduler, bm: BlockManager, num_computed_tokens: int, num_generated_tokens: int
+    sched: Scheduler,
+    bm: BlockManager,
+    num_computed_tokens: int,
+    num_generated_tokens: int,
+    spec_decode: SpecDecodeStats | None = None,
 ) -> EngineStats:
     """The snapshot now. Queued prefill tokens count the waiting prompts and the
     unfinished chunks of running ones (a decode row has one uncomputed token)."""
@@ -56,4 +63,5 @@ def collect_stats(
         num_computed_tokens=num_computed_tokens,
         num_generated_tokens=num_generated_tokens,
         num_window_freed_blocks=s.num_window_freed_blocks,
+        spec_decode=spec_decode,
     )

@@ -26,6 +26,7 @@ import json
 import time
 import weakref
 from dataclasses import dataclass
+from functools import partial
 
 from engine.async_step import InFlightStep, StepLog
 from engine.block_hash import MAX_CACHED_HASHERS, HasherCache
@@ -49,6 +50,7 @@ from engine.sequence import (
     SequenceStatus,
     TokenLogprobs,
 )
+from engine.spec_decode.speculator import Speculator
 from engine.step_clock import StepClock, StepKind
 from engine.structured.scheduling import StructuredOutputs
 from engine.tokenizer import load_tokenizer
@@ -119,7 +121,13 @@ class LLMEngine:
         # Async scheduling: the launched step whose samples the host has not read.
         self._in_flight: InFlightStep | None = None
         asked = config.async_scheduling
-        self.async_scheduling = on_cuda if asked is None else asked
+        # Speculation plans each step from the last one's accepted tokens:
+        # synchronous steps (EngineConfig refuses async_scheduling=True with it).
+        spec = config.speculative_config
+        self.async_scheduling = on_cuda and spec is None if asked is None else asked
+        self.speculator = (
+            Speculator(spec, config.max_model_len, self.block_manager) if spec is not None else None
+        )
         # Late launch: when to build the next step (None: as soon as possible).
         self.step_clock = StepClock() if self.async_scheduling and config.late_launch else None
         self.step_log = StepLog()  # tokens and the device's wait for host work, per step
@@ -306,7 +314,11 @@ class LLMEngine:
             self._in_flight = prev
             return outputs
         began = time.monotonic()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else ScheduledBatch()
+        if self.speculator is not None:
+            self.speculator.drop_unscheduled(self.scheduler.running, batch.seqs)
         scheduled_s = time.monotonic() - began
         if batch.admitted:
             now = time.monotonic()
@@ -420,13 +432,19 @@ class LLMEngine:
                     continue
                 if req.first_token_time is None:
                     req.first_token_time = now
+                drafts, seq.spec_token_ids = seq.spec_token_ids, []
                 op.accept_token(req, seq, token, logprobs[j], now)
+                if drafts:
+                    emit = partial(op.accept_token, req, now=now)
+                    generated += self.speculator.accept(seq, drafts, token_ids, logprobs, j, emit)
                 # A FINAL_ONLY request (LLM.generate) has nothing to say until it ends.
                 if req.params.output_kind is not final_only or (
                     seq.status is finished and req.finished
                 ):
                     news[seq.request_id] = req
             self.num_generated_tokens += generated
+            if step.verify is not None:
+                self.model_runner.settle_generators(step.verify)
         outputs: list[RequestOutput] = []
         for request_id in news:
             outputs.extend(self._output_for(request_id))
@@ -447,7 +465,11 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return collect_stats(
-            self.scheduler, self.block_manager, self.num_computed_tokens, self.num_generated_tokens
+            self.scheduler,
+            self.block_manager,
+            self.num_computed_tokens,
+            self.num_generated_tokens,
+            self.speculator.stats.copy() if self.speculator is not None else None,
         )
 
     # ------------------------------------------------------- for the nodes

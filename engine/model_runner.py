@@ -39,6 +39,13 @@ from engine.sampling_params import SamplingParams
 from engine.sampling_rows import SamplingRows
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.spec_decode.verify_rows import (
+    VerifyLayout,
+    expand_rows,
+    remap_bitmask,
+    settle_generators,
+    verify_layout,
+)
 from engine.step_inputs import HostStaging, host_inputs, to_model_inputs
 from engine.tp_layout import TPLayout
 
@@ -311,7 +318,8 @@ class ModelRunner:
         num_new = batch.num_new_tokens
         starts = [s.num_computed_tokens for s in seqs]
         host = host_inputs(
-            [s.token_ids for s in seqs],
+            # A speculating sequence's step runs its proposed tokens too.
+            [s.token_ids + s.spec_token_ids if s.spec_token_ids else s.token_ids for s in seqs],
             starts,
             num_new,
             [s.block_table for s in seqs],
@@ -319,13 +327,7 @@ class ModelRunner:
         )
         sampling = batch.sampling_rows()
         plan = StepPlan(host)
-        if sampling:
-            # A decode step where every row samples reads every hidden row: no gather.
-            if len(sampling) == host.num_tokens:
-                plan.logits = Logits.ALL
-            else:
-                plan.logits = Logits.ROWS
-                plan.logit_rows = host.query_start_loc[1:][sampling] - 1
+        verify = _plan_logits(plan, sampling, seqs) if sampling else None
         prompt_parts = prompt_logprob_parts(seqs, num_new, host.query_start_loc)
         plan.prompt_slices = [(lo, hi) for _, _, lo, hi in prompt_parts]
         # The previous step's samples that this step's inputs still lack.
@@ -355,6 +357,7 @@ class ModelRunner:
             began,
             prev,
             after_layer is not None,
+            verify,
         )
 
     @torch.inference_mode()
@@ -367,12 +370,14 @@ class ModelRunner:
             seqs = fwd.batch.seqs
             row_of = self.sampling_rows.get
             rows = [row_of(seqs[i]) for i in fwd.sampling]
+            if fwd.verify is not None:
+                rows = expand_rows(fwd.verify, rows, [seqs[i] for i in fwd.sampling])
+                bitmask = remap_bitmask(fwd.verify, bitmask)
             samples = self.sampler.sample(fwd.logits, rows, bitmask)
             if fwd.observed:  # the observer may send first tokens (kv_writes.py)
                 self.kv_observer.step_sampled(samples, fwd.sampling)
         fwd.logits = None
-        start = InFlightStep.start
-        return start(
+        step = InFlightStep.start(
             fwd.batch,
             fwd.sampling,
             samples,
@@ -381,6 +386,13 @@ class ModelRunner:
             fwd.began,
             fwd.prev,
         )
+        step.verify = fwd.verify
+        return step
+
+    def settle_generators(self, verify: VerifyLayout) -> None:
+        """After a verify step's tokens were accepted: seeded generators as if the
+        step had drawn once per emitted token (engine/spec_decode/verify_rows.py)."""
+        settle_generators(verify, self.config.model_config.vocab_size, self.device)
 
     def _forward(
         self,
@@ -438,6 +450,23 @@ class ModelRunner:
         """Forget per-sequence state (its random generator, its sampling row) once it
         finished."""
         self.sampling_rows.release(seq)
+
+
+def _plan_logits(plan: StepPlan, sampling: list[int], seqs: list[Sequence]) -> VerifyLayout | None:
+    """Which hidden rows give logits: each sampled row's last token, or every
+    position of a speculating row (its layout returned; None without one)."""
+    host = plan.host
+    verify = verify_layout(host.query_start_loc, sampling, seqs)
+    num_rows = verify[0].num_rows if verify is not None else len(sampling)
+    # A decode step where every row samples reads every hidden row: no gather.
+    if num_rows == host.num_tokens:
+        plan.logits = Logits.ALL
+    else:
+        plan.logits = Logits.ROWS
+        plan.logit_rows = (
+            verify[1] if verify is not None else host.query_start_loc[1:][sampling] - 1
+        )
+    return verify[0] if verify is not None else None
 
 
 def _triton_available() -> bool:

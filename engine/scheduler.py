@@ -57,7 +57,7 @@ class ScheduledBatch:
         return [
             i
             for i, (s, n) in enumerate(zip(self.seqs, self.num_new_tokens, strict=True))
-            if s.num_computed_tokens + n == len(s.token_ids)
+            if s.num_computed_tokens + n - len(s.spec_token_ids) == len(s.token_ids)
         ]
 
     def __len__(self) -> int:
@@ -131,6 +131,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.RESERVED:
             del self.reserved[seq.seq_id]
         seq.status = SequenceStatus.FINISHED
+        seq.spec_token_ids = []
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         if seq.hold_kv and reason is not FinishReason.ABORT:
@@ -218,6 +219,9 @@ class Scheduler:
                 continue
             computed = seq.num_computed_tokens
             num_new = min(num_tokens - computed, budget)
+            if seq.spec_token_ids:  # its last token, then the proposal (what fits)
+                num_new = min(1 + len(seq.spec_token_ids), budget)
+                del seq.spec_token_ids[num_new - 1 :]
             # Most steps need no new block: skip the allocator then.
             if (computed + num_new + bs - 1) // bs > len(
                 seq.block_table
@@ -258,6 +262,7 @@ class Scheduler:
         self.block_manager.cache_full_blocks(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -329,7 +334,9 @@ class Scheduler:
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             if seq.status is finished:
                 continue
-            computed = seq.num_computed_tokens + num_new
+            # A proposal's tokens count computed only once accepted (its KV stays
+            # past num_computed_tokens until then; speculator.py).
+            computed = seq.num_computed_tokens + num_new - len(seq.spec_token_ids)
             seq.num_computed_tokens = computed
             if caching and computed // bs > seq.num_cached_blocks:
                 bm.cache_full_blocks(seq)

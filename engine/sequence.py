@@ -106,6 +106,10 @@ class Sequence:
     # Structured outputs: its grammar is still compiling, so the scheduler
     # passes over it (engine/structured/manager.py).
     awaiting_grammar: bool = False
+    # Speculative decoding: tokens proposed to follow token_ids, checked by the
+    # next step (vLLM's name; engine/spec_decode/speculator.py). Never part of
+    # token_ids until the target has accepted them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
