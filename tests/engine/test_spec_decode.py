@@ -16,6 +16,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.engine.conftest import assert_idle
+from tests.engine.test_disaggregation import disaggregated
 
 # Text the model is asked to repeat: prompt lookup finds its continuation.
 REPEAT_PROMPTS = [
@@ -145,3 +146,17 @@ def test_async_scheduling_with_speculation_is_refused(tiny_llama_dir):
             async_scheduling=True,
             speculative_config=TINY_SPEC,
         )
+
+
+def test_a_remotely_prefilled_request_speculates_on_the_decode_engine(tiny_pair):
+    """The decode node's path: KV reserved, streamed in from a prefill engine,
+    committed with its first token; then verify steps there."""
+    plain, spec = tiny_pair
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
+    prompt = TINY_PROMPTS[1]["prompt_token_ids"]
+    (ref,) = plain.generate([{"prompt_token_ids": prompt}], params)
+    before = spec.llm_engine.stats().spec_decode.num_accepted_tokens
+    _, out = disaggregated(plain, spec, "remote-spec", prompt, params)
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert spec.llm_engine.stats().spec_decode.num_accepted_tokens > before
+    assert_idle(spec)
