@@ -255,10 +255,6 @@ class EngineConfig:
                     f"speculative_config.model's vocabulary ({draft.vocab_size} tokens) does not "
                     f"match the target model's ({self.model_config.vocab_size})"
                 )
-            raise ValueError(
-                "speculative_config method 'draft_model' is not implemented in this engine yet; "
-                "use method 'ngram'"
-            )
 
     def _resolve_lengths(self) -> None:
         limit = self.model_config.max_position_embeddings

@@ -124,9 +124,12 @@ class LLMEngine:
         # Speculation plans each step from the last one's accepted tokens:
         # synchronous steps (EngineConfig refuses async_scheduling=True with it).
         spec = config.speculative_config
+        draft = self.model_runner.draft.propose if self.model_runner.draft is not None else None
         self.async_scheduling = on_cuda and spec is None if asked is None else asked
         self.speculator = (
-            Speculator(spec, config.max_model_len, self.block_manager) if spec is not None else None
+            Speculator(spec, config.max_model_len, self.block_manager, draft)
+            if spec is not None
+            else None
         )
         # Late launch: when to build the next step (None: as soon as possible).
         self.step_clock = StepClock() if self.async_scheduling and config.late_launch else None

@@ -39,6 +39,8 @@ from engine.sampling_params import SamplingParams
 from engine.sampling_rows import SamplingRows
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.spec_decode.config import SpeculativeMethod
+from engine.spec_decode.draft_model import DraftModel
 from engine.spec_decode.verify_rows import (
     VerifyLayout,
     expand_rows,
@@ -81,6 +83,8 @@ class ModelRunner:
             self.block_size,
         )
         self.model = self._load_model()
+        # Draft-model speculation: its weights count before the KV pool is sized.
+        self.draft = self._load_draft()
         # Decode-sized matmuls: the skinny kernel where it beats cuBLAS (before
         # the graphs are captured, so they capture the chosen kernels).
         self.gemv_plans = plan_model(self.model, config.gemv_backend, self.device, self.dtype)
@@ -90,6 +94,8 @@ class ModelRunner:
         # Every rank holds the same blocks (its heads of them): the smallest pool wins.
         self.num_kvcache_blocks = self.tp.min_int(self._decide_num_blocks())
         self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
+        if self.draft is not None:  # the same block ids index its own pool
+            self.draft.allocate_kv_cache(self.num_kvcache_blocks)
         # Told when each layer of a step wrote its KV (a prefill node streaming it).
         self.kv_observer: KVWriteObserver | None = None
         self.graphs = self._decode_graphs()
@@ -115,6 +121,21 @@ class ModelRunner:
         else:
             load_weights(model, config.model)
         return model.eval()
+
+    def _load_draft(self) -> DraftModel | None:
+        spec = self.config.speculative_config
+        if spec is None or spec.method is not SpeculativeMethod.DRAFT_MODEL:
+            return None
+        config = self.config
+        return DraftModel(
+            spec.model,
+            self.device,
+            self.dtype,
+            self.block_size,
+            config.max_model_len,
+            config.attention_backend,
+            config.seed if config.load_format is LoadFormat.DUMMY else None,
+        )
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs of decode steps, where the device and backend allow them."""
@@ -155,7 +176,8 @@ class ModelRunner:
                 budget = self._profile_cuda_budget()
             else:
                 budget = min(DEFAULT_CPU_KV_CACHE_BYTES, available_host_memory() // 2)
-            num_blocks = budget // self.kv_block_bytes
+            per_block = self.kv_block_bytes + (self.draft.block_bytes if self.draft else 0)
+            num_blocks = budget // per_block
             if num_blocks < 1:
                 raise ValueError(
                     f"no memory is left for the KV cache (budget {budget / GiB:.2f} GiB); raise "
@@ -264,7 +286,10 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         # The sampler's peak: a decode step samples up to max_num_seqs rows with
         # top-k/top-p (a full-vocabulary sort) and logprobs.
-        num_rows = self.config.max_num_seqs
+        # With speculation a sequence samples each of its 1 + k positions.
+        spec = self.config.speculative_config
+        per_seq = 1 + spec.num_speculative_tokens if spec is not None else 1
+        num_rows = min(self.config.max_num_seqs * per_seq, self.config.max_num_batched_tokens)
         rows_hidden = hidden[torch.arange(num_rows, device=self.device) % hidden.shape[0]]
         logits = self.model.compute_logits(rows_hidden)
         params = SamplingParams(

@@ -263,6 +263,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.spec_token_ids = []
+        seq.num_draft_computed_tokens = 0  # its blocks are gone (a prefix hit has no draft KV)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)

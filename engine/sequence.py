@@ -110,6 +110,9 @@ class Sequence:
     # next step (vLLM's name; engine/spec_decode/speculator.py). Never part of
     # token_ids until the target has accepted them.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Draft-model speculation: positions whose draft-model KV is valid
+    # (engine/spec_decode/draft_model.py).
+    num_draft_computed_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

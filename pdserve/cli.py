@@ -111,6 +111,17 @@ def cmd_component(args: argparse.Namespace) -> int:
     return run(lambda: args.serve(args), args.event_loop)
 
 
+def _check_speculative_config(value: str | None) -> None:
+    """Refused now, not by every decode node at its start."""
+    if value:
+        from decode_node.main import speculative_config_arg
+
+        try:
+            speculative_config_arg(value)
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"--speculative-config: {e}") from None
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from common.tls import TLSConfig
     from pdserve.launcher import ClusterSpec, LocalCluster
@@ -124,13 +135,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         # One certificate set for every process: each is a server and a client.
         raise ValueError("pdserve up with TLS wants --tls-cert, --tls-key and --tls-ca together")
     engine_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
-    if args.speculative_config:  # refused now, not by every decode node at its start
-        from decode_node.main import speculative_config_arg
-
-        try:
-            speculative_config_arg(args.speculative_config)
-        except argparse.ArgumentTypeError as e:
-            raise ValueError(f"--speculative-config: {e}") from None
+    _check_speculative_config(args.speculative_config)
     spec = ClusterSpec(
         model=args.model,
         num_prefill=args.prefill,

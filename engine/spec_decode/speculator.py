@@ -30,6 +30,9 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode.config import SpeculativeConfig, SpeculativeMethod
 from engine.spec_decode.ngram import NgramProposer
 
+# The draft model's proposer: k tokens for each sequence (engine/spec_decode/draft_model.py).
+DraftProposer = Callable[[list[Sequence], int], list[list[int]]]
+
 
 @dataclass(slots=True)
 class SpecDecodeStats:
@@ -67,21 +70,30 @@ class SpecDecodeStats:
 
 class Speculator:
     def __init__(
-        self, config: SpeculativeConfig, max_model_len: int, block_manager: BlockManager
+        self,
+        config: SpeculativeConfig,
+        max_model_len: int,
+        block_manager: BlockManager,
+        draft: DraftProposer | None = None,
     ) -> None:
+        """``draft``: the draft model's batch proposer (method draft_model)."""
         self.block_manager = block_manager
-        if config.method is not SpeculativeMethod.NGRAM:
-            raise ValueError(f"speculative method {config.method.value!r} has no proposer here")
         self.k = config.num_speculative_tokens
         self.disable_by_batch_size = config.disable_by_batch_size
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.ngram: NgramProposer | None = None
+        if config.method is SpeculativeMethod.NGRAM:
+            self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif draft is None:
+            raise ValueError("speculative method 'draft_model' needs the draft model's proposer")
+        self.draft = draft
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
 
     def propose(self, running: list[Sequence]) -> None:
         """Fill ``spec_token_ids`` of the running sequences that decode next step."""
         if self.disable_by_batch_size is not None and len(running) >= self.disable_by_batch_size:
             return
+        by_k: dict[int, list[Sequence]] = {}  # draft model: one batch per proposal length
         for seq in running:
             if (
                 seq.status is not SequenceStatus.RUNNING
@@ -91,8 +103,24 @@ class Speculator:
             ):
                 continue
             k = min(self.k, self._room(seq))
-            if k > 0:
-                seq.spec_token_ids = self.proposer.propose(seq.token_ids, k)
+            if k <= 0:
+                continue
+            if self.ngram is not None:
+                seq.spec_token_ids = self.ngram.propose(seq.token_ids, k)
+            else:
+                by_k.setdefault(k, []).append(seq)
+        for k, seqs in by_k.items():
+            self._propose_by_draft(seqs, k)
+
+    def _propose_by_draft(self, seqs: list[Sequence], k: int) -> None:
+        """The draft writes its KV up to the proposal's second-last position:
+        the blocks for the whole verify are claimed now (what a verify rejects
+        goes back after it; a sequence that gets none proposes nothing)."""
+        bm = self.block_manager
+        ready = [s for s in seqs if bm.allocate_slots(s, 1 + k)]
+        if ready:
+            for seq, proposal in zip(ready, self.draft(ready, k), strict=True):
+                seq.spec_token_ids = proposal
 
     def _room(self, seq: Sequence) -> int:
         """Proposed tokens that can still be kept: a step emits up to k + 1
@@ -117,6 +145,7 @@ class Speculator:
         for seq in running:
             if seq.spec_token_ids and seq.seq_id not in ids:
                 seq.spec_token_ids = []
+                self.block_manager.trim(seq, len(seq.token_ids))  # a draft's claim
 
     def accept(
         self,

@@ -160,3 +160,66 @@ def test_a_remotely_prefilled_request_speculates_on_the_decode_engine(tiny_pair)
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     assert spec.llm_engine.stats().spec_decode.num_accepted_tokens > before
     assert_idle(spec)
+
+
+# ------------------------------------------------------------- draft model
+def draft_llm(target_dir, draft_dir, k=3):
+    return LLM(
+        str(target_dir),
+        skip_tokenizer_init=True,
+        device="cpu",
+        max_model_len=256,
+        seed=0,
+        speculative_config={"method": "draft_model", "model": str(draft_dir),
+                            "num_speculative_tokens": k},
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def perturbed_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny model with noise on its MLPs: a draft that mostly agrees."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("perturbed")
+    shutil.copytree(tiny_llama_dir, out, dirs_exist_ok=True)
+    tensors = load_file(str(out / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    for name, t in tensors.items():
+        if "mlp" in name:
+            t += 0.5 * t.std() * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def test_draft_model_greedy_equals_non_speculative(tiny_pair, tiny_llama_dir, perturbed_dir):
+    plain, _ = tiny_pair
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, detokenize=False)
+    ref = completions(plain.generate(TINY_PROMPTS, params))
+    # The model drafting for itself: every proposed token is kept.
+    same = draft_llm(tiny_llama_dir, tiny_llama_dir)
+    assert completions(same.generate(TINY_PROMPTS, params)) == ref
+    stats = same.llm_engine.stats().spec_decode
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate == 1.0
+    assert_idle(same)
+    del same
+    # A perturbed copy: some kept, some rejected, the same output.
+    other = draft_llm(tiny_llama_dir, perturbed_dir, k=4)
+    assert completions(other.generate(TINY_PROMPTS, params)) == ref
+    stats = other.llm_engine.stats().spec_decode
+    assert 0.0 < stats.acceptance_rate < 1.0
+    # Its prompt's draft KV is computed on the decode engine for a remote prefill.
+    prompt = TINY_PROMPTS[2]["prompt_token_ids"]
+    _, out = disaggregated(plain, other, "remote-draft", prompt, params)
+    assert out.outputs[0].token_ids == ref[2][0][0]
+    assert_idle(other)
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
+    from tests.conftest import TINY_CONFIGS, write_config_dir
+
+    other = write_config_dir(tmp_path / "draft", dict(TINY_CONFIGS["llama"], vocab_size=1000))
+    with pytest.raises(ValueError, match=r"vocabulary \(1000 tokens\) does not match"):
+        draft_llm(tiny_llama_dir, other)
