@@ -43,11 +43,12 @@ def test_demo_model_greedy_stops_and_logprobs_equal_non_speculative(demo_model_d
     spec = LLM(
         str(demo_model_dir),
         max_model_len=512,
+        num_kvcache_blocks=256,
         device="cpu",
         speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
     )
     assert not spec.llm_engine.async_scheduling
-    base = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    base = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     (ref,) = demo_llm.generate([REPEAT_PROMPTS[0]], base)
     tokens, text = ref.outputs[0].token_ids, ref.outputs[0].text
     stop_id = tokens[6]
@@ -80,7 +81,10 @@ def test_demo_model_greedy_stops_and_logprobs_equal_non_speculative(demo_model_d
 
 @pytest.fixture(scope="module")
 def tiny_pair(tiny_llama_dir):
-    kwargs = dict(skip_tokenizer_init=True, device="cpu", max_model_len=256, seed=0)
+    # A small pool: the per-step block checks below walk all of it.
+    kwargs = dict(
+        skip_tokenizer_init=True, device="cpu", max_model_len=256, seed=0, num_kvcache_blocks=128
+    )
     plain = LLM(str(tiny_llama_dir), **kwargs)
     spec = LLM(str(tiny_llama_dir), speculative_config=TINY_SPEC, **kwargs)
     return plain, spec
@@ -170,6 +174,7 @@ def draft_llm(target_dir, draft_dir, k=3):
         device="cpu",
         max_model_len=256,
         seed=0,
+        num_kvcache_blocks=128,
         speculative_config={"method": "draft_model", "model": str(draft_dir),
                             "num_speculative_tokens": k},
     )  # fmt: skip
