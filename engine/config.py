@@ -249,6 +249,13 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
         if spec.method is SpeculativeMethod.DRAFT_MODEL:
+            if self.model_config.freeing_window is not None:
+                # Its blocks behind the window are freed; the draft's catch-up
+                # over a whole prompt would write through them.
+                raise ValueError(
+                    "speculative_config method 'draft_model' is not supported for a model whose "
+                    "every layer slides (its blocks behind the window are freed); use 'ngram'"
+                )
             draft = ModelArchConfig.from_dir(spec.model)
             if draft.vocab_size != self.model_config.vocab_size:
                 raise ValueError(

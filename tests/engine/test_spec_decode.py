@@ -141,17 +141,6 @@ def test_no_cached_block_holds_an_unverified_token(tiny_pair):
     assert_idle(spec)
 
 
-def test_async_scheduling_with_speculation_is_refused(tiny_llama_dir):
-    with pytest.raises(ValueError, match="async_scheduling=True cannot be combined"):
-        LLM(
-            str(tiny_llama_dir),
-            skip_tokenizer_init=True,
-            device="cpu",
-            async_scheduling=True,
-            speculative_config=TINY_SPEC,
-        )
-
-
 def test_a_remotely_prefilled_request_speculates_on_the_decode_engine(tiny_pair):
     """The decode node's path: KV reserved, streamed in from a prefill engine,
     committed with its first token; then verify steps there."""

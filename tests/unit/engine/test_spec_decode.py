@@ -208,3 +208,26 @@ def chi_square(tokens: list[int], p: torch.Tensor) -> float:
     counts = np.bincount(np.asarray(tokens), minlength=len(p))
     expected = p.numpy() * len(tokens)
     return float(((counts - expected) ** 2 / expected).sum())
+
+
+# ------------------------------------------------------ engine combinations
+def engine_config(tmp_path, kind="llama", **kwargs):
+    from engine.config import EngineConfig
+    from tests.conftest import TINY_CONFIGS, write_config_dir
+
+    model = write_config_dir(tmp_path / kind, TINY_CONFIGS[kind])
+    return EngineConfig.from_kwargs(str(model), **kwargs)
+
+
+def test_what_speculation_cannot_be_combined_with_is_refused(tmp_path):
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    config = engine_config(tmp_path, speculative_config=ngram)
+    assert config.speculative_config.method is SpeculativeMethod.NGRAM
+    assert "speculative_config" in config.to_json()
+    with pytest.raises(ValueError, match="async_scheduling=True cannot be combined"):
+        engine_config(tmp_path, speculative_config=ngram, async_scheduling=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        engine_config(tmp_path, speculative_config=ngram, tensor_parallel_size=2)
+    draft = {"method": "draft_model", "model": str(tmp_path / "llama"), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="every layer slides"):
+        engine_config(tmp_path, "mistral", speculative_config=draft)
