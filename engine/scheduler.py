@@ -5,7 +5,8 @@ Pure Python, no torch. Each step it hands the model runner a list of
 tokens and ``max_num_seqs`` running sequences.
 
 Order within a step:
-1. Running sequences that are decoding (one token each). Nothing else is
+1. Running sequences that are decoding (one token each; those verifying a
+   speculative proposal, its tokens too, after the others). Nothing else is
    scheduled before them, so a long prefill can never starve decodes.
 2. Running sequences part-way through a chunked prefill.
 3. Waiting sequences, first come first served (preempted ones go to the front),
@@ -193,9 +194,17 @@ class Scheduler:
         scheduled_ids: set[int] = set()
         # Once per step over every running sequence: attributes read directly,
         # not through Sequence's properties (this loop is per-step host work).
-        decoding, prefilling = [], []
+        # Speculating rows (several query tokens each) follow the plain decodes:
+        # the attention backends serve the leading one-token rows with their
+        # decode kernels, everything from the first longer row on as a prefill.
+        decoding, verifying, prefilling = [], [], []
         for s in self.running:
-            (decoding if len(s.token_ids) - s.num_computed_tokens == 1 else prefilling).append(s)
+            if len(s.token_ids) - s.num_computed_tokens != 1:
+                prefilling.append(s)
+            else:
+                (verifying if s.spec_token_ids else decoding).append(s)
+        if verifying:
+            decoding.extend(verifying)
         if prefilling:
             decoding.extend(prefilling)
         running = SequenceStatus.RUNNING

@@ -231,3 +231,12 @@ def test_what_speculation_cannot_be_combined_with_is_refused(tmp_path):
     draft = {"method": "draft_model", "model": str(tmp_path / "llama"), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="every layer slides"):
         engine_config(tmp_path, "mistral", speculative_config=draft)
+
+
+def test_verifying_rows_follow_the_plain_decodes():
+    sched = make_sched()
+    seqs = [decode_ready(sched, [i, 2, 3, 4]) for i in range(3)]
+    seqs[0].spec_token_ids = [5, 6]
+    batch = sched.schedule()
+    assert batch.seqs == [seqs[1], seqs[2], seqs[0]]
+    assert batch.num_new_tokens == [1, 1, 3]
