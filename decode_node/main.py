@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from common.cluster.state import NodeRole
@@ -11,6 +12,7 @@ from common.runtime.node import run_node, start_node_engine
 from common.runtime.ports import PlannedPort
 from decode_node.service import DecodeNodeServicer
 from decode_node.worker import DecodeWorker
+from engine.spec_decode.config import SpeculativeConfig
 from proto import internal_pb2, internal_pb2_grpc
 
 SERVICE = internal_pb2.DESCRIPTOR.services_by_name["DecodeNode"].full_name
@@ -32,15 +34,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "and the request retried elsewhere [PDSERVE_KV_LEASE_S]",
     )
 
+    p.add_argument(
+        "--speculative-config",
+        type=speculative_config_arg,
+        # A string default goes through `type`: a bad value is reported like a bad flag.
+        default=os.environ.get("PDSERVE_SPECULATIVE_CONFIG") or None,
+        help="speculative decoding, vLLM's JSON form, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' '
+        "(docs/engine.md; steps run synchronously with it) [PDSERVE_SPECULATIVE_CONFIG]",
+    )
+
+
+def speculative_config_arg(value: str) -> dict:
+    """The flag's JSON, checked now so a bad one fails before the model loads."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    try:
+        return SpeculativeConfig.parse(parsed).to_dict()
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
 
 async def serve(args: argparse.Namespace) -> int:
     config = NodeConfig.from_args(args)
+    # Decode nodes only: a prefill node samples one token per request.
+    spec = {"speculative_config": args.speculative_config} if args.speculative_config else {}
     ports = [
         PlannedPort(config.port, "--port", "decode node gRPC API"),
         PlannedPort(args.transfer_port, "--transfer-port", "KV transfer"),
     ]
     node = start_node_engine(
-        config, NodeRole.DECODE, ports, worker_extension_cls="decode_node.tp_rank:DecodeRank"
+        config,
+        NodeRole.DECODE,
+        ports,
+        worker_extension_cls="decode_node.tp_rank:DecodeRank",
+        **spec,
     )
     worker = DecodeWorker(
         node.node_id,

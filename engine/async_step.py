@@ -36,6 +36,7 @@ from engine.layers.sampler import DeviceSamples, SamplerOutput
 from engine.model_io import PromptTokenLogprob, StepOutput
 from engine.scheduler import ScheduledBatch
 from engine.sequence import PLACEHOLDER, Sequence
+from engine.spec_decode.verify_rows import VerifyLayout
 from engine.step_inputs import HostInputs
 
 __all__ = ["PLACEHOLDER", "ForwardedStep", "InFlightStep", "StepLog", "StepRecord", "patch_indices"]
@@ -56,6 +57,8 @@ class ForwardedStep:
     began: torch.cuda.Event | None
     prev: InFlightStep | None
     observed: bool  # a KV-write observer saw the step (it is told of the samples)
+    # Speculating rows sample several positions each (None: one sample per row).
+    verify: VerifyLayout | None = None
 
 
 @dataclass(slots=True)
@@ -76,6 +79,8 @@ class InFlightStep:
     after: torch.cuda.Event | None = None
     # (sequence, sample index, position in token_ids) of each placeholder.
     placeholders: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    # A verify step: where each sampled row's samples start (engine/spec_decode/).
+    verify: VerifyLayout | None = None
 
     @classmethod
     def start(
@@ -145,8 +150,9 @@ class InFlightStep:
             else:
                 while sampling[j] != row:  # both in batch order
                     j += 1
-            seq.pending_sample = j
-            self.placeholders.append((seq, j, len(seq.token_ids) - 1))
+            sample = self.verify.first[j] if self.verify is not None else j
+            seq.pending_sample = sample
+            self.placeholders.append((seq, sample, len(seq.token_ids) - 1))
 
     def read(self) -> SamplerOutput | None:
         """The samples as host data, by sample index (blocks until the device
@@ -165,8 +171,9 @@ class InFlightStep:
         logprobs: list = [None] * num
         host = self.read()
         if host is not None:
-            for j, i in enumerate(self.sampling):
-                sampled[i] = host.token_ids[j]
+            first = self.verify.first if self.verify is not None else range(len(self.sampling))
+            for j, i in zip(first, self.sampling, strict=True):
+                sampled[i] = host.token_ids[j]  # a speculating row's first position
                 logprobs[i] = host.logprobs[j]
         prompt_logprobs = self.prompt_logprobs or [None] * num
         return StepOutput(sampled, logprobs, prompt_logprobs)

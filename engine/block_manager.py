@@ -274,6 +274,15 @@ class BlockManager:
         seq.num_cached_blocks = 0
         seq.num_window_freed_blocks = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the sequence's tail blocks past its first ``num_tokens``
+        tokens (a verify step's rejected proposal held them). Such blocks are
+        never in the prefix cache: only computed, verified blocks are."""
+        keep = self.blocks_needed(num_tokens)
+        table = seq.block_table
+        while len(table) > keep:
+            self._release(table.pop())
+
     def free_blocks_before(self, seq: Sequence, position: int) -> int:
         """Release the sequence's blocks that hold only tokens before ``position``
         (every query from now on sees keys from ``position`` on: a sliding window

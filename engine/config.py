@@ -18,6 +18,7 @@ from typing import Any
 from engine.layers.specs import AttentionBackendName, GemvBackend
 from engine.lora.config import LoRADType, check_lora_options
 from engine.models.config import ModelArchConfig
+from engine.spec_decode.config import SpeculativeConfig, SpeculativeMethod
 from engine.structured.config import StructuredOutputsConfig
 from engine.tp_layout import TPLayout
 
@@ -158,6 +159,9 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     lora_dtype: LoRADType = LoRADType.AUTO
     fully_sharded_loras: bool = False
+    # vLLM's: speculative decoding ({"method": "ngram", "num_speculative_tokens":
+    # k, ...}; engine/spec_decode/config.py). Steps are synchronous with it.
+    speculative_config: SpeculativeConfig | dict | None = None
     # Derived in __post_init__.
     model_config: ModelArchConfig = field(init=False, repr=False)
 
@@ -191,6 +195,7 @@ class EngineConfig:
             self.tensor_parallel_size,
             self.fully_sharded_loras,
         )
+        self._check_speculation()
         if self.tokenizer is None:
             self.tokenizer = self.model
         if self.served_model_name is None:
@@ -226,6 +231,7 @@ class EngineConfig:
             self.structured_outputs_config, self.guided_decoding_backend
         )
         self.guided_decoding_backend = None  # folded into structured_outputs_config
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.worker_extension_cls is not None and not _EXTENSION_NAME.fullmatch(
             str(self.worker_extension_cls)
         ):
@@ -271,6 +277,41 @@ class EngineConfig:
         if space > 0 and self.enable_lora:
             raise ValueError("swap_space is not supported with enable_lora yet")
 
+    def _check_speculation(self) -> None:
+        """What speculative decoding cannot be combined with (yet), refused at start."""
+        spec = self.speculative_config
+        if spec is None:
+            return
+        if self.async_scheduling:
+            # A verify step's accepted length decides the next step's inputs and
+            # block needs, so the next step cannot be planned before it is read.
+            raise ValueError(
+                "speculative_config needs synchronous steps: async_scheduling=True cannot be "
+                "combined with it (leave async_scheduling unset or False)"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
+        # Not built yet: a verify row's several positions in the LoRA step
+        # plan, and a swapped or loading sequence's proposals.
+        if self.enable_lora:
+            raise ValueError("speculative_config is not supported with enable_lora yet")
+        if self.swap_space:
+            raise ValueError("speculative_config is not supported with swap_space yet")
+        if spec.method is SpeculativeMethod.DRAFT_MODEL:
+            if self.model_config.freeing_window is not None:
+                # Its blocks behind the window are freed; the draft's catch-up
+                # over a whole prompt would write through them.
+                raise ValueError(
+                    "speculative_config method 'draft_model' is not supported for a model whose "
+                    "every layer slides (its blocks behind the window are freed); use 'ngram'"
+                )
+            draft = ModelArchConfig.from_dir(spec.model)
+            if draft.vocab_size != self.model_config.vocab_size:
+                raise ValueError(
+                    f"speculative_config.model's vocabulary ({draft.vocab_size} tokens) does not "
+                    f"match the target model's ({self.model_config.vocab_size})"
+                )
+
     def _resolve_lengths(self) -> None:
         limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:
@@ -314,6 +355,8 @@ class EngineConfig:
             for name in self.field_names()
         }
         plain["structured_outputs_config"] = self.structured_outputs_config.to_dict()
+        if self.speculative_config is not None:
+            plain["speculative_config"] = self.speculative_config.to_dict()
         return json.dumps(plain)
 
     @classmethod

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.scheduler import Scheduler
+from engine.spec_decode.speculator import SpecDecodeStats
 
 
 @dataclass(slots=True)
@@ -43,6 +44,8 @@ class EngineStats:
     bytes_copied_to_device: int = 0
     num_swap_preemptions: int = 0
     num_swap_fallbacks: int = 0
+    # Speculative decoding's counters since start (None: not configured).
+    spec_decode: SpecDecodeStats | None = None
 
 
 def collect_stats(
@@ -51,6 +54,7 @@ def collect_stats(
     num_computed_tokens: int,
     num_generated_tokens: int,
     kv_block_bytes: int = 0,
+    spec_decode: SpecDecodeStats | None = None,
 ) -> EngineStats:
     """The snapshot now. Queued prefill tokens count the waiting prompts and the
     unfinished chunks of running ones (a decode row has one uncomputed token).
@@ -78,6 +82,7 @@ def collect_stats(
         num_window_freed_blocks=s.num_window_freed_blocks,
         num_swap_preemptions=s.num_swap_preemptions,
         num_swap_fallbacks=s.num_swap_fallbacks,
+        spec_decode=spec_decode,
     )
     tier = bm.host_tier
     if tier is not None:

@@ -30,6 +30,7 @@ import json
 import time
 import weakref
 from dataclasses import dataclass
+from functools import partial
 
 from engine.async_step import InFlightStep, StepLog
 from engine.block_hash import MAX_CACHED_HASHERS, ExtraKeys, HasherCache, lora_extra_key
@@ -56,6 +57,7 @@ from engine.sequence import (
     SequenceStatus,
     TokenLogprobs,
 )
+from engine.spec_decode.speculator import Speculator
 from engine.step_clock import StepClock, StepKind
 from engine.structured.scheduling import StructuredOutputs
 from engine.tier_copies import TierTransfers
@@ -130,11 +132,24 @@ class LLMEngine:
         self._penalised: set[str] = set()
         # Async scheduling: the launched step whose samples the host has not read.
         self._in_flight: InFlightStep | None = None
+        self._plan_steps(config, on_cuda)
+        self.step_log = StepLog()  # tokens and the device's wait for host work, per step
+
+    def _plan_steps(self, config: EngineConfig, on_cuda: bool) -> None:
+        """Async scheduling, speculation and late launch, as configured."""
         asked = config.async_scheduling
-        self.async_scheduling = on_cuda if asked is None else asked
+        # Speculation plans each step from the last one's accepted tokens:
+        # synchronous steps (EngineConfig refuses async_scheduling=True with it).
+        spec = config.speculative_config
+        draft = self.model_runner.draft.propose if self.model_runner.draft is not None else None
+        self.async_scheduling = on_cuda and spec is None if asked is None else asked
+        self.speculator = (
+            Speculator(spec, config.max_model_len, self.block_manager, draft)
+            if spec is not None
+            else None
+        )
         # Late launch: when to build the next step (None: as soon as possible).
         self.step_clock = StepClock() if self.async_scheduling and config.late_launch else None
-        self.step_log = StepLog()  # tokens and the device's wait for host work, per step
 
     def _start_model(self, config: EngineConfig) -> None:
         """The model runner, and with tensor parallelism ranks 1..t-1 in their own
@@ -391,15 +406,8 @@ class LLMEngine:
             self._in_flight = prev
             return outputs
         began = time.monotonic()
-        batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else ScheduledBatch()
-        self._flush_tiers()
+        batch = self._schedule()
         scheduled_s = time.monotonic() - began
-        if batch.admitted:
-            now = time.monotonic()
-            for seq in batch.admitted:
-                req = self.requests[seq.request_id]
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = now
         # Penalties read the output ids on the host: such a step waits for the last.
         if prev is not None and (
             not batch.seqs
@@ -441,6 +449,23 @@ class LLMEngine:
         else:
             outputs.extend(self._finish_step(step))
         return outputs
+
+    def _schedule(self) -> ScheduledBatch:
+        """The next step's batch (with proposals to verify, and the host tier's
+        copies issued); the admitted requests' first scheduling time."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
+        batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else ScheduledBatch()
+        self._flush_tiers()
+        if self.speculator is not None:
+            self.speculator.drop_unscheduled(self.scheduler.running, batch.seqs)
+        if batch.admitted:
+            now = time.monotonic()
+            for seq in batch.admitted:
+                req = self.requests[seq.request_id]
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+        return batch
 
     def launch_delay(self) -> float:
         """Seconds the next ``step`` should wait for the step in flight to near its
@@ -509,13 +534,19 @@ class LLMEngine:
                     continue
                 if req.first_token_time is None:
                     req.first_token_time = now
+                drafts, seq.spec_token_ids = seq.spec_token_ids, []
                 op.accept_token(req, seq, token, logprobs[j], now)
+                if drafts:
+                    emit = partial(op.accept_token, req, now=now)
+                    generated += self.speculator.accept(seq, drafts, token_ids, logprobs, j, emit)
                 # A FINAL_ONLY request (LLM.generate) has nothing to say until it ends.
                 if req.params.output_kind is not final_only or (
                     seq.status is finished and req.finished
                 ):
                     news[seq.request_id] = req
             self.num_generated_tokens += generated
+            if step.verify is not None:
+                self.model_runner.settle_generators(step.verify)
         outputs: list[RequestOutput] = []
         for request_id in news:
             outputs.extend(self._output_for(request_id))
@@ -542,6 +573,7 @@ class LLMEngine:
             self.num_computed_tokens,
             self.num_generated_tokens,
             block_bytes,
+            self.speculator.stats.copy() if self.speculator is not None else None,
         )
 
     # ------------------------------------------------------- for the nodes

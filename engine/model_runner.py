@@ -41,6 +41,15 @@ from engine.sampling_params import SamplingParams
 from engine.sampling_rows import SamplingRows
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.spec_decode.config import SpeculativeMethod
+from engine.spec_decode.draft_model import DraftModel
+from engine.spec_decode.verify_rows import (
+    VerifyLayout,
+    expand_rows,
+    remap_bitmask,
+    settle_generators,
+    verify_layout,
+)
 from engine.step_inputs import HostStaging, host_inputs, to_model_inputs
 from engine.tp_layout import TPLayout
 
@@ -86,6 +95,8 @@ class ModelRunner:
                 config, self.model, self.layout, self.device, self.dtype, use_triton
             )
             self.lora_slots = LoRASlots(config.max_loras)
+        # Draft-model speculation: its weights count before the KV pool is sized.
+        self.draft = self._load_draft()
         # Decode-sized matmuls: the skinny kernel where it beats cuBLAS (before
         # the graphs are captured, so they capture the chosen kernels).
         self.gemv_plans = plan_model(self.model, config.gemv_backend, self.device, self.dtype)
@@ -95,6 +106,8 @@ class ModelRunner:
         # Every rank holds the same blocks (its heads of them): the smallest pool wins.
         self.num_kvcache_blocks = self.tp.min_int(self._decide_num_blocks())
         self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
+        if self.draft is not None:  # the same block ids index its own pool
+            self.draft.allocate_kv_cache(self.num_kvcache_blocks)
         # Told when each layer of a step wrote its KV (a prefill node streaming it).
         self.kv_observer: KVWriteObserver | None = None
         if self.lora is not None:  # the graphs capture the LoRA kernels too
@@ -124,6 +137,21 @@ class ModelRunner:
         else:
             load_weights(model, config.model)
         return model.eval()
+
+    def _load_draft(self) -> DraftModel | None:
+        spec = self.config.speculative_config
+        if spec is None or spec.method is not SpeculativeMethod.DRAFT_MODEL:
+            return None
+        config = self.config
+        return DraftModel(
+            spec.model,
+            self.device,
+            self.dtype,
+            self.block_size,
+            config.max_model_len,
+            config.attention_backend,
+            config.seed if config.load_format is LoadFormat.DUMMY else None,
+        )
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs of decode steps, where the device and backend allow them."""
@@ -164,7 +192,8 @@ class ModelRunner:
                 budget = self._profile_cuda_budget()
             else:
                 budget = min(DEFAULT_CPU_KV_CACHE_BYTES, available_host_memory() // 2)
-            num_blocks = budget // self.kv_block_bytes
+            per_block = self.kv_block_bytes + (self.draft.block_bytes if self.draft else 0)
+            num_blocks = budget // per_block
             if num_blocks < 1:
                 raise ValueError(
                     f"no memory is left for the KV cache (budget {budget / GiB:.2f} GiB); raise "
@@ -273,7 +302,10 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         # The sampler's peak: a decode step samples up to max_num_seqs rows with
         # top-k/top-p (a full-vocabulary sort) and logprobs.
-        num_rows = self.config.max_num_seqs
+        # With speculation a sequence samples each of its 1 + k positions.
+        spec = self.config.speculative_config
+        per_seq = 1 + spec.num_speculative_tokens if spec is not None else 1
+        num_rows = min(self.config.max_num_seqs * per_seq, self.config.max_num_batched_tokens)
         rows_hidden = hidden[torch.arange(num_rows, device=self.device) % hidden.shape[0]]
         logits = self.model.compute_logits(rows_hidden)
         params = SamplingParams(
@@ -327,7 +359,8 @@ class ModelRunner:
         num_new = batch.num_new_tokens
         starts = [s.num_computed_tokens for s in seqs]
         host = host_inputs(
-            [s.token_ids for s in seqs],
+            # A speculating sequence's step runs its proposed tokens too.
+            [s.token_ids + s.spec_token_ids if s.spec_token_ids else s.token_ids for s in seqs],
             starts,
             num_new,
             [s.block_table for s in seqs],
@@ -337,13 +370,7 @@ class ModelRunner:
         plan = StepPlan(host)
         if self.lora is not None:
             self.lora.plan_step(plan, [s.lora_request for s in seqs], num_new, self.lora_slots)
-        if sampling:
-            # A decode step where every row samples reads every hidden row: no gather.
-            if len(sampling) == host.num_tokens:
-                plan.logits = Logits.ALL
-            else:
-                plan.logits = Logits.ROWS
-                plan.logit_rows = host.query_start_loc[1:][sampling] - 1
+        verify = _plan_logits(plan, sampling, seqs) if sampling else None
         prompt_parts = prompt_logprob_parts(seqs, num_new, host.query_start_loc)
         plan.prompt_slices = [(lo, hi) for _, _, lo, hi in prompt_parts]
         # The previous step's samples that this step's inputs still lack.
@@ -373,6 +400,7 @@ class ModelRunner:
             began,
             prev,
             after_layer is not None,
+            verify,
         )
 
     @torch.inference_mode()
@@ -385,12 +413,14 @@ class ModelRunner:
             seqs = fwd.batch.seqs
             row_of = self.sampling_rows.get
             rows = [row_of(seqs[i]) for i in fwd.sampling]
+            if fwd.verify is not None:
+                rows = expand_rows(fwd.verify, rows, [seqs[i] for i in fwd.sampling])
+                bitmask = remap_bitmask(fwd.verify, bitmask)
             samples = self.sampler.sample(fwd.logits, rows, bitmask)
             if fwd.observed:  # the observer may send first tokens (kv_writes.py)
                 self.kv_observer.step_sampled(samples, fwd.sampling)
         fwd.logits = None
-        start = InFlightStep.start
-        return start(
+        step = InFlightStep.start(
             fwd.batch,
             fwd.sampling,
             samples,
@@ -399,6 +429,13 @@ class ModelRunner:
             fwd.began,
             fwd.prev,
         )
+        step.verify = fwd.verify
+        return step
+
+    def settle_generators(self, verify: VerifyLayout) -> None:
+        """After a verify step's tokens were accepted: seeded generators as if the
+        step had drawn once per emitted token (engine/spec_decode/verify_rows.py)."""
+        settle_generators(verify, self.config.model_config.vocab_size, self.device)
 
     def _forward(
         self,
@@ -476,6 +513,23 @@ class ModelRunner:
         """Forget per-sequence state (its random generator, its sampling row) once it
         finished."""
         self.sampling_rows.release(seq)
+
+
+def _plan_logits(plan: StepPlan, sampling: list[int], seqs: list[Sequence]) -> VerifyLayout | None:
+    """Which hidden rows give logits: each sampled row's last token, or every
+    position of a speculating row (its layout returned; None without one)."""
+    host = plan.host
+    verify = verify_layout(host.query_start_loc, sampling, seqs)
+    num_rows = verify[0].num_rows if verify is not None else len(sampling)
+    # A decode step where every row samples reads every hidden row: no gather.
+    if num_rows == host.num_tokens:
+        plan.logits = Logits.ALL
+    else:
+        plan.logits = Logits.ROWS
+        plan.logit_rows = (
+            verify[1] if verify is not None else host.query_start_loc[1:][sampling] - 1
+        )
+    return verify[0] if verify is not None else None
 
 
 def _triton_available() -> bool:

@@ -5,7 +5,8 @@ Pure Python, no torch. Each step it hands the model runner a list of
 tokens and ``max_num_seqs`` running sequences.
 
 Order within a step:
-1. Running sequences that are decoding (one token each). Nothing else is
+1. Running sequences that are decoding (one token each; those verifying a
+   speculative proposal, its tokens too, after the others). Nothing else is
    scheduled before them, so a long prefill can never starve decodes.
 2. Running sequences part-way through a chunked prefill.
 3. Waiting sequences, first come first served (preempted ones go to the front),
@@ -70,7 +71,7 @@ class ScheduledBatch:
         return [
             i
             for i, (s, n) in enumerate(zip(self.seqs, self.num_new_tokens, strict=True))
-            if s.num_computed_tokens + n == len(s.token_ids)
+            if s.num_computed_tokens + n - len(s.spec_token_ids) == len(s.token_ids)
         ]
 
     def __len__(self) -> int:
@@ -174,6 +175,7 @@ class Scheduler:
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             return
         seq.status = SequenceStatus.FINISHED
+        seq.spec_token_ids = []
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         if seq.hold_kv and reason is not FinishReason.ABORT:
@@ -246,9 +248,17 @@ class Scheduler:
         scheduled_ids: set[int] = set()
         # Once per step over every running sequence: attributes read directly,
         # not through Sequence's properties (this loop is per-step host work).
-        decoding, prefilling = [], []
+        # Speculating rows (several query tokens each) follow the plain decodes:
+        # the attention backends serve the leading one-token rows with their
+        # decode kernels, everything from the first longer row on as a prefill.
+        decoding, verifying, prefilling = [], [], []
         for s in self.running:
-            (decoding if len(s.token_ids) - s.num_computed_tokens == 1 else prefilling).append(s)
+            if len(s.token_ids) - s.num_computed_tokens != 1:
+                prefilling.append(s)
+            else:
+                (verifying if s.spec_token_ids else decoding).append(s)
+        if verifying:
+            decoding.extend(verifying)
         if prefilling:
             decoding.extend(prefilling)
         running = SequenceStatus.RUNNING
@@ -272,6 +282,9 @@ class Scheduler:
                 continue
             computed = seq.num_computed_tokens
             num_new = min(num_tokens - computed, budget)
+            if seq.spec_token_ids:  # its last token, then the proposal (what fits)
+                num_new = min(1 + len(seq.spec_token_ids), budget)
+                del seq.spec_token_ids[num_new - 1 :]
             # Most steps need no new block: skip the allocator then.
             if (computed + num_new + bs - 1) // bs > len(
                 seq.block_table
@@ -317,6 +330,8 @@ class Scheduler:
             return
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
+        seq.num_draft_computed_tokens = 0  # its blocks are gone (a prefix hit has no draft KV)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         logger.warning(
@@ -505,7 +520,9 @@ class Scheduler:
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             if seq.status is finished:
                 continue
-            computed = seq.num_computed_tokens + num_new
+            # A proposal's tokens count computed only once accepted (its KV stays
+            # past num_computed_tokens until then; speculator.py).
+            computed = seq.num_computed_tokens + num_new - len(seq.spec_token_ids)
             seq.num_computed_tokens = computed
             if caching and computed // bs > seq.num_cached_blocks:
                 bm.cache_full_blocks(seq)

@@ -117,6 +117,13 @@ class Sequence:
     # Its LoRA adapter (None: the base model); while running it holds a device
     # slot of the scheduler's LoRASlots (engine/lora/slots.py).
     lora_request: LoRARequest | None = None
+    # Speculative decoding: tokens proposed to follow token_ids, checked by the
+    # next step (vLLM's name; engine/spec_decode/speculator.py). Never part of
+    # token_ids until the target has accepted them.
+    spec_token_ids: list[int] = field(default_factory=list)
+    # Draft-model speculation: positions whose draft-model KV is valid
+    # (engine/spec_decode/draft_model.py).
+    num_draft_computed_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

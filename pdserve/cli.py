@@ -111,6 +111,17 @@ def cmd_component(args: argparse.Namespace) -> int:
     return run(lambda: args.serve(args), args.event_loop)
 
 
+def _check_speculative_config(value: str | None) -> None:
+    """Refused now, not by every decode node at its start."""
+    if value:
+        from decode_node.main import speculative_config_arg
+
+        try:
+            speculative_config_arg(value)
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"--speculative-config: {e}") from None
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from common.tls import TLSConfig
     from pdserve.launcher import ClusterSpec, LocalCluster
@@ -125,6 +136,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise ValueError("pdserve up with TLS wants --tls-cert, --tls-key and --tls-ca together")
     engine_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
     engine_args += lora_node_args(args)
+    _check_speculative_config(args.speculative_config)
     spec = ClusterSpec(
         model=args.model,
         num_prefill=args.prefill,
@@ -137,6 +149,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         engine_args=engine_args,
         node_args=["--verify-kv"] if args.verify_kv else [],
+        decode_args=(
+            ["--speculative-config", args.speculative_config] if args.speculative_config else []
+        ),
         router_args=(["--routing-policy", args.routing_policy] if args.routing_policy else [])
         + (["--api-tokens-file", args.api_tokens_file] if args.api_tokens_file else [])
         + (["--no-migration"] if args.no_migration else [])
@@ -302,6 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest prompt + output, for the nodes and the routers (default: the model's)",
     )
     up.add_argument("--verify-kv", action="store_true", help="checksum every KV transfer")
+    up.add_argument(
+        "--speculative-config",
+        default=None,
+        help="the decode nodes' speculative decoding, vLLM's JSON form (docs/engine.md), "
+        'e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
     up.add_argument(
         "--cpu-threads",
         type=int,

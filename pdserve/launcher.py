@@ -63,6 +63,7 @@ class ClusterSpec:
     redis_url: str | None = None
     engine_args: list[str] = field(default_factory=list)  # passed to every node
     node_args: list[str] = field(default_factory=list)  # e.g. --verify-kv
+    decode_args: list[str] = field(default_factory=list)  # e.g. --speculative-config
     router_args: list[str] = field(default_factory=list)  # e.g. --skip-tokenizer-init
     num_routers: int = 1  # replicas beyond the first take free ports
     http_port: int | None = None  # OpenAI HTTP API of the first router (replicas: free ports)
@@ -268,7 +269,7 @@ class LocalCluster:
             port = free_port(spec.host)
             args = [role, *common, "--port", str(port), "--node-id", name]
             if role == "decode":
-                args += ["--transfer-port", str(free_port(spec.host))]
+                args += ["--transfer-port", str(free_port(spec.host)), *spec.decode_args]
             args += [*_tp_flag(tp), *spec.engine_args, *spec.node_args]
             started.append(self._spawn(name, args, port, gpu))
         return started

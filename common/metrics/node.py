@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from common.cluster.state import NodeInfo
     from common.runtime.heartbeat import Heartbeat
     from engine.engine_thread import EngineThread
+    from engine.spec_decode.speculator import SpecDecodeStats
 
 # Worker counters (NodeInfo field names, as ``counters()`` returns them) -> metric.
 # None: deliberately not exported (named with the reason).
@@ -327,3 +328,36 @@ class NodeCollector(Collector):
             labels,
             s.prefix_cache_hit_tokens,
         )
+        if s.spec_decode is not None:
+            yield from _spec_decode(labels, s.spec_decode)
+
+
+def _spec_decode(labels: dict[str, str], sd: SpecDecodeStats) -> Iterator[Metric]:
+    """Speculative decoding's counters (vLLM's ``vllm:spec_decode_*`` names): the
+    acceptance rate is accepted / draft tokens, the mean acceptance length
+    1 + accepted / drafts."""
+    yield counter(
+        "pdserve_spec_decode_num_drafts_total",
+        "Proposals verified (one per speculating sequence and step).",
+        labels,
+        sd.num_drafts,
+    )
+    yield counter(
+        "pdserve_spec_decode_num_draft_tokens_total",
+        "Tokens proposed.",
+        labels,
+        sd.num_draft_tokens,
+    )
+    yield counter(
+        "pdserve_spec_decode_num_accepted_tokens_total",
+        "Proposed tokens the target model kept.",
+        labels,
+        sd.num_accepted_tokens,
+    )
+    yield labelled_counter(
+        "pdserve_spec_decode_num_accepted_tokens_per_pos_total",
+        "Proposals whose token at this position was kept.",
+        labels,
+        "position",
+        {str(i): n for i, n in enumerate(sd.accepted_per_pos)},
+    )

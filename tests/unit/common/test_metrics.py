@@ -33,6 +33,7 @@ from decode_node.worker import DecodeStats
 from engine.async_step import InFlightStep, StepLog, StepRecord
 from engine.engine_stats import EngineStats
 from engine.outputs import RequestMetrics
+from engine.spec_decode.speculator import SpecDecodeStats
 from pdserve.redis_server import free_port
 from prefill_node.worker import PrefillStats
 from router.inflight import InflightTracker
@@ -176,6 +177,7 @@ def engine_stats(**overrides) -> EngineStats:
         bytes_copied_to_device=59,
         num_swap_preemptions=61,
         num_swap_fallbacks=67,
+        spec_decode=SpecDecodeStats(29, 71, 37, [29, 8]),
     )
     return EngineStats(**(base | overrides))
 
@@ -201,6 +203,14 @@ def test_node_exports_engine_snapshot_and_block_states():
     assert value(s, "pdserve_preemptions_total") == 17
     assert value(s, "pdserve_prefix_cache_queried_tokens_total") == 19
     assert value(s, "pdserve_prefix_cache_hit_tokens_total") == 23
+    assert value(s, "pdserve_spec_decode_num_drafts_total") == 29
+    assert value(s, "pdserve_spec_decode_num_draft_tokens_total") == 71
+    assert value(s, "pdserve_spec_decode_num_accepted_tokens_total") == 37
+    per_pos = [
+        value(s, "pdserve_spec_decode_num_accepted_tokens_per_pos_total", position=p)
+        for p in ("0", "1")
+    ]
+    assert per_pos == [29, 8]
     assert value(s, "pdserve_node_info", model="smol", block_size="16") == 1
     assert value(s, "pdserve_engine_alive") == 1 and value(s, "pdserve_node_draining") == 0
 
@@ -227,6 +237,9 @@ def test_every_engine_stats_field_is_exported():
         v = getattr(engine.stats, f.name)
         if f.name in ("num_free_kv_blocks",):
             assert derived <= exported
+        elif f.name == "spec_decode":
+            counts = {v.num_drafts, v.num_draft_tokens, v.num_accepted_tokens, *v.accepted_per_pos}
+            assert counts <= exported
         else:
             assert v in exported, f"EngineStats.{f.name} is not exported"
 
