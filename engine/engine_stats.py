@@ -6,10 +6,11 @@ so reading it never touches the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.scheduler import Scheduler
+from engine.structured.compiler import GrammarStats
 
 
 @dataclass(slots=True)
@@ -43,6 +44,8 @@ class EngineStats:
     bytes_copied_to_device: int = 0
     num_swap_preemptions: int = 0
     num_swap_fallbacks: int = 0
+    # Structured outputs: compile times, grammar cache hits/misses, matchers alive.
+    grammar: GrammarStats = field(default_factory=GrammarStats)
 
 
 def collect_stats(
@@ -51,6 +54,7 @@ def collect_stats(
     num_computed_tokens: int,
     num_generated_tokens: int,
     kv_block_bytes: int = 0,
+    grammar: GrammarStats | None = None,
 ) -> EngineStats:
     """The snapshot now. Queued prefill tokens count the waiting prompts and the
     unfinished chunks of running ones (a decode row has one uncomputed token).
@@ -78,6 +82,7 @@ def collect_stats(
         num_window_freed_blocks=s.num_window_freed_blocks,
         num_swap_preemptions=s.num_swap_preemptions,
         num_swap_fallbacks=s.num_swap_fallbacks,
+        grammar=grammar or GrammarStats(),
     )
     tier = bm.host_tier
     if tier is not None:

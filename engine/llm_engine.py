@@ -542,6 +542,7 @@ class LLMEngine:
             self.num_computed_tokens,
             self.num_generated_tokens,
             block_bytes,
+            self.structured.stats(),
         )
 
     # ------------------------------------------------------- for the nodes

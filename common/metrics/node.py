@@ -327,3 +327,43 @@ class NodeCollector(Collector):
             labels,
             s.prefix_cache_hit_tokens,
         )
+        yield from _grammar(labels, s.grammar)
+
+
+def _grammar(labels: dict[str, str], g) -> Iterator[Metric]:
+    """Structured outputs (engine/structured/): compiles, the grammar cache, matchers."""
+    yield histogram(
+        "pdserve_grammar_compile_duration_seconds",
+        "Per grammar compiled (a grammar cache miss): seconds its compile took on the "
+        "compile pool (failed compiles too).",
+        labels,
+        _Snapshot(g),
+    )
+    yield counter(
+        "pdserve_grammar_cache_hits_total",
+        "Structured requests whose grammar was in the cache (compiled, or compiling).",
+        labels,
+        g.cache_hits,
+    )
+    yield counter(
+        "pdserve_grammar_cache_misses_total",
+        "Structured requests whose grammar had to be compiled.",
+        labels,
+        g.cache_misses,
+    )
+    yield gauge(
+        "pdserve_grammar_matchers",
+        "Sequences holding grammar state (compiling or matching); 0 at idle.",
+        labels,
+        g.num_matchers,
+    )
+
+
+class _Snapshot:
+    """The engine's GrammarStats as a histogram families.histogram reads."""
+
+    def __init__(self, g) -> None:
+        self.g = g
+
+    def snapshot(self):
+        return self.g
