@@ -47,7 +47,7 @@ _ONLY = {"truncation": (("disabled",), "only truncation 'disabled' is supported"
 # Responses fields (taken here, never handed to the chat request as extras).
 _OWN = frozenset(
     {*NOT_SUPPORTED, *_ONLY, "store", "metadata", "service_tier", "stream_options",
-     "safety_identifier", "prompt_cache_key", "prompt_cache_retention"}
+     "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options"}
 )  # fmt: skip
 # Where a chat field's error points, in the Responses body's own names.
 _PARAMS = [
