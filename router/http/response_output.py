@@ -39,6 +39,10 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+# A generation the server aborted (finish_reason "abort" on the chat path).
+_ABORTED = {"code": "server_error", "message": "the server aborted the generation"}
+
+
 class Status(enum.Enum):
     """A response's life cycle (OpenAI's ``status``; the last event is ``response.<status>``)."""
 
@@ -132,7 +136,7 @@ class ResponsesAssembler:
             "created_at": self.created,
             "model": chat.model,
             "status": status.value,
-            "error": None,
+            "error": _ABORTED if status is Status.FAILED else None,
             "incomplete_details": incomplete,
             "output": [i.body(self.request.summary) for i in self.items],
             "usage": {
@@ -152,6 +156,8 @@ class ResponsesAssembler:
         }
 
     def status(self) -> Status:
+        if self.finish_reason == "abort":  # the engine ended it (its error is in the logs)
+            return Status.FAILED
         return Status.INCOMPLETE if self.finish_reason == "length" else Status.COMPLETED
 
     # -- non-streamed ------------------------------------------------------------

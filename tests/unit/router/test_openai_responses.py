@@ -124,7 +124,14 @@ PIECES = ["<think>hm", "m</think>Sure", ". <tool_", 'call>{"name": "get_weather"
           '"arguments": {"city": "Rome"}}</tool_call>']  # fmt: skip
 
 
-@pytest.mark.parametrize("reason", [pdserve_pb2.FINISH_REASON_STOP, pdserve_pb2.FINISH_REASON_LENGTH])  # fmt: skip
+STATUS = {
+    pdserve_pb2.FINISH_REASON_STOP: "completed",
+    pdserve_pb2.FINISH_REASON_LENGTH: "incomplete",  # max_output_tokens
+    pdserve_pb2.FINISH_REASON_ABORT: "failed",  # the engine aborted it
+}
+
+
+@pytest.mark.parametrize("reason", list(STATUS))
 def test_streamed_events_parse_in_order_and_add_up_to_the_whole_response(reason):
     streamed = _assembler({"tools": [WEATHER], "stream": True, "reasoning": {"summary": "auto"}})
     data = streamed.start_events()
@@ -143,7 +150,7 @@ def test_streamed_events_parse_in_order_and_add_up_to_the_whole_response(reason)
     for e in events:
         state.handle_event(EVENTS.validate_python(e))  # strict: every required field
     final = events[-1]["response"]
-    status = "completed" if reason == pdserve_pb2.FINISH_REASON_STOP else "incomplete"
+    status = STATUS[reason]
     assert events[-1]["type"] == f"response.{status}" and final["status"] == status
     whole = _assembler({"tools": [WEATHER], "reasoning": {"summary": "auto"}})
     for message in _messages(PIECES, reason):
@@ -157,7 +164,8 @@ def test_streamed_events_parse_in_order_and_add_up_to_the_whole_response(reason)
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Rome"})
     assert call.call_id.startswith("call_") and body.usage.input_tokens == 11
     assert _without_ids(final["output"]) == _without_ids(raw["output"])
-    assert (body.incomplete_details is None) == (status == "completed")
+    assert (body.incomplete_details is not None) == (status == "incomplete")
+    assert (body.error is not None) == (status == "failed")
 
 
 def _without_ids(items: list[dict]) -> list[dict]:
