@@ -6,11 +6,12 @@ so reading it never touches the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.scheduler import Scheduler
 from engine.spec_decode.speculator import SpecDecodeStats
+from engine.structured.compiler import GrammarStats
 
 
 @dataclass(slots=True)
@@ -46,6 +47,8 @@ class EngineStats:
     num_swap_fallbacks: int = 0
     # Speculative decoding's counters since start (None: not configured).
     spec_decode: SpecDecodeStats | None = None
+    # Structured outputs: compile times, grammar cache hits/misses, matchers alive.
+    grammar: GrammarStats = field(default_factory=GrammarStats)
 
 
 def collect_stats(
@@ -55,6 +58,7 @@ def collect_stats(
     num_generated_tokens: int,
     kv_block_bytes: int = 0,
     spec_decode: SpecDecodeStats | None = None,
+    grammar: GrammarStats | None = None,
 ) -> EngineStats:
     """The snapshot now. Queued prefill tokens count the waiting prompts and the
     unfinished chunks of running ones (a decode row has one uncomputed token).
@@ -83,6 +87,7 @@ def collect_stats(
         num_swap_preemptions=s.num_swap_preemptions,
         num_swap_fallbacks=s.num_swap_fallbacks,
         spec_decode=spec_decode,
+        grammar=grammar or GrammarStats(),
     )
     tier = bm.host_tier
     if tier is not None:

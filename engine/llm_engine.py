@@ -574,6 +574,7 @@ class LLMEngine:
             self.num_generated_tokens,
             block_bytes,
             self.speculator.stats.copy() if self.speculator is not None else None,
+            self.structured.stats(),
         )
 
     # ------------------------------------------------------- for the nodes

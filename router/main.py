@@ -334,7 +334,12 @@ async def _build(args: argparse.Namespace) -> _Parts:
     await routing.read_nodes()  # the nodes' context length, where they registered already
     tracing = Tracing("pdserve-router", args.otlp_endpoint, f"router:{args.port}")
     router = RouterServicer(
-        frontend, routing, tls=tls, access_log=not args.no_access_log, tracing=tracing
+        frontend,
+        routing,
+        tls=tls,
+        access_log=not args.no_access_log,
+        tracing=tracing,
+        tool_call_parser=args.tool_call_parser,
     )
     server, health = await _public_server(args, router, public_auth, tls)
     admin, admin_health, admin_host = await _admin_server(

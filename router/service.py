@@ -27,6 +27,7 @@ from router.policy import NoRoute
 from router.relay import node_messages
 from router.routing import Routing
 from router.stats import RequestTrace
+from router.tool_calls import ToolCallOutput, ToolCallsFailed
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,11 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         tls: TLSConfig = NO_TLS,
         access_log: bool = True,
         tracing: Tracing | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.frontend = frontend
+        # The gRPC API's tool calls (router/tool_calls.py): --tool-call-parser.
+        self.tool_call_parser = tool_call_parser
         self.tracing = tracing or Tracing.off()
         self.access_log = access_log  # one INFO line per request (router/access_log.py)
         self.routing = routing
@@ -111,10 +115,16 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
     ):
         traceparent = dict(context.invocation_metadata() or ()).get(TRACEPARENT_KEY, "")
         try:
+            calls = ToolCallOutput.of(request, self.tool_call_parser)
+        except ToolCallsFailed as e:
+            await context.abort(e.code, str(e))
+        try:
             async with contextlib.aclosing(
                 self.generate(request, context.time_remaining(), traceparent)
             ) as responses:
                 async for response in responses:
+                    if calls is not None:
+                        calls.observe(response)
                     yield response
         except RequestFailed as e:
             await context.abort(e.code, e.details)

@@ -155,6 +155,10 @@ class NodeCollector(Collector):
         )
         yield from self._engine(labels)
         yield from self._host_tier(labels)
+        stats = self.engine.stats
+        if stats.spec_decode is not None:
+            yield from _spec_decode(labels, stats.spec_decode)
+        yield from _grammar(labels, stats.grammar)
         yield from self._counters(labels)
         yield from self._histograms(labels)
         yield from self._heartbeat(labels)
@@ -328,8 +332,6 @@ class NodeCollector(Collector):
             labels,
             s.prefix_cache_hit_tokens,
         )
-        if s.spec_decode is not None:
-            yield from _spec_decode(labels, s.spec_decode)
 
 
 def _spec_decode(labels: dict[str, str], sd: SpecDecodeStats) -> Iterator[Metric]:
@@ -361,3 +363,42 @@ def _spec_decode(labels: dict[str, str], sd: SpecDecodeStats) -> Iterator[Metric
         "position",
         {str(i): n for i, n in enumerate(sd.accepted_per_pos)},
     )
+
+
+def _grammar(labels: dict[str, str], g) -> Iterator[Metric]:
+    """Structured outputs (engine/structured/): compiles, the grammar cache, matchers."""
+    yield histogram(
+        "pdserve_grammar_compile_duration_seconds",
+        "Per grammar compiled (a grammar cache miss): seconds its compile took on the "
+        "compile pool (failed compiles too).",
+        labels,
+        _Snapshot(g),
+    )
+    yield counter(
+        "pdserve_grammar_cache_hits_total",
+        "Structured requests whose grammar was in the cache (compiled, or compiling).",
+        labels,
+        g.cache_hits,
+    )
+    yield counter(
+        "pdserve_grammar_cache_misses_total",
+        "Structured requests whose grammar had to be compiled.",
+        labels,
+        g.cache_misses,
+    )
+    yield gauge(
+        "pdserve_grammar_matchers",
+        "Sequences holding grammar state (compiling or matching); 0 at idle.",
+        labels,
+        g.num_matchers,
+    )
+
+
+class _Snapshot:
+    """The engine's GrammarStats as a histogram families.histogram reads."""
+
+    def __init__(self, g) -> None:
+        self.g = g
+
+    def snapshot(self):
+        return self.g

@@ -13,18 +13,44 @@ request arrives: ``import engine`` stays light.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import StructuredOutputsParams
 from engine.structured.validate import choice_grammar
 
 logger = logging.getLogger(__name__)
+
+# Compile-time histogram bounds, seconds: a cached-shape regex (a millisecond)
+# to a large schema on a busy CPU (the compile timeout's order).
+COMPILE_SECONDS_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+
+@dataclass(slots=True, frozen=True)
+class GrammarStats:
+    """What the compiler has done since start (a snapshot; plain data).
+    ``buckets`` and ``sum`` read as a histogram's snapshot do
+    (common/metrics/families.py): the compile times, cumulative per bound."""
+
+    cache_hits: int = 0  # specs found in the cache (compiled, or compiling)
+    cache_misses: int = 0  # compiles started
+    # (upper bound, compiles that took at most that long); the last bound is +Inf.
+    buckets: tuple[tuple[float, int], ...] = tuple(
+        (bound, 0) for bound in (*COMPILE_SECONDS_BUCKETS, float("inf"))
+    )
+    sum: float = 0.0  # seconds, all compiles (failed ones too)
+    num_matchers: int = 0  # sequences holding grammar state (the manager's; 0 at idle)
+
 
 # The JSON schema of ``json_object``: any object (strict mode off, so that any
 # property is allowed).
@@ -55,6 +81,10 @@ class GrammarCompiler:
         self._backend: Any = None  # xgrammar's compiler, built on the pool at first use
         self._backend_lock = threading.Lock()
         self.num_compiles = 0  # compiles started (cache misses)
+        self.num_cache_hits = 0
+        # Compile times (every bound of COMPILE_SECONDS_BUCKETS, then +Inf) and their sum.
+        self._compile_counts = [0] * (len(COMPILE_SECONDS_BUCKETS) + 1)
+        self._compile_sum = 0.0
 
     def submit(self, so: StructuredOutputsParams) -> Future:
         key = (self.tokenizer_key, so.key())
@@ -62,6 +92,7 @@ class GrammarCompiler:
             future = self._cache.get(key)
             if future is not None:
                 self._cache.move_to_end(key)
+                self.num_cache_hits += 1
                 return future
             future = self._pool.submit(self._compile, so)
             self.num_compiles += 1
@@ -79,6 +110,16 @@ class GrammarCompiler:
     def cached(self, so: StructuredOutputsParams) -> bool:
         with self._lock:
             return (self.tokenizer_key, so.key()) in self._cache
+
+    def stats(self, num_matchers: int = 0) -> GrammarStats:
+        with self._lock:
+            counts, total = list(self._compile_counts), self._compile_sum
+            hits, misses = self.num_cache_hits, self.num_compiles
+        cumulative, running = [], 0
+        for bound, n in zip((*COMPILE_SECONDS_BUCKETS, float("inf")), counts, strict=True):
+            running += n
+            cumulative.append((bound, running))
+        return GrammarStats(hits, misses, tuple(cumulative), total, num_matchers)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -98,7 +139,18 @@ class GrammarCompiler:
             return self._backend
 
     def _compile(self, so: StructuredOutputsParams) -> Any:
-        compiler = self._xgr_compiler()
+        compiler = self._xgr_compiler()  # not timed: the tokenizer's index, once
+        start = time.perf_counter()
+        try:
+            return self._compile_with(compiler, so)
+        finally:
+            seconds = time.perf_counter() - start
+            with self._lock:
+                self._compile_counts[bisect.bisect_left(COMPILE_SECONDS_BUCKETS, seconds)] += 1
+                self._compile_sum += seconds
+
+    @staticmethod
+    def _compile_with(compiler: Any, so: StructuredOutputsParams) -> Any:
         kind = so.kind
         try:
             if kind == "json":

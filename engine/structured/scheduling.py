@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engine.sequence import Request, Sequence
+from engine.structured.compiler import GrammarStats
 
 if TYPE_CHECKING:
     from engine.async_step import InFlightStep
@@ -103,6 +104,13 @@ class StructuredOutputs:
     @property
     def num_matchers(self) -> int:
         return self.manager.num_matchers if self.manager is not None else 0
+
+    def stats(self) -> GrammarStats:
+        """Compiles, cache hits and misses, and matchers alive (zeros before the
+        first structured request)."""
+        if self.manager is None:
+            return GrammarStats()
+        return self.manager.compiler.stats(self.manager.num_matchers)
 
     def poll(self) -> list[tuple[Sequence, str]]:
         """Sequences whose grammar failed (compile error or timeout), with why."""

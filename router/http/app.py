@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import ssl
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -22,7 +21,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.sse import EventSourceResponse, format_sse_event
+from fastapi.sse import EventSourceResponse
 from prometheus_client.core import CounterMetricFamily
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -32,12 +31,13 @@ from common.tracing import TRACEPARENT_KEY
 from proto import pdserve_pb2
 from router.http.chunks import Assembler, EchoLogprobs
 from router.http.errors import ApiError, invalid_body
+from router.http.response_output import ResponsesAssembler
+from router.http.responses import ResponsesRequest, responses_param
 from router.http.schemas import ChatCompletionRequest, CompletionRequest, InvalidField
 from router.service import RequestFailed, RouterServicer
 
 GENERATE_METHOD = "/pdserve.v1.Router/Generate"  # the gRPC method whose right HTTP calls need
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; the gRPC deadline's counterpart (504 past it)
-DONE = format_sse_event(data_str="[DONE]")
 
 
 @dataclass(slots=True)
@@ -63,7 +63,14 @@ class HttpCollector:
 
 
 ENDPOINTS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version"}
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/models",
+        "/health",
+        "/version",
+    }
 )
 
 
@@ -113,6 +120,7 @@ def build_app(
     app.get("/v1/models", dependencies=authorized)(edge.models)
     app.post("/v1/completions", dependencies=authorized)(edge.completions)
     app.post("/v1/chat/completions", dependencies=authorized)(edge.chat)
+    app.post("/v1/responses", dependencies=authorized)(edge.responses)
     return app
 
 
@@ -217,6 +225,11 @@ class _Edge:
     async def chat(self, request: Request):
         body = await _parse(request, ChatCompletionRequest)
         self.check_model(body.model)
+        generate, assembler, plan = self.chat_request(body)
+        return await self.run(request, body, [generate], assembler, plan.constraint_param)
+
+    def chat_request(self, body: ChatCompletionRequest):
+        """The request's GenerateRequest, its Assembler and its output plan."""
         generate, plan = _to_generate(lambda: body.to_generate(self.tool_parser, self.reasoning))
         assembler = Assembler(
             self.frontend,
@@ -229,7 +242,21 @@ class _Edge:
             prompt_logprobs=body.prompt_logprobs is not None,
             output=plan,
         )
-        return await self.run(request, body, [generate], assembler, plan.constraint_param)
+        return generate, assembler, plan
+
+    async def responses(self, request: Request):
+        """OpenAI's Responses API: the body as a chat request (router/http/responses.py),
+        the chat output reshaped (router/http/response_output.py)."""
+        body = await _parse(request, ResponsesRequest)
+        self.check_model(body.model)
+        try:
+            chat = _to_generate(body.to_chat)
+            generate, assembler, plan = self.chat_request(chat)
+            shaped = ResponsesAssembler(assembler, body, body.echo())
+            return await self.run(request, chat, [generate], shaped, plan.constraint_param)
+        except ApiError as e:  # named as the Responses body names it
+            e.param = responses_param(e.param)
+            raise
 
     async def run(
         self,
@@ -404,16 +431,10 @@ async def _sse(merged, assembler: Assembler, include_usage: bool):
             async for index, response in merged:
                 if events := assembler.events(index, response):
                     yield events
-            if include_usage:
-                yield _event(assembler.usage_chunk())
+            yield assembler.end_events(include_usage)
         except RequestFailed as e:
             # Mid-stream the status line is sent already: the error goes in the stream.
-            yield _event(ApiError.from_failure(e).body())
-        yield DONE
-
-
-def _event(obj: dict) -> bytes:
-    return format_sse_event(data_str=json.dumps(obj, separators=(",", ":")))
+            yield assembler.error_events(ApiError.from_failure(e).body())
 
 
 def _echo_logprobs(frontend, generate: list) -> EchoLogprobs:

@@ -19,6 +19,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from fastapi.sse import format_sse_event
+
 from proto import pdserve_pb2
 from router.http.chat_output import OutputPlan
 
@@ -26,6 +28,7 @@ from router.http.chat_output import OutputPlan
 _compact = json.JSONEncoder(separators=(",", ":")).encode
 _string = json.encoder.encode_basestring_ascii  # a JSON string, as _compact writes it
 
+DONE = format_sse_event(data_str="[DONE]")
 FINISH = {
     pdserve_pb2.FINISH_REASON_STOP: "stop",
     pdserve_pb2.FINISH_REASON_LENGTH: "length",
@@ -381,6 +384,16 @@ class Assembler:
     def events(self, index: int, response: pdserve_pb2.GenerateResponse) -> bytes:
         """``chunks``, as Server-Sent Events in one buffer (b"" when there are none)."""
         return self._events(self._choices(index, response, encoded=True))
+
+    def end_events(self, include_usage: bool) -> bytes:
+        """What follows the last token: the usage chunk (stream_options), then [DONE]."""
+        usage = format_sse_event(data_str=_compact(self.usage_chunk())) if include_usage else b""
+        return usage + DONE
+
+    @staticmethod
+    def error_events(error: dict) -> bytes:
+        """A failure mid-stream (the status line is sent already): OpenAI's error object."""
+        return format_sse_event(data_str=_compact(error)) + DONE
 
     def usage_chunk(self) -> dict:
         out = self._envelope([]) | {"usage": self.usage()}

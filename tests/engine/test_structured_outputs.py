@@ -382,9 +382,11 @@ def test_a_token_the_grammar_rejects_ends_the_request_without_a_crash(llm, demo_
 
 
 def test_compiled_grammars_are_cached(llm):
+    """One compile, then cache hits; the engine's stats (the nodes' metrics) say so."""
     manager = llm.llm_engine.structured._manager()
     spec = S(regex="[a-c]{3}")
     before = manager.compiler.num_compiles
+    stats = llm.llm_engine.stats().grammar
     for _ in range(2):
         llm.generate(
             [PROMPT],
@@ -392,3 +394,9 @@ def test_compiled_grammars_are_cached(llm):
             use_tqdm=False,
         )
     assert manager.compiler.num_compiles == before + 1 and manager.compiler.cached(spec)
+    after = llm.llm_engine.stats().grammar
+    assert after.cache_misses == stats.cache_misses + 1
+    assert after.cache_hits == stats.cache_hits + 1
+    # The compile's time is in the histogram: one more count, a positive sum.
+    assert after.buckets[-1][1] == stats.buckets[-1][1] + 1 == after.cache_misses
+    assert after.sum > stats.sum and after.num_matchers == 0

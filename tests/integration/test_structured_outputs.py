@@ -1,6 +1,6 @@
-"""Structured outputs, tool calls and reasoning through one live `pdserve up` (1
-prefill, 1 decode node, --tool-call-parser hermes, --reasoning-parser qwen3)
-(issue 51): short prompts prefill on the decode node, long ones (past the
+"""Structured outputs, tool calls, reasoning and the Responses API through one
+live `pdserve up` (1 prefill, 1 decode node, --tool-call-parser hermes,
+--reasoning-parser qwen3) (issue 51): short prompts prefill on the decode node, long ones (past the
 router's local-prefill threshold) on the prefill node, whose first token is
 sampled under the grammar and replayed into the decode node's matcher.
 
@@ -11,14 +11,19 @@ must end with "stop" (the schemas are bounded so that it can)."""
 from __future__ import annotations
 
 import json
+import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Literal
 
 import grpc
 import jsonschema
 import openai
 import pydantic
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from common.runtime.ports import free_port_block
 from pdserve.redis_server import free_port
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from proto.client import build_request
@@ -55,7 +60,8 @@ def up(demo_model_dir, tmp_path_factory):
     cluster = UpProcess(
         ["--model", str(demo_model_dir), "--prefill", "1", "--decode", "1"]
         + ["--port", str(free_port()), "--admin-port", str(free_port())]
-        + ["--http-port", str(http_port), "--metrics-port", "0", "--max-model-len", "2048"]
+        + ["--http-port", str(http_port), "--metrics-port", str(free_port_block(4))]
+        + ["--max-model-len", "2048"]
         + ["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--log-dir", str(logs)]
     )
     cluster.wait_ready()
@@ -392,3 +398,295 @@ def test_grpc_refuses_bad_specs_before_any_node_and_keeps_serving(stub):
     )
     text = "".join(d.text for r in stub.Generate(good, timeout=120) for d in r.deltas)
     assert len(text) == 3 and set(text) <= set("abc")
+
+
+# -- the Responses API, gRPC tool calls, third-party clients ---------------------------
+#
+# Their requests go in one batch (the module fixture ``batch``: a thread per
+# job, all submitted at once, so the engine serves them together); each test
+# reads its own job's result.
+
+FLAT_WEATHER = {"type": "function", **WEATHER["function"], "strict": True}
+ASKED = [{"role": "user", "content": "What is the weather in Paris?"}]
+THINK = r"<think>[a-z ]{2,12}</think>[A-Z]{2,4}"
+
+
+class Forecast(pydantic.BaseModel):
+    unit: Literal["C", "F"]
+    high: int = pydantic.Field(ge=-50, le=50)
+
+
+def responses_items_and_parse(client):
+    plain = client.responses.create(
+        model=MODEL,
+        instructions="Answer in a few words.",
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi there"}]}],
+        max_output_tokens=6,
+    )
+    parsed = client.responses.parse(
+        model=MODEL, input="A forecast.", text_format=Forecast, max_output_tokens=30,
+        temperature=1.0, extra_body={"seed": 7},
+    )  # fmt: skip
+    return plain, parsed
+
+
+def responses_tool_loop(client):
+    """A named call, streamed; its output fed back as input items."""
+    with client.responses.stream(
+        model=MODEL, input=ASKED, tools=[FLAT_WEATHER], max_output_tokens=40,
+        tool_choice={"type": "function", "name": "get_weather"}, extra_body={"seed": 3},
+    ) as stream:  # fmt: skip
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    (call,) = final.output
+    follow = [
+        *ASKED,
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 21}'},
+    ]  # fmt: skip
+    answer = client.responses.create(
+        model=MODEL, input=follow, tools=[FLAT_WEATHER], tool_choice="none", max_output_tokens=4
+    )
+    return kinds, final, answer
+
+
+def responses_reasoning(client, stream: bool):
+    kwargs = dict(
+        model=MODEL, input="Think, then answer.", max_output_tokens=24,
+        reasoning={"summary": "auto"}, extra_body={"guided_regex": THINK},
+    )  # fmt: skip
+    if stream:
+        return list(client.responses.create(stream=True, **kwargs))
+    return client.responses.create(**kwargs)
+
+
+def grpc_tool_call(stub, choice: pdserve_pb2.ToolChoice):
+    request = build_request(chat=ASKED, max_tokens=40, seed=3)
+    tool = WEATHER["function"]
+    request.chat.tools.add(
+        name=tool["name"],
+        description=tool["description"],
+        parameters=json.dumps(tool["parameters"]),
+    )
+    request.chat.tool_choice.CopyFrom(choice)
+    responses = list(stub.Generate(request, timeout=300))
+    text = "".join(d.text for r in responses for d in r.deltas)
+    return text, responses[-1].final.completions[0]
+
+
+def langchain_chat(up, **kwargs):
+    from langchain_openai import ChatOpenAI
+
+    base = f"http://127.0.0.1:{up.http_port}/v1"
+    return ChatOpenAI(base_url=base, api_key="x", model=MODEL, max_retries=0, **kwargs)
+
+
+def langchain_tool_round_trip(up):
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    asked = [HumanMessage(ASKED[0]["content"])]
+    tools = langchain_chat(up, max_tokens=40, seed=3).bind_tools([WEATHER], tool_choice="get_weather")  # fmt: skip
+    reply = tools.invoke(asked)
+    # The call and its result (a ToolMessage) go back; the model answers in text.
+    result = ToolMessage('{"temperature": 21}', tool_call_id=reply.tool_calls[0]["id"])
+    plain = langchain_chat(up, max_tokens=4, seed=3).bind_tools([WEATHER], tool_choice="none")
+    return reply, plain.invoke([*asked, reply, result])
+
+
+def agent_run(up):
+    """One function tool, forced on the first turn (the demo model never calls
+    one by itself); the SDK runs it and feeds its output back as a
+    function_call_output item; the second turn (tool_choice reset) answers."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)  # nothing is exported anywhere
+    calls = []
+
+    @function_tool
+    def get_weather(
+        city: Annotated[str, pydantic.Field(max_length=10)], unit: Literal["C", "F"]
+    ) -> str:
+        """The weather in a city."""
+        calls.append((city, unit))
+        return "21 degrees"
+
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{up.http_port}/v1", api_key="x", max_retries=0
+    )
+    agent = Agent(
+        name="weather",
+        instructions="Answer briefly.",
+        tools=[get_weather],
+        model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+        model_settings=ModelSettings(tool_choice="get_weather", max_tokens=24, temperature=0),
+    )
+    return calls, Runner.run_sync(agent, ASKED[0]["content"], max_turns=3)
+
+
+@pytest.fixture(scope="module")
+def batch(up, client, stub):
+    named = pdserve_pb2.ToolChoice(function_name="get_weather")
+    required = pdserve_pb2.ToolChoice(mode=pdserve_pb2.TOOL_CHOICE_MODE_REQUIRED)
+    jobs = {
+        "responses": lambda: responses_items_and_parse(client),
+        "responses_tools": lambda: responses_tool_loop(client),
+        "reasoning": lambda: responses_reasoning(client, stream=False),
+        "reasoning_streamed": lambda: responses_reasoning(client, stream=True),
+        "grpc_named": lambda: grpc_tool_call(stub, named),
+        "grpc_required": lambda: grpc_tool_call(stub, required),
+        "langchain_structured": lambda: (
+            langchain_chat(up, max_tokens=30, temperature=1.0, seed=7)
+            .with_structured_output(Forecast)
+            .invoke("A forecast.")
+        ),
+        "langchain_tools": lambda: langchain_tool_round_trip(up),
+        "agent": lambda: agent_run(up),
+    }
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        yield {name: pool.submit(job) for name, job in jobs.items()}
+
+
+def test_responses_create_with_items_and_parse_with_a_pydantic_model(batch):
+    plain, parsed = batch["responses"].result()
+    assert plain.id.startswith("resp_") and plain.object == "response"
+    assert plain.output[0].type == "message" and plain.output_text
+    assert plain.status in ("completed", "incomplete")
+    assert plain.usage.input_tokens > 0 and 0 < plain.usage.output_tokens <= 6
+    assert isinstance(parsed.output_parsed, Forecast) and parsed.status == "completed"
+
+
+def test_responses_stream_a_function_call_then_take_its_output_back(batch):
+    kinds, final, answer = batch["responses_tools"].result()
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert "response.function_call_arguments.delta" in kinds
+    assert kinds[-2:] == ["response.output_item.done", "response.completed"]
+    (call,) = final.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    check(WEATHER["function"]["parameters"], call.arguments)
+    assert all(o.type == "message" for o in answer.output)
+    assert answer.usage.input_tokens > final.usage.input_tokens  # the call and its output
+
+
+def test_responses_reasoning_items_streamed_and_not(batch):
+    whole, events = batch["reasoning"].result(), batch["reasoning_streamed"].result()
+    streamed = events[-1].response
+    for response in (whole, streamed):
+        thought, message = response.output
+        assert thought.type == "reasoning" and message.type == "message"
+        text = thought.content[0].text
+        assert 2 <= len(text) <= 12 and thought.summary[0].text == text
+        assert response.output_text.isupper()
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == streamed.output[0].content[0].text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"previous_response_id": "resp_x"}, "previous_response_id"),
+        ({"tools": [{**FLAT_WEATHER, "parameters": {"type": "object", "not": {}}}]},
+         "tools.0.parameters"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}},
+         "text.format.schema"),
+    ],
+)  # fmt: skip
+def test_responses_bad_requests_are_400s_naming_the_field(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="x", max_output_tokens=4, **kwargs)
+    assert info.value.body["param"] == param, info.value.body
+
+
+def test_grpc_tool_choice_forces_and_returns_the_calls_on_the_final(batch, stub):
+    named_text, named = batch["grpc_named"].result()
+    _, required = batch["grpc_required"].result()
+    for done in (named, required):
+        (call,) = done.tool_calls
+        assert call.id.startswith("call_") and call.name == "get_weather"
+        check(WEATHER["function"]["parameters"], call.arguments)
+    # Named: the deltas are the arguments themselves, as the model wrote them.
+    assert json.loads(named_text) == json.loads(named.tool_calls[0].arguments)
+    bad = build_request(chat=ASKED, max_tokens=4)
+    bad.chat.tool_choice.function_name = "get_weather"  # no such tool
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(bad, timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chat.tool_choice" in info.value.details(), info.value.details()
+
+
+def test_langchain_structured_output_and_a_bound_tool_round_trip(batch):
+    assert isinstance(batch["langchain_structured"].result(), Forecast)
+    reply, answer = batch["langchain_tools"].result()
+    (call,) = reply.tool_calls
+    assert call["name"] == "get_weather" and call["id"].startswith("call_")
+    check(WEATHER["function"]["parameters"], json.dumps(call["args"]))
+    assert not answer.tool_calls and answer.response_metadata["finish_reason"] in ("stop", "length")  # fmt: skip
+    # The call and its result reached the template: the prompt grew by them.
+    assert answer.usage_metadata["input_tokens"] > reply.usage_metadata["input_tokens"]
+
+
+def test_an_openai_agents_agent_calls_its_function_tool_over_responses(batch):
+    calls, result = batch["agent"].result()
+    ((city, unit),) = calls
+    assert 0 < len(city) <= 10 and unit in ("C", "F")
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"]
+    assert kinds[-1] == "message_output_item" and isinstance(result.final_output, str)
+
+
+# -- nothing held at idle ---------------------------------------------------------------
+
+
+def node_metrics(up, name: str) -> dict[tuple[str, str], float]:
+    """A node's samples by (sample name, its ``state`` label or "")."""
+    with urllib.request.urlopen(up.metrics_url(name), timeout=10) as r:
+        families = text_string_to_metric_families(r.read().decode())
+    return {(s.name, s.labels.get("state", "")): s.value for f in families for s in f.samples}
+
+
+def test_no_matcher_or_block_is_held_after_finished_aborted_and_failed_requests(up, client):
+    """Requests that finish (the tests above), are dropped mid-stream by their
+    client, and fail (their deadline passes on the node): at idle both nodes
+    hold no grammar matcher and no KV block."""
+    regex = {"guided_regex": "[a-z]{150}"}
+
+    def dropped(remote: bool):
+        stream = client.chat.completions.create(
+            model=MODEL, messages=messages("Letters.", remote), max_tokens=150, stream=True,
+            extra_body=regex | ({"cache_salt": "dropped"} if remote else {}),
+        )  # fmt: skip
+        next(iter(stream))
+        stream.close()  # the client leaves mid-stream
+
+    def timed_out(remote: bool):
+        with pytest.raises(openai.APIStatusError):
+            client.with_options(timeout=60).chat.completions.create(
+                model=MODEL, messages=messages("Letters.", remote), max_tokens=150,
+                extra_body=regex | ({"cache_salt": "late"} if remote else {}),
+                extra_headers={"x-request-timeout": "0.5"},
+            )  # fmt: skip
+
+    in_parallel(lambda job: job[0](job[1]), [(dropped, False), (dropped, True), (timed_out, True)])
+    deadline = time.monotonic() + 30
+    while True:
+        held = {
+            name: (m[("pdserve_grammar_matchers", "")], m[("pdserve_kv_blocks", "used")])
+            for name in ("prefill-0", "decode-0")
+            for m in [node_metrics(up, name)]
+        }
+        if all(v == (0, 0) for v in held.values()):
+            break
+        assert time.monotonic() < deadline, f"(matchers, used blocks) still held: {held}"
+        time.sleep(0.2)
+    # The schemas were compiled once per node and then found in the cache.
+    decode = {name: v for (name, _), v in node_metrics(up, "decode-0").items()}
+    assert decode["pdserve_grammar_cache_hits_total"] > 0
+    compiled = decode["pdserve_grammar_compile_duration_seconds_count"]
+    assert compiled == decode["pdserve_grammar_cache_misses_total"] > 0

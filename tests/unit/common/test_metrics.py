@@ -34,6 +34,7 @@ from engine.async_step import InFlightStep, StepLog, StepRecord
 from engine.engine_stats import EngineStats
 from engine.outputs import RequestMetrics
 from engine.spec_decode.speculator import SpecDecodeStats
+from engine.structured.compiler import COMPILE_SECONDS_BUCKETS, GrammarStats
 from pdserve.redis_server import free_port
 from prefill_node.worker import PrefillStats
 from router.inflight import InflightTracker
@@ -178,6 +179,17 @@ def engine_stats(**overrides) -> EngineStats:
         num_swap_preemptions=61,
         num_swap_fallbacks=67,
         spec_decode=SpecDecodeStats(29, 71, 37, [29, 8]),
+        # Compiles: 2 within 5 ms, 1 more within 1 s (cumulative), 83 s in all.
+        grammar=GrammarStats(
+            cache_hits=71,
+            cache_misses=73,
+            buckets=tuple(
+                (b, 0 if b < 0.005 else 2 if b < 1 else 3)
+                for b in (*COMPILE_SECONDS_BUCKETS, math.inf)
+            ),
+            sum=83.0,
+            num_matchers=79,
+        ),
     )
     return EngineStats(**(base | overrides))
 
@@ -213,6 +225,13 @@ def test_node_exports_engine_snapshot_and_block_states():
     assert per_pos == [29, 8]
     assert value(s, "pdserve_node_info", model="smol", block_size="16") == 1
     assert value(s, "pdserve_engine_alive") == 1 and value(s, "pdserve_node_draining") == 0
+    assert value(s, "pdserve_grammar_cache_hits_total") == 71
+    assert value(s, "pdserve_grammar_cache_misses_total") == 73
+    assert value(s, "pdserve_grammar_matchers") == 79
+    compile_s = "pdserve_grammar_compile_duration_seconds"
+    assert value(s, f"{compile_s}_bucket", le="0.005") == 2
+    assert value(s, f"{compile_s}_bucket", le="+Inf") == value(s, f"{compile_s}_count") == 3
+    assert value(s, f"{compile_s}_sum") == 83
 
 
 def test_node_exports_the_host_tier():
@@ -240,6 +259,9 @@ def test_every_engine_stats_field_is_exported():
         elif f.name == "spec_decode":
             counts = {v.num_drafts, v.num_draft_tokens, v.num_accepted_tokens, *v.accepted_per_pos}
             assert counts <= exported
+        elif f.name == "grammar":
+            g = engine.stats.grammar
+            assert {g.cache_hits, g.cache_misses, g.num_matchers, g.sum} <= exported
         else:
             assert v in exported, f"EngineStats.{f.name} is not exported"
 

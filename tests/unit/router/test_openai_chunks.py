@@ -130,3 +130,12 @@ def test_vllms_prompt_logprobs_extra():
         {"3": {"logprob": -1.25, "rank": 1, "decoded_token": " sat"}},
     ]
     assert choice["text"] == " on"
+
+
+def test_a_stream_ends_with_the_usage_chunk_when_asked_then_done():
+    asm = Assembler(SimpleNamespace(tokenizer=None), "x", "m", 1, 1, chat=True)
+    done = b"data: [DONE]\n\n"
+    assert asm.end_events(False) == done
+    assert asm.end_events(True) == _old_event(asm.usage_chunk()) + done
+    error = {"error": {"message": "gone", "type": "t", "param": None, "code": None}}
+    assert asm.error_events(error) == _old_event(error) + done
