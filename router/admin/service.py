@@ -48,7 +48,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         now, nodes = await self._nodes_at(context)
         counts = await self.cluster.block_counts([n.node_id for n in nodes])
         return admin_pb2.ListNodesResponse(
-            nodes=[node_to_proto(n, counts.get(n.node_id, 0), now) for n in nodes]
+            nodes=[node_to_proto(n, counts.get(n.node_id, (0, 0))[0], now) for n in nodes]
         )
 
     async def Drain(self, request, context):
