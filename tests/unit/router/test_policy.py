@@ -395,3 +395,15 @@ def test_random_uses_every_usable_node():
 def test_config_errors_name_the_knob(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RoutingConfig(**kwargs)
+
+
+def test_the_in_flight_prefill_estimate_leaves_out_host_tier_hits():
+    from router.routing import Routed, Routing
+
+    routing = Routing(cluster=None, model_id="m", block_size=BS)
+    v = view(cand(node("d0")), cand(node("p0", NodeRole.PREFILL), hit=20, host=60))
+    r = req()
+    d = route(v, r)
+    assert d.prefill.node_id == "p0"
+    dispatch = routing.dispatch(Routed(d, v, r))
+    assert dispatch.prefill_tokens == 2048 - 80 * BS  # copied in, not computed
