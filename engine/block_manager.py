@@ -69,10 +69,14 @@ class Block:
 @dataclass(slots=True)
 class CacheEvents:
     """Net change of the cache since the last drain (for Redis): a hash stored and
-    then evicted is in ``removed`` only, and the other way round in ``stored``."""
+    then evicted is in ``removed`` only, and the other way round in ``stored``.
+    ``host_*``: the same for the host tier (a spill that landed is stored there,
+    an eviction from the tier removed); a hash may be in both tiers."""
 
     stored: list[bytes] = field(default_factory=list)
     removed: list[bytes] = field(default_factory=list)
+    host_stored: list[bytes] = field(default_factory=list)
+    host_removed: list[bytes] = field(default_factory=list)
 
 
 class BlockManager:
@@ -100,6 +104,8 @@ class BlockManager:
         self._events: dict[bytes, bool] = {}
         self.num_verification_failures = 0
         self.host_tier = host_tier
+        if host_tier is not None and record_events:
+            host_tier.record_events = True
 
     # ----------------------------------------------------------------- counts
     @property
@@ -123,6 +129,13 @@ class BlockManager:
     def cached_hashes(self) -> list[bytes]:
         """The hashes of every block in the prefix cache (a snapshot for resyncs)."""
         return list(self._hash_to_block)
+
+    def cached_snapshot(self) -> CacheEvents:
+        """Every hash both tiers hold now, as ``stored`` events; the events so
+        far are dropped (superseded by it)."""
+        self.take_events()
+        host = self.host_tier.cached_hashes() if self.host_tier is not None else []
+        return CacheEvents(stored=self.cached_hashes(), host_stored=host)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -211,12 +224,17 @@ class BlockManager:
     def enable_events(self) -> None:
         """Start recording stored/removed hashes (nodes publish them to Redis)."""
         self._record_events = True
+        if self.host_tier is not None:
+            self.host_tier.record_events = True
 
     def take_events(self) -> CacheEvents:
         events, self._events = self._events, {}
+        host_stored, host_removed = self.host_tier.take_events() if self.host_tier else ([], [])
         return CacheEvents(
             stored=[h for h, stored in events.items() if stored],
             removed=[h for h, stored in events.items() if not stored],
+            host_stored=host_stored,
+            host_removed=host_removed,
         )
 
     # ------------------------------------------------------------- allocation

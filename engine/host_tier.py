@@ -19,6 +19,10 @@ Every copy is queued here as (device block, slot) pairs and taken once a step
 by the engine (``take_copies``), which moves them all in one batch and tells
 when they landed (``landed``). Hashes are hints here as on the device: a hit
 is verified against the block's parent hash and tokens.
+
+With ``record_events`` the tier records which hashes became hits (a spill
+landed) and which left it (evicted, flushed), for nodes to publish to Redis
+beside the device pool's (engine/block_manager.py ``CacheEvents``).
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ class HostTierStats:
 
 
 class HostTier:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, record_events: bool = False) -> None:
         if num_slots < 1:
             raise ValueError(f"a host tier needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
@@ -74,6 +78,9 @@ class HostTier:
         self._hash_to_slot: dict[bytes, int] = {}
         self._copies = TierCopies()
         self.stats = HostTierStats()
+        self.record_events = record_events
+        # hash -> True (now a hit) / False (gone); the last event wins.
+        self._events: dict[bytes, bool] = {}
 
     # ----------------------------------------------------------------- counts
     @property
@@ -84,6 +91,18 @@ class HostTier:
     @property
     def num_cached_slots(self) -> int:
         return len(self._hash_to_slot)
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash a hit can find once landed (a snapshot for resyncs)."""
+        return [h for h, s in self._hash_to_slot.items() if not self.slots[s].landing]
+
+    def take_events(self) -> tuple[list[bytes], list[bytes]]:
+        """(stored, removed) since the last take: hashes that became hits, hashes that left."""
+        events, self._events = self._events, {}
+        return (
+            [h for h, stored in events.items() if stored],
+            [h for h, stored in events.items() if not stored],
+        )
 
     def lru_hashes(self) -> list[bytes]:
         """The evictable cached hashes, least recently used first."""
@@ -189,6 +208,8 @@ class HostTier:
         for _, slot_id in copies.to_host:
             slot = self.slots[slot_id]
             slot.landing = False
+            if self.record_events and slot.block_hash is not None:
+                self._record(slot.block_hash, True)
             self._settle(slot)
 
     # ---------------------------------------------------------------- helpers
@@ -214,7 +235,13 @@ class HostTier:
     def _forget(self, slot: HostSlot) -> None:
         if slot.block_hash is not None and self._hash_to_slot.get(slot.block_hash) == slot.slot_id:
             del self._hash_to_slot[slot.block_hash]
+            if self.record_events:
+                self._record(slot.block_hash, False)
         slot.block_hash = slot.parent_hash = slot.token_ids = None
+
+    def _record(self, block_hash: bytes, stored: bool) -> None:
+        self._events.pop(block_hash, None)
+        self._events[block_hash] = stored
 
     def reset(self) -> int:
         """Drop every evictable cached slot; returns how many."""

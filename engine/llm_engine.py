@@ -619,8 +619,8 @@ class LLMEngine:
         """The prefix cache's changes since the last take."""
         return self.block_manager.take_events()
 
-    def cached_block_hashes(self) -> list[bytes]:
-        """Every block hash the prefix cache holds now; the events so far are
-        superseded by this snapshot (a node republishing after a Redis outage)."""
-        self.block_manager.take_events()
-        return self.block_manager.cached_hashes()
+    def cached_block_hashes(self) -> CacheEvents:
+        """Every block hash the prefix cache and the host tier hold now, as
+        stored events; the events so far are superseded by this snapshot (a
+        node republishing after a Redis outage)."""
+        return self.block_manager.cached_snapshot()

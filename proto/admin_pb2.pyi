@@ -12,7 +12,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "role", "address", "kv_blocks_total", "kv_blocks_free", "running", "waiting", "queued_prefill_tokens", "cached_blocks", "draining", "heartbeat_age_ms", "requests_total", "preemptions", "computed_tokens_total", "generated_tokens_total", "tensor_parallel_size", "num_gpus", "model_family")
+    __slots__ = ("node_id", "role", "address", "kv_blocks_total", "kv_blocks_free", "running", "waiting", "queued_prefill_tokens", "cached_blocks", "draining", "heartbeat_age_ms", "requests_total", "preemptions", "computed_tokens_total", "generated_tokens_total", "tensor_parallel_size", "num_gpus", "model_family", "host_kv_blocks_total", "host_kv_blocks_free", "host_cached_blocks")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,9 @@ class NodeInfo(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_GPUS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FAMILY_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     address: str
@@ -49,7 +52,10 @@ class NodeInfo(_message.Message):
     tensor_parallel_size: int
     num_gpus: int
     model_family: str
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., heartbeat_age_ms: _Optional[int] = ..., requests_total: _Optional[int] = ..., preemptions: _Optional[int] = ..., computed_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_gpus: _Optional[int] = ..., model_family: _Optional[str] = ...) -> None: ...
+    host_kv_blocks_total: int
+    host_kv_blocks_free: int
+    host_cached_blocks: int
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., heartbeat_age_ms: _Optional[int] = ..., requests_total: _Optional[int] = ..., preemptions: _Optional[int] = ..., computed_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_gpus: _Optional[int] = ..., model_family: _Optional[str] = ..., host_kv_blocks_total: _Optional[int] = ..., host_kv_blocks_free: _Optional[int] = ..., host_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class ListNodesResponse(_message.Message):
     __slots__ = ("nodes",)
@@ -150,7 +156,7 @@ class ExplainRouteRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[_pdserve_pb2.GenerateRequest, _Mapping]] = ...) -> None: ...
 
 class NodeScore(_message.Message):
-    __slots__ = ("node_id", "role", "hit_blocks", "cost", "excluded", "terms")
+    __slots__ = ("node_id", "role", "hit_blocks", "cost", "excluded", "terms", "host_hit_blocks")
     class TermsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -164,13 +170,15 @@ class NodeScore(_message.Message):
     COST_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     TERMS_FIELD_NUMBER: _ClassVar[int]
+    HOST_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     hit_blocks: int
     cost: float
     excluded: str
     terms: _containers.ScalarMap[str, float]
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., hit_blocks: _Optional[int] = ..., cost: _Optional[float] = ..., excluded: _Optional[str] = ..., terms: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    host_hit_blocks: int
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., hit_blocks: _Optional[int] = ..., cost: _Optional[float] = ..., excluded: _Optional[str] = ..., terms: _Optional[_Mapping[str, float]] = ..., host_hit_blocks: _Optional[int] = ...) -> None: ...
 
 class ExplainRouteResponse(_message.Message):
     __slots__ = ("policy", "prompt_tokens", "block_hashes", "decode_node", "prefill_node", "local_prefill_reason", "nodes")

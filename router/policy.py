@@ -1,7 +1,8 @@
 """Where a request goes: a pure function of the cluster's state (no I/O, no clock).
 
 Inputs: every live node as the routing read saw it (its last heartbeat, the
-leading blocks of this prompt it caches, whether an operator drained it), this
+leading blocks of this prompt its device pool caches and how many more its
+host tier holds after those, whether an operator drained it), this
 router's own view of what it has sent each node (``LocalLoad``, which guards
 against stale or false reports), and the request's size.
 
@@ -15,19 +16,26 @@ Cost policy (``RoutingPolicy.COST``, the default):
        load_weight * slots in use / slots
      + kv_weight   * KV blocks in use after admitting this prompt / KV blocks
      + full_penalty  (when it lacks the free blocks for this prompt)
-     - hit_weight  * prompt fraction it already caches
+     - hit_weight  * (device-hit fraction
+                      + (1 - host_copy_cost) * host-hit fraction of the prompt)
 
    where "in use" is the larger of what the node reported plus what this
    router sent it since, and what this router alone has in flight there.
+   A host-tier hit still needs device blocks (its KV is copied into them), so
+   only device hits lower the blocks needed.
 3. Conditional disaggregation: the decode node prefills the prompt itself
    (no KV moves) when the part it does not cache is at most
    ``local_prefill_max_tokens``, or it caches at least ``local_prefill_min_hit``
-   of the prompt, or no prefill node is usable.
+   of the prompt, or no prefill node is usable (host-tier hits count as
+   cached here: its own prefill copies them in).
 4. Otherwise the prefill node with the lowest
 
-       uncached prompt tokens there + queue_weight * prefill tokens queued there
+       prompt tokens in neither of its tiers
+     + host_copy_cost * prompt tokens in its host tier
+     + queue_weight   * prefill tokens queued there
 
-   (an estimate, in tokens, of the time to the first token).
+   (an estimate, in tokens, of the time to the first token: a host-tier hit
+   costs a copy-in, priced as a fraction of computing the token).
 
 Ties are broken at random. ``ROUND_ROBIN`` and ``RANDOM`` ignore caches and
 load (baselines for benchmarks/routing.py); they still skip excluded nodes and
@@ -69,6 +77,10 @@ class RoutingConfig:
     full_penalty: float = 10.0
     # Prefill cost: weight of a queued prefill token against an uncached prompt token.
     queue_weight: float = 1.0
+    # Cost of copying one prompt token's KV in from a node's host tier, as a
+    # fraction of computing it (0: as good as a device hit, 1: as recomputing);
+    # the default's basis is in docs/routing.md.
+    host_copy_cost: float = 0.1
     # Prefill on the decode node when at most this many prompt tokens are uncached there.
     local_prefill_max_tokens: int = 256
     # ... or when the decode node caches at least this fraction of the prompt.
@@ -106,6 +118,8 @@ class RoutingConfig:
             raise ValueError(
                 f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}"
             )
+        if not 0 <= self.host_copy_cost <= 1:
+            raise ValueError(f"host_copy_cost must be in [0, 1], got {self.host_copy_cost}")
         if not 0 <= self.local_prefill_min_hit <= 1:
             raise ValueError(
                 f"local_prefill_min_hit must be in [0, 1], got {self.local_prefill_min_hit}"
@@ -150,10 +164,11 @@ class NodeScore:
 
     node_id: str
     role: NodeRole
-    hit_blocks: int
+    hit_blocks: int  # in its device pool
     cost: float | None = None  # None: excluded
     excluded: str = ""  # why, when excluded
     terms: dict[str, float] = field(default_factory=dict)  # the cost's parts
+    host_hit_blocks: int = 0  # after those, in its host tier
 
 
 @dataclass(slots=True)
@@ -162,6 +177,9 @@ class RouteDecision:
     prefill: NodeInfo | None  # None: the decode node prefills
     prefill_hit_blocks: int
     decode_hit_blocks: int
+    # Where the decode node prefills: whether the prompt was ready in its host tier.
+    prefill_host_hit_blocks: int
+    decode_host_hit_blocks: int
     # Why the decode node prefills (empty when a prefill node does).
     local_prefill_reason: str
     scores: list[NodeScore]
@@ -204,11 +222,13 @@ def decode_cost(
     used = max(node.kv_blocks_total - node.kv_blocks_free + local.blocks_since_report, local.blocks)
     prompt_blocks = -(-request.prompt_tokens // bs)
     needed = prompt_blocks - c.hit_blocks + 1  # + the first decode block
-    hit_fraction = min(1.0, c.hit_blocks * bs / max(request.prompt_tokens, 1))
+    prompt = max(request.prompt_tokens, 1)
+    hit_fraction = min(1.0, c.hit_blocks * bs / prompt)
+    host_fraction = min(1.0 - hit_fraction, c.host_hit_blocks * bs / prompt)
     terms = {
         "load": config.load_weight * running / slots,
         "kv": config.kv_weight * min(1.0, (used + needed) / total),
-        "hit": -config.hit_weight * hit_fraction,
+        "hit": -config.hit_weight * (hit_fraction + (1 - config.host_copy_cost) * host_fraction),
     }
     if used + needed > node.kv_blocks_total:
         terms["full"] = config.full_penalty
@@ -219,11 +239,18 @@ def prefill_cost(
     c: RouteCandidate, request: RouteRequest, local: LocalLoad, config: RoutingConfig
 ) -> dict[str, float]:
     node = c.node
-    uncached = max(0, request.prompt_tokens - c.hit_blocks * request.block_size)
+    device = min(request.prompt_tokens, c.hit_blocks * request.block_size)
+    host = min(request.prompt_tokens - device, c.host_hit_blocks * request.block_size)
     queued = max(
         node.queued_prefill_tokens + local.prefill_tokens_since_report, local.prefill_tokens
     )
-    return {"uncached": float(uncached), "queue": config.queue_weight * queued}
+    terms = {
+        "uncached": float(request.prompt_tokens - device - host),
+        "queue": config.queue_weight * queued,
+    }
+    if host:
+        terms["host_copy"] = config.host_copy_cost * host
+    return terms
 
 
 def choose_route(
@@ -246,7 +273,7 @@ def choose_route(
     for c in sorted(view.candidates, key=_node_id):
         why = exclusion(c, view, request, local.get(c.node.node_id), config)
         if why:
-            scores.append(NodeScore(c.node.node_id, c.node.role, c.hit_blocks, excluded=why))
+            scores.append(_unscored(c, why))
         else:
             # `is`, not a dict keyed by role: an Enum's __hash__ is Python code.
             (decodes if c.node.role is _DECODE else prefills).append(c)
@@ -274,15 +301,15 @@ def choose_route(
             decode = rng.choice(decodes)
             prefill = rng.choice(prefills) if remote_ok else None
         reason = "" if prefill else _no_remote_reason(request)
-        scores.extend(
-            NodeScore(c.node.node_id, c.node.role, c.hit_blocks) for c in decodes + prefills
-        )
+        scores.extend(_unscored(c) for c in decodes + prefills)
     scores.sort(key=_role_then_id)
     return RouteDecision(
         decode=decode.node,
         prefill=prefill.node if prefill else None,
         prefill_hit_blocks=prefill.hit_blocks if prefill else 0,
         decode_hit_blocks=decode.hit_blocks,
+        prefill_host_hit_blocks=prefill.host_hit_blocks if prefill else 0,
+        decode_host_hit_blocks=decode.host_hit_blocks,
         local_prefill_reason=reason,
         scores=scores,
     )
@@ -294,6 +321,17 @@ _NOTHING_SENT = LocalLoad()
 # attribute reads where Enum's own accessors run Python code.
 _DECODE = NodeRole.DECODE
 _cost_then_draw = operator.itemgetter(0, 1)
+
+
+def _unscored(c: RouteCandidate, excluded: str = "") -> NodeScore:
+    """A node's line without a cost: excluded, or under a policy that has none."""
+    return NodeScore(
+        c.node.node_id,
+        c.node.role,
+        c.hit_blocks,
+        excluded=excluded,
+        host_hit_blocks=c.host_hit_blocks,
+    )
 
 
 def _node_id(c: RouteCandidate) -> str:
@@ -311,7 +349,7 @@ def _cheapest(candidates, request, local, config, rng, cost_fn):
         scored.append((sum(terms.values()), rng.random(), c, terms))
     best = min(scored, key=_cost_then_draw)
     scores = [
-        NodeScore(c.node.node_id, c.node.role, c.hit_blocks, cost, "", terms)
+        NodeScore(c.node.node_id, c.node.role, c.hit_blocks, cost, "", terms, c.host_hit_blocks)
         for cost, _, c, terms in scored
     ]
     return best[2], scores
@@ -322,7 +360,9 @@ def _local_prefill_reason(
 ) -> str:
     if not remote_ok:
         return _no_remote_reason(request)
-    cached = min(request.prompt_tokens, decode.hit_blocks * request.block_size)
+    # Its own prefill copies in what its host tier holds.
+    held = decode.hit_blocks + decode.host_hit_blocks
+    cached = min(request.prompt_tokens, held * request.block_size)
     uncached = request.prompt_tokens - cached
     if uncached <= config.local_prefill_max_tokens:
         return f"only {uncached} uncached prompt tokens (<= {config.local_prefill_max_tokens})"

@@ -204,7 +204,11 @@ class Routing:
     def dispatch(self, routed: Routed):
         """Count the request as in flight on its nodes (until ``inflight.finish``)."""
         d, req = routed.decision, routed.request
-        hit = d.prefill_hit_blocks if d.prefill else d.decode_hit_blocks
+        # A host-tier hit is copied in, not computed: no prefill work.
+        if d.prefill:
+            hit = d.prefill_hit_blocks + d.prefill_host_hit_blocks
+        else:
+            hit = d.decode_hit_blocks + d.decode_host_hit_blocks
         uncached = max(0, req.prompt_tokens - hit * self.block_size)
         blocks = -(-req.prompt_tokens // self.block_size) + 1
         self.stats.routed(d.decode.node_id, d.prefill.node_id if d.prefill else None)

@@ -1,8 +1,17 @@
 """What a routing decision asks Redis: the Lua script, the node fields it reads.
 
 One routing decision is one round trip: the script returns the server's clock
-and, for every live node, its routing fields and how many leading blocks of
-the request it holds.
+and, for every live node, its routing fields, how many leading blocks of the
+request its device pool holds, and how many blocks after those its host tier
+holds (``pds:host_blocks:{id}``; a node without one has no such set, and its
+search costs one lookup).
+
+The host-tier count is searched the same way from the block after the device
+hit: the engine serves a host hit only where it continues the device hit
+(engine/host_tier.py ``find_prefix``). Device evictions spill children before
+parents and the tier evicts least recently spilled first, so what the two tiers
+hold together is prefix-closed in the same sense (up to a tier too full to keep
+a spill, which can only credit a node with too long a hit; hashes are hints).
 
 That count is found by binary search: block 1, then bisection of 1..n, at
 most 1 + ceil(log2(n + 1)) set lookups per node (11 for an 8k-token prompt),
@@ -76,8 +85,9 @@ PACKED_FIELDS = tuple(f for f in ROUTE_FIELDS if f != "seen_ms")
 # arguments cost the client more than the whole script costs the server.
 # The reply is one flat array: the server's clock (ms), then per live node its
 # id, the number k of values read (2: route and seen_ms; one per ROUTE_FIELDS
-# field from a node without ``route``), those k values, its hit in blocks, and
-# 1 if an operator drained it (module docstring: why flat).
+# field from a node without ``route``), those k values, its device hit in
+# blocks, its host-tier hit in blocks after those, and 1 if an operator drained
+# it (module docstring: why flat).
 ROUTE_SCRIPT = """
 local t = redis.call('TIME')
 local out = {t[1] * 1000 + math.floor(t[2] / 1000)}
@@ -88,6 +98,19 @@ local prefix = ARGV[1]
 local hashes = ARGV[2]
 local n = math.floor(#hashes / DIGEST)
 local function block(i) return string.sub(hashes, (i - 1) * DIGEST + 1, i * DIGEST) end
+-- The last block of the run start + 1, start + 2, ... that the set holds (start: none).
+local function held(key, start)
+  -- Once block start + 1 is found: blocks ..lo are held, block hi is not (n + 1: past the end).
+  local lo, hi = start, n + 1
+  if start < n and redis.call('SISMEMBER', key, block(start + 1)) == 1 then
+    lo = start + 1
+    while hi - lo > 1 do
+      local mid = math.floor((lo + hi) / 2)
+      if redis.call('SISMEMBER', key, block(mid)) == 1 then lo = mid else hi = mid end
+    end
+  end
+  return lo
+end
 for _, id in ipairs(ids) do
   local node = prefix .. ':node:' .. id
   local values = redis.call('HMGET', node, 'ROUTE_KEY', 'seen_ms')
@@ -97,21 +120,14 @@ for _, id in ipairs(ids) do
   if not values[1] then
     redis.call('SREM', KEYS[1], id)
   else
-    local key = prefix .. ':blocks:' .. id
-    -- Once block 1 is found: blocks 1..lo are held, block hi is not (n + 1: past the end).
-    local lo, hi = 0, n + 1
-    if n > 0 and redis.call('SISMEMBER', key, block(1)) == 1 then
-      lo = 1
-      while hi - lo > 1 do
-        local mid = math.floor((lo + hi) / 2)
-        if redis.call('SISMEMBER', key, block(mid)) == 1 then lo = mid else hi = mid end
-      end
-    end
+    local hit = held(prefix .. ':blocks:' .. id, 0)
+    local host = held(prefix .. ':host_blocks:' .. id, hit) - hit
     -- Flat: a nested table would cost a write() and a TCP segment of its own.
     out[#out + 1] = id
     out[#out + 1] = #values
     for k = 1, #values do out[#out + 1] = values[k] end
-    out[#out + 1] = lo
+    out[#out + 1] = hit
+    out[#out + 1] = host
     out[#out + 1] = drained[id] or 0
   end
 end

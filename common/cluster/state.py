@@ -12,13 +12,17 @@ Key schema (docs/architecture.md, "Cluster state"; ``pds`` is the default prefix
                       the routing script when it meets them.
 - ``pds:blocks:{id}`` set of the 16-byte block hashes cached on that node (added
                       on insert, removed on eviction); expires with the node.
+- ``pds:host_blocks:{id}`` the same for the node's host tier (``--swap-space``):
+                      hashes whose KV a spill copied to host memory (added
+                      when the copy lands, removed when the tier evicts it);
+                      a hash may be in both sets.
 - ``pds:draining``    set of node ids an operator drained (``pdctl drain``);
                       kept across node restarts until undrained.
 
 One heartbeat is one pipelined round trip. One routing decision is one round
 trip: a Lua script (common/cluster/route_script.py) returns the server's clock and,
-for every live node, its routing fields and how many leading blocks of the
-request it holds.
+for every live node, its routing fields, how many leading blocks of the
+request its device pool holds, and how many more after those its host tier holds.
 """
 
 from __future__ import annotations
@@ -59,6 +63,10 @@ class NodeInfo:
     transfer_port: int = 0
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0
+    # Its host tier (--swap-space): slots in all, and those a spill can take
+    # (empty or evictable cached); 0 and 0 without a tier.
+    host_kv_blocks_total: int = 0
+    host_kv_blocks_free: int = 0
     running: int = 0
     waiting: int = 0
     queued_prefill_tokens: int = 0
@@ -206,8 +214,10 @@ _BEFORE_SEEN = _BEFORE_SEEN[: [name for name, _ in _BEFORE_SEEN].index("seen_ms"
 @dataclass(slots=True)
 class RouteCandidate:
     node: NodeInfo
-    hit_blocks: int  # leading blocks of the request this node has published
+    hit_blocks: int  # leading blocks of the request its device pool has published
     drained: bool = False  # an operator drained it (pdctl drain)
+    # Blocks after those its host tier has published: copied in, not recomputed.
+    host_hit_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -277,28 +287,38 @@ class Cluster:
         stored: list[bytes] = (),
         removed: list[bytes] = (),
         reset_blocks: bool = False,
+        host_stored: list[bytes] = (),
+        host_removed: list[bytes] = (),
     ) -> None:
-        """Publish the node's load and cache changes; one round trip."""
+        """Publish the node's load and both tiers' cache changes; one round trip.
+        ``reset_blocks``: the changes are a full snapshot of both tiers."""
         info.updated_ms = now_ms()
         node_key = self._key("node", info.node_id)
-        blocks_key = self._key("blocks", info.node_id)
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(node_key, mapping=info.to_fields())
         await self._stamp(keys=[node_key], client=pipe)
         pipe.pexpire(node_key, self.ttl_ms)
         pipe.sadd(self._key("nodes"), info.node_id)
-        if reset_blocks:
-            pipe.delete(blocks_key)
-        if removed:
-            pipe.srem(blocks_key, *removed)
-        if stored:
-            pipe.sadd(blocks_key, *stored)
-        pipe.pexpire(blocks_key, self.ttl_ms)
+        for key, added, gone in (
+            (self._key("blocks", info.node_id), stored, removed),
+            (self._key("host_blocks", info.node_id), host_stored, host_removed),
+        ):
+            if reset_blocks:
+                pipe.delete(key)
+            if gone:
+                pipe.srem(key, *gone)
+            if added:
+                pipe.sadd(key, *added)
+            pipe.pexpire(key, self.ttl_ms)
         await pipe.execute()
 
     async def deregister(self, node_id: str) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        pipe.delete(self._key("node", node_id), self._key("blocks", node_id))
+        pipe.delete(
+            self._key("node", node_id),
+            self._key("blocks", node_id),
+            self._key("host_blocks", node_id),
+        )
         pipe.srem(self._key("nodes"), node_id)
         await pipe.execute()
 
@@ -340,8 +360,8 @@ class Cluster:
             if node_id in last:
                 self._parsed_routes[node_id] = last[node_id]
             info = NodeInfo.from_route(node_id, raw[i + 2 : i + 2 + k], self._parsed_routes)
-            out.append(RouteCandidate(info, raw[i + 2 + k], bool(raw[i + 3 + k])))
-            i += 4 + k
+            out.append(RouteCandidate(info, raw[i + 2 + k], bool(raw[i + 4 + k]), raw[i + 3 + k]))
+            i += 5 + k
         return ClusterView(int(raw[0]), out)
 
     async def candidates(self, block_hashes: list[bytes]) -> list[RouteCandidate]:
@@ -377,14 +397,20 @@ class Cluster:
         """True if the node was drained."""
         return bool(await self.redis.srem(self._key("draining"), node_id))
 
-    async def block_counts(self, node_ids: list[str]) -> dict[str, int]:
+    async def block_counts(self, node_ids: list[str]) -> dict[str, tuple[int, int]]:
+        """Node id -> the block hashes it published (device pool, host tier)."""
         pipe = self.redis.pipeline(transaction=False)
         for node_id in node_ids:
             pipe.scard(self._key("blocks", node_id))
-        return dict(zip(node_ids, await pipe.execute(), strict=True))
+            pipe.scard(self._key("host_blocks", node_id))
+        counts = await pipe.execute()
+        return {n: (counts[2 * i], counts[2 * i + 1]) for i, n in enumerate(node_ids)}
 
-    async def node_blocks(self, node_id: str) -> set[bytes]:
-        return set(await self.redis.smembers(self._key("blocks", node_id)))
+    async def node_blocks(self, node_id: str, host: bool = False) -> set[bytes]:
+        """The hashes a node published for its device pool (or, ``host``, its host tier)."""
+        return set(
+            await self.redis.smembers(self._key("host_blocks" if host else "blocks", node_id))
+        )
 
     async def close(self) -> None:
         if self.route_connection is not None:

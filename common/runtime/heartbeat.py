@@ -1,7 +1,8 @@
 """A node's heartbeat: its load and prefix-cache changes, published to Redis.
 
 A heartbeat publishes the node's load and the block hashes its prefix cache
-stored and evicted since the last one, in one Redis round trip. When Redis is
+stored and evicted since the last one -- for the device pool and for the
+host tier (``--swap-space``) apart -- in one Redis round trip. When Redis is
 unreachable the node keeps serving and retries with backoff; the events it
 could not publish are kept and sent with the next successful heartbeat.
 
@@ -44,6 +45,7 @@ class Heartbeat:
     published: int = 0
     # Cache changes not yet published (kept across failed heartbeats); last wins.
     _pending: dict[bytes, bool] = field(default_factory=dict)
+    _host_pending: dict[bytes, bool] = field(default_factory=dict)
     _reset: bool = True
     # After failed heartbeats Redis may have restarted empty: republish every
     # cached block hash (not only the changes) with the next beat that succeeds.
@@ -74,6 +76,8 @@ class Heartbeat:
         info.running = s.num_running + s.num_reserved
         info.waiting = s.num_waiting
         info.queued_prefill_tokens = s.num_queued_prefill_tokens
+        info.host_kv_blocks_total = s.num_host_kv_blocks
+        info.host_kv_blocks_free = s.num_free_host_kv_blocks
         info.preemptions = s.num_preemptions
         info.computed_tokens = s.num_computed_tokens
         info.generated_tokens = s.num_generated_tokens
@@ -89,25 +93,28 @@ class Heartbeat:
         if self._resync:
             # Queued after any take still outstanding, so this snapshot supersedes it.
             self._events_future = None
-            cached = await asyncio.wrap_future(self.engine.call(lambda e: e.cached_block_hashes()))
-            self._pending = dict.fromkeys(cached, True)
+            events = await asyncio.wrap_future(self.engine.call(lambda e: e.cached_block_hashes()))
+            self._pending.clear()
+            self._host_pending.clear()
             self._reset = True
             self._resync = False
-            events = None
         else:
             events = await self._cache_events()
-        for h in events.removed if events else ():  # the two lists are disjoint
-            self._pending.pop(h, None)
-            self._pending[h] = False
-        for h in events.stored if events else ():
-            self._pending.pop(h, None)
-            self._pending[h] = True
-        stored = [h for h, v in self._pending.items() if v]
-        removed = [h for h, v in self._pending.items() if not v]
+        if events is not None:
+            _merge(self._pending, events.stored, events.removed)
+            _merge(self._host_pending, events.host_stored, events.host_removed)
+        stored, removed = _split(self._pending)
+        host_stored, host_removed = _split(self._host_pending)
         await self.cluster.heartbeat(
-            self.refresh_info(), stored=stored, removed=removed, reset_blocks=self._reset
+            self.refresh_info(),
+            stored=stored,
+            removed=removed,
+            reset_blocks=self._reset,
+            host_stored=host_stored,
+            host_removed=host_removed,
         )
         self._pending.clear()
+        self._host_pending.clear()
         self._reset = False
         self.published += 1
 
@@ -164,3 +171,17 @@ class Heartbeat:
             except Exception as e:
                 if attempt:  # leaving anyway; the TTL removes us
                     logger.warning("could not deregister from Redis: %s", e)
+
+
+def _merge(pending: dict[bytes, bool], stored: list[bytes], removed: list[bytes]) -> None:
+    """Fold one take of events into the unpublished ones (the two lists are disjoint)."""
+    for h in removed:
+        pending.pop(h, None)
+        pending[h] = False
+    for h in stored:
+        pending.pop(h, None)
+        pending[h] = True
+
+
+def _split(pending: dict[bytes, bool]) -> tuple[list[bytes], list[bytes]]:
+    return [h for h, v in pending.items() if v], [h for h, v in pending.items() if not v]

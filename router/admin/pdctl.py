@@ -43,10 +43,13 @@ NODE_COLUMNS = [
     ("GPUS", "num_gpus"),
     ("KV FREE", "kv_blocks_free"),
     ("KV TOTAL", "kv_blocks_total"),
+    ("HOST FREE", "host_kv_blocks_free"),  # the host tier (--swap-space); 0 and 0: none
+    ("HOST TOTAL", "host_kv_blocks_total"),
     ("RUNNING", "running"),
     ("WAITING", "waiting"),
     ("QUEUED PREFILL", "queued_prefill_tokens"),
     ("CACHED BLOCKS", "cached_blocks"),
+    ("HOST CACHED", "host_cached_blocks"),
     ("DRAINING", "draining"),
     ("HEARTBEAT", "heartbeat_age_ms"),
 ]
@@ -230,6 +233,7 @@ def cmd_explain(stub, args) -> int:
             n.node_id,
             n.role,
             n.hit_blocks,
+            n.host_hit_blocks,
             n.cost if n.HasField("cost") else "-",
             " ".join(f"{k}={v:.3g}" for k, v in sorted(n.terms.items())) or "-",
             n.excluded or "-",
@@ -241,7 +245,7 @@ def cmd_explain(stub, args) -> int:
             f"policy {r.policy}; {r.prompt_tokens} prompt tokens, {len(r.block_hashes)} full blocks",
             f"route: {where}",
             "",
-            table(["NODE", "ROLE", "HIT BLOCKS", "COST", "TERMS", "EXCLUDED"], rows),
+            table(["NODE", "ROLE", "HIT BLOCKS", "HOST HIT", "COST", "TERMS", "EXCLUDED"], rows),
         ]
     )
     emit(args, as_dict(r), text)

@@ -48,14 +48,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         now, nodes = await self._nodes_at(context)
         counts = await self.cluster.block_counts([n.node_id for n in nodes])
         return admin_pb2.ListNodesResponse(
-            nodes=[node_to_proto(n, counts.get(n.node_id, 0), now) for n in nodes]
+            nodes=[node_to_proto(n, counts.get(n.node_id, (0, 0)), now) for n in nodes]
         )
 
     async def Drain(self, request, context):
         now, node = await self._node(request.node_id, context)
         await self.cluster.drain(node.node_id)
         node.draining = True
-        return admin_pb2.DrainResponse(node=node_to_proto(node, 0, now))
+        return admin_pb2.DrainResponse(node=node_to_proto(node, (0, 0), now))
 
     async def Undrain(self, request, context):
         if not request.node_id:
@@ -68,7 +68,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             if not was_drained:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no node {request.node_id!r}")
             return admin_pb2.DrainResponse(node=admin_pb2.NodeInfo(node_id=request.node_id))
-        return admin_pb2.DrainResponse(node=node_to_proto(node, 0, now))
+        return admin_pb2.DrainResponse(node=node_to_proto(node, (0, 0), now))
 
     async def Stats(self, request, context):
         s = self.routing.stats
@@ -122,6 +122,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                     node_id=sc.node_id,
                     role=sc.role.value,
                     hit_blocks=sc.hit_blocks,
+                    host_hit_blocks=sc.host_hit_blocks,
                     cost=sc.cost,
                     excluded=sc.excluded,
                     terms=sc.terms,
@@ -142,8 +143,11 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return admin_pb2.FlushCacheResponse(blocks_flushed=resp.blocks_flushed)
 
 
-def node_to_proto(n: NodeInfo, cached_blocks: int, server_now_ms: int) -> admin_pb2.NodeInfo:
-    """``server_now_ms``: the Redis server's clock, which stamped ``n.seen_ms``."""
+def node_to_proto(
+    n: NodeInfo, cached_blocks: tuple[int, int], server_now_ms: int
+) -> admin_pb2.NodeInfo:
+    """``cached_blocks``: the hashes it published (device pool, host tier);
+    ``server_now_ms``: the Redis server's clock, which stamped ``n.seen_ms``."""
     return admin_pb2.NodeInfo(
         node_id=n.node_id,
         role=n.role.value,
@@ -153,7 +157,10 @@ def node_to_proto(n: NodeInfo, cached_blocks: int, server_now_ms: int) -> admin_
         running=n.running,
         waiting=n.waiting,
         queued_prefill_tokens=n.queued_prefill_tokens,
-        cached_blocks=cached_blocks,
+        cached_blocks=cached_blocks[0],
+        host_kv_blocks_total=n.host_kv_blocks_total,
+        host_kv_blocks_free=n.host_kv_blocks_free,
+        host_cached_blocks=cached_blocks[1],
         draining=n.draining,
         heartbeat_age_ms=max(0, server_now_ms - n.seen_ms),
         requests_total=n.requests_total,

@@ -1,6 +1,7 @@
 """`pdctl top`: a live full-screen view of the cluster (rich), refreshed each second.
 
-Every node: role, load (running/waiting), a KV usage bar, queued prefill
+Every node: role, load (running/waiting), usage bars of its KV pool and of
+its host tier (``--swap-space``; "-" without one), queued prefill
 tokens, requests/s, heartbeat age, draining; the router: TTFT/TPOT/ITL
 percentiles, request and prompt-token rates, in flight. `q` (or Ctrl-C)
 quits. Rates are differences between two polls of the admin API, so the
@@ -51,11 +52,11 @@ def _rate(now: float, before: float, seconds: float) -> str:
     return f"{(now - before) / seconds:.1f}" if seconds > 0 else "-"
 
 
-def kv_bar(node, width: int = 20) -> Text:
-    """Used share of the KV pool as a bar: green, yellow above 70%, red above 90%."""
-    if not node.kv_blocks_total:
+def usage_bar(total: int, free: int, width: int = 20) -> Text:
+    """Used share of a block pool as a bar: green, yellow above 70%, red above 90%."""
+    if not total:
         return Text("-")
-    share = (node.kv_blocks_total - node.kv_blocks_free) / node.kv_blocks_total
+    share = (total - free) / total
     filled = round(share * width)
     style = "red" if share > 0.9 else "yellow" if share > 0.7 else "green"
     bar = Text("█" * filled, style=style)
@@ -66,8 +67,9 @@ def kv_bar(node, width: int = 20) -> Text:
 
 def nodes_table(prev: Sample | None, cur: Sample) -> Table:
     t = Table(title="nodes", title_justify="left")
-    for name in ("NODE", "ROLE", "RUNNING", "WAITING", "KV USAGE", "QUEUED TOK", "REQ/S", "TOK/S"):
-        t.add_column(name, justify="left" if name in ("NODE", "ROLE", "KV USAGE") else "right")
+    bars = ("KV USAGE", "HOST USAGE")
+    for name in ("NODE", "ROLE", "RUNNING", "WAITING", *bars, "QUEUED TOK", "REQ/S", "TOK/S"):
+        t.add_column(name, justify="left" if name in ("NODE", "ROLE", *bars) else "right")
     t.add_column("HEARTBEAT", justify="right")
     t.add_column("DRAINING")
     before = {n.node_id: n for n in prev.nodes} if prev else {}
@@ -88,7 +90,8 @@ def nodes_table(prev: Sample | None, cur: Sample) -> Table:
             n.role,
             str(n.running),
             str(n.waiting),
-            kv_bar(n),
+            usage_bar(n.kv_blocks_total, n.kv_blocks_free),
+            usage_bar(n.host_kv_blocks_total, n.host_kv_blocks_free, width=10),
             str(n.queued_prefill_tokens),
             rate,
             tok_rate,

@@ -191,3 +191,67 @@ def test_swap_needs_a_host_tier(llama_dir):
         make_llm(llama_dir, num_blocks=16, swap_space=-1)
     with pytest.raises(ValueError, match="swap_space is not supported with enable_lora"):
         make_llm(llama_dir, num_blocks=16, swap_space=0.01, enable_lora=True)
+
+
+def test_a_node_publishes_both_tiers_and_routing_reads_them_in_one_view(llama_dir):
+    """The heartbeat publishes the engine's own events (a real redis-server):
+    a first turn evicted from the pool is a host-tier hit for routing, and
+    once its second turn loaded it back, a device hit again."""
+    import asyncio
+
+    from common.cluster.state import Cluster, NodeInfo, NodeRole
+    from common.runtime.heartbeat import Heartbeat
+    from engine.block_hash import hash_prompt_blocks
+    from engine.engine_thread import EngineThread
+    from pdserve.redis_server import RedisServer
+
+    llm = make_llm(llama_dir, num_blocks=16, swap_space=slots(64))
+    engine = llm.llm_engine
+    engine.enable_cache_events()
+    firsts = conversations(8)
+    outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in firsts]  # one at a time
+    name = engine.config.served_model_name
+    info = NodeInfo("p0", NodeRole.PREFILL, "127.0.0.1:1", name, BS)
+
+    async def publish(cluster: Cluster) -> tuple[dict, dict]:
+        """One beat from a fresh engine thread (llm.generate drives the engine
+        itself in between); each conversation's (device, host) hit."""
+        thread = EngineThread(engine).start()
+        try:
+            await Heartbeat(cluster, thread, info).beat()
+        finally:
+            thread.stop()
+        view = await cluster.view([])
+        assert [c.node.node_id for c in view.candidates] == ["p0"]
+        hits = {}
+        for c, prompt in enumerate(firsts):
+            (cand,) = (await cluster.view(hash_prompt_blocks(prompt, name, BS))).candidates
+            hits[c] = (cand.hit_blocks, cand.host_hit_blocks)
+        sets = {
+            "device": await cluster.node_blocks("p0"),
+            "host": await cluster.node_blocks("p0", host=True),
+        }
+        return hits, sets
+
+    async def go(url: str) -> None:
+        cluster = Cluster.from_url(url, prefix="tier")
+        try:
+            hits, sets = await publish(cluster)
+            assert sets["host"] == set(engine.host_tier.cached_hashes()) != set()
+            assert sets["device"] == set(engine.block_manager.cached_hashes())
+            assert hits[0] == (0, 4)  # evicted from the pool: all 4 prompt blocks in the tier
+            assert hits[7] == (4, 0)  # the last one is still in the pool
+            (node,) = await cluster.nodes()
+            # Free counts evictable cached slots too: at idle every slot.
+            assert (node.host_kv_blocks_total, node.host_kv_blocks_free) == (64, 64)
+            second = firsts[0] + list(outs[0].outputs[0].token_ids) + [7] * 12
+            (out,) = llm.generate([second], GREEDY, use_tqdm=False)
+            assert out.num_cached_tokens >= 4 * BS
+            hits, _ = await publish(cluster)
+            assert hits[0] == (4, 0)  # loaded back: a device hit again
+        finally:
+            await cluster.close()
+
+    with RedisServer() as server:
+        asyncio.run(go(server.url))
+    assert_idle(llm)

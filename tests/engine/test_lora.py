@@ -160,7 +160,7 @@ def test_prefix_cache_never_serves_one_adapters_kv_to_another(lora_setup):
     assert_idle(llm)
     # The cached blocks carry what the router computes from the spec: the model
     # id, and the adapter's digest as an extra key (none for the base model).
-    cached = set(engine.cached_block_hashes())
+    cached = set(engine.cached_block_hashes().stored)
     name = engine.config.served_model_name
     for lora in (a1, a2, None):
         keys = (lora_extra_key(adapter_digest(lora)),) if lora else ()

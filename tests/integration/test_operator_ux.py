@@ -5,6 +5,7 @@ that says what the cluster serves, and a fast `pdserve generate`."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -43,7 +44,9 @@ def cluster(demo_model_dir, tmp_path_factory):
         admin_port=free_port(),
         engine_args=["--max-model-len", str(MAX_LEN)],
         router_args=["--max-model-len", str(MAX_LEN)],
-        node_args=["--log-stats-interval", "1"],
+        # A small host tier on every node: what pdctl shows of it (it fills
+        # only when the KV pool evicts, which these tests' prompts never make it).
+        node_args=["--log-stats-interval", "1", "--swap-space", "0.05"],
         log_dir=str(tmp_path_factory.mktemp("ux-logs")),
         start_timeout_s=300,
     )
@@ -264,6 +267,7 @@ def test_pdctl_top_renders_every_node_and_the_latencies(cluster):
         "decode-0",
         "prefill-0",
         "KV USAGE",
+        "HOST USAGE",
         "TOK/S",
         "HEARTBEAT",
         "TTFT",
@@ -274,6 +278,18 @@ def test_pdctl_top_renders_every_node_and_the_latencies(cluster):
     assert "requests/s" in text and "%" in text
     ttft = next(line for line in text.splitlines() if "TTFT" in line)
     assert any(ch.isdigit() for ch in ttft.replace("TTFT", "")), ttft
+
+
+def test_pdctl_nodes_shows_each_nodes_host_tier(cluster):
+    out = run([*PDCTL, "--address", cluster.admin_address, "nodes", "--json"])
+    assert out.returncode == 0, out.stderr
+    nodes = json.loads(out.stdout)
+    assert {n["node_id"] for n in nodes} == {"prefill-0", "decode-0"}
+    for n in nodes:
+        # 0.05 GiB of slots, each one KV block of the demo model; all free at idle.
+        assert n["host_kv_blocks_total"] > 0, n
+        assert n["host_kv_blocks_free"] == n["host_kv_blocks_total"], n
+        assert "host_cached_blocks" in n
 
 
 def test_pdctl_top_frame_from_samples():

@@ -64,7 +64,7 @@ async def round_trip(cluster: Cluster) -> list[str]:
     assert candidate.hit_blocks == 1
     await cluster.drain("n1")
     assert await cluster.undrain("n1")
-    assert await cluster.block_counts(["n1"]) == {"n1": 1}
+    assert await cluster.block_counts(["n1"]) == {"n1": (1, 0)}
     return [n.node_id for n in await cluster.nodes()]
 
 

@@ -257,3 +257,38 @@ def test_a_route_field_with_fewer_or_more_fields_keeps_defaults_or_ignores_the_r
     # Role, address, model id and block size are required.
     with pytest.raises(ValueError, match="lacks a required field"):
         NodeInfo.from_route("n", [json.dumps(full[:3]).encode(), b"7"])
+
+
+def test_the_host_tier_is_searched_after_the_device_hit_in_the_same_read(redis_url):
+    async def go():
+        cluster = Cluster.from_url(redis_url, prefix="t-host")
+        hashes = hash_prompt_blocks(list(range(16 * 12)), "m", 16)  # 12 blocks
+        # Device blocks 0-3, host blocks 4-8 (and 0-1 there too: loaded back).
+        await cluster.heartbeat(
+            node("p0"), stored=hashes[:4], host_stored=hashes[:2] + hashes[4:9], reset_blocks=True
+        )
+        await cluster.heartbeat(node("p1"), host_stored=hashes[:6], reset_blocks=True)
+        await cluster.heartbeat(node("d0", NodeRole.DECODE), stored=hashes, reset_blocks=True)
+        await cluster.heartbeat(node("d1", NodeRole.DECODE), reset_blocks=True)
+        cands = {c.node.node_id: c for c in await cluster.candidates(hashes)}
+        hits = {n: (c.hit_blocks, c.host_hit_blocks) for n, c in cands.items()}
+        assert hits == {"p0": (4, 5), "p1": (0, 6), "d0": (12, 0), "d1": (0, 0)}
+        # A host block that does not continue the device hit is no host hit.
+        await cluster.heartbeat(node("p1"), stored=hashes[:2], host_removed=hashes[2:3])
+        cands = {c.node.node_id: c for c in await cluster.candidates(hashes)}
+        assert (cands["p1"].hit_blocks, cands["p1"].host_hit_blocks) == (2, 0)
+        # Evictions from the tier are published; the counts and the sets read back.
+        await cluster.heartbeat(node("p0"), host_removed=hashes[6:9])
+        cands = {c.node.node_id: c for c in await cluster.candidates(hashes)}
+        assert (cands["p0"].hit_blocks, cands["p0"].host_hit_blocks) == (4, 2)
+        counts = await cluster.block_counts(["p0", "p1", "d1"])
+        assert counts == {"p0": (4, 4), "p1": (2, 5), "d1": (0, 0)}
+        assert await cluster.node_blocks("p0", host=True) == set(hashes[:2] + hashes[4:6])
+        # A restart's snapshot replaces both sets; deregistering removes both.
+        await cluster.heartbeat(node("p0"), host_stored=hashes[:1], reset_blocks=True)
+        assert await cluster.block_counts(["p0"]) == {"p0": (0, 1)}
+        await cluster.deregister("p0")
+        assert await cluster.block_counts(["p0"]) == {"p0": (0, 0)}
+        await cluster.close()
+
+    run(go())

@@ -220,3 +220,48 @@ def test_a_sequence_aborted_while_loading_frees_its_blocks_when_the_copies_land(
     sched.loads_done(loads)
     assert not sched.has_unfinished() and sched.block_manager.num_free_blocks == 6
     assert tier.num_free_slots == 8
+
+
+def test_the_tier_records_hits_when_their_copy_lands_and_removals_when_evicted():
+    tier = HostTier(2, record_events=True)
+    tier.spill(h(1), h(0), (1,) * BS, 0)
+    assert tier.take_events() == ([], [])  # still landing: no hit yet
+    tier.landed(tier.take_copies())
+    assert tier.take_events() == ([h(1)], [])
+    spill_chain(tier, [2, 3])  # 1 is evicted for 3
+    assert tier.take_events() == ([h(2), h(3)], [h(1)])
+    assert sorted(tier.cached_hashes()) == [h(2), h(3)]
+    slots = tier.swap_out([4])  # a swap-out carries no hash: no event
+    tier.landed(tier.take_copies())
+    assert tier.take_events() == ([], [h(2)])
+    tier.release(slots)
+    tier.reset()
+    assert tier.take_events() == ([], [h(3)])
+    tier.check_invariants()
+
+
+def test_block_manager_events_carry_both_tiers_and_a_load_makes_a_device_hit_again():
+    sched, tier = make(num_blocks=4, slots=8)
+    bm = sched.block_manager
+    bm.enable_events()
+    first = make_seq(list(range(100, 113)), BS)  # 3 full blocks + 1 token
+    sched.add(first)
+    run_step(sched, tier)
+    finish_all(sched)
+    events = bm.take_events()
+    assert len(events.stored) == 3 and not events.host_stored
+    chain = events.stored
+    sched.add(make_seq(13, BS))  # evicts first's cached blocks: they spill
+    run_step(sched, tier)
+    finish_all(sched)
+    events = bm.take_events()
+    assert set(chain) <= set(events.removed) and set(events.host_stored) == set(chain)
+    snapshot = bm.cached_snapshot()
+    assert set(snapshot.host_stored) == set(chain) and not bm.take_events().stored
+    sched.add(again := make_seq(list(range(100, 113)) + [7, 8, 9], BS))
+    run_step(sched, tier)
+    assert again.num_cached_tokens == 12
+    events = bm.take_events()
+    # Loaded back: a device hit again; the tier keeps its copies.
+    assert set(chain) <= set(events.stored) and not events.host_removed
+    finish_all(sched)

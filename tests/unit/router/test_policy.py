@@ -38,8 +38,8 @@ def node(node_id: str, role: NodeRole = NodeRole.DECODE, **kw) -> NodeInfo:
     )
 
 
-def cand(n: NodeInfo, hit: int = 0, drained: bool = False) -> RouteCandidate:
-    return RouteCandidate(n, hit, drained)
+def cand(n: NodeInfo, hit: int = 0, drained: bool = False, host: int = 0) -> RouteCandidate:
+    return RouteCandidate(n, hit, drained, host)
 
 
 def view(*candidates: RouteCandidate, now_ms: int = NOW_MS) -> ClusterView:
@@ -100,6 +100,63 @@ def test_the_decode_node_caching_the_prompt_wins_and_prefills_it_locally():
         "p0": 2048.0,
         "p1": 2048.0,
     }
+
+
+# -- host tier ----------------------------------------------------------------
+
+
+def test_a_host_tier_hit_is_priced_between_a_device_hit_and_recompute():
+    # Same prefix (80 blocks) on each prefill node, in a different tier.
+    v = view(
+        cand(node("d0")),
+        cand(node("p-device", NodeRole.PREFILL), hit=80),
+        cand(node("p-host", NodeRole.PREFILL), host=80),
+        cand(node("p-none", NodeRole.PREFILL)),
+    )
+    config = RoutingConfig(host_copy_cost=0.25)
+    d = route(v, config=config)
+    assert d.prefill.node_id == "p-device"
+    scores = {s.node_id: s for s in d.scores}
+    costs = {n: s.cost for n, s in scores.items() if s.role is NodeRole.PREFILL}
+    assert costs["p-device"] < costs["p-host"] < costs["p-none"]
+    assert scores["p-host"].terms == {
+        "uncached": 2048 - 80 * BS,
+        "queue": 0,
+        "host_copy": pytest.approx(0.25 * 80 * BS),
+    }
+    assert (scores["p-host"].hit_blocks, scores["p-host"].host_hit_blocks) == (0, 80)
+    # Without the device copy, the host-tier hit wins over no hit at all.
+    d = route(view(*(c for c in v.candidates if c.node.node_id != "p-device")), config=config)
+    assert d.prefill.node_id == "p-host" and d.prefill_host_hit_blocks == 80
+
+
+def test_a_host_tier_hit_continues_the_device_hit_on_the_same_node():
+    v = view(
+        cand(node("d0")),
+        cand(node("p0", NodeRole.PREFILL), hit=20, host=60),
+        cand(node("p1", NodeRole.PREFILL), hit=50),
+    )
+    d = route(v, config=RoutingConfig(host_copy_cost=0.25))
+    assert d.prefill.node_id == "p0"
+    costs = {s.node_id: s.cost for s in d.scores if s.role is NodeRole.PREFILL}
+    assert costs == {"p0": 2048 - 80 * BS + 0.25 * 60 * BS, "p1": 2048 - 50 * BS}
+    # At the price of recomputing, a host hit is worth nothing.
+    d = route(v, config=RoutingConfig(host_copy_cost=1.0))
+    assert d.prefill.node_id == "p1"
+
+
+def test_a_decode_nodes_host_hit_counts_less_than_a_device_hit_and_can_keep_it_local():
+    v = view(cand(node("d-host"), host=110), cand(node("d-none")), *PREFILLS)
+    config = RoutingConfig(host_copy_cost=0.25)
+    d = route(v, config=config)
+    assert d.decode.node_id == "d-host" and d.decode_host_hit_blocks == 110
+    hit = next(s for s in d.scores if s.node_id == "d-host").terms["hit"]
+    assert hit == pytest.approx(-0.75 * 1760 / 2048)
+    # Its own prefill copies the prompt in: no KV moves.
+    assert d.prefill is None and "caches 1760 of 2048" in d.local_prefill_reason
+    # A device hit of the same length beats it.
+    v = view(cand(node("d-host"), host=110), cand(node("d-device"), hit=110), *PREFILLS)
+    assert route(v, config=config).decode.node_id == "d-device"
 
 
 # -- load ----------------------------------------------------------------------
@@ -331,9 +388,22 @@ def test_random_uses_every_usable_node():
         (dict(hit_weight=float("nan")), "hit_weight must be >= 0"),
         (dict(local_prefill_max_tokens=-1), "local_prefill_max_tokens must be >= 0"),
         (dict(local_prefill_min_hit=1.5), r"local_prefill_min_hit must be in \[0, 1\]"),
+        (dict(host_copy_cost=1.5), r"host_copy_cost must be in \[0, 1\]"),
         (dict(stale_heartbeat_s=0.0), "stale_heartbeat_s must be > 0"),
     ],
 )
 def test_config_errors_name_the_knob(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RoutingConfig(**kwargs)
+
+
+def test_the_in_flight_prefill_estimate_leaves_out_host_tier_hits():
+    from router.routing import Routed, Routing
+
+    routing = Routing(cluster=None, model_id="m", block_size=BS)
+    v = view(cand(node("d0")), cand(node("p0", NodeRole.PREFILL), hit=20, host=60))
+    r = req()
+    d = route(v, r)
+    assert d.prefill.node_id == "p0"
+    dispatch = routing.dispatch(Routed(d, v, r))
+    assert dispatch.prefill_tokens == 2048 - 80 * BS  # copied in, not computed

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 from proto import admin_pb2
-from router.admin.pdctl import as_dict, stats_text, table
+from router.admin.pdctl import as_dict, cmd_explain, cmd_nodes, stats_text, table
 from router.stats import RequestTrace, RouterStats, percentile, summarize
 
 
@@ -69,6 +70,7 @@ def test_pdctl_json_keeps_numbers_and_marks_unset_costs():
         "cost": 0.5,
         "excluded": "",
         "terms": {"kv": 0.5},
+        "host_hit_blocks": 0,
     }
     assert d["nodes"][1]["cost"] is None
     s = admin_pb2.StatsResponse(kv_transfer_bytes=2**40, prompt_tokens=10)
@@ -80,3 +82,84 @@ def test_pdctl_tables_align_and_say_when_there_is_no_data():
     assert text.splitlines() == ["NODE      FREE", "decode-0  5", "d1        1234"]
     out = stats_text(admin_pb2.StatsResponse(prompt_tokens=0))
     assert "ttft          0      -" in out and "prefix-cache hits: 0.0%" in out
+
+
+class TieredAdmin:
+    """Answers as a router whose nodes have a host tier would (proto messages)."""
+
+    def ListNodes(self, request, **call):
+        return admin_pb2.ListNodesResponse(
+            nodes=[
+                admin_pb2.NodeInfo(
+                    node_id="p0", role="prefill", kv_blocks_total=100, kv_blocks_free=40,
+                    cached_blocks=60, host_kv_blocks_total=800, host_kv_blocks_free=300,
+                    host_cached_blocks=500,
+                ),
+                admin_pb2.NodeInfo(node_id="d0", role="decode", kv_blocks_total=90),
+            ]
+        )  # fmt: skip
+
+    def ExplainRoute(self, request, **call):
+        return admin_pb2.ExplainRouteResponse(
+            policy="cost", prompt_tokens=640, decode_node="d0", prefill_node="p0",
+            nodes=[
+                admin_pb2.NodeScore(
+                    node_id="p0", role="prefill", hit_blocks=12, host_hit_blocks=25, cost=72.0,
+                    terms={"uncached": 48.0, "host_copy": 24.0, "queue": 0.0},
+                ),
+                admin_pb2.NodeScore(node_id="d0", role="decode", cost=0.1, terms={"kv": 0.1}),
+            ],
+        )  # fmt: skip
+
+
+def _args(json_out: bool, **kw):
+    return SimpleNamespace(call={}, json=json_out, **kw)
+
+
+def test_pdctl_nodes_shows_both_tiers(capsys):
+    assert cmd_nodes(TieredAdmin(), _args(False)) == 0
+    header, p0, d0 = capsys.readouterr().out.splitlines()
+
+    def column(row: str, name: str) -> str:  # cells start where their header does
+        return row[header.index(name) :].split()[0]
+
+    assert [column(p0, c) for c in ("KV FREE", "KV TOTAL", "HOST FREE", "HOST TOTAL")] == [
+        "40", "100", "300", "800",
+    ]  # fmt: skip
+    assert (column(p0, "CACHED BLOCKS"), column(p0, "HOST CACHED")) == ("60", "500")
+    assert (column(d0, "HOST TOTAL"), column(d0, "HOST CACHED")) == ("0", "0")
+    assert cmd_nodes(TieredAdmin(), _args(True)) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["host_kv_blocks_total"] == 800 and rows[0]["host_kv_blocks_free"] == 300
+    assert rows[0]["host_cached_blocks"] == 500 and rows[0]["cached_blocks"] == 60
+    assert rows[1]["host_kv_blocks_total"] == 0
+
+
+def test_pdctl_explain_shows_each_tiers_hit(capsys):
+    args = _args(False, prompt="hi", token_ids=False, chat=False, cache_salt="")
+    assert cmd_explain(TieredAdmin(), args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("NODE"))
+    p0 = next(line for line in lines if line.startswith("p0"))
+    assert header.index("HIT BLOCKS") == p0.index("12")
+    assert header.index("HOST HIT") == p0.index("25")
+    assert "host_copy=24" in p0
+    args.json = True
+    assert cmd_explain(TieredAdmin(), args) == 0
+    nodes = json.loads(capsys.readouterr().out)["nodes"]
+    assert (nodes[0]["hit_blocks"], nodes[0]["host_hit_blocks"]) == (12, 25)
+
+
+def test_list_nodes_carries_both_tiers_from_the_registry():
+    from common.cluster.state import NodeInfo, NodeRole
+    from router.admin.service import node_to_proto
+
+    info = NodeInfo(
+        node_id="p0", role=NodeRole.PREFILL, address="a:1", model_id="m", block_size=16,
+        kv_blocks_total=100, kv_blocks_free=40, host_kv_blocks_total=800,
+        host_kv_blocks_free=300, seen_ms=1_000,
+    )  # fmt: skip
+    n = node_to_proto(info, (60, 500), server_now_ms=1_250)
+    assert (n.kv_blocks_total, n.kv_blocks_free, n.cached_blocks) == (100, 40, 60)
+    assert (n.host_kv_blocks_total, n.host_kv_blocks_free, n.host_cached_blocks) == (800, 300, 500)
+    assert n.heartbeat_age_ms == 250
