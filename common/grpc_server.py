@@ -14,6 +14,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor, ServiceDescr
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.runtime.node_lora import AdapterRefused
 from common.runtime.reliability import NoCapacity
 from common.tls import NO_TLS, TLSConfig, make_sync_channel
 
@@ -110,6 +111,8 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
         return error.code(), error.details() or str(error.code())
     if isinstance(error, NoCapacity):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+    if isinstance(error, AdapterRefused):
+        return error.code, str(error)
     if isinstance(error, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(error)
     if isinstance(error, asyncio.TimeoutError | TimeoutError):

@@ -85,6 +85,7 @@ async def serve(args: argparse.Namespace) -> int:
         faults=fault_delays(node.node_id),
         tls=config.tls,
         tracing=node.tracing,
+        adapters=node.adapters,
     )
     # Prefill nodes open their KV channel to transfer_host:transfer_port.
     info = node.info(

@@ -30,6 +30,7 @@ import grpc
 
 from common.grpc_server import CLIENT_OPTIONS
 from common.metrics.phases import PromptPhases, phase_spans
+from common.runtime.node_lora import NodeAdapters
 from common.runtime.reliability import (
     FaultDelays,
     NoCapacity,
@@ -51,6 +52,7 @@ from decode_node.remote_prefill import PrefillState, RemotePrefill
 from decode_node.stats import DecodeStats
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine, Reservation
+from engine.lora.request import LoRARequest
 from engine.request_stream import RequestStream, settled
 from proto import internal_pb2, pdserve_pb2
 
@@ -81,10 +83,12 @@ class DecodeWorker:
         tls: TLSConfig = NO_TLS,
         tracing: Tracing | None = None,
         connect_timeout_s: float = 5.0,
+        adapters: NodeAdapters | None = None,
     ) -> None:
         if not kv_lease_s > 0:
             raise ValueError(f"the KV lease must be > 0 seconds, got {kv_lease_s}")
         self.node_id = node_id
+        self.adapters = adapters or NodeAdapters()  # its LoRA adapters, by name
         self.tls = tls  # for the PrefillSessions
         self.engine = engine
         self.kv_lease_s = kv_lease_s
@@ -120,6 +124,7 @@ class DecodeWorker:
         prompt = {"prompt_token_ids": token_ids_of(req.prompt_token_ids)}
         if req.cache_salt:
             prompt["cache_salt"] = req.cache_salt
+        lora = self.adapters.request_of(req.lora, self.node_id)
         stream = RequestStream()
         usage = pdserve_pb2.Usage(decode_node=self.node_id)
         remote = req.HasField("prefill") and params.n == 1 and params.prompt_logprobs is None
@@ -131,12 +136,14 @@ class DecodeWorker:
         try:
             if remote:
                 usage.prefill_node = req.prefill.node_id
-                landed = await self._remote_prefill(req, stream, prompt, params, deadline, usage)
+                landed = await self._remote_prefill(
+                    req, stream, prompt, params, lora, deadline, usage
+                )
                 self._remote_timings(rid, usage, arrived, landed)
             else:
                 await asyncio.wrap_future(
                     self.engine.add(
-                        rid, stream.sink, lambda e: self._admit_local(e, rid, prompt, params)
+                        rid, stream.sink, lambda e: self._admit_local(e, rid, prompt, params, lora)
                     )
                 )
                 self.stats.local_prefills += 1
@@ -177,7 +184,7 @@ class DecodeWorker:
             for resp in output_to_responses(out, rid, state, usage):
                 yield resp
 
-    async def _remote_prefill(self, req, stream, prompt, params, deadline, usage) -> float:
+    async def _remote_prefill(self, req, stream, prompt, params, lora, deadline, usage) -> float:
         """The prompt's KV and first token from the prefill node, committed
         (decode_node/remote_prefill.py); returns when they landed."""
         rid = req.request_id
@@ -192,7 +199,7 @@ class DecodeWorker:
             req, self.landing, self._session(req.prefill), self.node_id, end, deadline
         )
         await remote.run(
-            lambda: self._reserve(rid, stream, prompt, params), self.engine, self.faults
+            lambda: self._reserve(rid, stream, prompt, params, lora), self.engine, self.faults
         )
         self.stats.remote_prefills += 1
         return time.monotonic()
@@ -231,14 +238,19 @@ class DecodeWorker:
             return _STAGE_OF[remote.state]
         return self._stages.get(rid, Stage.QUEUED)
 
-    async def _reserve(self, rid: str, stream: RequestStream, prompt, params) -> Reservation:
+    async def _reserve(
+        self, rid: str, stream: RequestStream, prompt, params, lora: LoRARequest | None
+    ) -> Reservation:
         """The prompt's blocks, from this node's own prefix-cache hit on
         (NoCapacity when there is no room)."""
         # Inline: on this thread if the engine thread is idle (two hand-overs
         # between threads fewer).
         reservation = await settled(
             self.engine.add(
-                rid, stream.sink, lambda e: e.reserve_request(rid, prompt, params), inline=True
+                rid,
+                stream.sink,
+                lambda e: e.reserve_request(rid, prompt, params, lora_request=lora),
+                inline=True,
             )
         )
         if reservation is None:
@@ -247,14 +259,16 @@ class DecodeWorker:
             raise NoCapacity(f"decode node {self.node_id} has no room for this request now")
         return reservation
 
-    def _admit_local(self, engine: LLMEngine, rid: str, prompt, params) -> None:
+    def _admit_local(
+        self, engine: LLMEngine, rid: str, prompt, params, lora: LoRARequest | None
+    ) -> None:
         """On the engine thread: queue a request this node prefills itself, if the queue has room."""
         try:
             check_queue(*engine.queue_room(), self.max_queued, self.node_id)
         except NoCapacity:
             self.stats.rejected += 1
             raise
-        engine.add_request(rid, prompt, params)
+        engine.add_request(rid, prompt, params, lora_request=lora)
 
     def _session(self, node: internal_pb2.NodeRef) -> PrefillSessionClient:
         """This node's PrefillSession with ``node`` (opened by its first use)."""

@@ -337,8 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="NAME=PATH",
         default=None,
-        help="PEFT LoRA adapters every node reads and checks at start (LoRA on); the router "
-        "does not route requests to adapters yet",
+        help="PEFT LoRA adapters every node reads and checks at start (LoRA on); requests "
+        "name one by its NAME in `model` (docs/usage.md, Serving LoRA adapters)",
     )
     up.add_argument(
         "--max-loras", type=positive_int, default=None, help="adapters on a node's device at once"

@@ -104,6 +104,7 @@ async def serve(args: argparse.Namespace) -> int:
         layers_per_chunk=args.kv_stream_layers,
         last_layers=args.kv_stream_last_layers,
         tracing=node.tracing,
+        adapters=node.adapters,
     )
 
     async def close() -> None:

@@ -43,6 +43,7 @@ from common.kv_transfer import (
 )
 from common.metrics.histogram import KV_BANDWIDTH_BUCKETS, KV_TRANSFER_BUCKETS, Histogram
 from common.metrics.phases import PhaseHistograms, PromptPhases, phase_spans
+from common.runtime.node_lora import NodeAdapters
 from common.runtime.reliability import (
     AbortCounters,
     FaultDelays,
@@ -57,6 +58,7 @@ from common.wire import sampling_params_from_proto, token_ids_of
 from engine.copy_engine import CopyEngine
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -142,8 +144,10 @@ class PrefillWorker:
         layers_per_chunk: int = 1,
         last_layers: int = 0,
         tracing: Tracing | None = None,
+        adapters: NodeAdapters | None = None,
     ) -> None:
         self.node_id = node_id
+        self.adapters = adapters or NodeAdapters()  # its LoRA adapters, by name
         self.tracing = tracing or Tracing.off()
         self.engine = engine
         self.sender = sender
@@ -224,6 +228,7 @@ class PrefillWorker:
         prompt = {"prompt_token_ids": token_ids_of(req.prompt_token_ids)}
         if req.cache_salt:
             prompt["cache_salt"] = req.cache_salt
+        lora = self.adapters.request_of(req.lora, self.node_id)
         stream = RequestStream()
         sending, ticket, report = False, None, _NO_TRANSFER
         try:
@@ -231,7 +236,7 @@ class PrefillWorker:
                 self.engine.add(
                     rid,
                     stream.sink,
-                    lambda e: self._admit(e, rid, prompt, params, pending, deadline),
+                    lambda e: self._admit(e, rid, prompt, params, lora, pending, deadline),
                 )
             )
             transfer = asyncio.wrap_future(ticket.done)
@@ -338,6 +343,7 @@ class PrefillWorker:
         rid: str,
         prompt,
         params: SamplingParams,
+        lora: LoRARequest | None,
         pending: PendingDestination,
         deadline: float | None,
     ) -> TransferTicket:
@@ -347,7 +353,7 @@ class PrefillWorker:
         except NoCapacity:
             self.stats.rejected += 1
             raise
-        engine.add_request(rid, prompt, params, hold_kv=True)
+        engine.add_request(rid, prompt, params, hold_kv=True, lora_request=lora)
         return self.streamer.open(
             rid,
             pending,

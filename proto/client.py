@@ -37,13 +37,15 @@ def build_request(
     chat: Sequence[Mapping[str, str]] | None = None,
     request_id: str = "",
     cache_salt: str = "",
+    model: str = "",
     **sampling: Any,
 ) -> pdserve_pb2.GenerateRequest:
-    """A GenerateRequest from exactly one of ``prompt``, ``token_ids`` or ``chat``."""
+    """A GenerateRequest from exactly one of ``prompt``, ``token_ids`` or ``chat``;
+    ``model``: a LoRA adapter's name (empty: the served model)."""
     given = [x is not None for x in (prompt, token_ids, chat)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, token_ids or chat")
-    req = pdserve_pb2.GenerateRequest(request_id=request_id, cache_salt=cache_salt)
+    req = pdserve_pb2.GenerateRequest(request_id=request_id, cache_salt=cache_salt, model=model)
     if prompt is not None:
         req.prompt = prompt
     elif token_ids is not None:

@@ -18,7 +18,7 @@ class NodeFlushResponse(_message.Message):
     def __init__(self, blocks_flushed: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "prefill", "resume_offset", "reservation_id", "traceparent")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "prefill", "resume_offset", "reservation_id", "traceparent", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class DecodeRequest(_message.Message):
     RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
@@ -35,7 +36,16 @@ class DecodeRequest(_message.Message):
     resume_offset: int
     reservation_id: int
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., prefill: _Optional[_Union[NodeRef, _Mapping]] = ..., resume_offset: _Optional[int] = ..., reservation_id: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    lora: LoRAAdapterRef
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., prefill: _Optional[_Union[NodeRef, _Mapping]] = ..., resume_offset: _Optional[int] = ..., reservation_id: _Optional[int] = ..., traceparent: _Optional[str] = ..., lora: _Optional[_Union[LoRAAdapterRef, _Mapping]] = ...) -> None: ...
+
+class LoRAAdapterRef(_message.Message):
+    __slots__ = ("name", "digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: str
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class SessionCommand(_message.Message):
     __slots__ = ("start", "cancel")
@@ -92,7 +102,7 @@ class NodeRef(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "resume_offset", "decode_node_id", "decode_tensor_parallel_size", "reservation_id", "traceparent")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "resume_offset", "decode_node_id", "decode_tensor_parallel_size", "reservation_id", "traceparent", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +112,7 @@ class PrefillRequest(_message.Message):
     DECODE_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
@@ -111,7 +122,8 @@ class PrefillRequest(_message.Message):
     decode_tensor_parallel_size: int
     reservation_id: int
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resume_offset: _Optional[int] = ..., decode_node_id: _Optional[str] = ..., decode_tensor_parallel_size: _Optional[int] = ..., reservation_id: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    lora: LoRAAdapterRef
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resume_offset: _Optional[int] = ..., decode_node_id: _Optional[str] = ..., decode_tensor_parallel_size: _Optional[int] = ..., reservation_id: _Optional[int] = ..., traceparent: _Optional[str] = ..., lora: _Optional[_Union[LoRAAdapterRef, _Mapping]] = ...) -> None: ...
 
 class PrefillSessionCommand(_message.Message):
     __slots__ = ("start", "cancel", "blocks")

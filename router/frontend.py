@@ -26,6 +26,7 @@ from engine.structured.json_schema import check_schema
 from engine.tokenizer import load_tokenizer
 from proto import pdserve_pb2
 from router.limits import ServedLength
+from router.models import BASE_MODEL, ModelChoice
 
 
 @dataclass(slots=True)
@@ -37,6 +38,7 @@ class ParsedRequest:
     # What goes downstream: the request's sampling with max_tokens resolved.
     sampling: pdserve_pb2.SamplingParams
     max_model_len: int  # the context length the request was checked against
+    model: ModelChoice = BASE_MODEL  # its LoRA adapter, which keys its block hashes
 
 
 @dataclass(slots=True)
@@ -62,7 +64,9 @@ class Frontend:
         self.block_size = config.kvcache_block_size
         self._hashers = HasherCache(self.model_id, self.block_size)
 
-    def early(self, request: pdserve_pb2.GenerateRequest) -> Early | None:
+    def early(
+        self, request: pdserve_pb2.GenerateRequest, model: ModelChoice = BASE_MODEL
+    ) -> Early | None:
         """The prompt's token ids and block hashes before any check, where parse
         will find the same ids: token ids, or text a tokenizer encodes, without
         truncation. The router starts its routing read with them and checks the
@@ -78,7 +82,8 @@ class Frontend:
                 ids = self.tokenizer.encode(request.prompt)  # InputProcessor's own call
             else:
                 return None
-            return Early(ids, self._hashers.get(request.cache_salt).hash_blocks(ids))
+            hasher = self._hashers.get(request.cache_salt, model.extra_keys)
+            return Early(ids, hasher.hash_blocks(ids))
         except Exception:
             return None
 
@@ -87,10 +92,14 @@ class Frontend:
         return self.served.max_model_len
 
     def parse(
-        self, request: pdserve_pb2.GenerateRequest, early: Early | None = None
+        self,
+        request: pdserve_pb2.GenerateRequest,
+        early: Early | None = None,
+        model: ModelChoice = BASE_MODEL,
     ) -> ParsedRequest:
         """Raises ValueError naming the problem (-> INVALID_ARGUMENT). ``early``:
-        what ``early(request)`` gave, not computed again."""
+        what ``early(request, model)`` gave, not computed again; ``model``: the
+        model ``request.model`` names (router/models.py)."""
         max_len = self.inputs.max_model_len = self.served.max_model_len
         params = sampling_params_from_proto(request.sampling)
         prompt = self._prompt(request, early)
@@ -101,7 +110,8 @@ class Frontend:
         if early is not None and processed.token_ids == early.token_ids:
             hashes = early.block_hashes
         else:
-            hashes = self._hashers.get(request.cache_salt).hash_blocks(processed.token_ids)
+            hasher = self._hashers.get(request.cache_salt, model.extra_keys)
+            hashes = hasher.hash_blocks(processed.token_ids)
         return ParsedRequest(
             processed.token_ids,
             params,
@@ -109,6 +119,7 @@ class Frontend:
             hashes,
             _resolved(request.sampling, processed.max_tokens),
             max_len,
+            model,
         )
 
     def _prompt(self, request: pdserve_pb2.GenerateRequest, early: Early | None) -> dict:
@@ -164,9 +175,15 @@ class Frontend:
         """A migrated request: the prompt followed by the tokens generated so far
         (hashed anew, so that routing finds the nodes caching any of it)."""
         prompt = [*parsed.prompt_token_ids, *generated]
-        hashes = self._hashers.get(parsed.cache_salt).hash_blocks(prompt)
+        hasher = self._hashers.get(parsed.cache_salt, parsed.model.extra_keys)
         return ParsedRequest(
-            prompt, parsed.params, parsed.cache_salt, hashes, parsed.sampling, parsed.max_model_len
+            prompt,
+            parsed.params,
+            parsed.cache_salt,
+            hasher.hash_blocks(prompt),
+            parsed.sampling,
+            parsed.max_model_len,
+            parsed.model,
         )
 
 

@@ -50,6 +50,7 @@ import random
 from dataclasses import dataclass, field
 
 from common.cluster.state import ClusterView, NodeInfo, NodeRole, RouteCandidate
+from router.models import BASE_MODEL, ModelChoice, holds_adapter
 
 
 class NoRoute(RuntimeError):
@@ -156,6 +157,8 @@ class RouteRequest:
     prompt_tokens: int
     # False for requests that must be prefilled where they are decoded (n > 1, prompt logprobs).
     allow_remote_prefill: bool = True
+    # Its LoRA adapter (router/models.py): only nodes holding it take the request.
+    model: ModelChoice = BASE_MODEL
 
 
 @dataclass(slots=True)
@@ -202,6 +205,8 @@ def exclusion(
         return f"serves model {node.model_id!r}"
     if node.block_size != request.block_size:
         return f"block size {node.block_size}"
+    if not holds_adapter(node, request.model):
+        return f"lacks LoRA adapter {request.model.lora_name!r}"
     age_s = view.age_ms(node) / 1e3
     if age_s > config.stale_heartbeat_s:
         return f"last heartbeat {age_s:.1f} s ago"

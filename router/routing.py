@@ -28,6 +28,7 @@ from common.cluster.state import Cluster, ClusterView, NodeInfo, RouteCandidate
 from router.frontend import ParsedRequest
 from router.inflight import InflightTracker
 from router.limits import ServedLength
+from router.models import ModelChoice, resolve_model, served_adapters
 from router.policy import (
     LocalLoad,
     NoRoute,
@@ -79,6 +80,8 @@ class Routing:
         self._started: dict[str, int] = {}
         # Called with a node that restarted (module docstring), on the loop's thread.
         self.restarted: list[Callable[[NodeInfo], None]] = []
+        # LoRA adapters of the live nodes as last read, name -> digest (router/models.py).
+        self.adapters: dict[str, str] = {}
 
     def route_request(self, parsed: ParsedRequest) -> RouteRequest:
         params = parsed.params
@@ -90,7 +93,16 @@ class Routing:
             allow_remote_prefill=(
                 self.remote_prefill and params.n == 1 and params.prompt_logprobs is None
             ),
+            model=parsed.model,
         )
+
+    async def model(self, name: str) -> ModelChoice:
+        """The model a request names (ModelNotFound if none). An adapter the
+        last read did not show is looked for with a fresh read first: it may
+        have been registered since (or no request has read the registry yet)."""
+        if name and name != self.model_id and name not in self.adapters:
+            await self.read_nodes()
+        return resolve_model(name, self.model_id, self.adapters)
 
     def start_view(self, block_hashes: list[bytes]) -> Sent | None:
         """The routing read of these hashes, written now where it can be (Redis up,
@@ -148,6 +160,7 @@ class Routing:
                 self._probe = asyncio.create_task(self._probe_until_up())
             else:
                 self._last_view = view
+                self.adapters = served_adapters((c.node for c in view.candidates), self.model_id)
                 if self.served is not None:
                     self.served.observe(c.node for c in view.candidates)
                 self._notice_restarts(view)

@@ -22,6 +22,7 @@ from router.access_log import AccessEntry, log_access
 from router.dispatch import PrefillDispatcher, failed_by_prefill
 from router.frontend import Frontend, ParsedRequest
 from router.migration import Seam, StreamProgress, continuation_route, held_back, migratable
+from router.models import BASE_MODEL, ModelChoice, ModelNotFound
 from router.node_session import NodeSession
 from router.policy import NoRoute
 from router.relay import node_messages
@@ -140,9 +141,10 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         client_id = request.request_id or uuid.uuid4().hex
         # The routing read goes out before the request is checked, where the
         # prompt's hashes are known first: the checks run during its round trip.
-        early = self.frontend.early(request)
+        model = await self._model(request, span)
+        early = self.frontend.early(request, model)
         started = self.routing.start_view(early.block_hashes) if early is not None else None
-        parsed = self._checked(request, early, span)
+        parsed = self._checked(request, early, model, span)
         deadline = None if timeout_s is None else trace.start + timeout_s
         progress = StreamProgress(len(parsed.prompt_token_ids))
         state = _Request(client_id, trace, deadline, progress, parsed, span)
@@ -152,12 +154,21 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         finally:
             self._finished(state)
 
-    def _checked(self, request, early, span) -> ParsedRequest:
+    async def _model(self, request, span) -> ModelChoice:
+        """The model ``request.model`` names (RequestFailed: NOT_FOUND naming it)."""
+        try:
+            return await self.routing.model(request.model)
+        except ModelNotFound as e:
+            self.routing.stats.requests_by_status[grpc.StatusCode.NOT_FOUND.name] += 1
+            span.end(attributes={"pdserve.status": grpc.StatusCode.NOT_FOUND.name})
+            raise RequestFailed(grpc.StatusCode.NOT_FOUND, str(e)) from None
+
+    def _checked(self, request, early, model, span) -> ParsedRequest:
         """The request, validated (RequestFailed: INVALID_ARGUMENT naming the
         problem, or RESOURCE_EXHAUSTED where this router relays its limit)."""
         stats = self.routing.stats
         try:
-            parsed = self.parse(request, early, count=False)
+            parsed = self.parse(request, early, count=False, model=model)
         except RequestFailed as e:
             failed = e
         else:
@@ -193,7 +204,9 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
                 # read after the nodes registered, or changed theirs): the checks
                 # run again against it, as a node would run them.
                 state.status = grpc.StatusCode.INVALID_ARGUMENT
-                parsed = original = state.original = self.parse(request, None, count=False)
+                parsed = original = state.original = self.parse(
+                    request, None, count=False, model=parsed.model
+                )
                 state.status = grpc.StatusCode.CANCELLED
             decision = routed.decision
             state.nodes = (
@@ -275,10 +288,12 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
             log_access(entry)
         state.span.end(now, entry.attributes(state.attempts, state.progress.migrations))
 
-    def parse(self, request, early, count: bool = True) -> ParsedRequest:
+    def parse(
+        self, request, early, count: bool = True, model: ModelChoice = BASE_MODEL
+    ) -> ParsedRequest:
         """The request checked (router/frontend.py), or RequestFailed(INVALID_ARGUMENT)."""
         try:
-            parsed = self.frontend.parse(request, early)
+            parsed = self.frontend.parse(request, early, model)
         except ValueError as e:
             if count:  # else the request's end counts it
                 self.routing.stats.requests_by_status[grpc.StatusCode.INVALID_ARGUMENT.name] += 1
@@ -403,6 +418,10 @@ class _Attempt:
         downstream.cache_salt = self.parsed.cache_salt
         downstream.resume_offset = self.progress.resume_offset
         downstream.traceparent = self.traceparent
+        model = self.parsed.model
+        if model.lora_name:  # both nodes apply it (common/sessions/prefill.py copies it)
+            downstream.lora.name = model.lora_name
+            downstream.lora.digest = model.lora_digest
         if route.prefill is not None:
             downstream.prefill.node_id = route.prefill.node_id
             downstream.prefill.address = route.prefill.address

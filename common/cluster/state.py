@@ -28,6 +28,7 @@ request its device pool holds, and how many more after those its host tier holds
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import time
 from dataclasses import MISSING, dataclass, fields
@@ -77,6 +78,11 @@ class NodeInfo:
     # The longest prompt + output its engine serves; routers take theirs from
     # it (router/limits.py). 0: a node of a release that does not publish it.
     max_model_len: int = 0
+    # Its LoRA adapters, name -> digest of the adapter's files, as a JSON
+    # object ("" without any): routers list them (/v1/models), send an
+    # adapter's requests only to nodes that have it, and key its block hashes
+    # with the digest (lora_adapters_of).
+    lora_adapters: str = ""
     draining: bool = False  # the node itself is shutting down (SIGTERM)
     updated_ms: int = 0  # the node's clock at its last heartbeat
     # The node's clock when its process started: a restart under the same id
@@ -199,7 +205,31 @@ class NodeInfo:
             tensor_parallel_size=_int(v[14]) or 1,  # a node that predates the field: 1
             max_model_len=_int(v[15]) if len(v) > 15 else 0,
             started_ms=_int(v[16]) if len(v) > 16 else 0,
+            lora_adapters=v[17] if len(v) > 17 else "",
         )
+
+
+def lora_adapters_json(adapters: dict[str, str]) -> str:
+    """NodeInfo.lora_adapters of a node with these adapters (name -> digest)."""
+    return json.dumps(dict(sorted(adapters.items())), separators=(",", ":")) if adapters else ""
+
+
+def lora_adapters_of(node: NodeInfo) -> dict[str, str]:
+    """A node's adapters, name -> digest; a malformed field reads as none
+    (the node then gets no adapter request, rather than a wrong one)."""
+    return dict(_adapters(node.lora_adapters)) if node.lora_adapters else {}
+
+
+@functools.lru_cache(maxsize=256)
+def _adapters(text: str) -> tuple[tuple[str, str], ...]:
+    """Parsed once per distinct field (routing reads it for every request)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return ()
+    if not isinstance(value, dict):
+        return ()
+    return tuple((k, v) for k, v in value.items() if isinstance(k, str) and isinstance(v, str))
 
 
 # (name, type) of each of PACKED_FIELDS, the types as NodeInfo declares them.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from common.cluster.redis_auth import check_redis
-from common.cluster.state import Cluster, NodeInfo, NodeRole, now_ms
+from common.cluster.state import Cluster, NodeInfo, NodeRole, lora_adapters_json, now_ms
 from common.grpc_server import SERVER_OPTIONS, add_health, add_reflection, set_serving
 from common.metrics.gc import GcCollector
 from common.metrics.histogram import Histogram
@@ -26,6 +26,7 @@ from common.metrics.steps import StepHistograms
 from common.runtime.config import NodeConfig
 from common.runtime.gc_heap import GcPauses, freeze_heap
 from common.runtime.heartbeat import Heartbeat
+from common.runtime.node_lora import NodeAdapters
 from common.runtime.ports import PlannedPort, check_free, listen
 from common.runtime.progress_log import log_progress
 from common.runtime.reliability import crash_at_start
@@ -50,6 +51,7 @@ class NodeEngine:
     node_id: str
     advertise_host: str
     tracing: Tracing  # the node's spans (common/tracing.py)
+    adapters: NodeAdapters  # its LoRA adapters (--lora-modules)
 
     def info(self, role: NodeRole, port: int, **extra) -> NodeInfo:
         """The node's registration (the heartbeat keeps its load fields current)."""
@@ -66,6 +68,7 @@ class NodeEngine:
             tensor_parallel_size=tp,
             num_gpus=tp if self.engine.model_runner.device.type == "cuda" else 0,
             started_ms=now_ms(),
+            lora_adapters=lora_adapters_json(self.adapters.digests()),
             **extra,
         )
 
@@ -87,12 +90,17 @@ def start_node_engine(
     node_id = node.node_id or f"{role.value}-{node.advertise_host}-{node.port}"
     tracing = Tracing(f"pdserve-{role.value}", node.otlp_endpoint, node_id)
     engine = LLMEngine(config)
+    adapters = NodeAdapters()
     for lora in node.lora_modules:  # read and checked now: a bad adapter fails the start
         engine.add_lora(lora)
+        adapters.by_name[lora.lora_name] = (
+            lora,
+            engine.model_runner.lora.known[lora.lora_int_id][1],
+        )
         logger.info("LoRA adapter %r loaded from %s", lora.lora_name, lora.lora_path)
     engine.enable_cache_events()
     thread = EngineThread(engine, name=f"engine-{node_id}").start()
-    return NodeEngine(config, engine, thread, node_id, node.advertise_host, tracing)
+    return NodeEngine(config, engine, thread, node_id, node.advertise_host, tracing, adapters)
 
 
 class NodeControlServicer(internal_pb2_grpc.NodeControlServicer):

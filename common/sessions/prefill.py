@@ -53,6 +53,8 @@ def start_command(
     request.decode_tensor_parallel_size = decode_tp
     request.reservation_id = req.reservation_id
     request.traceparent = req.traceparent
+    if req.HasField("lora"):
+        request.lora.CopyFrom(req.lora)
     return command
 
 

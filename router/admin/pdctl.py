@@ -211,7 +211,7 @@ def cmd_stats(stub, args) -> int:
 
 
 def cmd_explain(stub, args) -> int:
-    request = pdserve_pb2.GenerateRequest(cache_salt=args.cache_salt or "")
+    request = pdserve_pb2.GenerateRequest(cache_salt=args.cache_salt or "", model=args.model)
     if args.token_ids:
         try:
             request.token_ids.ids.extend(int(t) for t in args.prompt.replace(",", " ").split())
@@ -307,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--chat", action="store_true", help="as a user chat message")
     e.add_argument("--token-ids", action="store_true", help="PROMPT is token ids")
     e.add_argument("--cache-salt", default=None)
+    e.add_argument("--model", default="", help="a LoRA adapter's name (default: the base model)")
     e.set_defaults(func=cmd_explain)
     f = sub.add_parser("flush", parents=[common], help="evict NODE's unused cached blocks")
     f.add_argument("node")

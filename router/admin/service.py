@@ -13,6 +13,7 @@ import grpc
 from common.cluster.state import Cluster, NodeInfo, NodeRole
 from proto import admin_pb2, admin_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.frontend import Frontend
+from router.models import ModelNotFound
 from router.policy import NoRoute
 from router.routing import Routing
 from router.stats import summarize
@@ -102,7 +103,11 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     async def ExplainRoute(self, request, context):
         try:
-            parsed = self.frontend.parse(request.request)
+            model = await self.routing.model(request.request.model)
+        except ModelNotFound as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        try:
+            parsed = self.frontend.parse(request.request, None, model)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:

@@ -34,6 +34,7 @@ from router.http.errors import ApiError, invalid_body
 from router.http.response_output import ResponsesAssembler
 from router.http.responses import ResponsesRequest, responses_param
 from router.http.schemas import ChatCompletionRequest, CompletionRequest, InvalidField
+from router.models import ModelNotFound
 from router.service import RequestFailed, RouterServicer
 
 GENERATE_METHOD = "/pdserve.v1.Router/Generate"  # the gRPC method whose right HTTP calls need
@@ -176,40 +177,49 @@ class _Edge:
         if refusal is not None:
             raise ApiError.from_failure(RequestFailed(*refusal))
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_id:
-            raise ApiError(
-                404,
-                f"the model {model!r} does not exist (this server serves {self.model_id!r})",
-                "not_found_error",
-                "model",
-                "model_not_found",
-            )
+    async def check_model(self, model: str | None) -> str:
+        """The model the body names, the base or a LoRA adapter (router/models.py):
+        the name responses carry. 404 model_not_found (OpenAI's) for another."""
+        try:
+            await self.servicer.routing.model(model or "")
+        except ModelNotFound as e:
+            raise ApiError(404, str(e), "not_found_error", "model", "model_not_found") from None
+        return model or self.model_id
 
     async def models(self):
         # The nodes' context length (router/limits.py), read now: no request may have read it yet.
-        await self.servicer.routing.read_nodes()
+        routing = self.servicer.routing
+        await routing.read_nodes()
+        created = int(time.time())
         entry = {
             "id": self.model_id,
             "object": "model",
-            "created": int(time.time()),
+            "created": created,
             "owned_by": "pdserve",
             "root": self.model_id,
+            "parent": None,
             "max_model_len": self.frontend.max_model_len,
         }
-        return {"object": "list", "data": [entry]}
+        # LoRA adapters as vLLM lists them: their parent is the base model.
+        adapters = [
+            {**entry, "id": name, "root": name, "parent": self.model_id}
+            for name in routing.adapters
+        ]
+        return {"object": "list", "data": [entry, *adapters]}
 
     async def completions(self, request: Request):
         body = await _parse(request, CompletionRequest)
-        self.check_model(body.model)
+        model = await self.check_model(body.model)
         generate = _to_generate(body.to_generate)
+        for g in generate:
+            g.model = body.model or ""
         constraint = _to_generate(body.constraint)
         echo = [_prompt_text(self.frontend, g) for g in generate] if body.echo else None
         echo_logprobs = _echo_logprobs(self.frontend, generate) if body.echo_logprobs else None
         assembler = Assembler(
             self.frontend,
             "cmpl",
-            self.model_id,
+            model,
             body.n,
             len(generate),
             chat=False,
@@ -224,17 +234,19 @@ class _Edge:
 
     async def chat(self, request: Request):
         body = await _parse(request, ChatCompletionRequest)
-        self.check_model(body.model)
-        generate, assembler, plan = self.chat_request(body)
+        model = await self.check_model(body.model)
+        generate, assembler, plan = self.chat_request(body, model)
         return await self.run(request, body, [generate], assembler, plan.constraint_param)
 
-    def chat_request(self, body: ChatCompletionRequest):
-        """The request's GenerateRequest, its Assembler and its output plan."""
+    def chat_request(self, body: ChatCompletionRequest, model: str):
+        """The request's GenerateRequest (for the base model or the adapter
+        ``model`` names), its Assembler and its output plan."""
         generate, plan = _to_generate(lambda: body.to_generate(self.tool_parser, self.reasoning))
+        generate.model = body.model or ""
         assembler = Assembler(
             self.frontend,
             "chatcmpl",
-            self.model_id,
+            model,
             body.n,
             1,
             chat=True,
@@ -248,10 +260,10 @@ class _Edge:
         """OpenAI's Responses API: the body as a chat request (router/http/responses.py),
         the chat output reshaped (router/http/response_output.py)."""
         body = await _parse(request, ResponsesRequest)
-        self.check_model(body.model)
+        model = await self.check_model(body.model)
         try:
             chat = _to_generate(body.to_chat)
-            generate, assembler, plan = self.chat_request(chat)
+            generate, assembler, plan = self.chat_request(chat, model)
             shaped = ResponsesAssembler(assembler, body, body.echo())
             return await self.run(request, chat, [generate], shaped, plan.constraint_param)
         except ApiError as e:  # named as the Responses body names it

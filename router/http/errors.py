@@ -29,8 +29,9 @@ HTTP_STATUS = {
 }
 
 
-# HTTP status -> OpenAI's error code, where OpenAI has one for it.
-OPENAI_CODE = {401: "invalid_api_key", 429: "rate_limit_exceeded"}
+# HTTP status -> OpenAI's error code, where OpenAI has one for it (NOT_FOUND: an
+# unknown model, the only thing the request path finds missing).
+OPENAI_CODE = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded"}
 
 
 class ApiError(Exception):

@@ -6,7 +6,12 @@ sampled under the grammar and replayed into the decode node's matcher.
 
 Requests go in batches (one thread each) so that the engine serves them
 together; every output that ends with "stop" must validate, and every one
-must end with "stop" (the schemas are bounded so that it can)."""
+must end with "stop" (the schemas are bounded so that it can).
+
+The cluster also serves one LoRA adapter (``--lora-modules sql=...``, issue
+56): base-model requests never use it (a batch without adapter rows runs the
+base layers alone), and test_lora_adapter checks it through both encodings,
+locally and disaggregated."""
 
 from __future__ import annotations
 
@@ -54,7 +59,24 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture(scope="module")
-def up(demo_model_dir, tmp_path_factory):
+def sql_adapter(demo_model_dir, tmp_path_factory) -> str:
+    """A random PEFT adapter of the demo model (r=4 on q_proj/v_proj, B not zero)."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    out = tmp_path_factory.mktemp("sql-adapter")
+    peft.get_peft_model(base, config).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def up(demo_model_dir, sql_adapter, tmp_path_factory):
     logs = tmp_path_factory.mktemp("structured-logs")
     http_port = free_port()
     cluster = UpProcess(
@@ -63,6 +85,7 @@ def up(demo_model_dir, tmp_path_factory):
         + ["--http-port", str(http_port), "--metrics-port", str(free_port_block(4))]
         + ["--max-model-len", "2048"]
         + ["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--log-dir", str(logs)]
+        + ["--lora-modules", f"sql={sql_adapter}"]
     )
     cluster.wait_ready()
     cluster.http_port = http_port
@@ -690,3 +713,44 @@ def test_no_matcher_or_block_is_held_after_finished_aborted_and_failed_requests(
     assert decode["pdserve_grammar_cache_hits_total"] > 0
     compiled = decode["pdserve_grammar_compile_duration_seconds_count"]
     assert compiled == decode["pdserve_grammar_cache_misses_total"] > 0
+
+
+def test_lora_adapter(client, stub, demo_model_dir, sql_adapter):
+    """An adapter named by ``model`` over HTTP and gRPC, prefilled on the decode
+    node (short prompt) and on the prefill node (long): each equals the offline
+    engine under the same LoRARequest (greedy), and differs from the base
+    model's; /v1/models lists it under its parent; unknown models are refused."""
+    from engine.llm import LLM
+    from engine.lora.request import LoRARequest
+    from engine.sampling_params import SamplingParams
+
+    short, long = "Write a SQL query:", LONG_SYSTEM + "Write a SQL query:"
+    offline = LLM(str(demo_model_dir), max_model_len=2048, enable_lora=True)
+    lora = LoRARequest("sql", 1, sql_adapter)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    # One batch: the adapter on both prompts and the base model on the short one.
+    outputs = offline.generate([short, long, short], greedy, lora_request=[lora, lora, None])
+    *want, base = [o.outputs[0] for o in outputs]
+    assert base.token_ids != want[0].token_ids, "the adapter changes the output"
+
+    done = client.completions.create(model="sql", prompt=short, max_tokens=8, temperature=0)
+    assert done.model == "sql" and done.choices[0].text == want[0].text
+    for prompt, expected in zip((short, long), want, strict=True):
+        request = build_request(prompt, model="sql", max_tokens=8, temperature=0.0)
+        responses = list(stub.Generate(request, timeout=120))
+        ids = [t for r in responses for d in r.deltas for t in d.token_ids]
+        assert ids == list(expected.token_ids), prompt[:20]
+        remote = bool(responses[-1].final.usage.prefill_node)
+        assert remote == (prompt is long), "the long prompt is prefilled on the prefill node"
+
+    models = {m.id: m for m in client.models.list().data}
+    assert models["sql"].model_extra["parent"] == MODEL
+    assert models[MODEL].model_extra["parent"] is None
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="nope", prompt=short, max_tokens=2)
+    assert info.value.code == "model_not_found" and "'nope' does not exist" in info.value.message
+    request = build_request(short, model="nope", max_tokens=2)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.Generate(request, timeout=60))
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "'nope' does not exist" in refused.value.details()

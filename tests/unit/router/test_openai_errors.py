@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from proto import pdserve_pb2
 from router.http.app import HttpStats, build_app
+from router.models import resolve_model
 from router.service import RequestFailed
 
 GRPC_NAMES = {c.name for c in grpc.StatusCode}
@@ -23,13 +24,21 @@ class FakeServicer:
 
     def __init__(self, refusal: RequestFailed | None = None) -> None:
         self.frontend = SimpleNamespace(model_id="m", tokenizer=None, max_model_len=64)
-        self.routing = SimpleNamespace(read_nodes=self.read_nodes)
+        # One LoRA adapter registered (router/models.py resolves names against it).
+        self.routing = SimpleNamespace(
+            read_nodes=self.read_nodes, model=self.model, adapters={"sql": "aa"}
+        )
         self.refusal = refusal
+        self.models: list[str] = []  # the model field of each request generated
 
     async def read_nodes(self) -> None:
         pass
 
+    async def model(self, name: str):
+        return resolve_model(name, "m", self.routing.adapters)
+
     async def generate(self, request, timeout, traceparent=""):
+        self.models.append(request.model)
         if self.refusal is not None:
             raise self.refusal
         response = pdserve_pb2.GenerateResponse()
@@ -87,3 +96,30 @@ def test_a_failure_mid_stream_is_an_event_with_openais_four_fields():
     assert status == 200 and events[-1] == "[DONE]"
     error = error_of(events[-2])
     assert error["type"] == "timeout" and error["param"] is None
+
+
+def test_model_names_the_base_or_an_adapter_and_models_lists_adapters():
+    servicer = FakeServicer()
+    with TestClient(build_app(servicer, None, HttpStats())) as client:
+        for model in ("sql", "m", None):
+            body = {"prompt": "x", "stream": True} | ({"model": model} if model else {})
+            reply = client.post("/v1/completions", json=body)  # streamed: chunks then an error
+            assert reply.status_code == 200 and f'"model":"{model or "m"}"' in reply.text
+        unknown = client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+        listed = client.get("/v1/models").json()["data"]
+    assert servicer.models == ["sql", "m", ""]  # the adapter's name goes downstream
+    assert unknown.status_code == 404
+    error = error_of(unknown.text)
+    assert (error["code"], error["param"], error["type"]) == (
+        "model_not_found",
+        "model",
+        "not_found_error",
+    )
+    assert "'nope' does not exist (this server serves 'm', 'sql')" in error["message"]
+    assert [(m["id"], m["parent"]) for m in listed] == [("m", None), ("sql", "m")]
+
+
+def test_a_not_found_from_the_request_path_is_model_not_found():
+    refusal = RequestFailed(grpc.StatusCode.NOT_FOUND, "the model 'sql' does not exist")
+    status, text = post(FakeServicer(refusal), {"model": "sql", "prompt": "x"})
+    assert status == 404 and error_of(text)["code"] == "model_not_found"

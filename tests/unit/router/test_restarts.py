@@ -15,6 +15,7 @@ import pytest
 
 from common.cluster.state import ClusterView, NodeInfo, NodeRole, RouteCandidate
 from router.migration import continuation_route
+from router.models import BASE_MODEL
 from router.policy import NoRoute, RoutingConfig
 from router.routing import Routing
 
@@ -50,7 +51,10 @@ def decode(started_ms: int) -> NodeInfo:
 
 
 PARSED = SimpleNamespace(
-    params=SimpleNamespace(n=1, prompt_logprobs=None), prompt_token_ids=[1] * 40, block_hashes=[]
+    params=SimpleNamespace(n=1, prompt_logprobs=None),
+    prompt_token_ids=[1] * 40,
+    block_hashes=[],
+    model=BASE_MODEL,
 )
 
 

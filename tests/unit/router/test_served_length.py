@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from proto import pdserve_pb2
 from router.frontend import Frontend
 from router.inflight import InflightTracker
+from router.models import BASE_MODEL
 from router.policy import RoutingConfig
 from router.service import RequestFailed, RouterServicer
 from router.stats import RouterStats
@@ -38,6 +39,9 @@ class FirstReadRouting:
 
     def start_view(self, hashes):
         return None
+
+    async def model(self, name):
+        return BASE_MODEL
 
     async def route(self, parsed, avoid, started):
         node = NodeInfo("d", NodeRole.DECODE, "h:1", self.frontend.model_id, 16, max_model_len=512)
