@@ -136,7 +136,7 @@ def test_pdctl_nodes_shows_both_tiers(capsys):
 
 
 def test_pdctl_explain_shows_each_tiers_hit(capsys):
-    args = _args(False, prompt="hi", token_ids=False, chat=False, cache_salt="")
+    args = _args(False, prompt="hi", token_ids=False, chat=False, cache_salt="", model="")
     assert cmd_explain(TieredAdmin(), args) == 0
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if line.startswith("NODE"))
