@@ -201,7 +201,9 @@ class _Sampling(_Body):
             "max_tokens", "n", "seed", "top_k", "min_tokens", "truncate_prompt_tokens",
             "prompt_logprobs", "logprobs", "top_logprobs", "max_completion_tokens",
         ):  # fmt: skip
-            value = getattr(self, name, None)
+            # Declared fields only: an extra of the same name (chat's
+            # top_logprobs on a completion) holds whatever JSON the body had.
+            value = getattr(self, name) if name in type(self).model_fields else None
             if value is not None and not -(2**63) <= value < 2**63:
                 raise InvalidField(name, f"{name} is out of range")
         for name in ("stop_token_ids", "allowed_token_ids"):

@@ -298,7 +298,7 @@ def test_chat_refusals_have_openai_shapes(client, model, kwargs, param, words):
 
 
 def test_an_error_mid_stream_has_openais_four_fields(up, model):
-    body = {"model": model, "prompt": "Tell me a story.", "max_tokens": 1900, "stream": True,
+    body = {"model": model, "prompt": "Tell me a story.", "max_tokens": 1000, "stream": True,
             "ignore_eos": True}  # fmt: skip
     conn = http.client.HTTPConnection("127.0.0.1", up.http_port, timeout=300)
     try:

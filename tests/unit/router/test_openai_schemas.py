@@ -39,6 +39,15 @@ def test_a_token_id_protobuf_cannot_hold_names_the_prompt(bad):
     assert e.value.param == "prompt" and "out of range" in str(e.value)
 
 
+def test_a_chat_only_field_of_any_shape_on_a_completion_is_no_server_error():
+    # The range check reads declared fields only: an extra may hold any JSON
+    # (a list here, which compared with an int would be a TypeError: a 500).
+    body = CompletionRequest.model_validate({"prompt": "", "top_logprobs": []})
+    body.check()
+    with pytest.raises(InvalidField):
+        CompletionRequest.model_validate({"prompt": "", "max_tokens": 2**63}).check()
+
+
 # -- what the HTTP edge honours and refuses (issue 50, items 1, 3 and 7) ---------------------
 
 
