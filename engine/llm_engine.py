@@ -190,11 +190,7 @@ class LLMEngine:
         if self.tier_transfers is None:
             return
         loads = self.scheduler.take_new_loads()
-        now = time.monotonic()
-        for seq in loads:
-            req = self.requests.get(seq.request_id)
-            if req is not None and req.first_scheduled_time is None:
-                req.first_scheduled_time = now
+        self._stamp_first_scheduled(loads)
         self.tier_transfers.flush(loads)
         if wait:
             self._poll_tiers(wait=True)
@@ -459,13 +455,17 @@ class LLMEngine:
         self._flush_tiers()
         if self.speculator is not None:
             self.speculator.drop_unscheduled(self.scheduler.running, batch.seqs)
-        if batch.admitted:
-            now = time.monotonic()
-            for seq in batch.admitted:
-                req = self.requests[seq.request_id]
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = now
+        self._stamp_first_scheduled(batch.admitted)
         return batch
+
+    def _stamp_first_scheduled(self, seqs: list[Sequence]) -> None:
+        """Their requests' first_scheduled_time, where not set yet: admitted to
+        a step, or loading their prefix from the host tier."""
+        now = time.monotonic()
+        for seq in seqs:
+            req = self.requests.get(seq.request_id)
+            if req is not None and req.first_scheduled_time is None:
+                req.first_scheduled_time = now
 
     def launch_delay(self) -> float:
         """Seconds the next ``step`` should wait for the step in flight to near its
