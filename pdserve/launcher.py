@@ -24,6 +24,7 @@ from common.grpc_server import health_check
 from common.metrics.server import METRICS_PATH, plan_metrics_ports
 from common.runtime.ports import check_free, cluster_plan
 from common.tls import NO_TLS, TLSConfig
+from pdserve.bench.devices import local_gpus
 from pdserve.redis_server import RedisServer, free_port
 from pdserve.threads import plan_threads
 
@@ -119,12 +120,9 @@ class LocalCluster:
         return [f"{self.spec.host}:{a}" for _, a in self.router_ports]
 
     def _gpu_count(self) -> int:
-        try:
-            import torch
-
-            return torch.cuda.device_count() if torch.cuda.is_available() else 0
-        except ImportError:  # pragma: no cover - torch is a dependency
-            return 0
+        # nvidia-smi rather than torch: importing torch would cost the
+        # supervisor seconds of CPU that its nodes need at start.
+        return len(local_gpus())
 
     def _spawn(self, name: str, argv: list[str], port: int, gpus: str | None) -> Component:
         process = self._popen(name, argv, gpus)

@@ -115,5 +115,10 @@ class SkinnyLinear(nn.Linear):
     routes_through_skinny_gemm = True
     gemv_plan: GemvPlan | None = None
 
+    def reset_parameters(self) -> None:
+        """No initial values: a model's loader (or its dummy init) writes every
+        parameter and fails on one it did not, so nn.Linear's random init would
+        be work thrown away, seconds of a node's start on a CPU host."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.gemv_plan)

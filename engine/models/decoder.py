@@ -311,9 +311,16 @@ class DecoderForCausalLM(nn.Module):
             cfg.hidden_size, cfg.rms_norm_eps, fused_ops, cfg.gemma.norm_weight_offset
         )
         # Vocabulary-parallel: each rank's logits for its shard, all-gathered.
-        self.lm_head = nn.Linear(cfg.hidden_size, self.layout.vocab_shard_size, bias=False)
+        # Built on the meta device, its weight set below: no random init for
+        # the loader to overwrite (see SkinnyLinear.reset_parameters).
+        self.lm_head = nn.Linear(cfg.hidden_size, self.layout.vocab_shard_size, bias=False,
+                                 device="meta")  # fmt: skip
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        else:
+            self.lm_head.weight = nn.Parameter(
+                torch.empty(self.layout.vocab_shard_size, cfg.hidden_size)
+            )
         self._fp32_logits_gemm = True
 
     def _rotary_of(self, layer: int) -> RotaryEmbedding:
