@@ -20,11 +20,11 @@ import pytest
 
 from engine import LLM, SamplingParams
 from pdserve.launcher import LocalCluster
-from tests.faults.harness import Stream, assert_idle, counters, request, spec
+from tests.faults.harness import Stream, assert_idle, counters, request, set_drained, spec
 
 pytestmark = pytest.mark.timeout(600)
 
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 3
+STORY = "a short story about a lighthouse keeper who finds a message in a bottle. "
 MAX_TOKENS = 100
 # The prompt (~60 tokens: 4 blocks) plus its output take 10 of the 12 blocks:
 # the retried request must reuse blocks of the reclaimed reservation.
@@ -33,32 +33,43 @@ LEASE_S = 1.5
 PAUSE_S = 2.0
 
 
+# Each prefill node streams its KV its own way: every layer (the default), or
+# the last 4 only, where the first chunk, the one that lands before the pause,
+# holds the layers before them. One cluster serves both cases, the other
+# prefill node drained.
+LAST_LAYERS = {"prefill-0": 0, "prefill-1": 4}
+
+
 @pytest.fixture(scope="module")
 def prompt_ids(demo_model_dir):
+    """Per prefill node, a prompt of its own (no block in common, so neither
+    case finds the other's blocks cached on the decode node) and the offline
+    engine's output."""
     llm = LLM(str(demo_model_dir), device="cpu", max_model_len=1024)
-    ids = llm.llm_engine.tokenizer.encode(PROMPT)
-    out = llm.generate(
-        [{"prompt_token_ids": ids}],
+    prompts = {name: (f"{verb} {STORY}" * 3) for name, verb in zip(LAST_LAYERS, ("Write", "Tell"))}
+    ids = {name: llm.llm_engine.tokenizer.encode(p) for name, p in prompts.items()}
+    outs = llm.generate(
+        [{"prompt_token_ids": i} for i in ids.values()],
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
     )
-    return ids, list(out[0].outputs[0].token_ids)
+    return {name: (ids[name], list(o.outputs[0].token_ids)) for name, o in zip(ids, outs)}
 
 
-@pytest.fixture(scope="module", params=[0, 4], ids=["every-layer", "last-4-layers"])
-def cluster(request, demo_model_dir, tmp_path_factory):
-    """Every layer streamed (the default), and the last 4 only: then the first
-    chunk, the one that lands before the pause, holds the layers before them."""
+@pytest.fixture(scope="module")
+def cluster(demo_model_dir, tmp_path_factory):
+    delays = {"PDSERVE_FAULT_DELAYS": f"transfer_mid={PAUSE_S}"}
     s = spec(
         demo_model_dir,
         tmp_path_factory.mktemp("lease-logs"),
-        num_prefill=1,
+        num_prefill=2,
         num_decode=1,
         engine_args=["--num-kvcache-blocks", str(NUM_BLOCKS), "--max-model-len", "192"],
         router_args=["--local-prefill-max-tokens", "0", "--max-model-len", "192"],
         component_env={
-            "prefill-0": {
-                "PDSERVE_FAULT_DELAYS": f"transfer_mid={PAUSE_S}",
-                "PDSERVE_KV_STREAM_LAST_LAYERS": str(request.param),
+            **{
+                name: {**delays, "PDSERVE_KV_STREAM_LAST_LAYERS": str(last)}
+                for name, last in LAST_LAYERS.items()
             },
             "decode-0": {"PDSERVE_KV_LEASE_S": str(LEASE_S)},
         },
@@ -67,8 +78,13 @@ def cluster(request, demo_model_dir, tmp_path_factory):
         yield c
 
 
-def test_a_lease_expiring_mid_stream_reclaims_and_drops_the_late_chunks(cluster, prompt_ids):
-    ids, expected = prompt_ids
+@pytest.mark.parametrize("prefill", LAST_LAYERS, ids=["every-layer", "last-4-layers"])
+def test_a_lease_expiring_mid_stream_reclaims_and_drops_the_late_chunks(
+    cluster, prompt_ids, prefill
+):
+    for name in LAST_LAYERS:  # the router may only choose `prefill`
+        set_drained(cluster, name, name != prefill)
+    ids, expected = prompt_ids[prefill]
     names = ("leases_expired", "kv_late_transfers", "kv_transfers", "kv_transfer_bytes")
     before = counters(cluster, *names)["decode-0"]
     stream = Stream(
@@ -91,7 +107,7 @@ def test_a_lease_expiring_mid_stream_reclaims_and_drops_the_late_chunks(cluster,
         "the late payload was not seen dropped while the retried request decoded"
     )
     assert outcome.token_ids == expected
-    assert_idle(cluster, expect_nodes=2)
+    assert_idle(cluster, expect_nodes=3)
     after = counters(cluster, *names)["decode-0"]
     assert after["leases_expired"] - before["leases_expired"] == 1
     assert after["kv_late_transfers"] - before["kv_late_transfers"] == 1
