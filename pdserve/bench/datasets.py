@@ -163,14 +163,21 @@ def json_schema_requests(
     fmt: PromptFormat = PromptFormat.TOKEN_IDS,
 ) -> list[BenchRequest]:
     """Random prompts, each asking for one of ``schemas`` JSON schemas in turn;
-    ``output_len`` is each request's max_tokens (the grammar ends it sooner)."""
+    ``output_len`` is each request's max_tokens (the grammar ends it sooner).
+    Text prompts open with the schema itself, as an instruction (a model with
+    real weights then writes an object, not whitespace, under the grammar)."""
     rng = random.Random(seed)
     pool = [bench_schema(i, rng) for i in range(schemas)]
     out = []
     for i in range(n):
+        schema = pool[i % schemas]
         ids = random_ids(rng, _length(rng, input_len, range_ratio), vocab)
-        req = BenchRequest(_prompt(ids, fmt), len(ids), output_len, json_schema=pool[i % schemas])
-        out.append(req)
+        if fmt is PromptFormat.TOKEN_IDS:
+            out.append(BenchRequest(ids, len(ids), output_len, json_schema=schema))
+            continue
+        text = f"Reply with one JSON object matching this schema: {json.dumps(schema)}\n"
+        text += _words(ids)
+        out.append(BenchRequest(text, len(text.split()), output_len, json_schema=schema))
     return out
 
 

@@ -16,7 +16,7 @@ from engine.structured import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS
 from engine.structured.json_schema import check_schema
 from pdserve.bench.backends import OpenAIBackend, SamplingOptions, grpc_request
 from pdserve.bench.cli import add_serve_arguments, build_dataset, json_outputs
-from pdserve.bench.datasets import DatasetKind, json_schema_requests
+from pdserve.bench.datasets import DatasetKind, PromptFormat, json_schema_requests
 from router.http.schemas import CompletionRequest
 
 
@@ -38,6 +38,10 @@ def test_the_schemas_are_distinct_valid_and_pass_the_routers_check():
         assert schema["properties"]["address"]["type"] == "object"
         assert schema["properties"]["tags"]["maxItems"] == 4
     assert requests() == reqs and requests(seed=4) != reqs  # seeded
+    # Text prompts open with their schema, as an instruction.
+    text = requests(n=1, fmt=PromptFormat.TEXT)[0]
+    head, words = text.prompt.split("\n")
+    assert json.dumps(text.json_schema) in head and len(words.split()) == 32
 
 
 def test_the_openai_body_is_openais_response_format_which_pdserve_enforces():
