@@ -171,7 +171,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=REASONING_PARSERS,
         default=env("PDSERVE_REASONING_PARSER") or None,
         help="split a thinking model's <think>...</think> into the HTTP API's "
-        "reasoning_content (qwen3, deepseek_r1) [PDSERVE_REASONING_PARSER]",
+        "reasoning_content and gRPC's Delta.reasoning_text (qwen3, deepseek_r1) "
+        "[PDSERVE_REASONING_PARSER]",
     )
     p.add_argument(
         "--no-access-log",
@@ -340,6 +341,7 @@ async def _build(args: argparse.Namespace) -> _Parts:
         access_log=not args.no_access_log,
         tracing=tracing,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     server, health = await _public_server(args, router, public_auth, tls)
     admin, admin_health, admin_host = await _admin_server(

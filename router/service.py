@@ -25,6 +25,7 @@ from router.migration import Seam, StreamProgress, continuation_route, held_back
 from router.models import BASE_MODEL, ModelChoice, ModelNotFound
 from router.node_session import NodeSession
 from router.policy import NoRoute
+from router.reasoning_output import ReasoningOutput
 from router.relay import node_messages
 from router.routing import Routing
 from router.stats import RequestTrace
@@ -65,10 +66,13 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         access_log: bool = True,
         tracing: Tracing | None = None,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.frontend = frontend
-        # The gRPC API's tool calls (router/tool_calls.py): --tool-call-parser.
+        # The gRPC API's tool calls (router/tool_calls.py): --tool-call-parser;
+        # its reasoning split (router/reasoning_output.py): --reasoning-parser.
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.tracing = tracing or Tracing.off()
         self.access_log = access_log  # one INFO line per request (router/access_log.py)
         self.routing = routing
@@ -119,11 +123,14 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
             calls = ToolCallOutput.of(request, self.tool_call_parser)
         except ToolCallsFailed as e:
             await context.abort(e.code, str(e))
+        reasoning = ReasoningOutput.of(request, self.reasoning_parser)
         try:
             async with contextlib.aclosing(
                 self.generate(request, context.time_remaining(), traceparent)
             ) as responses:
                 async for response in responses:
+                    if reasoning is not None:  # first: the calls are in the answer alone
+                        reasoning.observe(response)
                     if calls is not None:
                         calls.observe(response)
                     yield response

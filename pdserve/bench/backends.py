@@ -144,6 +144,14 @@ class _SSEReader:
         return False
 
 
+def response_format(schema: dict) -> dict:
+    """OpenAI's ``response_format`` asking for output that matches ``schema``."""
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "bench", "schema": schema, "strict": True},
+    }
+
+
 class OpenAIBackend:
     def __init__(self, base_url: str, opts: SamplingOptions, api_key: str | None = None) -> None:
         self.opts = opts
@@ -166,6 +174,8 @@ class OpenAIBackend:
             body["ignore_eos"] = True  # vLLM's extra; pdserve's HTTP edge takes it too
         if self.opts.want_token_ids:
             body["return_token_ids"] = True
+        if req.json_schema is not None:  # OpenAI's spelling, which vLLM and pdserve take
+            body["response_format"] = response_format(req.json_schema)
         return body
 
     async def send(self, req: BenchRequest) -> RequestResult:
@@ -222,17 +232,8 @@ class GrpcBackend:
     async def send(self, req: BenchRequest) -> RequestResult:
         import grpc
 
-        from proto.client import build_request
-
         out = RequestResult(prompt_len=req.prompt_len)
-        prompt = {"token_ids": req.prompt} if isinstance(req.prompt, list) else {}
-        request = build_request(
-            None if prompt else req.prompt,
-            **prompt,
-            max_tokens=req.output_len,
-            temperature=self.opts.temperature,
-            ignore_eos=self.opts.ignore_eos,
-        )
+        request = grpc_request(req, self.opts)
         timer = _Timer(out)
         final = None
         try:
@@ -271,3 +272,20 @@ class GrpcBackend:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+def grpc_request(req: BenchRequest, opts: SamplingOptions):
+    """The Router.Generate request for ``req`` (a JSON schema: StructuredOutputs.json_schema)."""
+    from proto.client import build_request
+
+    prompt = {"token_ids": req.prompt} if isinstance(req.prompt, list) else {}
+    request = build_request(
+        None if prompt else req.prompt,
+        **prompt,
+        max_tokens=req.output_len,
+        temperature=opts.temperature,
+        ignore_eos=opts.ignore_eos,
+    )
+    if req.json_schema is not None:
+        request.sampling.structured_outputs.json_schema = json.dumps(req.json_schema)
+    return request

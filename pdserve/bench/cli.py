@@ -85,6 +85,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--multi-turn-min-user-len", type=_positive, default=48)
     d.add_argument("--multi-turn-max-user-len", type=_positive, default=128)
     d.add_argument(
+        "--json-schema-count",
+        type=_positive,
+        default=8,
+        help="json-schema: distinct schemas, sent in turn (each a grammar of its own)",
+    )
+    d.add_argument(
         "--jsonl-path", type=Path, default=None, help='lines {"prompt": ..., "output_len": N}'
     )
     d.add_argument("--ignore-eos", action="store_true", help="generate exactly the asked lengths")
@@ -194,12 +200,35 @@ def build_dataset(args: argparse.Namespace, seed: int):
             )
             w = ds.MultiTurnWorkload.make(spec, vocab, seed)
             return ds.Dataset(args.dataset, w.first_turns(), multi_turn=w)
+        case DatasetKind.JSON_SCHEMA:
+            return _json_schema_dataset(args, vocab, seed)
         case DatasetKind.JSONL:
             if args.jsonl_path is None:
                 raise ValueError("--dataset jsonl needs --jsonl-path")
             reqs = ds.jsonl_requests(args.jsonl_path, out_len, args.num_prompts, seed)
             return ds.Dataset(args.dataset, reqs)
     raise ValueError(f"unknown dataset {args.dataset}")  # pragma: no cover
+
+
+def _json_schema_dataset(args: argparse.Namespace, vocab: int, seed: int):
+    from pdserve.bench import datasets as ds
+
+    if args.ignore_eos:
+        raise ValueError(
+            "--dataset json-schema: a grammar ends each output where its JSON ends, "
+            "so --ignore-eos cannot be honoured (--random-output-len is max_tokens)"
+        )
+    reqs = ds.json_schema_requests(
+        args.num_prompts,
+        args.random_input_len,
+        args.random_output_len,
+        vocab,
+        seed,
+        args.json_schema_count,
+        args.random_range_ratio,
+        args.prompt_format,
+    )
+    return ds.Dataset(args.dataset, reqs)
 
 
 def make_backend(args: argparse.Namespace):
@@ -310,10 +339,28 @@ async def _one_rate(args: argparse.Namespace, backend, dataset, rate: float, slo
         "generator_gc_full_collections": run.gc_full_collections,
         "generator_gc_longest_pause_ms": run.gc_longest_pause_ms,
     }
+    if dataset.kind is DatasetKind.JSON_SCHEMA:
+        extra["json_outputs"] = json_outputs(run.results)
+        print(f"JSON outputs: {extra['json_outputs']}", flush=True)
     if scraper:
         extra["server_histograms"] = await scraper.since(before)
         print(scraper.lines(extra["server_histograms"]), flush=True)
     return m, extra
+
+
+def json_outputs(results: list) -> dict:
+    """How many successful outputs parse as a JSON object: a server that
+    ignored the schema would be measured on other work (outputs cut by
+    max_tokens do not parse; a server that sends no text has none)."""
+    import contextlib
+    import json
+
+    texts = [r.text for r in results if r.success]
+    parsed = 0
+    for text in texts:
+        with contextlib.suppress(ValueError):  # not JSON: not counted
+            parsed += isinstance(json.loads(text), dict)
+    return {"succeeded": len(texts), "parsed": parsed}
 
 
 def cmd_serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""What the benchmark sends: random, shared-prefix, multi-turn and jsonl prompts.
+"""What the benchmark sends: random, shared-prefix, multi-turn, json-schema and jsonl prompts.
 
 Prompts are token ids where possible (every length is then exact and no
 tokenizer is needed); ``--prompt-format text`` sends words instead, for servers
@@ -21,6 +21,7 @@ class DatasetKind(enum.Enum):
     RANDOM = "random"
     SHARED_PREFIX = "shared-prefix"
     MULTI_TURN = "multi-turn"
+    JSON_SCHEMA = "json-schema"
     JSONL = "jsonl"
 
     def __str__(self) -> str:  # argparse shows choices by str()
@@ -43,6 +44,8 @@ class BenchRequest:
     # multi-turn: the conversation this turn belongs to and its position in it.
     conversation: int = -1
     turn: int = 0
+    # json-schema: the schema the output must match (OpenAI's response_format).
+    json_schema: dict | None = None
 
 
 @dataclass(slots=True)
@@ -114,6 +117,67 @@ def shared_prefix_requests(
             ids = system + random_ids(rng, question_len, vocab)
             out.append(BenchRequest(_prompt(ids, fmt), len(ids), output_len))
     rng.shuffle(out)
+    return out
+
+
+def bench_schema(index: int, rng: random.Random) -> dict:
+    """A nested JSON schema, the ``index``-th of a run: an object with a
+    bounded integer, number, enum and pattern, an array of 1-4 strings and a
+    nested object. Every string and array is bounded, so the output ends well
+    within a few hundred tokens whatever the model; the property names carry
+    ``index``, so the schemas of one run are distinct grammars (each compiled
+    once, then cached)."""
+    states = rng.sample(["new", "open", "held", "closed", "moved", "lost"], 3)
+    short = {"type": "string", "minLength": 1, "maxLength": rng.choice([12, 16, 24])}
+    address = {
+        "type": "object",
+        "properties": {"city": short, "zip": {"type": "string", "pattern": "[0-9]{5}"}},
+        "required": ["city", "zip"],
+        "additionalProperties": False,
+    }
+    props = {
+        f"id_{index}": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "name": short,
+        "score": {"type": "number", "minimum": 0, "maximum": 100},
+        "status": {"enum": states},
+        "tags": {"type": "array", "items": short, "minItems": 1, "maxItems": 4},
+        "address": address,
+        "active": {"type": "boolean"},
+    }
+    return {
+        "type": "object",
+        "properties": props,
+        "required": list(props),
+        "additionalProperties": False,
+    }
+
+
+def json_schema_requests(
+    n: int,
+    input_len: int,
+    output_len: int,
+    vocab: int,
+    seed: int,
+    schemas: int,
+    range_ratio: float = 0.0,
+    fmt: PromptFormat = PromptFormat.TOKEN_IDS,
+) -> list[BenchRequest]:
+    """Random prompts, each asking for one of ``schemas`` JSON schemas in turn;
+    ``output_len`` is each request's max_tokens (the grammar ends it sooner).
+    Text prompts open with the schema itself, as an instruction (a model with
+    real weights then writes an object, not whitespace, under the grammar)."""
+    rng = random.Random(seed)
+    pool = [bench_schema(i, rng) for i in range(schemas)]
+    out = []
+    for i in range(n):
+        schema = pool[i % schemas]
+        ids = random_ids(rng, _length(rng, input_len, range_ratio), vocab)
+        if fmt is PromptFormat.TOKEN_IDS:
+            out.append(BenchRequest(ids, len(ids), output_len, json_schema=schema))
+            continue
+        text = f"Reply with one JSON object matching this schema: {json.dumps(schema)}\n"
+        text += _words(ids)
+        out.append(BenchRequest(text, len(text.split()), output_len, json_schema=schema))
     return out
 
 

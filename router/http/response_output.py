@@ -10,7 +10,12 @@ chunks become the Responses events, in OpenAI's order:
       message:   response.content_part.added, response.output_text.delta...,
                  response.output_text.done, response.content_part.done
       reasoning: response.content_part.added, response.reasoning_text.delta...,
-                 response.reasoning_text.done, response.content_part.done
+                 response.reasoning_text.done, response.content_part.done; with
+                 ``reasoning.summary`` its summary too (the same text):
+                 response.reasoning_summary_part.added before the content part,
+                 a response.reasoning_summary_text.delta before each
+                 reasoning_text delta, response.reasoning_summary_text.done and
+                 response.reasoning_summary_part.done before reasoning_text.done
       function_call: response.function_call_arguments.delta...,
                  response.function_call_arguments.done
     response.output_item.done; then response.completed (or
@@ -18,7 +23,13 @@ chunks become the Responses events, in OpenAI's order:
 
 Items come in the order the model wrote them (reasoning, text, calls); every
 event has a ``sequence_number``. Streamed and whole, a request gets the same
-items: the whole response is the stream's items.
+items: a whole response is built by the stream's own steps (its events unsent).
+
+Logprobs (``include: ["message.output_text.logprobs"]``) belong to the
+message's text: a step's tokens go to the output_text delta its text makes;
+tokens whose text is held back (a tag not yet complete) wait for the next
+step's; tokens that wrote only reasoning or a call's text are not the
+message's and are dropped. A step that wrote both reasoning and text is text.
 """
 
 from __future__ import annotations
@@ -74,6 +85,8 @@ class _Item:
     call_id: str = ""
     name: str = ""
     done: bool = False
+    # A message's token logprobs (OpenAI's output_text.logprobs entries).
+    logprobs: list[dict] = field(default_factory=list)
 
     def body(self, summary: bool) -> dict:
         status = "completed" if self.done else "in_progress"
@@ -107,7 +120,12 @@ class _Item:
 
     def part(self, text: str) -> dict:
         if self.kind is ItemKind.MESSAGE:
-            return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            return {
+                "type": "output_text",
+                "text": text,
+                "annotations": [],
+                "logprobs": self.logprobs if text else [],
+            }
         return {"type": "reasoning_text", "text": text}
 
 
@@ -124,6 +142,8 @@ class ResponsesAssembler:
         self.items: list[_Item] = []
         self.finish_reason: str | None = None
         self.sequence = 0
+        # Logprobs of tokens whose text is held back, for the next output_text delta.
+        self.pending: list[dict] = []
 
     # -- the Response object ---------------------------------------------------
 
@@ -163,22 +183,10 @@ class ResponsesAssembler:
     # -- non-streamed ------------------------------------------------------------
 
     def add(self, index: int, response) -> None:
-        self.chat.add(index, response)
+        self.events(index, response)  # the stream's steps: the same items, unsent
 
     def whole(self) -> dict:
-        (choice,) = self.chat.whole()["choices"]
-        message = choice["message"]
-        pieces = [
-            ("reasoning_content", message.get("reasoning_content")),
-            ("content", message.get("content")),
-        ]
-        for key, text in pieces:
-            if text:
-                self._feed({key: text})
-        for call in message.get("tool_calls") or ():
-            self._feed({"tool_calls": [call]})
         self._close()
-        self.finish_reason = choice["finish_reason"]
         return self.response(self.status())
 
     # -- streamed -----------------------------------------------------------------
@@ -196,11 +204,18 @@ class ResponsesAssembler:
 
     def events(self, index: int, response) -> bytes:
         out: list[bytes] = []
-        for chunk in self.chat.chunks(index, response):
-            for choice in chunk["choices"]:
-                out.extend(self._feed(choice["delta"]))
+        for step in _steps(self.chat.chunks(index, response)):
+            deltas = [choice["delta"] for choice in step]
+            for choice in step:
+                if (logprobs := choice["logprobs"]) is not None:
+                    self.pending.extend(logprobs["content"])
                 if choice["finish_reason"] is not None:
                     self.finish_reason = choice["finish_reason"]
+            other = any(d.get("reasoning_content") or d.get("tool_calls") for d in deltas)
+            if other and not any(d.get("content") for d in deltas):
+                self.pending.clear()  # reasoning or a call's text: not the message's
+            for delta in deltas:
+                out.extend(self._feed(delta))
         return b"".join(out)
 
     def end_events(self, _include_usage: bool) -> bytes:
@@ -251,16 +266,19 @@ class ResponsesAssembler:
             out += self._open(kind)
         item = self.items[-1]
         item.text.append(text)
-        out.append(
-            self._event(
-                event,
-                item_id=item.id,
-                output_index=len(self.items) - 1,
-                content_index=0,
-                delta=text,
-                **({"logprobs": []} if kind is ItemKind.MESSAGE else {}),
+        where = {"item_id": item.id, "output_index": len(self.items) - 1}
+        extra = {}
+        if kind is ItemKind.MESSAGE:
+            logprobs, self.pending = self.pending, []
+            item.logprobs += logprobs
+            extra = {"logprobs": [_event_logprob(e) for e in logprobs]}
+        elif self.request.summary:
+            out.append(
+                self._event(
+                    "response.reasoning_summary_text.delta", summary_index=0, delta=text, **where
+                )
             )
-        )
+        out.append(self._event(event, content_index=0, delta=text, **extra, **where))
         return out
 
     def _open(self, kind: ItemKind, **fields) -> list[bytes]:
@@ -269,9 +287,21 @@ class ResponsesAssembler:
         self.items.append(item)
         where = {"output_index": len(self.items) - 1}
         out.append(self._event("response.output_item.added", item=item.body(False), **where))
-        if kind is not ItemKind.FUNCTION_CALL:
-            where |= {"item_id": item.id, "content_index": 0}
-            out.append(self._event("response.content_part.added", part=item.part(""), **where))
+        if kind is ItemKind.FUNCTION_CALL:
+            return out
+        where |= {"item_id": item.id}
+        if kind is ItemKind.REASONING and self.request.summary:
+            out.append(
+                self._event(
+                    "response.reasoning_summary_part.added",
+                    summary_index=0,
+                    part={"type": "summary_text", "text": ""},
+                    **where,
+                )
+            )
+        out.append(
+            self._event("response.content_part.added", content_index=0, part=item.part(""), **where)
+        )
         return out
 
     def _close(self) -> list[bytes]:
@@ -289,10 +319,11 @@ class ResponsesAssembler:
                 )
             ]
         else:
+            out = self._summary_done(item, text, where)
             message = item.kind is ItemKind.MESSAGE
             done = "response.output_text.done" if message else "response.reasoning_text.done"
-            extra = {"logprobs": []} if message else {}
-            out = [
+            extra = {"logprobs": [_event_logprob(e) for e in item.logprobs]} if message else {}
+            out += [
                 self._event(done, content_index=0, text=text, **extra, **where),
                 self._event(
                     "response.content_part.done", content_index=0, part=item.part(text), **where
@@ -303,3 +334,37 @@ class ResponsesAssembler:
             self._event("response.output_item.done", item=body, output_index=where["output_index"])
         )
         return out
+
+    def _summary_done(self, item: _Item, text: str, where: dict) -> list[bytes]:
+        """A reasoning item's summary closing events (with ``reasoning.summary``)."""
+        if item.kind is not ItemKind.REASONING or not self.request.summary:
+            return []
+        part = {"type": "summary_text", "text": text}
+        return [
+            self._event(
+                "response.reasoning_summary_text.done", summary_index=0, text=text, **where
+            ),
+            self._event(
+                "response.reasoning_summary_part.done", summary_index=0, part=part, **where
+            ),
+        ]
+
+
+def _steps(chunks: list[dict]) -> list[list[dict]]:
+    """The chat chunks' choices grouped by engine step: a step's first chunk
+    carries its tokens' logprobs (router/http/chunks.py), the chunks after it
+    with none (its text's further pieces, the finish) belong to it."""
+    steps: list[list[dict]] = []
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            if choice["logprobs"] is not None or not steps:
+                steps.append([choice])
+            else:
+                steps[-1].append(choice)
+    return steps
+
+
+def _event_logprob(entry: dict) -> dict:
+    """A chat logprobs entry as the stream events carry it (OpenAI's event type has no bytes)."""
+    top = [{"token": t["token"], "logprob": t["logprob"]} for t in entry["top_logprobs"]]
+    return {"token": entry["token"], "logprob": entry["logprob"], "top_logprobs": top}

@@ -16,6 +16,10 @@ nothing is stored all the same (docs/openai.md). Input items:
 - ``function_call_output`` items: a ``tool`` message naming the call;
 - ``reasoning`` items: dropped (chat templates do not take earlier thoughts back).
 
+``include: ["message.output_text.logprobs"]`` asks for the message's token
+logprobs (chat's ``logprobs: true``), ``top_logprobs`` for that many
+candidates per token (chat's ``top_logprobs``).
+
 Errors name the Responses field (``tools.0.parameters``), not the chat one.
 """
 
@@ -38,10 +42,12 @@ NOT_SUPPORTED = {
     "background": "background responses are not supported (nothing is stored)",
     "prompt": "stored prompt templates are not supported",
     "max_tool_calls": "max_tool_calls is not supported",
-    "top_logprobs": "top_logprobs is not supported on /v1/responses",
-    "include": "include is not supported: the response carries everything it has",
     "context_management": "context_management is not supported",
 }
+# What ``include`` may name: the one output a text model has to add.
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+# OpenAI's bounds of top_logprobs.
+MAX_TOP_LOGPROBS = 20
 # Fields honoured at these values only (None passes too).
 _ONLY = {"truncation": (("disabled",), "only truncation 'disabled' is supported")}
 # Responses fields (taken here, never handed to the chat request as extras).
@@ -85,6 +91,8 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     reasoning: dict | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
     stream: bool = False
     user: str | None = None
 
@@ -92,6 +100,11 @@ class ResponsesRequest(BaseModel):
     def summary(self) -> bool:
         """``reasoning.summary`` asked: reasoning items carry their text as a summary too."""
         return bool((self.reasoning or {}).get("summary"))
+
+    @property
+    def logprobs(self) -> bool:
+        """``include`` asks for the message's token logprobs."""
+        return OUTPUT_LOGPROBS in (self.include or ())
 
     def echo(self) -> dict:
         """The request's fields that the response object repeats (OpenAI's)."""
@@ -107,6 +120,7 @@ class ResponsesRequest(BaseModel):
             "text": {"format": (self.text or {}).get("format") or {"type": "text"}},
             "tool_choice": self.tool_choice if self.tool_choice is not None else "auto",
             "tools": [_echo_tool(t) for t in self.tools or ()],
+            "top_logprobs": self.top_logprobs,
             "top_p": self.top_p,
             "truncation": "disabled",
             "user": self.user,
@@ -120,11 +134,26 @@ class ResponsesRequest(BaseModel):
                 raise InvalidField(name, NOT_SUPPORTED[name])
             if name in _ONLY and value not in _ONLY[name][0]:
                 raise InvalidField(name, _ONLY[name][1])
+        self._check_logprobs()
         effort = (self.reasoning or {}).get("effort")
         if effort not in (None, "none"):
             raise InvalidField(
                 "reasoning.effort", "reasoning.effort is not supported: the model decides"
             )
+
+    def _check_logprobs(self) -> None:
+        for i, name in enumerate(self.include or ()):
+            if name != OUTPUT_LOGPROBS:
+                raise InvalidField(
+                    f"include.{i}",
+                    f"include {name!r} is not supported: only {OUTPUT_LOGPROBS!r} "
+                    "(the response carries everything else it has)",
+                )
+        top = self.top_logprobs
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InvalidField("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if top and not self.logprobs:
+            raise InvalidField("top_logprobs", f"top_logprobs needs include: [{OUTPUT_LOGPROBS!r}]")
 
     def to_chat(self) -> ChatCompletionRequest:
         """The chat completion request this one is (400 naming a Responses field)."""
@@ -141,6 +170,8 @@ class ResponsesRequest(BaseModel):
             "user": self.user,
             "response_format": _response_format(self.text),
             "parallel_tool_calls": self.parallel_tool_calls,
+            "logprobs": self.logprobs,
+            "top_logprobs": self.top_logprobs if self.logprobs else None,
         }
         if self.tools:
             body["tools"] = [_chat_tool(i, t) for i, t in enumerate(self.tools)]

@@ -484,6 +484,24 @@ def responses_reasoning(client, stream: bool):
     return client.responses.create(**kwargs)
 
 
+def responses_logprobs(client, stream: bool):
+    """The message's token logprobs (include), greedy: each token is its own top candidate."""
+    kwargs = dict(
+        model=MODEL, input="Name a colour.", max_output_tokens=5, temperature=0,
+        include=["message.output_text.logprobs"], top_logprobs=2,
+    )  # fmt: skip
+    if stream:
+        return list(client.responses.create(stream=True, **kwargs))
+    return client.responses.create(**kwargs)
+
+
+def grpc_reasoning(stub):
+    """A chat request through the real gRPC server; the router runs --reasoning-parser qwen3."""
+    structured = pdserve_pb2.StructuredOutputs(regex=THINK)
+    request = build_request(chat=ASKED, max_tokens=24, structured_outputs=structured)
+    return list(stub.Generate(request, timeout=300))
+
+
 def grpc_tool_call(stub, choice: pdserve_pb2.ToolChoice):
     request = build_request(chat=ASKED, max_tokens=40, seed=3)
     tool = WEATHER["function"]
@@ -563,6 +581,9 @@ def batch(up, client, stub):
         "responses_tools": lambda: responses_tool_loop(client),
         "reasoning": lambda: responses_reasoning(client, stream=False),
         "reasoning_streamed": lambda: responses_reasoning(client, stream=True),
+        "logprobs": lambda: responses_logprobs(client, stream=False),
+        "logprobs_streamed": lambda: responses_logprobs(client, stream=True),
+        "grpc_reasoning": lambda: grpc_reasoning(stub),
         "grpc_named": lambda: grpc_tool_call(stub, named),
         "grpc_required": lambda: grpc_tool_call(stub, required),
         "langchain_structured": lambda: (
@@ -609,6 +630,48 @@ def test_responses_reasoning_items_streamed_and_not(batch):
         assert response.output_text.isupper()
     deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
     assert "".join(deltas) == streamed.output[0].content[0].text
+    # reasoning.summary: the summary's own events, parsed by the client as its types.
+    summary = [e.delta for e in events if e.type == "response.reasoning_summary_text.delta"]
+    assert "".join(summary) == streamed.output[0].summary[0].text
+    (part,) = [e.part for e in events if e.type == "response.reasoning_summary_part.done"]
+    assert part.type == "summary_text" and part.text == streamed.output[0].summary[0].text
+
+
+def test_responses_output_text_logprobs_streamed_and_not(batch):
+    whole, events = batch["logprobs"].result(), batch["logprobs_streamed"].result()
+    streamed = events[-1].response
+    for response in (whole, streamed):
+        (message,) = response.output
+        (text,) = message.content
+        logprobs = text.logprobs
+        assert "".join(lp.token for lp in logprobs) == text.text and len(logprobs) >= 1
+        for lp in logprobs:  # greedy: the chosen token is the best of its two candidates
+            best, second = lp.top_logprobs
+            assert (best.token, best.logprob) == (lp.token, lp.logprob)
+            assert 0 >= best.logprob >= second.logprob
+        assert response.top_logprobs == 2
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [lp.token for e in deltas for lp in e.logprobs] == [
+        lp.token for lp in streamed.output[0].content[0].logprobs
+    ]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.logprob for lp in done.logprobs] == [
+        lp.logprob for lp in streamed.output[0].content[0].logprobs
+    ]
+    # The same greedy tokens, streamed or not.
+    assert whole.output_text == streamed.output_text
+
+
+def test_grpc_chat_deltas_carry_reasoning_apart_from_the_answer(batch):
+    responses = batch["grpc_reasoning"].result()
+    deltas = [d for r in responses for d in r.deltas]
+    reasoning = "".join(d.reasoning_text for d in deltas)
+    answer = "".join(d.text for d in deltas)
+    assert 2 <= len(reasoning) <= 12 and reasoning.replace(" ", "").isalpha(), reasoning
+    assert answer.isupper() and 2 <= len(answer) <= 4, answer
+    # Every generated token still comes in a delta, whichever field its text went to.
+    usage = responses[-1].final.usage
+    assert sum(len(d.token_ids) for d in deltas) == usage.completion_tokens
 
 
 @pytest.mark.parametrize(

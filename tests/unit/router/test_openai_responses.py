@@ -92,8 +92,12 @@ def test_chat_field_names_in_errors_become_the_responses_names():
 
 def _assembler(body: dict) -> ResponsesAssembler:
     request = ResponsesRequest.model_validate({"input": "x"} | body)
-    _, plan = request.to_chat().to_generate("hermes", reasoning=True)
-    chat = Assembler(SimpleNamespace(tokenizer=None), "chatcmpl", "m", 1, 1, chat=True, output=plan)
+    chat_request = request.to_chat()
+    _, plan = chat_request.to_generate("hermes", reasoning=True)
+    chat = Assembler(
+        SimpleNamespace(tokenizer=None), "chatcmpl", "m", 1, 1, chat=True, output=plan,
+        top_logprobs=chat_request.top_logprobs or 0,
+    )  # fmt: skip
     return ResponsesAssembler(chat, request, request.echo())
 
 
@@ -141,8 +145,9 @@ def test_streamed_events_parse_in_order_and_add_up_to_the_whole_response(reason)
     events = _parse_sse(data)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     kinds = [e["type"] for e in events]
-    assert kinds[:4] == ["response.created", "response.in_progress",
-                         "response.output_item.added", "response.content_part.added"]  # fmt: skip
+    assert kinds[:5] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.reasoning_summary_part.added",
+                         "response.content_part.added"]  # fmt: skip
     # reasoning, then the message, then the call: each closed before the next opens.
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
     assert kinds.index("response.output_text.done") < kinds.index("response.function_call_arguments.delta")  # fmt: skip
@@ -196,3 +201,105 @@ def test_a_failure_mid_stream_is_an_error_event_then_response_failed():
     for e in events:
         EVENTS.validate_python(e)
     assert events[1]["response"]["error"]["message"] == "gone"
+
+
+def _logprob_messages(pieces: list[str], top: int) -> list[pdserve_pb2.GenerateResponse]:
+    """``_messages`` whose tokens carry logprobs: token i is -i/10, ``top`` candidates."""
+    out = _messages(pieces, pdserve_pb2.FINISH_REASON_STOP)
+    for i, message in enumerate(out):
+        lp = message.deltas[0].logprobs.add(token_id=i, logprob=-i / 10, rank=1)
+        lp.top.add(token_id=i, logprob=-i / 10, text=pieces[i])
+        for j in range(1, top):
+            lp.top.add(token_id=1000 + j, logprob=-i / 10 - j, text=f"alt{j}")
+    return out
+
+
+SUMMARY_EVENTS = [
+    "response.reasoning_summary_part.added",
+    "response.reasoning_summary_text.delta",
+    "response.reasoning_summary_text.done",
+    "response.reasoning_summary_part.done",
+]
+
+
+@pytest.mark.parametrize("summary", [True, False])
+def test_a_reasoning_summary_streams_its_own_events_adding_up_to_the_item(summary):
+    body = {"stream": True} | ({"reasoning": {"summary": "auto"}} if summary else {})
+    asm = _assembler(body)
+    data = asm.start_events()
+    for message in _messages(["<think>hm", "m, yes", "</think>No"], pdserve_pb2.FINISH_REASON_STOP):  # fmt: skip
+        data += asm.events(0, message)
+    events = _parse_sse(data + asm.end_events(False))
+    for e in events:
+        EVENTS.validate_python(e)
+    kinds = [e["type"] for e in events]
+    if not summary:
+        assert not set(SUMMARY_EVENTS) & set(kinds)
+        assert events[-1]["response"]["output"][0]["summary"] == []
+        return
+    # Each summary event's first place is in OpenAI's order, the item's added and done around them.
+    firsts = [kinds.index(k) for k in SUMMARY_EVENTS]
+    assert kinds.index("response.output_item.added") < firsts[0] and firsts == sorted(firsts)
+    assert firsts[-1] < kinds.index("response.output_item.done")
+    thought = events[-1]["response"]["output"][0]
+    deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_summary_text.delta"]
+    (done,) = [e for e in events if e["type"] == "response.reasoning_summary_text.done"]
+    (part,) = [e for e in events if e["type"] == "response.reasoning_summary_part.done"]
+    assert "".join(deltas) == done["text"] == part["part"]["text"] == "hmm, yes"
+    assert thought["summary"] == [{"type": "summary_text", "text": "hmm, yes"}]
+    assert all(e["summary_index"] == 0 and e["item_id"] == thought["id"]
+               for e in events if e["type"] in SUMMARY_EVENTS)  # fmt: skip
+
+
+def test_output_text_logprobs_are_the_messages_tokens_streamed_and_whole():
+    """include asks for them: the reasoning's and the call's tokens are not the
+    message's; a token held back (half a tag) goes with the text that follows."""
+    pieces = ["<think>a", "b</think>", "Su", "re <", "x", '<tool_call>{"name": "get_weather", ',
+              '"arguments": {}}</tool_call>']  # fmt: skip
+    body = {"tools": [WEATHER], "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    streamed, whole = _assembler(body | {"stream": True}), _assembler(body)
+    data = streamed.start_events()
+    for message in _logprob_messages(pieces, top=3):
+        data += streamed.events(0, message)
+    events = _parse_sse(data + streamed.end_events(False))
+    for message in _logprob_messages(pieces, top=3):
+        whole.add(0, message)
+    raw = whole.whole()
+    for output in (Response.model_validate(raw).output, events[-1]["response"]["output"]):
+        message = output[1] if isinstance(output[1], dict) else output[1].model_dump()
+        (text,) = message["content"]
+        assert text["text"] == "Sure <x"
+        # Tokens 2 ("Su"), 3 ("re <", held: "<" may open a tag), 4 ("x") wrote the text.
+        assert [e["logprob"] for e in text["logprobs"]] == [-0.2, -0.3, -0.4]
+        assert [e["token"] for e in text["logprobs"]] == ["Su", "re <", "x"]
+        assert all(len(e["top_logprobs"]) == 2 for e in text["logprobs"])
+        assert text["logprobs"][0]["top_logprobs"][1] == {"token": "alt1", "logprob": -1.2, "bytes": list(b"alt1")}  # fmt: skip
+    for e in events:
+        EVENTS.validate_python(e)
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [lp["token"] for e in deltas for lp in e["logprobs"]] == ["Su", "re <", "x"]
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    assert [lp["logprob"] for lp in done["logprobs"]] == [-0.2, -0.3, -0.4]
+    assert events[-1]["response"]["top_logprobs"] == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"include": ["reasoning.encrypted_content"]}, "include.0", "only"),
+        ({"top_logprobs": 3}, "top_logprobs", "needs include"),
+        (
+            {"include": ["message.output_text.logprobs"], "top_logprobs": 21},
+            "top_logprobs",
+            "[0, 20]",
+        ),
+    ],
+)
+def test_logprobs_ask_through_include_and_top_logprobs_in_range(body, param, words):
+    with pytest.raises(InvalidField) as info:
+        ResponsesRequest.model_validate({"input": "x"} | body).to_chat()
+    assert info.value.param == param and words in str(info.value)
+    chat = ResponsesRequest.model_validate(
+        {"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 4}
+    ).to_chat()
+    assert (chat.logprobs, chat.top_logprobs) == (True, 4)
