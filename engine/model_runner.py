@@ -46,7 +46,6 @@ from engine.spec_decode.draft_model import DraftModel
 from engine.spec_decode.verify_rows import (
     VerifyLayout,
     expand_rows,
-    remap_bitmask,
     settle_generators,
     verify_layout,
 )
@@ -414,8 +413,8 @@ class ModelRunner:
             row_of = self.sampling_rows.get
             rows = [row_of(seqs[i]) for i in fwd.sampling]
             if fwd.verify is not None:
+                # (A bitmask is per sample row already: engine/structured/manager.py.)
                 rows = expand_rows(fwd.verify, rows, [seqs[i] for i in fwd.sampling])
-                bitmask = remap_bitmask(fwd.verify, bitmask)
             samples = self.sampler.sample(fwd.logits, rows, bitmask)
             if fwd.observed:  # the observer may send first tokens (kv_writes.py)
                 self.kv_observer.step_sampled(samples, fwd.sampling)
