@@ -280,3 +280,45 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path
     other = write_config_dir(tmp_path / "draft", dict(TINY_CONFIGS["llama"], vocab_size=1000))
     with pytest.raises(ValueError, match=r"vocabulary \(1000 tokens\) does not match"):
         draft_llm(tiny_llama_dir, other)
+
+
+def test_draft_model_sampling_keeps_the_target_distribution(tiny_llama_dir, perturbed_dir):
+    """Temperature 1 within four allowed tokens, a perturbed draft sampling its
+    proposals: the joint distribution of the first two output tokens (the
+    second decided by rejection sampling against the draft's probabilities)
+    is the target's, computed exactly with HF transformers."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    allowed = [7, 19, 23, 42]
+    prompt = TINY_PROMPTS[0]["prompt_token_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), torch_dtype=torch.float32)
+
+    def dist(ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1, allowed]
+        return torch.softmax(logits.double(), dim=-1).numpy()
+
+    p0 = dist(prompt)
+    joint = np.stack([p0[a] * dist(prompt + [allowed[a]]) for a in range(4)]).reshape(-1)
+    llm = draft_llm(tiny_llama_dir, perturbed_dir, k=2)
+    params = SamplingParams(
+        temperature=1.0, max_tokens=3, allowed_token_ids=allowed, ignore_eos=True, detokenize=False
+    )
+    n = 800
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+    cells = [allowed.index(t0) * 4 + allowed.index(t1) for t0, t1, _ in
+             (o.outputs[0].token_ids for o in outs)]  # fmt: skip
+    counts = np.bincount(cells, minlength=16)
+    chi2 = float(((counts - n * joint) ** 2 / (n * joint)).sum())
+    assert chi2 < 37.7  # 15 degrees of freedom: P(chi2 > 37.7) < 0.001
+    stats = llm.llm_engine.stats().spec_decode
+    assert stats.num_draft_tokens >= n and 0.0 < stats.acceptance_rate < 1.0
+    # Seeded requests are reproducible: together or alone, the same tokens.
+    seeded = [params.clone(seed=s, max_tokens=8) for s in (5, 6, 7)]
+    together = llm.generate([{"prompt_token_ids": prompt}] * 3, seeded, use_tqdm=False)
+    alone = [llm.generate([{"prompt_token_ids": prompt}], s, use_tqdm=False)[0] for s in seeded]
+    assert completions(together) == completions(alone)
+    assert len({tuple(o.outputs[0].token_ids) for o in together}) > 1
+    assert_idle(llm)
