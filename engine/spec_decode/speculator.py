@@ -107,6 +107,7 @@ class Speculator:
                 seq.status is not SequenceStatus.RUNNING
                 or len(seq.token_ids) - seq.num_computed_tokens != 1
                 or seq.awaiting_grammar
+                or seq.params.disable_spec_decode  # the request opted out
             ):
                 continue
             if seq.params.structured_outputs is not None:

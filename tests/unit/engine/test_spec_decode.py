@@ -174,6 +174,15 @@ def test_proposals_respect_max_tokens_budget_and_batch_size():
         sched.running.append(s)
     spec.propose(sched.running)  # 3 running: disabled
     assert not a.spec_token_ids
+    sched.running.remove(c)
+    a.params = SamplingParams(disable_spec_decode=True)  # the request opted out
+    spec.propose(sched.running)
+    assert not a.spec_token_ids
+    a.params = SamplingParams()
+    spec.propose(sched.running)
+    assert a.spec_token_ids == [1, 2, 3]
+    with pytest.raises(ValueError, match="disable_spec_decode must be a bool"):
+        SamplingParams(disable_spec_decode=1)
 
 
 def test_acceptance_keeps_the_target_distribution():
