@@ -33,6 +33,7 @@ _SCALARS = (
     "spaces_between_special_tokens",
     "truncate_prompt_tokens",
     "prompt_logprobs",
+    "disable_spec_decode",
 )
 _FINISH = {
     FinishReason.STOP: pdserve_pb2.FINISH_REASON_STOP,

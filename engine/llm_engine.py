@@ -144,7 +144,9 @@ class LLMEngine:
         draft = self.model_runner.draft.propose if self.model_runner.draft is not None else None
         self.async_scheduling = on_cuda and spec is None if asked is None else asked
         self.speculator = (
-            Speculator(spec, config.max_model_len, self.block_manager, draft)
+            Speculator(
+                spec, config.max_model_len, self.block_manager, draft, self.structured.valid_prefix
+            )
             if spec is not None
             else None
         )

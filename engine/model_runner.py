@@ -46,7 +46,6 @@ from engine.spec_decode.draft_model import DraftModel
 from engine.spec_decode.verify_rows import (
     VerifyLayout,
     expand_rows,
-    remap_bitmask,
     settle_generators,
     verify_layout,
 )
@@ -151,6 +150,7 @@ class ModelRunner:
             config.max_model_len,
             config.attention_backend,
             config.seed if config.load_format is LoadFormat.DUMMY else None,
+            config.seed,
         )
 
     def _decode_graphs(self) -> DecodeGraphs | None:
@@ -413,10 +413,15 @@ class ModelRunner:
             seqs = fwd.batch.seqs
             row_of = self.sampling_rows.get
             rows = [row_of(seqs[i]) for i in fwd.sampling]
+            drafts = None
             if fwd.verify is not None:
-                rows = expand_rows(fwd.verify, rows, [seqs[i] for i in fwd.sampling])
-                bitmask = remap_bitmask(fwd.verify, bitmask)
-            samples = self.sampler.sample(fwd.logits, rows, bitmask)
+                verifying = [seqs[i] for i in fwd.sampling]
+                if self.draft is not None:  # its sampled proposals, with their probabilities
+                    gens = [None if r.params.greedy else r.generator for r in rows]
+                    drafts = self.draft.take_probs(verifying, fwd.verify.first, gens)
+                # (A bitmask is per sample row already: engine/structured/manager.py.)
+                rows = expand_rows(fwd.verify, rows, verifying)
+            samples = self.sampler.sample(fwd.logits, rows, bitmask, drafts)
             if fwd.observed:  # the observer may send first tokens (kv_writes.py)
                 self.kv_observer.step_sampled(samples, fwd.sampling)
         fwd.logits = None

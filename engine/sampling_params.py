@@ -169,6 +169,11 @@ class SamplingParams:
     # generator skips their draws, and frequency / presence penalties count
     # them as output, so the continuation samples what the first node would have.
     resume_offset: int = 0
+    # Not vLLM's (it has no per-request switch; a closed vLLM proposal used
+    # this name): True opts this request out of the engine's speculative
+    # decoding; it decodes one token per step. Its output is the same either
+    # way (verification is lossless); only its speed differs.
+    disable_spec_decode: bool = False
     # Normalised forms, filled in by __post_init__.
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -204,6 +209,7 @@ class SamplingParams:
             "skip_special_tokens",
             "spaces_between_special_tokens",
             "include_stop_str_in_output",
+            "disable_spec_decode",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -110,7 +110,7 @@ class StatusCount(_message.Message):
     def __init__(self, status: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("ttft", "tpot", "itl", "e2e", "prefix_hit_rate", "prompt_tokens", "cached_tokens", "requests_per_decode_node", "requests_per_prefill_node", "local_prefills", "requests_by_status", "in_flight", "preemptions", "kv_transfers", "kv_transfer_bytes", "kv_transfer_gbps", "kv_transfer_failures", "uptime_s")
+    __slots__ = ("ttft", "tpot", "itl", "e2e", "prefix_hit_rate", "prompt_tokens", "cached_tokens", "requests_per_decode_node", "requests_per_prefill_node", "local_prefills", "requests_by_status", "in_flight", "preemptions", "kv_transfers", "kv_transfer_bytes", "kv_transfer_gbps", "kv_transfer_failures", "uptime_s", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
     TTFT_FIELD_NUMBER: _ClassVar[int]
     TPOT_FIELD_NUMBER: _ClassVar[int]
     ITL_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,9 @@ class StatsResponse(_message.Message):
     KV_TRANSFER_GBPS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ttft: LatencySummary
     tpot: LatencySummary
     itl: LatencySummary
@@ -147,7 +150,10 @@ class StatsResponse(_message.Message):
     kv_transfer_gbps: float
     kv_transfer_failures: int
     uptime_s: float
-    def __init__(self, ttft: _Optional[_Union[LatencySummary, _Mapping]] = ..., tpot: _Optional[_Union[LatencySummary, _Mapping]] = ..., itl: _Optional[_Union[LatencySummary, _Mapping]] = ..., e2e: _Optional[_Union[LatencySummary, _Mapping]] = ..., prefix_hit_rate: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., requests_per_decode_node: _Optional[_Iterable[_Union[NodeCount, _Mapping]]] = ..., requests_per_prefill_node: _Optional[_Iterable[_Union[NodeCount, _Mapping]]] = ..., local_prefills: _Optional[int] = ..., requests_by_status: _Optional[_Iterable[_Union[StatusCount, _Mapping]]] = ..., in_flight: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_gbps: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    def __init__(self, ttft: _Optional[_Union[LatencySummary, _Mapping]] = ..., tpot: _Optional[_Union[LatencySummary, _Mapping]] = ..., itl: _Optional[_Union[LatencySummary, _Mapping]] = ..., e2e: _Optional[_Union[LatencySummary, _Mapping]] = ..., prefix_hit_rate: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., requests_per_decode_node: _Optional[_Iterable[_Union[NodeCount, _Mapping]]] = ..., requests_per_prefill_node: _Optional[_Iterable[_Union[NodeCount, _Mapping]]] = ..., local_prefills: _Optional[int] = ..., requests_by_status: _Optional[_Iterable[_Union[StatusCount, _Mapping]]] = ..., in_flight: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_gbps: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., uptime_s: _Optional[float] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class ExplainRouteRequest(_message.Message):
     __slots__ = ("request",)

@@ -112,6 +112,11 @@ class NodeInfo:
     leases_expired: int = 0  # decode node: reservations reclaimed unfilled
     rejected: int = 0  # refused for lack of room (RESOURCE_EXHAUSTED)
     kv_gathers_copy_engine: int = 0  # prefill node: KV chunks gathered by the copy engines
+    # Decode node with --speculative-config: proposals verified (one per
+    # speculating sequence and step), tokens proposed, tokens the target kept.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     def to_fields(self) -> dict[str, str]:
         out = {}

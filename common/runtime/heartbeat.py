@@ -81,6 +81,10 @@ class Heartbeat:
         info.preemptions = s.num_preemptions
         info.computed_tokens = s.num_computed_tokens
         info.generated_tokens = s.num_generated_tokens
+        if s.spec_decode is not None:
+            info.spec_drafts = s.spec_decode.num_drafts
+            info.spec_draft_tokens = s.spec_decode.num_draft_tokens
+            info.spec_accepted_tokens = s.spec_decode.num_accepted_tokens
         for name, value in (self.counters() if self.counters else {}).items():
             setattr(info, name, value)
         return info

@@ -23,6 +23,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
+from engine.spec_decode.rejection import DraftProbs, rejection_sample
 
 
 @dataclass(slots=True, eq=False)
@@ -189,10 +190,14 @@ class Sampler:
         logits: torch.Tensor,
         rows: list[SamplingRow],
         bitmask: GrammarBitmask | None = None,
+        drafts: DraftProbs | None = None,
     ) -> DeviceSamples:
         """Sample on the device without waiting for it: the results stay tensors
         (async scheduling feeds ``token_ids`` to the next step before the host
-        has seen them). ``bitmask``: the structured-output rows' allowed tokens."""
+        has seen them). ``bitmask``: the structured-output rows' allowed tokens;
+        ``drafts``: a draft model's sampled proposals, decided by rejection
+        sampling against the rows' final distributions (engine/spec_decode/
+        rejection.py) before logprobs are gathered for the tokens chosen."""
         plan = self._plan_for(rows, logits)
         logits = logits.float()
         if bitmask is not None:
@@ -202,7 +207,9 @@ class Sampler:
             self._apply_masks_and_bias(logits, rows, plan.mask_rows)
         if plan.penalty_rows:
             self._apply_penalties(logits, rows, plan.penalty_rows)
-        token_ids = self._sample(logits, rows, plan)
+        token_ids, probs = self._sample(logits, rows, plan)
+        if drafts is not None:
+            token_ids = rejection_sample(probs, token_ids, drafts, self.generator)
         out = DeviceSamples(token_ids, plan.want_logprobs)
         if raw_logprobs is not None:
             out.logprob_rows = plan.logprob_rows
@@ -321,11 +328,13 @@ class Sampler:
 
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow], plan: BatchPlan
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tokens, and the distributions the non-greedy rows drew from
+        (None when every row is greedy)."""
         # Row facts are host data: deciding on them never waits for the GPU.
         argmax = logits.argmax(dim=-1)
         if plan.all_greedy:
-            return argmax
+            return argmax, None
         logits = logits / plan.temperatures.unsqueeze(1)
         if plan.min_p is not None:
             probs = torch.softmax(logits, dim=-1)
@@ -343,8 +352,8 @@ class Sampler:
         q.clamp_(min=torch.finfo(q.dtype).tiny)
         sampled = (probs / q).argmax(dim=-1)
         if not plan.any_greedy:
-            return sampled
-        return torch.where(plan.greedy_mask, argmax, sampled)
+            return sampled, probs
+        return torch.where(plan.greedy_mask, argmax, sampled), probs
 
 
 def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

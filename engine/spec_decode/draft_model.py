@@ -8,8 +8,13 @@ serve both; only the tensors differ. Its KV is valid for a sequence's first
 (``num_computed_tokens``): each proposal first catches up from there (a whole
 prompt the first time, which is how a prompt prefilled on another node gets
 its draft KV: computed here, on the decode node), then runs one token per
-further proposed position. Proposals are the draft's argmax, so each is one
-token and the target's check (engine/spec_decode/speculator.py) is exact.
+further proposed position. A greedy request's proposals are the draft's
+argmax: one token each, checked by comparison (engine/spec_decode/
+speculator.py). A sampled request's are drawn from the draft's own
+distribution (its logits at the request's temperature, within its
+allowed_token_ids), kept in ``proposal_probs`` for the verify step's
+rejection sampling (engine/spec_decode/rejection.py); a seeded request draws
+from a generator seeded by its seed and length, so it stays reproducible.
 A shared prefix-cache block's draft KV is recomputed by every sequence that
 starts on it (a new sequence's draft starts at position 0): its target KV may
 have landed from a prefill node, which computes no draft KV.
@@ -28,7 +33,11 @@ from engine.models.decoder import DecoderForCausalLM
 from engine.models.loader import init_dummy_weights, load_weights
 from engine.parallel.group import TPGroup
 from engine.sequence import Sequence
+from engine.spec_decode.rejection import DraftProbs
 from engine.step_inputs import HostStaging, host_inputs, to_model_inputs
+
+# Sets the draft's random stream apart from the target sampler's.
+_DRAFT_STREAM = 0x5EED_D4AF
 
 
 class DraftModel:
@@ -41,7 +50,9 @@ class DraftModel:
         max_model_len: int,
         backend: AttentionBackendName,
         dummy_weights_seed: int | None = None,
+        seed: int = 0,
     ) -> None:
+        """``seed``: the engine's, for unseeded requests' draws."""
         self.cfg = cfg = ModelArchConfig.from_dir(model_dir)
         self.device = device
         self.dtype = dtype
@@ -63,6 +74,14 @@ class DraftModel:
         self.model = model.eval()
         self.staging = HostStaging(device)
         self.kv_cache: torch.Tensor | None = None
+        # By seq_id: [k, vocab] draft distributions of this step's sampled
+        # proposals (a step's verify takes them; the next proposal clears them).
+        self.proposal_probs: dict[int, torch.Tensor] = {}
+        self.generator = torch.Generator(device=device)
+        # Not the engine's seed itself: the target's sampler draws from that
+        # stream, and the same draws here would tie each proposal to the token
+        # sampled before it (a biased joint distribution).
+        self.generator.manual_seed(seed ^ _DRAFT_STREAM)
 
     @property
     def block_bytes(self) -> int:
@@ -100,8 +119,11 @@ class DraftModel:
         starts = [s.num_draft_computed_tokens for s in seqs]
         counts = [len(s.token_ids) - start for s, start in zip(seqs, starts, strict=True)]
         proposals: list[list[int]] = [[] for _ in seqs]
+        probs: dict[int, list[torch.Tensor]] = {}
+        gens = [self._generator_for(s) for s in seqs]
         for j in range(k):
-            tokens = self._next_tokens(token_lists, starts, counts, tables)
+            logits = self._next_logits(token_lists, starts, counts, tables)
+            tokens = self._choose(seqs, logits, gens, probs)
             for p, t in zip(proposals, tokens, strict=True):
                 p.append(t)
             # The next step feeds each sequence's newest proposed token.
@@ -110,13 +132,81 @@ class DraftModel:
             counts = [1] * len(seqs)
         for s in seqs:  # its KV now covers every position but the last proposed
             s.num_draft_computed_tokens = len(s.token_ids) + k - 1
+        for seq_id, rows in probs.items():
+            self.proposal_probs[seq_id] = torch.stack(rows)
         return proposals
 
-    def _next_tokens(
+    def _next_logits(
         self, token_lists: list[list[int]], starts: list[int], counts: list[int], tables
-    ) -> list[int]:
+    ) -> torch.Tensor:
         host = host_inputs(token_lists, starts, counts, tables, self.block_size)
         last = host.query_start_loc[1:] - 1
         inputs, (rows,) = to_model_inputs(host, self.staging, [last.astype(np.int64)])
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        return self.model.compute_logits(hidden[rows]).argmax(dim=-1).tolist()
+        return self.model.compute_logits(hidden[rows]).float()
+
+    def _choose(
+        self,
+        seqs: list[Sequence],
+        logits: torch.Tensor,
+        gens: list[torch.Generator],
+        probs: dict[int, list[torch.Tensor]],
+    ) -> list[int]:
+        """Each sequence's next proposed token: the argmax for a greedy request,
+        else a draw from the draft's distribution (appended to ``probs``)."""
+        tokens = logits.argmax(dim=-1)
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.greedy:
+                continue
+            row = logits[i] / p.temperature
+            if p.allowed_token_ids is not None:
+                allowed = torch.tensor(p.allowed_token_ids, device=row.device)
+                row = torch.full_like(row, float("-inf")).index_copy_(0, allowed, row[allowed])
+            q = torch.softmax(row, dim=-1)
+            expo = torch.empty_like(q).exponential_(generator=gens[i])
+            tokens[i] = (q / expo.clamp_(min=torch.finfo(q.dtype).tiny)).argmax()
+            probs.setdefault(seq.seq_id, []).append(q)
+        return tokens.tolist()
+
+    def take_probs(
+        self,
+        seqs: list[Sequence],
+        first: list[int],
+        generators: list[torch.Generator | None],
+    ) -> DraftProbs | None:
+        """The verify step's sampled proposals: ``seqs`` in sampling order,
+        ``first[j]`` the sample row of ``seqs[j]``'s first position,
+        ``generators[j]`` its request's own generator (seeded; the target's,
+        never the draft's: the acceptance draws must not repeat the
+        proposal's). Forgets the rest (proposals a step left out are made
+        again)."""
+        rows, tokens, probs, gens = [], [], [], []
+        for seq, row, gen in zip(seqs, first, generators, strict=True):
+            q = self.proposal_probs.get(seq.seq_id)
+            num = len(seq.spec_token_ids)  # the scheduler may have cut it
+            if q is None or not num:
+                continue
+            rows.extend(range(row, row + num))
+            tokens.extend(seq.spec_token_ids)
+            probs.append(q[:num])
+            gens.extend([gen] * num)
+        self.proposal_probs.clear()
+        if not rows:
+            return None
+        dev = self.device
+        return DraftProbs(
+            torch.tensor(rows, dtype=torch.int64, device=dev),
+            torch.tensor(tokens, dtype=torch.int64, device=dev),
+            torch.cat(probs),
+            gens,
+        )
+
+    def _generator_for(self, seq: Sequence) -> torch.Generator:
+        """A seeded request's draws depend on its seed and length only."""
+        if seq.params.seed is None:
+            return self.generator
+        gen = torch.Generator(device=self.device)
+        mixed = (seq.params.seed * 1_000_003 + len(seq.token_ids)) ^ _DRAFT_STREAM
+        gen.manual_seed(mixed & 0xFFFF_FFFF_FFFF)
+        return gen

@@ -32,6 +32,9 @@ from engine.spec_decode.ngram import NgramProposer
 
 # The draft model's proposer: k tokens for each sequence (engine/spec_decode/draft_model.py).
 DraftProposer = Callable[[list[Sequence], int], list[list[int]]]
+# How many leading proposed tokens a structured sequence's grammar allows
+# (engine/structured/manager.py: ``valid_prefix``).
+GrammarCheck = Callable[[Sequence, list[int]], int]
 
 
 @dataclass(slots=True)
@@ -75,9 +78,13 @@ class Speculator:
         max_model_len: int,
         block_manager: BlockManager,
         draft: DraftProposer | None = None,
+        grammar_check: GrammarCheck | None = None,
     ) -> None:
-        """``draft``: the draft model's batch proposer (method draft_model)."""
+        """``draft``: the draft model's batch proposer (method draft_model);
+        ``grammar_check``: cuts a structured sequence's proposal at the first
+        token its grammar rejects (without it, such sequences propose nothing)."""
         self.block_manager = block_manager
+        self.grammar_check = grammar_check
         self.k = config.num_speculative_tokens
         self.disable_by_batch_size = config.disable_by_batch_size
         self.max_model_len = max_model_len
@@ -94,14 +101,19 @@ class Speculator:
         if self.disable_by_batch_size is not None and len(running) >= self.disable_by_batch_size:
             return
         by_k: dict[int, list[Sequence]] = {}  # draft model: one batch per proposal length
+        structured: list[Sequence] = []
         for seq in running:
             if (
                 seq.status is not SequenceStatus.RUNNING
                 or len(seq.token_ids) - seq.num_computed_tokens != 1
                 or seq.awaiting_grammar
-                or seq.params.structured_outputs is not None
+                or seq.params.disable_spec_decode  # the request opted out
             ):
                 continue
+            if seq.params.structured_outputs is not None:
+                if self.grammar_check is None:
+                    continue
+                structured.append(seq)
             k = min(self.k, self._room(seq))
             if k <= 0:
                 continue
@@ -111,6 +123,20 @@ class Speculator:
                 by_k.setdefault(k, []).append(seq)
         for k, seqs in by_k.items():
             self._propose_by_draft(seqs, k)
+        for seq in structured:
+            self._cut_at_grammar(seq)
+
+    def _cut_at_grammar(self, seq: Sequence) -> None:
+        """Keep the proposal up to the first token the grammar rejects: a
+        verify could never keep it, nor anything after it."""
+        spec = seq.spec_token_ids
+        if not spec:
+            return
+        num = self.grammar_check(seq, spec)
+        if num < len(spec):
+            del spec[num:]
+            if not spec:  # a draft's claim on blocks for the cut positions
+                self.block_manager.trim(seq, len(seq.token_ids))
 
     def _propose_by_draft(self, seqs: list[Sequence], k: int) -> None:
         """The draft writes its KV up to the proposal's second-last position:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.layers.sampler import GrammarBitmask, SamplingRow
+from engine.layers.sampler import SamplingRow
 from engine.sequence import Sequence
 
 
@@ -92,13 +92,6 @@ def expand_rows(
                 )
             )
     return out
-
-
-def remap_bitmask(layout: VerifyLayout, bitmask: GrammarBitmask | None) -> GrammarBitmask | None:
-    """A grammar bitmask's rows (sampling indices) as sample rows."""
-    if bitmask is None:
-        return None
-    return GrammarBitmask(bitmask.bits, [layout.first[r] for r in bitmask.rows])
 
 
 def settle_generators(layout: VerifyLayout, vocab_size: int, device: torch.device) -> None:

@@ -12,7 +12,14 @@ Life of a structured sequence:
    A compile that failed, or outlasted ``compile_timeout_s``, fails the
    sequence (the engine ends it with finish_reason "abort" and the error).
 3. ``bitmask``: before a step samples, each structured row's allowed tokens
-   (one bit per token id) are filled on the host, into a pinned buffer.
+   (one bit per token id) are filled on the host, into a pinned buffer. A
+   row verifying a speculative proposal gets one mask per position: the
+   matcher walks the proposal, filling each position's mask, and is rolled
+   back to where it was (``valid_prefix`` cut the proposal at the first token
+   the grammar rejects, so the walk never fails); the tokens the verify keeps
+   advance it afterwards through ``accept``, like any sampled token. (A
+   matcher keeps its whole history: xgrammar's ``max_rollback_tokens`` is
+   left at its default, -1, unlimited.)
 4. ``accept``: each sampled token advances the matcher; a token the grammar
    rejects (only possible when another constraint conflicts with it) is
    reported, never raised. ``terminated``: the grammar accepted its end.
@@ -152,24 +159,48 @@ class StructuredOutputManager:
         """Sequences holding grammar state (compiling or matching)."""
         return len(self._seqs)
 
+    def valid_prefix(self, seq: Sequence, tokens: list[int]) -> int:
+        """How many leading ``tokens`` (a speculative proposal) the grammar
+        allows after ``seq``'s tokens: none past one that ends the grammar.
+        The matcher is left as it was."""
+        entry = self._seqs.get(seq.seq_id)
+        if entry is None or entry.matcher is None:
+            return 0
+        matcher = entry.matcher
+        num = 0
+        for token in tokens:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            num += 1
+        if num:
+            matcher.rollback(num)
+        return num
+
     # ------------------------------------------------------------- bitmask
     def bitmask(self, rows: list[Sequence]) -> GrammarBitmask | None:
         """The allowed tokens of each structured row among ``rows`` (the step's
-        sampling rows, in sample order), or None when none is structured."""
+        sampling rows, in sample order), or None when none is structured.
+        Masks are indexed by sample row: a row verifying ``k`` proposed tokens
+        has ``k + 1`` of them (engine/spec_decode/verify_rows.py)."""
         entries = self._seqs
-        which = [j for j, seq in enumerate(rows) if seq.seq_id in entries]
+        which: list[int] = []  # sample rows
+        fills: list[tuple[Any, list[int]]] = []  # (matcher, proposal) per structured row
+        sample_row = 0
+        for seq in rows:
+            if seq.seq_id in entries:
+                which.extend(range(sample_row, sample_row + 1 + len(seq.spec_token_ids)))
+                fills.append((entries[seq.seq_id].matcher, seq.spec_token_ids))
+            sample_row += 1 + len(seq.spec_token_ids)
         if not which:
             return None
         buf = self._next_buffer()[: len(which)]
-        for k, j in enumerate(which):
-            matcher = entries[rows[j].seq_id].matcher
-            if matcher is None or matcher.is_terminated():
-                buf[k].fill_(-1)  # its token is dropped (it ended one step ago): any will do
-            else:
-                matcher.fill_next_token_bitmask(buf, k)
+        k = 0
+        for matcher, proposal in fills:
+            k = _fill_positions(matcher, proposal, buf, k)
         return GrammarBitmask(buf, which)
 
     def _next_buffer(self) -> torch.Tensor:
+        # max_rows counts sample rows: a verifying sequence has several.
         if not self._buffers:
             self._buffers = [
                 torch.empty(
@@ -179,3 +210,26 @@ class StructuredOutputManager:
             ]
         self._turn = (self._turn + 1) % _NUM_HOST_BUFFERS
         return self._buffers[self._turn]
+
+
+def _fill_positions(matcher: Any, proposal: list[int], buf: torch.Tensor, k: int) -> int:
+    """Fill ``buf[k:]`` with the masks of a row's positions: its next token,
+    then after each proposed token in turn; the matcher ends where it began.
+    Returns the next free index. Past the grammar's end, or past a proposed
+    token it rejects (its own mask then rejects it, so the verify never keeps
+    it), a position's sample is dropped: its mask allows any token."""
+    walked = 0
+    live = matcher is not None
+    for i in range(len(proposal) + 1):
+        live = live and not matcher.is_terminated()
+        if live:
+            matcher.fill_next_token_bitmask(buf, k)
+        else:
+            buf[k].fill_(-1)
+        k += 1
+        if live and i < len(proposal):
+            live = matcher.accept_token(proposal[i])
+            walked += 1 if live else 0
+    if walked:
+        matcher.rollback(walked)
+    return k

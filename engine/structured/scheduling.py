@@ -64,8 +64,15 @@ class StructuredOutputs:
                 so.grammar_cache_size,
                 so.compile_workers,
             )
+            # A verifying sequence samples (and masks) one row per position.
+            spec = self.config.speculative_config
+            rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
             self.manager = StructuredOutputManager(
-                compiler, vocab, self.config.max_num_seqs, so.compile_timeout_s, self.pin
+                compiler,
+                vocab,
+                self.config.max_num_seqs * rows_per_seq,
+                so.compile_timeout_s,
+                self.pin,
             )
         return self.manager
 
@@ -93,6 +100,10 @@ class StructuredOutputs:
 
     def accept(self, seq: Sequence, token: int) -> str | None:
         return self.manager.accept(seq, token) if self.manager is not None else None
+
+    def valid_prefix(self, seq: Sequence, tokens: list[int]) -> int:
+        """How many leading proposed ``tokens`` ``seq``'s grammar allows."""
+        return self.manager.valid_prefix(seq, tokens) if self.manager is not None else 0
 
     def terminated(self, seq: Sequence) -> bool:
         return self.manager is not None and self.manager.terminated(seq)

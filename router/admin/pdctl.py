@@ -187,10 +187,24 @@ def stats_text(s: admin_pb2.StatsResponse) -> str:
             f"preemptions: {s.preemptions}",
             f"KV transfers: {s.kv_transfers} ({s.kv_transfer_bytes / 2**20:.1f} MiB, "
             f"{s.kv_transfer_gbps:.2f} GB/s while sending), failed {s.kv_transfer_failures}",
+            spec_decode_line(s),
             f"router up {s.uptime_s:.0f} s",
             "",
             per_node,
         ]
+    )
+
+
+def spec_decode_line(s: admin_pb2.StatsResponse) -> str:
+    """Speculative decoding's acceptance: the share of proposed tokens kept, and
+    tokens emitted per verify step of a sequence (kept ones + the target's own)."""
+    if not s.spec_draft_tokens:
+        return "speculative decoding: no proposals"
+    rate = s.spec_accepted_tokens / s.spec_draft_tokens
+    mean_len = 1 + s.spec_accepted_tokens / s.spec_drafts if s.spec_drafts else 0.0
+    return (
+        f"speculative decoding: {s.spec_accepted_tokens} of {s.spec_draft_tokens} proposed "
+        f"tokens accepted ({rate:.1%}), mean acceptance length {mean_len:.2f}"
     )
 
 

@@ -99,6 +99,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             kv_transfer_gbps=sent_bytes / (sent_us * 1e3) if sent_us else 0.0,
             kv_transfer_failures=sum(n.kv_transfer_failures for n in nodes),
             uptime_s=time.monotonic() - self.started,
+            spec_drafts=sum(n.spec_drafts for n in nodes),
+            spec_draft_tokens=sum(n.spec_draft_tokens for n in nodes),
+            spec_accepted_tokens=sum(n.spec_accepted_tokens for n in nodes),
         )
 
     async def ExplainRoute(self, request, context):

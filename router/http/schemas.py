@@ -136,6 +136,9 @@ class _Sampling(_Body):
     request_id: str | None = None  # vLLM's: the request's id in the router's logs
     # pdserve's tenant isolation of the prefix cache (GenerateRequest.cache_salt).
     cache_salt: str | None = None
+    # pdserve's per-request opt-out of speculative decoding
+    # (SamplingParams.disable_spec_decode; vLLM has no such field).
+    disable_spec_decode: bool | None = None
     # OpenAI's structured outputs (vLLM's structured_outputs and guided_* are
     # read from the extras: router/http/structured.py).
     response_format: dict | None = None
@@ -172,6 +175,7 @@ class _Sampling(_Body):
             "include_stop_str_in_output",
             "truncate_prompt_tokens",
             "prompt_logprobs",
+            "disable_spec_decode",
         ):
             value = getattr(self, name)
             if value is not None:

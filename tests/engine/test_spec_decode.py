@@ -10,6 +10,8 @@ proposed token the target did not keep.
 
 from __future__ import annotations
 
+import json
+import re
 from itertools import pairwise
 
 import pytest
@@ -39,14 +41,20 @@ def completions(outs):
     ]
 
 
-def test_demo_model_greedy_stops_and_logprobs_equal_non_speculative(demo_model_dir, demo_llm):
-    spec = LLM(
+@pytest.fixture(scope="module")
+def demo_spec(demo_model_dir):
+    return LLM(
         str(demo_model_dir),
         max_model_len=512,
         num_kvcache_blocks=256,
         device="cpu",
         speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
     )
+
+
+def test_demo_model_greedy_stops_and_logprobs_equal_non_speculative(demo_spec, demo_llm):
+    spec = demo_spec
+    before = spec.llm_engine.stats().spec_decode.copy()
     assert not spec.llm_engine.async_scheduling
     base = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     (ref,) = demo_llm.generate([REPEAT_PROMPTS[0]], base)
@@ -72,11 +80,66 @@ def test_demo_model_greedy_stops_and_logprobs_equal_non_speculative(demo_model_d
     assert len(got[3].outputs[0].token_ids) == 3
     assert len(got[4].outputs[0].token_ids) >= 9
     stats = spec.llm_engine.stats().spec_decode
-    assert stats.num_accepted_tokens > 10  # speculation happened, and paid
+    assert stats.num_accepted_tokens - before.num_accepted_tokens > 10  # it happened, and paid
     assert stats.mean_acceptance_length > 1.0
     per_pos = stats.acceptance_per_position()
     assert len(per_pos) == 4 and all(a >= b for a, b in pairwise(per_pos))
     assert_idle(spec)
+
+
+def test_structured_requests_speculate_within_their_grammar(demo_spec, demo_llm):
+    """Proposals are cut at the first token the grammar rejects and every
+    verified position is sampled under its own mask: greedy output is the
+    non-speculative one, grammar-valid, and proposals were both kept and cut."""
+    pytest.importorskip("xgrammar")
+    from engine.sampling_params import StructuredOutputsParams as S
+
+    record = '{"name": "Ada", "age": 7}'
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    regex = r"(one two three ){2,4}four"
+    prompts = [
+        f"Copy the record exactly. {record} {record} {record}",
+        "one two three one two three one two three one two three",
+        "Is it red, green or blue? red green blue red green",
+    ]
+    base = SamplingParams(temperature=0, max_tokens=24)
+    params = [
+        base.clone(structured_outputs=S(json=schema, disable_any_whitespace=True)),
+        base.clone(structured_outputs=S(regex=regex)),
+        base.clone(structured_outputs=S(choice=["red green blue", "red green", "blue"])),
+    ]
+    engine = demo_spec.llm_engine
+    speculator = engine.speculator
+    checked: list[tuple[int, int]] = []  # (proposed, allowed)
+
+    def check(seq, tokens):
+        allowed = engine.structured.valid_prefix(seq, tokens)
+        checked.append((len(tokens), allowed))
+        return allowed
+
+    before = engine.stats().spec_decode.copy()
+    speculator.grammar_check = check
+    try:
+        got = demo_spec.generate(prompts, params, use_tqdm=False)
+    finally:
+        speculator.grammar_check = engine.structured.valid_prefix
+    expected = demo_llm.generate(prompts, params, use_tqdm=False)
+    assert completions(got) == completions(expected)
+    json_out, regex_out, choice_out = (o.outputs[0] for o in got)
+    parsed = json.loads(json_out.text)
+    assert isinstance(parsed["name"], str) and isinstance(parsed["age"], int)
+    assert re.fullmatch(regex, regex_out.text)
+    assert choice_out.text in ("red green blue", "red green", "blue")
+    assert all(o.finish_reason == "stop" for o in (json_out, regex_out, choice_out))
+    assert any(allowed < proposed for proposed, allowed in checked)  # some were cut
+    stats = engine.stats().spec_decode
+    assert stats.num_accepted_tokens > before.num_accepted_tokens  # and some kept
+    assert engine.num_grammar_matchers == 0
+    assert_idle(demo_spec)
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +280,45 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path
     other = write_config_dir(tmp_path / "draft", dict(TINY_CONFIGS["llama"], vocab_size=1000))
     with pytest.raises(ValueError, match=r"vocabulary \(1000 tokens\) does not match"):
         draft_llm(tiny_llama_dir, other)
+
+
+def test_draft_model_sampling_keeps_the_target_distribution(tiny_llama_dir, perturbed_dir):
+    """Temperature 1 within four allowed tokens, a perturbed draft sampling its
+    proposals: the joint distribution of the first two output tokens (the
+    second decided by rejection sampling against the draft's probabilities)
+    is the target's, computed exactly with HF transformers."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    allowed = [7, 19, 23, 42]
+    prompt = TINY_PROMPTS[0]["prompt_token_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), torch_dtype=torch.float32)
+
+    def dist(ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1, allowed]
+        return torch.softmax(logits.double(), dim=-1).numpy()
+
+    p0 = dist(prompt)
+    joint = np.stack([p0[a] * dist(prompt + [allowed[a]]) for a in range(4)]).reshape(-1)
+    llm = draft_llm(tiny_llama_dir, perturbed_dir, k=2)
+    params = SamplingParams(
+        temperature=1.0, max_tokens=3, allowed_token_ids=allowed, ignore_eos=True, detokenize=False
+    )
+    n = 800
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+    cells = [allowed.index(t0) * 4 + allowed.index(t1) for t0, t1, _ in
+             (o.outputs[0].token_ids for o in outs)]  # fmt: skip
+    counts = np.bincount(cells, minlength=16)
+    chi2 = float(((counts - n * joint) ** 2 / (n * joint)).sum())
+    assert chi2 < 37.7  # 15 degrees of freedom: P(chi2 > 37.7) < 0.001
+    stats = llm.llm_engine.stats().spec_decode
+    assert stats.num_draft_tokens >= n and 0.0 < stats.acceptance_rate < 1.0
+    # Seeded requests are reproducible: together or alone, the same tokens.
+    seeded = [params.clone(seed=s, max_tokens=8) for s in (5, 6, 7)]
+    together = llm.generate([{"prompt_token_ids": prompt}] * 3, seeded, use_tqdm=False)
+    alone = [llm.generate([{"prompt_token_ids": prompt}], s, use_tqdm=False)[0] for s in seeded]
+    assert completions(together) == completions(alone)
+    assert len({tuple(o.outputs[0].token_ids) for o in together}) > 1
+    assert_idle(llm)

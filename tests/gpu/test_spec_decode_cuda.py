@@ -1,7 +1,8 @@
 """Speculative decoding on CUDA: verify steps take the multi-token (varlen
 prefill) path of the attention backends while plain decode steps replay CUDA
 graphs; greedy outputs equal the non-speculative engine's, seeded sampled
-ones too. Run on a GPU host: ``python -m pytest tests/gpu -m gpu``."""
+ones too; a draft model's sampled proposals go through the rejection
+sampler. Run on a GPU host: ``python -m pytest tests/gpu -m gpu``."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def model_dir(tmp_path_factory):
     return write_shape_dir("smollm2-135m", str(tmp_path_factory.mktemp("shape")))
 
 
-def run(model_dir, backend, spec, params):
+def run(model_dir, backend, spec, params, prompts=PROMPTS):
     llm = LLM(
         str(model_dir),
         load_format="dummy",
@@ -39,7 +40,7 @@ def run(model_dir, backend, spec, params):
         attention_backend=backend,
         speculative_config=spec,
     )
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_idle(llm)
     stats = llm.llm_engine.stats().spec_decode
     got = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
@@ -59,3 +60,19 @@ def test_greedy_and_seeded_equal_non_speculative(model_dir, backend):
     got, stats = run(model_dir, backend, SPEC, params)
     assert got == ref
     assert stats.num_accepted_tokens > 0
+
+
+def test_a_sampling_draft_is_kept_when_it_is_the_target_and_stays_seeded(model_dir):
+    """The model drafting for itself (dummy weights from the same seed) at
+    temperature 1: its sampled proposals go through the rejection sampler on
+    the device, where p == q keeps (nearly) all of them; seeded requests give
+    the same tokens together or alone."""
+    draft = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3}
+    params = [
+        SamplingParams(temperature=1.0, seed=11 + i, max_tokens=32, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    together, stats = run(model_dir, "triton", draft, params)
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate > 0.95
+    alone, _ = run(model_dir, "triton", draft, params[:1], PROMPTS[:1])
+    assert alone[0] == together[0]

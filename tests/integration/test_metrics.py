@@ -1,9 +1,12 @@
 """Every process's /metrics on a real local cluster (router, one prefill and one
 decode node as processes, a real redis-server, KV over gloo): after a few
-requests, what each endpoint says must agree with what the clients saw."""
+requests, what each endpoint says must agree with what the clients saw. The
+decode node speculates (n-gram, lossless): the last test checks it on the
+disaggregated path and what /metrics and pdctl stats say of it."""
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
 
@@ -13,7 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.launcher import ClusterSpec, LocalCluster
 from pdserve.redis_server import free_port
+from proto import admin_pb2, admin_pb2_grpc
 from proto.client import generate
+from router.admin.pdctl import stats_text
 from tests.conftest import REMOTE_PREFILL_ONLY
 
 pytestmark = pytest.mark.timeout(600)
@@ -22,6 +27,7 @@ MAX_LEN = 512
 # Long enough for a few full blocks, so the second one hits the prefill node's cache.
 SHARED = "You are a helpful assistant. Answer briefly and precisely. " * 4
 PROMPTS = [SHARED + "What is the capital of France?", SHARED + "Name a red fruit.", "Hi"]
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +40,7 @@ def cluster(demo_model_dir, tmp_path_factory):
         admin_port=free_port(),
         engine_args=["--max-model-len", str(MAX_LEN)],
         node_args=["--heartbeat-interval", "0.2"],
+        decode_args=["--speculative-config", json.dumps(SPEC)],
         # Always disaggregate, so every request moves KV from prefill to decode.
         router_args=REMOTE_PREFILL_ONLY,
         log_dir=str(tmp_path_factory.mktemp("metrics-logs")),
@@ -184,3 +191,48 @@ def test_at_idle_free_plus_cached_blocks_equal_capacity(cluster, traffic):
         for gauge in ("running", "waiting", "reserved"):
             assert value(s, f"pdserve_requests_{gauge}") == 0, (name, gauge)
         assert value(s, "pdserve_queued_prefill_tokens") == 0
+
+
+def test_the_decode_node_speculates_on_remotely_prefilled_requests(cluster, traffic):
+    """A prompt the prefill node prefills, decoded with speculation and opted
+    out of it (disable_spec_decode): the same greedy tokens; only the first
+    proposed anything; /metrics and pdctl stats show the acceptance. Last in
+    the module: the tests above count requests exactly."""
+    text = "one two three four five six seven eight nine ten. " * 3
+    d_url = component(cluster, "decode-0").metrics_url
+    p_url = component(cluster, "prefill-0").metrics_url
+    drafts, accepted = (
+        "pdserve_spec_decode_num_draft_tokens_total",
+        "pdserve_spec_decode_num_accepted_tokens_total",
+    )
+
+    def tokens(**kw) -> list[int]:
+        out = []
+        for r in generate(cluster.router_address, text, timeout=120, temperature=0.0,
+                          max_tokens=16, ignore_eos=True, **kw):  # fmt: skip
+            out.extend(t for d in r.deltas for t in d.token_ids)
+        return out
+
+    before, prefilled = scrape(d_url), value(scrape(p_url), "pdserve_node_requests_total")
+    plain = tokens(disable_spec_decode=True)
+    opted_out = scrape(d_url)
+    assert value(opted_out, drafts) == value(before, drafts)  # it proposed nothing
+    assert tokens() == plain
+    after = scrape(d_url)
+    assert value(after, accepted) > value(before, accepted)
+    assert value(scrape(p_url), "pdserve_node_requests_total") == prefilled + 2
+    deadline = time.monotonic() + 15
+    with grpc.insecure_channel(cluster.admin_address) as ch:
+        stub = admin_pb2_grpc.AdminStub(ch)
+        while True:  # the router reads the counters from the node's heartbeat
+            stats = stub.Stats(admin_pb2.StatsRequest(), timeout=10)
+            if stats.spec_accepted_tokens >= value(after, accepted) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    assert stats.spec_draft_tokens == value(after, drafts)
+    assert stats.spec_accepted_tokens == value(after, accepted)
+    shown = (
+        f"speculative decoding: {stats.spec_accepted_tokens} of {stats.spec_draft_tokens} "
+        "proposed tokens accepted"
+    )
+    assert shown in stats_text(stats)  # what pdctl stats prints

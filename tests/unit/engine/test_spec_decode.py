@@ -174,6 +174,15 @@ def test_proposals_respect_max_tokens_budget_and_batch_size():
         sched.running.append(s)
     spec.propose(sched.running)  # 3 running: disabled
     assert not a.spec_token_ids
+    sched.running.remove(c)
+    a.params = SamplingParams(disable_spec_decode=True)  # the request opted out
+    spec.propose(sched.running)
+    assert not a.spec_token_ids
+    a.params = SamplingParams()
+    spec.propose(sched.running)
+    assert a.spec_token_ids == [1, 2, 3]
+    with pytest.raises(ValueError, match="disable_spec_decode must be a bool"):
+        SamplingParams(disable_spec_decode=1)
 
 
 def test_acceptance_keeps_the_target_distribution():
@@ -202,6 +211,38 @@ def test_acceptance_keeps_the_target_distribution():
     assert chi_first < 18.5 and chi_second < 18.5
     kept = len(second) / n
     assert abs(kept - p0[d0].item()) < 4 * (0.4 * 0.6 / n) ** 0.5
+
+
+def test_rejection_sampling_of_draft_probabilities_keeps_the_target_distribution():
+    """A draft's sampled proposal [d0, d1] (d_i ~ q_i): the first emitted token
+    follows p0 whatever q0, d0 is kept with probability sum(min(p0, q0)), and
+    after a kept d0 the next token follows p1. 40k sequences in one call."""
+    from engine.spec_decode.rejection import DraftProbs
+
+    vocab, n = 5, 40_000
+    p = torch.tensor([[0.1, 0.4, 0.2, 0.25, 0.05], [0.3, 0.05, 0.05, 0.5, 0.1]])
+    q = torch.tensor([[0.3, 0.3, 0.1, 0.05, 0.25], [0.1, 0.1, 0.6, 0.1, 0.1]])
+    gen = torch.Generator().manual_seed(7)
+    drafts = torch.multinomial(q, n, replacement=True, generator=gen).T  # [n, 2]
+    logits = p.log().repeat(n, 1)  # rows 2i, 2i + 1
+    rows = [SamplingRow(SamplingParams(temperature=1.0), [0], 1, None, [])] * (2 * n)
+    proposed = DraftProbs(torch.arange(2 * n), drafts.reshape(-1), q.repeat(n, 1), [None] * (2 * n))
+    sampler = Sampler(vocab, torch.device("cpu"), seed=1234)
+    samples = sampler.sample(logits, rows, None, proposed).token_ids.tolist()
+    first, second = [], []
+    for i in range(n):
+        s = samples[2 * i : 2 * i + 2]
+        k = num_accepted(drafts[i].tolist(), s, 0)
+        first.append(s[0])
+        if k >= 1:
+            second.append(s[1])
+    # 4 degrees of freedom: P(chi2 > 18.5) < 0.001.
+    assert chi_square(first, p[0]) < 18.5 and chi_square(second, p[1]) < 18.5
+    kept = torch.minimum(p[0], q[0]).sum().item()
+    assert abs(len(second) / n - kept) < 4 * (kept * (1 - kept) / n) ** 0.5
+    # Without the rejection rule (kept iff the target's own sample agrees) the
+    # first token would still follow p0 but far fewer proposals would be kept.
+    assert len(second) / n > (p[0] * q[0]).sum().item() + 0.1
 
 
 def chi_square(tokens: list[int], p: torch.Tensor) -> float:

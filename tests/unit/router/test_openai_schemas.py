@@ -67,6 +67,18 @@ def test_max_tokens_absent_null_and_given():
     assert chat(max_tokens=5, max_completion_tokens=9).to_generate()[0].sampling.max_tokens == 9
 
 
+def test_pdserves_speculation_opt_out_reaches_the_engine_params():
+    from common.wire import sampling_params_from_proto
+
+    for body in (completion(disable_spec_decode=True), chat(disable_spec_decode=True)):
+        sampling = body.to_generate()[0].sampling
+        assert sampling.disable_spec_decode
+        assert sampling_params_from_proto(sampling).disable_spec_decode is True
+    sampling = chat().to_generate()[0].sampling
+    assert not sampling.HasField("disable_spec_decode")
+    assert sampling_params_from_proto(sampling).disable_spec_decode is False
+
+
 def test_echo_with_logprobs_asks_for_the_prompts_logprobs():
     (g,) = completion(echo=True, logprobs=2, max_tokens=1).to_generate()
     assert (g.sampling.prompt_logprobs, g.sampling.logprobs, g.sampling.max_tokens) == (2, 2, 1)

@@ -82,6 +82,16 @@ def test_pdctl_tables_align_and_say_when_there_is_no_data():
     assert text.splitlines() == ["NODE      FREE", "decode-0  5", "d1        1234"]
     out = stats_text(admin_pb2.StatsResponse(prompt_tokens=0))
     assert "ttft          0      -" in out and "prefix-cache hits: 0.0%" in out
+    assert "speculative decoding: no proposals" in out
+
+
+def test_pdctl_stats_shows_speculative_acceptance():
+    s = admin_pb2.StatsResponse(spec_drafts=10, spec_draft_tokens=30, spec_accepted_tokens=15)
+    assert (
+        "speculative decoding: 15 of 30 proposed tokens accepted (50.0%), "
+        "mean acceptance length 2.50"
+    ) in stats_text(s)
+    assert as_dict(s)["spec_accepted_tokens"] == 15
 
 
 class TieredAdmin:
