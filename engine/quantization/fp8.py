@@ -132,9 +132,18 @@ def check_fp8_capability(capability: tuple[int, int], device_name: str) -> None:
 
 
 def check_fp8_device(device: torch.device) -> None:
-    """Refuse FP8 on a GPU that cannot run its GEMM (the CPU runs the reference)."""
+    """Refuse FP8 on a GPU that cannot run its GEMM (the CPU runs the reference):
+    by capability, then by one small row-wise GEMM, since whether this torch
+    build has one for the GPU depends on its CUDA version too."""
     if device.type != "cuda":
         return
-    check_fp8_capability(
-        torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
-    )
+    name = torch.cuda.get_device_name(device)
+    check_fp8_capability(torch.cuda.get_device_capability(device), name)
+    probe = quantize_rows(torch.ones(GEMM_ALIGN, GEMM_ALIGN, device=device))
+    try:
+        fp8_gemm(probe, probe.data, probe.scale, torch.bfloat16)
+    except RuntimeError as e:
+        raise ValueError(
+            f"FP8 weights (quantization): this torch build has no row-wise scaled FP8 GEMM "
+            f"for {name}: {e}"
+        ) from e

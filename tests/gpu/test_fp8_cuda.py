@@ -1,5 +1,6 @@
 """FP8 weights on a CUDA GPU: ``torch._scaled_mm`` against the dequantized
-reference, and the demo model's agreement with bf16 (CUDA graphs on).
+reference, the demo model's agreement with bf16 (CUDA graphs on), and
+tensor parallelism over two GPUs (``multi_gpu``).
 
 Run on a GPU host of compute capability >= 8.9: ``python -m pytest
 tests/gpu/test_fp8_cuda.py -m gpu``. Skipped without CUDA (and without FP8).
@@ -17,7 +18,14 @@ from engine.quantization.fp8 import (
     fp8_gemm_reference,
     quantize_rows,
 )
-from tests.engine.test_fp8_weights import TEXT, perplexity, teacher_forced
+from tests.engine.test_fp8_weights import (
+    PROMPT,
+    TEXT,
+    perplexity,
+    teacher_forced,
+    write_prequantized,
+)
+from tests.engine.test_fp8_weights import tiny_dir as tiny_dir
 
 pytestmark = pytest.mark.gpu
 
@@ -65,7 +73,7 @@ def test_demo_model_fp8_agrees_with_bf16_on_cuda_and_graphs_decode_alike(
     demo_model_dir, demo_tokenizer
 ):
     ids = demo_tokenizer.encode(TEXT)
-    kw = dict(max_model_len=1024, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3)
+    kw = dict(max_model_len=1024, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=1 << 30)
     bf16 = LLM(str(demo_model_dir), **kw)
     ref_top, ref_lp = teacher_forced(bf16, ids)
     bf16.llm_engine.shutdown()
@@ -85,3 +93,20 @@ def test_demo_model_fp8_agrees_with_bf16_on_cuda_and_graphs_decode_alike(
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     eager.llm_engine.shutdown()
     assert graphed == want
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("fmt", ["online", "fp8-block"])
+def test_tp2_fp8_stays_within_fp8_noise_of_tp1(tiny_dir, tmp_path, fmt):
+    path = tiny_dir if fmt == "online" else write_prequantized(tiny_dir, tmp_path / fmt, fmt)
+    kw = dict(device="cuda", skip_tokenizer_init=True, max_model_len=256, dtype="bfloat16",
+              kv_cache_memory_bytes=1 << 30)  # fmt: skip
+    if fmt == "online":
+        kw["quantization"] = "fp8"
+    lps = []
+    for tp in (1, 2):
+        llm = LLM(str(path), tensor_parallel_size=tp, **kw)
+        lps.append(torch.tensor(teacher_forced(llm, PROMPT)[1]))
+        llm.llm_engine.shutdown()
+    # Each rank scales its own share of the row-parallel inputs: FP8 noise, not equality.
+    assert (lps[1] - lps[0]).abs().max().item() < 0.3
