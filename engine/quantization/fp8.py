@@ -95,11 +95,12 @@ class Fp8Linear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        # No initial values: the loader writes every row of both (as SkinnyLinear).
         self.weight = nn.Parameter(
-            torch.zeros(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
+            torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
         )
         # A buffer, not a parameter: the loader fills it with the weight.
-        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32))
+        self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.gemm_aligned = in_features % GEMM_ALIGN == 0 and out_features % GEMM_ALIGN == 0
 
