@@ -298,3 +298,53 @@ def test_a_quantization_other_than_the_checkpoints_is_refused(tiny_dir, tmp_path
         ValueError, match=r"quantization='fp8' does not match .*'compressed-tensors'"
     ):
         tiny_llm(path, quantization="fp8")
+
+
+# ------------------------------------------------------- tensor-parallel shards
+def _rank_model(model_dir: Path, rank: int, size: int, quantization=None):
+    """Rank ``rank`` of ``size``'s model with its weights loaded (no forward: the
+    group only names the rank, so no processes are needed)."""
+    from types import SimpleNamespace
+
+    from engine.models.config import ModelArchConfig
+    from engine.models.decoder import DecoderForCausalLM
+    from engine.models.loader import load_weights
+
+    cfg = ModelArchConfig.from_dir(model_dir)
+    group = SimpleNamespace(rank=rank, size=size)
+    model = DecoderForCausalLM(cfg, None, 256, tp=group, quantization=quantization)
+    load_weights(model, model_dir)
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["online", "ct-channel"])
+def test_tp_shards_carry_their_scales(tiny_dir, tmp_path, fmt):
+    """Rank 1 of 2: column-parallel q/k/v and gate/up hold the rows (and the
+    scales) of their heads and intermediate range; row-parallel down holds its
+    columns with every row's scale from the checkpoint (online: its own)."""
+    from engine.quantization.scheme import Quantization
+
+    path = tiny_dir if fmt == "online" else write_prequantized(tiny_dir, tmp_path / fmt, fmt)
+    quant = Quantization.FP8 if fmt == "online" else Quantization.COMPRESSED_TENSORS
+    whole = _rank_model(path, 0, 1, quant).layers[0]
+    shard = _rank_model(path, 1, 2, quant).layers[0]
+    hd, q = 32, 4 * 32
+    # Rank 1: query heads 2-3 and KV head 1 of the fused [q | k | v] rows.
+    rows = [*range(2 * hd, q), *range(q + hd, q + 2 * hd), *range(q + 3 * hd, q + 4 * hd)]
+    for name in ("weight", "weight_scale"):
+        got = getattr(shard.self_attn.qkv_proj, name)
+        assert torch.equal(got.float(), getattr(whole.self_attn.qkv_proj, name)[rows].float())
+    inter = TINY["intermediate_size"] // 2
+    up_rows = [*range(inter, 2 * inter), *range(3 * inter, 4 * inter)]
+    assert torch.equal(
+        shard.mlp.gate_up_proj.weight_scale, whole.mlp.gate_up_proj.weight_scale[up_rows]
+    )
+    down, ref = shard.mlp.down_proj, whole.mlp.down_proj
+    cols = slice(inter, 2 * inter)
+    if fmt == "ct-channel":  # the checkpoint's FP8 values and every row's scale
+        assert torch.equal(down.weight_scale, ref.weight_scale)
+        assert torch.equal(down.weight.float(), ref.weight[:, cols].float())
+    else:  # quantized over its own columns: close to the float weights
+        w = load_file(tiny_dir / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
+        got = down.weight.float() * down.weight_scale.unsqueeze(1)
+        assert ((got - w[:, cols]).norm() / w[:, cols].norm()).item() < 0.05
