@@ -51,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", choices=["fp8"], help="FP8 weights, quantized at load")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--gemv-backend", default="auto", choices=["auto", "triton", "torch"])
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -121,6 +122,7 @@ def run_pdserve(model_dir: Path, args, prompts, out_lens, profile_work=None) -> 
         skip_tokenizer_init=True,
         device=args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
         attention_backend=args.attention_backend,
         gemv_backend=args.gemv_backend,
         max_model_len=args.max_model_len,
@@ -167,6 +169,7 @@ def run_pdserve(model_dir: Path, args, prompts, out_lens, profile_work=None) -> 
         "attention_backend": runner.attention_backend.name.value,
         "gemv_backend": args.gemv_backend,
         "dtype": str(runner.dtype).removeprefix("torch."),
+        "quantization": args.quantization,
         "device": str(runner.device),
         "num_kvcache_blocks": runner.num_kvcache_blocks,
         "num_preemptions": stats.num_preemptions,

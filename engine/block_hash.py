@@ -14,9 +14,10 @@ so anything that changes a digest bumps ``BLOCK_HASH_VERSION``.
 - ``extra_key``s (version 2) name whatever else changes the numbers a block's
   KV holds, each ``name=value``, sorted by name, each name at most once: the
   request's LoRA adapter (``lora=<adapter digest>``, ``lora_extra_key``);
-  the KV cache dtype and weight quantization join the same list. A request
-  with none hashes exactly as version 1 did, so base-model blocks keep their
-  digests.
+  the engine's weight quantization (``quantization=fp8``,
+  ``quantization_extra_key``); the KV cache dtype joins the same list. A
+  request with none hashes exactly as version 1 did, so base-model blocks of
+  an unquantized engine keep their digests.
 
 Hashes are hints: whoever finds a hash in its cache still verifies the block's
 tokens before reusing it. Nothing here uses Python's ``hash()``, which is salted
@@ -81,6 +82,17 @@ def lora_extra_key(adapter_digest: str) -> str:
     """The extra key of a request under an adapter: its content digest, not its
     name or ``lora_int_id`` (docs/engine.md, "LoRA adapters")."""
     return f"{LORA_KEY_NAME}={adapter_digest}"
+
+
+# The extra key of an engine whose weights are quantized (engine/quantization/).
+QUANTIZATION_KEY_NAME = "quantization"
+
+
+def quantization_extra_key(method: str) -> str:
+    """The extra key of every block an engine quantized by ``method`` (vLLM's
+    ``quantization`` value, e.g. ``fp8``) computes: its KV differs from the
+    unquantized model's."""
+    return f"{QUANTIZATION_KEY_NAME}={method}"
 
 
 def canonical_extra_keys(extra_keys: Sequence[str] = ()) -> ExtraKeys:

@@ -18,6 +18,7 @@ from typing import Any
 from engine.layers.specs import AttentionBackendName, GemvBackend
 from engine.lora.config import LoRADType, check_lora_options
 from engine.models.config import ModelArchConfig
+from engine.quantization.scheme import Quantization, parse_quantization, resolve_quantization
 from engine.spec_decode.config import SpeculativeConfig, SpeculativeMethod
 from engine.structured.config import StructuredOutputsConfig
 from engine.tp_layout import TPLayout
@@ -122,6 +123,10 @@ class EngineConfig:
     # 0: no host tier.
     swap_space: float = 0
     tensor_parallel_size: int = 1
+    # vLLM's name: "fp8" quantizes the projections' weights to FP8 at load
+    # (W8A8: activations per token at run time; engine/quantization/). None:
+    # the checkpoint's own quantization_config decides (FP8 checkpoints set it).
+    quantization: Quantization | str | None = None
     load_format: LoadFormat = LoadFormat.AUTO
     skip_tokenizer_init: bool = False
     device: DeviceKind = DeviceKind.AUTO
@@ -226,6 +231,9 @@ class EngineConfig:
             "attention_backend", self.attention_backend, AttentionBackendName
         )
         self.gemv_backend = _parse_enum("gemv_backend", self.gemv_backend, GemvBackend)
+        self.quantization = resolve_quantization(
+            parse_quantization(self.quantization), self.model_config.checkpoint_quant
+        )
         self.lora_dtype = _parse_enum("lora_dtype", self.lora_dtype, LoRADType)
         self.structured_outputs_config = StructuredOutputsConfig.parse(
             self.structured_outputs_config, self.guided_decoding_backend

@@ -33,7 +33,13 @@ from dataclasses import dataclass
 from functools import partial
 
 from engine.async_step import InFlightStep, StepLog
-from engine.block_hash import MAX_CACHED_HASHERS, ExtraKeys, HasherCache, lora_extra_key
+from engine.block_hash import (
+    MAX_CACHED_HASHERS,
+    ExtraKeys,
+    HasherCache,
+    lora_extra_key,
+    quantization_extra_key,
+)
 from engine.block_manager import BlockManager, CacheEvents
 from engine.config import EngineConfig
 from engine.detokenizer import TokenizerInfo
@@ -128,6 +134,10 @@ class LLMEngine:
         # Block hashers per tenant salt (None: no prefix caching, nothing to hash).
         hashers = HasherCache(config.served_model_name, config.kvcache_block_size)
         self._hashers = hashers if config.enable_prefix_caching else None
+        # The block identity every request of this engine shares beyond the model.
+        self.numerics_keys: ExtraKeys = (
+            (quantization_extra_key(config.quantization.value),) if config.quantization else ()
+        )
         # Requests with penalties (a step sampling for one waits for the one before).
         self._penalised: set[str] = set()
         # Async scheduling: the launched step whose samples the host has not read.
@@ -315,7 +325,7 @@ class LLMEngine:
             request_id in self.requests or request_id in self.scheduler.held
         ):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        extra_keys = self._lora_keys(lora_request)
+        extra_keys = self.numerics_keys + self._lora_keys(lora_request)
         return self.input_processor.new_request(
             request_id, prompt, params, arrival_time, self._hashers, lora_request, extra_keys
         )

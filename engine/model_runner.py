@@ -37,6 +37,7 @@ from engine.prompt_logprobs import (
     prompt_logprob_parts,
     wants_prompt_logprobs,
 )
+from engine.quantization.fp8 import check_fp8_device
 from engine.sampling_params import SamplingParams
 from engine.sampling_rows import SamplingRows
 from engine.scheduler import ScheduledBatch
@@ -126,10 +127,13 @@ class ModelRunner:
         config = self.config
         torch.manual_seed(config.seed)
         on_gpu = self.device.type == "cuda" and _triton_available()  # fused ops, fused MoE
+        if config.quantization is not None:
+            check_fp8_device(self.device)
         with torch.device(self.device), default_dtype(self.dtype):
             model = DecoderForCausalLM(
                 config.model_config, self.attention_backend, config.max_model_len,
                 config.fused_ops and on_gpu, self.tp, triton_moe=on_gpu,
+                quantization=config.quantization,
             )  # fmt: skip
         if config.load_format is LoadFormat.DUMMY:
             init_dummy_weights(model, config.seed)

@@ -31,6 +31,7 @@ ENGINE_FLAGS: dict[str, type] = {
     "num_kvcache_blocks": int,
     "gpu_memory_utilization": float,
     "dtype": str,
+    "quantization": str,
     "device": str,
     "attention_backend": str,
     "gemv_backend": str,

@@ -27,12 +27,13 @@ class GatedMLP(nn.Module):
         hidden_act: str = "silu",
         fused: bool = False,
         reduce: bool = True,
+        linear: type[nn.Module] = SkinnyLinear,  # the projections' class (FP8: Fp8Linear)
     ) -> None:
         super().__init__()
-        self.gate_up_proj = SkinnyLinear(hidden_size, 2 * intermediate, bias=bias)
+        self.gate_up_proj = linear(hidden_size, 2 * intermediate, bias=bias)
         # Row-parallel; its bias is loaded on rank 0 only (zero elsewhere), so the
         # all-reduce adds it once.
-        self.down_proj = SkinnyLinear(intermediate, hidden_size, bias=bias)
+        self.down_proj = linear(intermediate, hidden_size, bias=bias)
         self.act = gated_activation(hidden_act, fused)
         self.tp = tp
         self.reduce = reduce

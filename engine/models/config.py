@@ -23,6 +23,7 @@ from engine.models.families import (
     LayerType,
     MoeConfig,
 )
+from engine.quantization.scheme import CheckpointQuant, parse_checkpoint_quant
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -70,6 +71,8 @@ class ModelArchConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     gemma: GemmaFacts = field(default_factory=GemmaFacts)
+    # A pre-quantized checkpoint's format (config.json's quantization_config).
+    checkpoint_quant: CheckpointQuant | None = None
 
     @property
     def model_family(self) -> str:
@@ -197,6 +200,7 @@ def _fields(raw: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
         attn_logit_softcapping=attn_cap,
         final_logit_softcapping=final_cap,
         gemma=families.gemma_facts(raw, family, hidden),
+        checkpoint_quant=parse_checkpoint_quant(raw.get("quantization_config")),
     )
 
 

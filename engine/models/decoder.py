@@ -12,7 +12,8 @@ Projections are fused (q/k/v into ``qkv_proj``, gate/up into
 checkpoint's separate tensors into them. With ``fused_ops`` (CUDA), RMSNorm,
 SiLU-and-mul and q/k-norm + RoPE run as single Triton kernels. The
 projections are ``SkinnyLinear``: at a decode step's few tokens they may run
-the skinny GEMM kernel instead of cuBLAS (engine/layers/skinny_gemm.py). With tensor
+the skinny GEMM kernel instead of cuBLAS (engine/layers/skinny_gemm.py); under
+FP8 quantization they are ``Fp8Linear`` (engine/quantization/fp8.py). With tensor
 parallelism (``tp`` of several ranks) each rank builds its shard of every
 layer (engine/tp_layout.py) and the collectives join them: an
 all-reduce after o_proj and down_proj and after the embedding, an all-gather
@@ -35,6 +36,8 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.layers.skinny_gemm import SkinnyLinear
 from engine.models.config import ModelArchConfig
 from engine.parallel.group import TPGroup
+from engine.quantization.fp8 import linear_class
+from engine.quantization.scheme import Quantization
 from engine.tp_layout import TPLayout
 
 
@@ -48,6 +51,7 @@ class Attention(nn.Module):
         layout: TPLayout,
         fused: bool = False,
         layer: int = 0,
+        linear: type[nn.Module] = SkinnyLinear,  # the projections' class
     ) -> None:
         super().__init__()
         # This rank's heads (all of them without tensor parallelism).
@@ -56,12 +60,12 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = SkinnyLinear(
+        self.qkv_proj = linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
         # Row-parallel: each rank's partial product, summed by an all-reduce (a
         # bias is loaded on rank 0 only).
-        self.o_proj = SkinnyLinear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.tp = tp
         offset = cfg.gemma.norm_weight_offset
         if cfg.qk_norm:
@@ -160,6 +164,7 @@ def make_mlp(
     layout: TPLayout,
     fused: bool = False,
     triton_moe: bool = False,
+    linear: type[nn.Module] = SkinnyLinear,
 ) -> nn.Module:
     """Layer ``layer``'s MLP: a mixture of experts where the family makes it
     sparse, else the dense gated MLP."""
@@ -183,6 +188,7 @@ def make_mlp(
         bias=cfg.mlp_bias,
         hidden_act=cfg.hidden_act,
         fused=fused,
+        linear=linear,
     )
 
 
@@ -224,10 +230,11 @@ class DecoderLayer(nn.Module):
         fused: bool = False,
         layer: int = 0,
         triton_moe: bool = False,
+        linear: type[nn.Module] = SkinnyLinear,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, backend, tp, layout, fused, layer)
-        self.mlp = make_mlp(cfg, layer, tp, layout, fused, triton_moe)
+        self.self_attn = Attention(cfg, rotary, backend, tp, layout, fused, layer, linear)
+        self.mlp = make_mlp(cfg, layer, tp, layout, fused, triton_moe, linear)
 
         def norm() -> RMSNorm:
             h, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -281,6 +288,7 @@ class DecoderForCausalLM(nn.Module):
         fused_ops: bool = False,
         tp: TPGroup | None = None,
         triton_moe: bool = False,  # experts by the fused Triton kernel (else the torch loop)
+        quantization: Quantization | None = None,  # FP8 projections (experts stay unquantized)
     ) -> None:
         super().__init__()
         self.config = cfg
@@ -304,6 +312,7 @@ class DecoderForCausalLM(nn.Module):
                 fused_ops,
                 layer=i,
                 triton_moe=triton_moe,
+                linear=linear_class(quantization),
             )
             for i in range(cfg.num_hidden_layers)
         )

@@ -5,9 +5,10 @@ of facts read here: which layers slide, which MLPs are mixtures of experts and
 how their router normalises, Gemma's norms and scales. Torch-free, like the
 rest of the configuration: the router reads a model's family without torch.
 
-A config field the engine cannot honour (a quantized checkpoint, an attention
-pattern it lacks) raises one ValueError naming the field and what is
-supported, rather than loading a model that would compute something else.
+A config field the engine cannot honour (an attention pattern it lacks; a
+quantized checkpoint other than FP8, engine/quantization/scheme.py) raises
+one ValueError naming the field and what is supported, rather than loading a
+model that would compute something else.
 """
 
 from __future__ import annotations
@@ -86,12 +87,6 @@ def family_of(raw: dict[str, Any]) -> tuple[str, str]:
 
 def check_supported_fields(raw: dict[str, Any], family: str) -> None:
     """ValueError for a field whose value the engine would silently ignore."""
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?")
-        raise ValueError(
-            f"config.json: quantized checkpoints ({method}) are not supported; "
-            "supported: unquantized float32/float16/bfloat16 weights"
-        )
     act = hidden_act(raw, family)
     if act not in SUPPORTED_ACTIVATIONS:
         raise ValueError(

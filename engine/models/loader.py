@@ -9,6 +9,12 @@ engine/tp_layout.py. Dummy weights go through the same path: a
 checkpoint is synthesised tensor by tensor from the config, each drawn whole
 from its own seeded generator and then sliced, so TP = 1, 2, 4 of one seed
 hold the same model.
+
+A quantized model's projections hold FP8 weights and per-row scales
+(engine/quantization/fp8.py): a float part is quantized as it is copied, a
+pre-quantized checkpoint's part arrives with its scales
+(engine/quantization/checkpoint.py); a pre-quantized tensor bound for a
+parameter kept in the model dtype is dequantized.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from engine.models.checkpoint import (
 )
 from engine.models.config import ModelArchConfig
 from engine.models.decoder import DecoderForCausalLM
+from engine.quantization.checkpoint import attach_scales, is_scale_tensor
+from engine.quantization.fp8 import FP8_DTYPE, QuantizedRows, quantize_rows
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +79,30 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, TensorSource]]
                 yield name, (tuple(lazy.get_shape()), lazy.__getitem__)
 
 
+def read_tensors(model_dir: str | Path, wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """The whole of every checkpoint tensor whose name ``wanted`` accepts."""
+    out = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if wanted(name):
+                    out[name] = f.get_tensor(name)
+    return out
+
+
 def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
     """Copy a Hugging Face checkpoint (this rank's shard of it) into ``model``;
     every parameter must be covered."""
-    load_tensors(model, iter_checkpoint(model_dir))
+    tensors = iter_checkpoint(model_dir)
+    quant = model.config.checkpoint_quant
+    if quant is not None:  # the scales first: a weight's may sit in another shard
+        tensors = attach_scales(tensors, read_tensors(model_dir, is_scale_tensor), quant)
+    load_tensors(model, tensors)
 
 
 def load_tensors(model: DecoderForCausalLM, tensors: Iterator[tuple[str, TensorSource]]) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers())
     expected = {name for name in params if not _is_tied_alias(model, name)}
     loaded: dict[str, set[tuple[int | None, str | None]]] = {}
     unexpected: list[str] = []
@@ -105,7 +129,8 @@ def load_tensors(model: DecoderForCausalLM, tensors: Iterator[tuple[str, TensorS
                 raise ValueError(
                     f"checkpoint tensor {ckpt_name} has shape {tuple(shape)}, expected {want}"
                 )
-            _copy_part(model, ckpt_name, slot, param, shape, read)
+            scale = buffers.get(slot.param.removesuffix("weight") + "weight_scale")
+            _copy_part(model, ckpt_name, slot, param, shape, read, scale)
             loaded.setdefault(slot.param, set()).add((slot.expert, slot.part))
     if unexpected:
         raise ValueError(f"checkpoint has tensors this model does not use: {unexpected[:8]}")
@@ -114,15 +139,24 @@ def load_tensors(model: DecoderForCausalLM, tensors: Iterator[tuple[str, TensorS
         raise ValueError(f"checkpoint lacks tensors for: {missing[:8]}")
 
 
-def _copy_part(model, ckpt_name: str, slot: Slot, param, shape, read) -> None:
-    """Copy this rank's part of one checkpoint tensor into its place in ``param``."""
+def _copy_part(model, ckpt_name: str, slot: Slot, param, shape, read, scale=None) -> None:
+    """Copy this rank's part of one checkpoint tensor into its place in ``param``
+    (and its per-row scales into ``scale`` where ``param`` is FP8)."""
     part = rank_part(slot, shape, model.layout)
     if part is None:
         return
     target = param if slot.expert is None else param[slot.expert]
+    rows = slice(None)
     if slot.part is not None:
-        target = target[part_rows(slot, target.shape[0], model.layout)]
+        rows = part_rows(slot, target.shape[0], model.layout)
+        target = target[rows]
     data = read(part)
+    row_scales = None
+    if param.dtype == FP8_DTYPE:
+        data = data if isinstance(data, QuantizedRows) else quantize_rows(data)
+        data, row_scales = data.data, data.scale
+    elif isinstance(data, QuantizedRows):
+        data = data.dequantize(target.dtype)
     if slot.split is Split.VOCAB:
         target = target[: data.shape[0]]  # the rest: vocabulary padding
     if target.shape != data.shape:
@@ -131,6 +165,8 @@ def _copy_part(model, ckpt_name: str, slot: Slot, param, shape, read) -> None:
             f"{tuple(data.shape)}, its parameter {tuple(target.shape)}"
         )
     target.copy_(data)
+    if row_scales is not None:
+        scale[rows].copy_(row_scales)
 
 
 def _is_tied_alias(model: DecoderForCausalLM, name: str) -> bool:
