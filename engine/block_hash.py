@@ -14,7 +14,8 @@ so anything that changes a digest bumps ``BLOCK_HASH_VERSION``.
 - ``extra_key``s (version 2) name whatever else changes the numbers a block's
   KV holds, each ``name=value``, sorted by name, each name at most once: the
   request's LoRA adapter (``lora=<adapter digest>``, ``lora_extra_key``);
-  the KV cache dtype and weight quantization join the same list. A request
+  an FP8 KV cache (``kv_cache_dtype=fp8_e4m3``, ``kv_cache_dtype_extra_keys``);
+  weight quantization joins the same list. A request
   with none hashes exactly as version 1 did, so base-model blocks keep their
   digests.
 
@@ -81,6 +82,17 @@ def lora_extra_key(adapter_digest: str) -> str:
     """The extra key of a request under an adapter: its content digest, not its
     name or ``lora_int_id`` (docs/engine.md, "LoRA adapters")."""
     return f"{LORA_KEY_NAME}={adapter_digest}"
+
+
+# The extra key of a KV cache whose numbers differ from the model dtype's
+# (``kv_cache_dtype=fp8_e4m3``); a cache in the model's dtype adds none, so
+# its blocks keep their digests.
+KV_CACHE_DTYPE_KEY_NAME = "kv_cache_dtype"
+
+
+def kv_cache_dtype_extra_keys(quantized_name: str | None) -> ExtraKeys:
+    """The extra keys of a cache storing ``quantized_name`` (None: the model's dtype)."""
+    return () if quantized_name is None else (f"{KV_CACHE_DTYPE_KEY_NAME}={quantized_name}",)
 
 
 def canonical_extra_keys(extra_keys: Sequence[str] = ()) -> ExtraKeys:

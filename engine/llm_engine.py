@@ -33,7 +33,13 @@ from dataclasses import dataclass
 from functools import partial
 
 from engine.async_step import InFlightStep, StepLog
-from engine.block_hash import MAX_CACHED_HASHERS, ExtraKeys, HasherCache, lora_extra_key
+from engine.block_hash import (
+    MAX_CACHED_HASHERS,
+    ExtraKeys,
+    HasherCache,
+    kv_cache_dtype_extra_keys,
+    lora_extra_key,
+)
 from engine.block_manager import BlockManager, CacheEvents
 from engine.config import EngineConfig
 from engine.detokenizer import TokenizerInfo
@@ -41,7 +47,9 @@ from engine.device import GiB
 from engine.engine_stats import EngineStats, collect_stats
 from engine.host_tier import HostTier
 from engine.input_processor import InputProcessor, PromptType
+from engine.kv_cache_dtype import FP8_E4M3_NAME
 from engine.kv_writes import KVWriteObserver
+from engine.layers.attention.kv_quant import storage_view
 from engine.lora.request import LoRARequest
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
@@ -128,6 +136,10 @@ class LLMEngine:
         # Block hashers per tenant salt (None: no prefix caching, nothing to hash).
         hashers = HasherCache(config.served_model_name, config.kvcache_block_size)
         self._hashers = hashers if config.enable_prefix_caching else None
+        # What every request's blocks hold beyond the model: an FP8 cache's numbers.
+        self._cache_keys = kv_cache_dtype_extra_keys(
+            FP8_E4M3_NAME if config.kv_cache_dtype.is_fp8 else None
+        )
         # Requests with penalties (a step sampling for one waits for the one before).
         self._penalised: set[str] = set()
         # Async scheduling: the launched step whose samples the host has not read.
@@ -180,7 +192,8 @@ class LLMEngine:
                 f"swap_space ({config.swap_space} GiB) holds no KV block ({block_bytes} bytes)"
             )
         tier = HostTier(num_slots)
-        self.tier_transfers = TierTransfers(tier, self.model_runner.kv_cache)
+        # As bytes where FP8 (no FP8 index_copy_ on a CPU): the cache dtype unchanged.
+        self.tier_transfers = TierTransfers(tier, storage_view(self.model_runner.kv_cache))
         return tier
 
     def _flush_tiers(self, wait: bool = False) -> None:
@@ -313,7 +326,7 @@ class LLMEngine:
             request_id in self.requests or request_id in self.scheduler.held
         ):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        extra_keys = self._lora_keys(lora_request)
+        extra_keys = self._cache_keys + self._lora_keys(lora_request)
         return self.input_processor.new_request(
             request_id, prompt, params, arrival_time, self._hashers, lora_request, extra_keys
         )

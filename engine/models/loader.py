@@ -37,8 +37,9 @@ from engine.models.decoder import DecoderForCausalLM
 
 logger = logging.getLogger(__name__)
 
-# Checkpoint tensors that are derived here rather than loaded.
-_IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
+# Checkpoint tensors that are derived here rather than loaded, or read
+# elsewhere (FP8 KV scales: engine/models/kv_scales.py).
+_IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$|self_attn\.[kv]_scale$")
 
 # (shape, read): read(slices) returns that part of the tensor, reading nothing else.
 TensorSource = tuple[tuple[int, ...], Callable[[tuple[slice, ...]], torch.Tensor]]
