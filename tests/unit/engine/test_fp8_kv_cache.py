@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.layers.attention import TorchAttention
+from engine.layers.attention import AttentionBackendName, TorchAttention, select_backend
 from engine.layers.attention.backend import AttentionMetadata
 from engine.layers.attention.kv_quant import FP8_KV_DTYPE, dequantize, quantize
 
@@ -36,6 +36,11 @@ def test_an_unknown_kv_cache_dtype_lists_the_supported_ones(llama_dir):
         EngineConfig(str(llama_dir), kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="calculate_kv_scales must be True or False"):
         EngineConfig(str(llama_dir), calculate_kv_scales="yes")
+    # A backend that cannot read FP8 KV is refused by name (auto skips it).
+    with pytest.raises(ValueError, match="does not read an FP8 KV cache"):
+        select_backend(
+            AttentionBackendName.FLASH_ATTN, torch.device("cpu"), torch.float32, fp8_kv=True
+        )
 
 
 def test_the_block_pool_doubles_at_equal_memory(llama_dir):
