@@ -60,7 +60,7 @@ from common.kv_transfer.ticket import Destination, OutgoingSegment, TransferTick
 from engine.kv_blocks import block_index, block_runs, cache_copier, gather_blocks, kv_unit_bytes
 from engine.kv_cache_dtype import FP8_E4M3_NAME
 from engine.kv_writes import LayerDone
-from engine.layers.attention.kv_quant import quantize_chunk, quantized_name
+from engine.layers.attention.kv_quant import FP8_KV_DTYPE, quantize_chunk, quantized_name
 from engine.scheduler import ScheduledBatch
 from engine.tp_layout import kv_head_range
 from prefill_node.destinations import WAIT_S, PendingDestination
@@ -592,11 +592,14 @@ class KVStreamer:
         """A gathered chunk in FP8 for a decode node holding FP8 (on the gather
         stream, behind the gather, where there is one)."""
         scales = self.kv_scales[layers[0] : layers[1]]
+        # In the current stream's pool, as gather_blocks allocates (engine/kv_blocks.py).
+        out = torch.empty(data.shape, dtype=FP8_KV_DTYPE, device=data.device)
         if on is None:
-            return quantize_chunk(data, scales)
-        with torch.cuda.stream(on):
-            out = quantize_chunk(data, scales)
+            quantize_chunk(data, scales, out)
+            return out
         out.record_stream(on)
+        with torch.cuda.stream(on):
+            quantize_chunk(data, scales, out)
         return out
 
     def step_sampled(self, samples, rows: list[int]) -> None:

@@ -68,8 +68,12 @@ def quantized_name(dtype: torch.dtype) -> str:
     return FP8_E4M3_NAME if is_fp8(dtype) else ""
 
 
-def quantize_chunk(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """A gathered chunk ``[2, layers, ...]`` in FP8, K and V of each layer by
-    ``scales`` ``[layers, 2]`` (the layers' [k_scale, v_scale])."""
+def quantize_chunk(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """A gathered chunk ``[2, layers, ...]`` into ``out`` (FP8, the same shape),
+    K and V of each layer by ``scales`` ``[layers, 2]`` (the layers' [k_scale,
+    v_scale]). ``data`` (the caller's own buffer) is overwritten: scaled in
+    place, no temporary of the chunk's size is made (on a GPU this runs on the
+    gather stream, whose own pool the engine's memory budget does not count)."""
     shape = (2, scales.shape[0]) + (1,) * (data.dim() - 2)
-    return quantize(data, scales.t().reshape(shape))
+    data.div_(scales.t().reshape(shape)).clamp_(-FP8_MAX, FP8_MAX)
+    out.copy_(data)
