@@ -48,6 +48,7 @@ from common.kv_transfer.pairing import kv_pairs, receives_of
 from decode_node.landing_core import OPEN, LandingCore, PendingKV
 from decode_node.rank_reports import Report, ReportListener
 from decode_node.stats import DecodeStats
+from engine.layers.attention.kv_quant import quantized_name
 from engine.llm_engine import LLMEngine, Reservation
 
 if TYPE_CHECKING:
@@ -76,6 +77,8 @@ class KVLanding(LandingCore):
         super().__init__(runner, stats, verify_transfers)
         self.tp_size = runner.tp.size
         self.num_kv_heads = runner.layout.num_kv_heads
+        # Told to prefill nodes with its blocks (KVChannel.kv_cache_dtype).
+        self.kv_cache_dtype = quantized_name(runner.kv_cache.dtype)
         self._engine = engine  # to reach the other ranks (tensor parallelism)
         kv = runner.kv_cache
         self.receiver = KVReceiver(

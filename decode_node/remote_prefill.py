@@ -155,6 +155,7 @@ class RemotePrefill:
         channel.store_port = self.landing.receiver.port
         channel.epoch = epoch
         channel.tensor_parallel_size = self.landing.tp_size
+        channel.kv_cache_dtype = self.landing.kv_cache_dtype
         try:
             await self.session.send_blocks(blocks, self.end - time.monotonic())
         except TimeoutError:

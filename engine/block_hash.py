@@ -15,9 +15,10 @@ so anything that changes a digest bumps ``BLOCK_HASH_VERSION``.
   KV holds, each ``name=value``, sorted by name, each name at most once: the
   request's LoRA adapter (``lora=<adapter digest>``, ``lora_extra_key``);
   the engine's weight quantization (``quantization=fp8``,
-  ``quantization_extra_key``); the KV cache dtype joins the same list. A
-  request with none hashes exactly as version 1 did, so base-model blocks of
-  an unquantized engine keep their digests.
+  ``quantization_extra_key``); an FP8 KV cache (``kv_cache_dtype=fp8_e4m3``,
+  ``kv_cache_dtype_extra_keys``). A request with none hashes exactly as
+  version 1 did, so base-model blocks of an unquantized engine keep their
+  digests.
 
 Hashes are hints: whoever finds a hash in its cache still verifies the block's
 tokens before reusing it. Nothing here uses Python's ``hash()``, which is salted
@@ -93,6 +94,17 @@ def quantization_extra_key(method: str) -> str:
     ``quantization`` value, e.g. ``fp8``) computes: its KV differs from the
     unquantized model's."""
     return f"{QUANTIZATION_KEY_NAME}={method}"
+
+
+# The extra key of a KV cache whose numbers differ from the model dtype's
+# (``kv_cache_dtype=fp8_e4m3``); a cache in the model's dtype adds none, so
+# its blocks keep their digests.
+KV_CACHE_DTYPE_KEY_NAME = "kv_cache_dtype"
+
+
+def kv_cache_dtype_extra_keys(quantized_name: str | None) -> ExtraKeys:
+    """The extra keys of a cache storing ``quantized_name`` (None: the model's dtype)."""
+    return () if quantized_name is None else (f"{KV_CACHE_DTYPE_KEY_NAME}={quantized_name}",)
 
 
 def canonical_extra_keys(extra_keys: Sequence[str] = ()) -> ExtraKeys:

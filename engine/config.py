@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from engine.kv_cache_dtype import KVCacheDType
 from engine.layers.specs import AttentionBackendName, GemvBackend
 from engine.lora.config import LoRADType, check_lora_options
 from engine.models.config import ModelArchConfig
@@ -104,6 +105,12 @@ class EngineConfig:
     kvcache_block_size: int = 16
     num_kvcache_blocks: int = -1
     kv_cache_memory_bytes: int | None = None
+    # vLLM's: what the KV cache stores ("auto": the model's dtype; "fp8" or
+    # "fp8_e4m3": float8 e4m3, half the bytes, with a scale per layer for K and
+    # for V: the checkpoint's k_scale / v_scale, else 1.0, or with
+    # calculate_kv_scales, computed from the first prompt's K and V).
+    kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO
+    calculate_kv_scales: bool = False
     enforce_eager: bool = False
     # pdserve-specific: fused Triton kernels for RMSNorm, SiLU-and-mul and RoPE on
     # CUDA (False: the plain torch ops, e.g. to measure what they buy).
@@ -187,6 +194,7 @@ class EngineConfig:
             "late_launch",
             "enable_lora",
             "fully_sharded_loras",
+            "calculate_kv_scales",
         ):
             _require_bool(name, getattr(self, name))
         if self.async_scheduling is not None:
@@ -234,6 +242,7 @@ class EngineConfig:
         self.quantization = resolve_quantization(
             parse_quantization(self.quantization), self.model_config.checkpoint_quant
         )
+        self.kv_cache_dtype = KVCacheDType.parse(self.kv_cache_dtype)
         self.lora_dtype = _parse_enum("lora_dtype", self.lora_dtype, LoRADType)
         self.structured_outputs_config = StructuredOutputsConfig.parse(
             self.structured_outputs_config, self.guided_decoding_backend

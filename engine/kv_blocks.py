@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.copy_engine import CopyEngine
+from engine.layers.attention.kv_quant import storage_view
 
 logger = logging.getLogger(__name__)
 
@@ -204,4 +205,4 @@ def scatter_blocks(
         data = data.view(kv_cache.dtype)
     if data.numel() != math.prod(shape):
         raise ValueError(f"KV payload has {data.numel()} elements, {math.prod(shape)} expected")
-    view.index_copy_(2, idx, data.view(shape))
+    storage_view(view).index_copy_(2, idx, storage_view(data).view(shape))

@@ -37,6 +37,7 @@ from engine.block_hash import (
     MAX_CACHED_HASHERS,
     ExtraKeys,
     HasherCache,
+    kv_cache_dtype_extra_keys,
     lora_extra_key,
     quantization_extra_key,
 )
@@ -47,7 +48,9 @@ from engine.device import GiB
 from engine.engine_stats import EngineStats, collect_stats
 from engine.host_tier import HostTier
 from engine.input_processor import InputProcessor, PromptType
+from engine.kv_cache_dtype import FP8_E4M3_NAME
 from engine.kv_writes import KVWriteObserver
+from engine.layers.attention.kv_quant import storage_view
 from engine.lora.request import LoRARequest
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
@@ -134,10 +137,11 @@ class LLMEngine:
         # Block hashers per tenant salt (None: no prefix caching, nothing to hash).
         hashers = HasherCache(config.served_model_name, config.kvcache_block_size)
         self._hashers = hashers if config.enable_prefix_caching else None
-        # The block identity every request of this engine shares beyond the model.
+        # The block identity every request of this engine shares beyond the
+        # model: its weight quantization and an FP8 cache's numbers.
         self.numerics_keys: ExtraKeys = (
             (quantization_extra_key(config.quantization.value),) if config.quantization else ()
-        )
+        ) + kv_cache_dtype_extra_keys(FP8_E4M3_NAME if config.kv_cache_dtype.is_fp8 else None)
         # Requests with penalties (a step sampling for one waits for the one before).
         self._penalised: set[str] = set()
         # Async scheduling: the launched step whose samples the host has not read.
@@ -192,7 +196,8 @@ class LLMEngine:
                 f"swap_space ({config.swap_space} GiB) holds no KV block ({block_bytes} bytes)"
             )
         tier = HostTier(num_slots)
-        self.tier_transfers = TierTransfers(tier, self.model_runner.kv_cache)
+        # As bytes where FP8 (no FP8 index_copy_ on a CPU): the cache dtype unchanged.
+        self.tier_transfers = TierTransfers(tier, storage_view(self.model_runner.kv_cache))
         return tier
 
     def _flush_tiers(self, wait: bool = False) -> None:

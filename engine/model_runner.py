@@ -21,13 +21,15 @@ from engine.device import GiB, available_host_memory, default_dtype, resolve_dev
 from engine.kernel_warmup import warm_up_kernels
 from engine.kv_blocks import Range, gather_blocks, scatter_blocks
 from engine.kv_writes import KVWriteObserver
-from engine.layers.attention import select_backend
+from engine.layers.attention import AttentionBackend, select_backend
+from engine.layers.attention.kv_quant import FP8_KV_DTYPE
 from engine.layers.sampler import GrammarBitmask, Sampler, SamplingRow
 from engine.layers.skinny_gemm_plan import plan_model
 from engine.lora.manager import LoRAManager
 from engine.lora.slots import LoRASlots
 from engine.model_io import ModelInputs, StepOutput
 from engine.models.decoder import DecoderForCausalLM
+from engine.models.kv_scales import read_kv_scales
 from engine.models.loader import init_dummy_weights, load_weights
 from engine.parallel.group import TPGroup
 from engine.parallel.handoff import Logits, StepPlan
@@ -75,15 +77,9 @@ class ModelRunner:
         self.layout = TPLayout.for_model(cfg, self.tp.rank, self.tp.size)
         self.dtype = resolve_dtype(config.dtype, cfg.torch_dtype, self.device)
         self.block_size = config.kvcache_block_size
-        backend_cls = select_backend(config.attention_backend, self.device, self.dtype, cfg)
-        # This rank's heads (all of them without tensor parallelism).
-        self.attention_backend = backend_cls(
-            self.layout.num_local_heads,
-            self.layout.num_local_kv_heads,
-            cfg.head_dim,
-            cfg.softmax_scale,
-            self.block_size,
-        )
+        # What the KV cache stores: the model's dtype, or FP8 (kv_cache_dtype).
+        self.kv_dtype = FP8_KV_DTYPE if config.kv_cache_dtype.is_fp8 else self.dtype
+        self.attention_backend = self._make_backend()
         self.model = self._load_model()
         # LoRA: the projections wrapped (before the skinny-GEMM plans and the
         # graphs), the device slots' bookkeeping for the scheduler.
@@ -103,11 +99,7 @@ class ModelRunner:
         self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
         self.sampling_rows = SamplingRows(self.device, cfg.vocab_size, eos_token_ids)
         self.staging = HostStaging(self.device)
-        # Every rank holds the same blocks (its heads of them): the smallest pool wins.
-        self.num_kvcache_blocks = self.tp.min_int(self._decide_num_blocks())
-        self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
-        if self.draft is not None:  # the same block ids index its own pool
-            self.draft.allocate_kv_cache(self.num_kvcache_blocks)
+        self._make_kv_pool()
         # Told when each layer of a step wrote its KV (a prefill node streaming it).
         self.kv_observer: KVWriteObserver | None = None
         if self.lora is not None:  # the graphs capture the LoRA kernels too
@@ -121,6 +113,43 @@ class ModelRunner:
             self.lora.end_step()
         if self.device.type == "cuda":  # compiles now, not under load (kernel_warmup.py)
             warm_up_kernels(self)
+        if config.calculate_kv_scales and self.kv_dtype != self.dtype:
+            # From the first real step on: not the profile or warm-up passes.
+            for attn in self.model.attention_layers:
+                attn.scales_pending = True
+
+    def _make_backend(self) -> AttentionBackend:
+        """The attention backend for this rank's heads (all of them without
+        tensor parallelism), one that reads the cache's dtype."""
+        config, cfg = self.config, self.config.model_config
+        backend_cls = select_backend(
+            config.attention_backend,
+            self.device,
+            self.dtype,
+            cfg,
+            fp8_kv=self.kv_dtype != self.dtype,
+        )
+        return backend_cls(
+            self.layout.num_local_heads,
+            self.layout.num_local_kv_heads,
+            cfg.head_dim,
+            cfg.softmax_scale,
+            self.block_size,
+        )
+
+    def _make_kv_pool(self) -> None:
+        """The KV scales, the pool's size and the pool (and the draft's)."""
+        config = self.config
+        # Each layer's [k_scale, v_scale], read even for a cache in the model's
+        # dtype: a prefill node quantizes on the way to an FP8 peer with them.
+        model_dir = None if config.load_format is LoadFormat.DUMMY else config.model
+        num_layers = config.model_config.num_hidden_layers
+        self.kv_scales = read_kv_scales(model_dir, num_layers).to(self.device)
+        # Every rank holds the same blocks (its heads of them): the smallest pool wins.
+        self.num_kvcache_blocks = self.tp.min_int(self._decide_num_blocks())
+        self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
+        if self.draft is not None:  # the same block ids index its own pool
+            self.draft.allocate_kv_cache(self.num_kvcache_blocks)
 
     def _load_model(self) -> DecoderForCausalLM:
         """This rank's part of the model, its weights loaded (or dummy ones)."""
@@ -175,7 +204,7 @@ class ModelRunner:
     @property
     def kv_block_bytes(self) -> int:
         cfg = self.config.model_config
-        elem = torch.empty(0, dtype=self.dtype).element_size()
+        elem = torch.empty(0, dtype=self.kv_dtype).element_size()
         return (
             2
             * cfg.num_hidden_layers
@@ -246,12 +275,16 @@ class ModelRunner:
             self.block_size,
             self.layout.num_local_kv_heads,
             cfg.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
+        quantized = self.kv_dtype != self.dtype
         for i, attn in enumerate(self.model.attention_layers):
             attn.k_cache = kv[0, i]
             attn.v_cache = kv[1, i]
+            if quantized:
+                attn.layer_kwargs["kv_scales"] = self.kv_scales[i]
+                attn.store_in_rope = False
         return kv
 
     def _profile_cuda_budget(self) -> int:

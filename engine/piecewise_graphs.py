@@ -90,7 +90,7 @@ class PiecewiseGraphs:
         layers = model.layers
         self.num_layers = len(layers)
         attn = layers[0].self_attn
-        self.fused = attn.fused
+        self.fused = attn.store_in_rope  # K/V stored by the projection piece
         n = self.max_tokens
         cfg = model.config
         z = dict(device=device)

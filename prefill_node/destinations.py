@@ -60,6 +60,7 @@ def destination_of(channel: internal_pb2.KVChannel) -> Destination:
         channel.store_port,
         channel.epoch,
         max(1, channel.tensor_parallel_size),
+        channel.kv_cache_dtype,
     )
 
 

@@ -58,7 +58,9 @@ from common.kv_transfer.protocol import (
 from common.kv_transfer.sender import KVSender
 from common.kv_transfer.ticket import Destination, OutgoingSegment, TransferTicket
 from engine.kv_blocks import block_index, block_runs, cache_copier, gather_blocks, kv_unit_bytes
+from engine.kv_cache_dtype import FP8_E4M3_NAME
 from engine.kv_writes import LayerDone
+from engine.layers.attention.kv_quant import FP8_KV_DTYPE, quantize_chunk, quantized_name
 from engine.scheduler import ScheduledBatch
 from engine.tp_layout import kv_head_range
 from prefill_node.destinations import WAIT_S, PendingDestination
@@ -154,6 +156,7 @@ class KVStreamer:
         tp_rank: int = 0,
         tp_size: int = 1,
         call_workers: Callable[[str, dict], None] | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
         if layers_per_chunk < 0:
             raise ValueError(f"layers per KV chunk must be >= 0, got {layers_per_chunk}")
@@ -169,6 +172,10 @@ class KVStreamer:
         self.my_heads = kv_head_range(tp_rank, tp_size, self.num_kv_heads)
         self.call_workers = call_workers
         self.unit_bytes = kv_unit_bytes(kv_cache)
+        # What this cache holds, by its wire name ("": the model's dtype), and the
+        # layers' [k_scale, v_scale] to quantize with for a decode node holding FP8.
+        self.kv_cache_dtype = quantized_name(kv_cache.dtype)
+        self.kv_scales = kv_scales
         # 0: a step's blocks of every layer in one chunk, sent after its last layer.
         self.layers_per_chunk = min(layers_per_chunk or self.num_layers, self.num_layers)
         # Prepare and queue a step's groups before its launch (a CPU), or from
@@ -354,12 +361,38 @@ class KVStreamer:
         except Exception as e:  # TransferError or ValueError, the Prefill's failure
             ticket.fail(e)
             return False
+        refusal = self._wire_refusal(dest)
+        if refusal:
+            ticket.fail(TransferError(f"decode node {dest.node_id}: {refusal}"))
+            return False
         ticket.dest = dest
         streamed.first_block, streamed.num_blocks = pending.first_block, pending.num_blocks
         # The decode node's epochs only grow: the newest its blocks named is its channel.
         if dest.epoch > self._epochs.get(dest.node_id, -1):
             self._epochs[dest.node_id] = dest.epoch
         return True
+
+    def _wire_refusal(self, dest: Destination) -> str:
+        """Why this node cannot send KV in ``dest``'s cache dtype ("" if it can:
+        the same, or FP8 quantized on the way: engine/kv_cache_dtype.py's
+        pairing rule)."""
+        if dest.kv_cache_dtype == self.kv_cache_dtype:
+            return ""
+        if dest.kv_cache_dtype == FP8_E4M3_NAME:
+            if self.kv_scales is None:
+                return "it holds FP8 KV and this prefill node has no KV scales to quantize with"
+            return ""
+        if not dest.kv_cache_dtype:
+            return (
+                f"its KV cache holds the model's dtype and this prefill node's "
+                f"{self.kv_cache_dtype}: FP8 KV cannot feed it (routers never pair them: "
+                "docs/architecture.md)"
+            )
+        return f"its KV cache holds {dest.kv_cache_dtype!r}, which this prefill node cannot send"
+
+    def _quantizes(self, dest: Destination) -> bool:
+        """Whether chunks to ``dest`` are quantized on the way (its cache is FP8, ours not)."""
+        return dest.kv_cache_dtype != self.kv_cache_dtype
 
     def _resolve(self, plan: list[StepSegment]) -> list[StepSegment]:
         """The step's segments with the decode node's blocks in (waiting for
@@ -506,7 +539,10 @@ class KVStreamer:
             per_chunk,
             pair.head_start,
             pair.head_end,
-            self.unit_bytes,
+            # In the decode node's cache dtype: one byte an element for FP8.
+            self.unit_bytes // self.kv_cache.element_size()
+            if self._quantizes(seg.dest)
+            else self.unit_bytes,
             flags=flags,
             cached_tokens=seg.cached_tokens if token else 0,
             top_logprobs=max(0, seg.logprobs) if token else 0,
@@ -540,6 +576,8 @@ class KVStreamer:
                 data = gather_blocks(
                     self.kv_cache, idx, desc.layers, heads, gather, runs, self.copier
                 )
+                if segment.header.unit_bytes != self.unit_bytes:  # FP8 on the wire
+                    data = self._quantize(data, desc.layers, gather)
                 ready = None
                 if gather is not None:
                     # Timing-enabled: the sender measures its wire time and what
@@ -549,6 +587,20 @@ class KVStreamer:
                 self.sender.send_chunk(group, segment, desc, data, ready, now, last)
         if gather is not None and layer == self.num_layers - 1:
             torch.cuda.current_stream(gather.device).wait_stream(gather)
+
+    def _quantize(self, data: torch.Tensor, layers: tuple[int, int], on) -> torch.Tensor:
+        """A gathered chunk in FP8 for a decode node holding FP8 (on the gather
+        stream, behind the gather, where there is one)."""
+        scales = self.kv_scales[layers[0] : layers[1]]
+        # In the current stream's pool, as gather_blocks allocates (engine/kv_blocks.py).
+        out = torch.empty(data.shape, dtype=FP8_KV_DTYPE, device=data.device)
+        if on is None:
+            quantize_chunk(data, scales, out)
+            return out
+        out.record_stream(on)
+        with torch.cuda.stream(on):
+            quantize_chunk(data, scales, out)
+        return out
 
     def step_sampled(self, samples, rows: list[int]) -> None:
         self.first_tokens.send(samples, rows)

@@ -52,6 +52,7 @@ class PrefillRank:
             last_layers=payload["last_layers"],
             tp_rank=runner.tp.rank,
             tp_size=runner.tp.size,
+            kv_scales=runner.kv_scales,
         )
         runner.kv_observer = self.streamer
 

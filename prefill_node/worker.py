@@ -171,6 +171,7 @@ class PrefillWorker:
             tp_rank=tp.rank,
             tp_size=tp.size,
             call_workers=llm_engine.call_workers if tp.size > 1 else None,
+            kv_scales=runner.kv_scales,
         )
         llm_engine.observe_kv_writes(self.streamer)
         self.stats.copier = self.streamer.copier

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import pdserve_pb2 as proto_dot_pdserve__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11proto/admin.proto\x12\npdserve.v1\x1a\x13proto/pdserve.proto\"\x12\n\x10ListNodesRequest\"\xf8\x03\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x08 \x01(\x04\x12\x15\n\rcached_blocks\x18\t \x01(\x04\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x12\x18\n\x10heartbeat_age_ms\x18\x0b \x01(\x04\x12\x16\n\x0erequests_total\x18\x0c \x01(\x04\x12\x13\n\x0bpreemptions\x18\r \x01(\x04\x12\x1d\n\x15\x63omputed_tokens_total\x18\x0e \x01(\x04\x12\x1e\n\x16generated_tokens_total\x18\x0f \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x10 \x01(\r\x12\x10\n\x08num_gpus\x18\x11 \x01(\r\x12\x14\n\x0cmodel_family\x18\x12 \x01(\t\x12\x1c\n\x14host_kv_blocks_total\x18\x13 \x01(\r\x12\x1b\n\x13host_kv_blocks_free\x18\x14 \x01(\r\x12\x1a\n\x12host_cached_blocks\x18\x15 \x01(\x04\"8\n\x11ListNodesResponse\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.pdserve.v1.NodeInfo\"\x1f\n\x0c\x44rainRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"3\n\rDrainResponse\x12\"\n\x04node\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.NodeInfo\"\x0e\n\x0cStatsRequest\"`\n\x0eLatencySummary\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\x12\x0f\n\x07mean_ms\x18\x02 \x01(\x01\x12\x0e\n\x06p50_ms\x18\x03 \x01(\x01\x12\x0e\n\x06p90_ms\x18\x04 \x01(\x01\x12\x0e\n\x06p99_ms\x18\x05 \x01(\x01\"+\n\tNodeCount\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\",\n\x0bStatusCount\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\"\xad\x05\n\rStatsResponse\x12(\n\x04ttft\x18\x01 \x01(\x0b\x32\x1a.pdserve.v1.LatencySummary\x12(\n\x04tpot\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.LatencySummary\x12\'\n\x03itl\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.LatencySummary\x12\'\n\x03\x65\x32\x65\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.LatencySummary\x12\x17\n\x0fprefix_hit_rate\x18\x05 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x04\x12\x15\n\rcached_tokens\x18\x07 \x01(\x04\x12\x37\n\x18requests_per_decode_node\x18\x08 \x03(\x0b\x32\x15.pdserve.v1.NodeCount\x12\x38\n\x19requests_per_prefill_node\x18\t \x03(\x0b\x32\x15.pdserve.v1.NodeCount\x12\x16\n\x0elocal_prefills\x18\n \x01(\x04\x12\x33\n\x12requests_by_status\x18\x0b \x03(\x0b\x32\x17.pdserve.v1.StatusCount\x12\x11\n\tin_flight\x18\x0c \x01(\x04\x12\x13\n\x0bpreemptions\x18\r \x01(\x04\x12\x14\n\x0ckv_transfers\x18\x0e \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\x0f \x01(\x04\x12\x18\n\x10kv_transfer_gbps\x18\x10 \x01(\x01\x12\x1c\n\x14kv_transfer_failures\x18\x11 \x01(\x04\x12\x10\n\x08uptime_s\x18\x12 \x01(\x01\x12\x13\n\x0bspec_drafts\x18\x13 \x01(\x04\x12\x19\n\x11spec_draft_tokens\x18\x14 \x01(\x04\x12\x1c\n\x14spec_accepted_tokens\x18\x15 \x01(\x04\"C\n\x13\x45xplainRouteRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.GenerateRequest\"\xe4\x01\n\tNodeScore\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x12\n\nhit_blocks\x18\x03 \x01(\r\x12\x11\n\x04\x63ost\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08\x65xcluded\x18\x05 \x01(\t\x12/\n\x05terms\x18\x06 \x03(\x0b\x32 .pdserve.v1.NodeScore.TermsEntry\x12\x17\n\x0fhost_hit_blocks\x18\x07 \x01(\r\x1a,\n\nTermsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_cost\"\xc2\x01\n\x14\x45xplainRouteResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\t\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x04 \x01(\t\x12\x14\n\x0cprefill_node\x18\x05 \x01(\t\x12\x1c\n\x14local_prefill_reason\x18\x06 \x01(\t\x12$\n\x05nodes\x18\x07 \x03(\x0b\x32\x15.pdserve.v1.NodeScore\"$\n\x11\x46lushCacheRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\",\n\x12\x46lushCacheResponse\x12\x16\n\x0e\x62locks_flushed\x18\x01 \x01(\x04\x32\xad\x03\n\x05\x41\x64min\x12H\n\tListNodes\x12\x1c.pdserve.v1.ListNodesRequest\x1a\x1d.pdserve.v1.ListNodesResponse\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponse\x12>\n\x07Undrain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponse\x12Q\n\x0c\x45xplainRoute\x12\x1f.pdserve.v1.ExplainRouteRequest\x1a .pdserve.v1.ExplainRouteResponse\x12K\n\nFlushCache\x12\x1d.pdserve.v1.FlushCacheRequest\x1a\x1e.pdserve.v1.FlushCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11proto/admin.proto\x12\npdserve.v1\x1a\x13proto/pdserve.proto\"\x12\n\x10ListNodesRequest\"\xa6\x04\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x08 \x01(\x04\x12\x15\n\rcached_blocks\x18\t \x01(\x04\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x12\x18\n\x10heartbeat_age_ms\x18\x0b \x01(\x04\x12\x16\n\x0erequests_total\x18\x0c \x01(\x04\x12\x13\n\x0bpreemptions\x18\r \x01(\x04\x12\x1d\n\x15\x63omputed_tokens_total\x18\x0e \x01(\x04\x12\x1e\n\x16generated_tokens_total\x18\x0f \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x10 \x01(\r\x12\x10\n\x08num_gpus\x18\x11 \x01(\r\x12\x14\n\x0cmodel_family\x18\x12 \x01(\t\x12\x1c\n\x14host_kv_blocks_total\x18\x13 \x01(\r\x12\x1b\n\x13host_kv_blocks_free\x18\x14 \x01(\r\x12\x1a\n\x12host_cached_blocks\x18\x15 \x01(\x04\x12\x14\n\x0cweight_dtype\x18\x16 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x17 \x01(\t\"8\n\x11ListNodesResponse\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.pdserve.v1.NodeInfo\"\x1f\n\x0c\x44rainRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"3\n\rDrainResponse\x12\"\n\x04node\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.NodeInfo\"\x0e\n\x0cStatsRequest\"`\n\x0eLatencySummary\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\x12\x0f\n\x07mean_ms\x18\x02 \x01(\x01\x12\x0e\n\x06p50_ms\x18\x03 \x01(\x01\x12\x0e\n\x06p90_ms\x18\x04 \x01(\x01\x12\x0e\n\x06p99_ms\x18\x05 \x01(\x01\"+\n\tNodeCount\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\",\n\x0bStatusCount\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\"\xad\x05\n\rStatsResponse\x12(\n\x04ttft\x18\x01 \x01(\x0b\x32\x1a.pdserve.v1.LatencySummary\x12(\n\x04tpot\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.LatencySummary\x12\'\n\x03itl\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.LatencySummary\x12\'\n\x03\x65\x32\x65\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.LatencySummary\x12\x17\n\x0fprefix_hit_rate\x18\x05 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x04\x12\x15\n\rcached_tokens\x18\x07 \x01(\x04\x12\x37\n\x18requests_per_decode_node\x18\x08 \x03(\x0b\x32\x15.pdserve.v1.NodeCount\x12\x38\n\x19requests_per_prefill_node\x18\t \x03(\x0b\x32\x15.pdserve.v1.NodeCount\x12\x16\n\x0elocal_prefills\x18\n \x01(\x04\x12\x33\n\x12requests_by_status\x18\x0b \x03(\x0b\x32\x17.pdserve.v1.StatusCount\x12\x11\n\tin_flight\x18\x0c \x01(\x04\x12\x13\n\x0bpreemptions\x18\r \x01(\x04\x12\x14\n\x0ckv_transfers\x18\x0e \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\x0f \x01(\x04\x12\x18\n\x10kv_transfer_gbps\x18\x10 \x01(\x01\x12\x1c\n\x14kv_transfer_failures\x18\x11 \x01(\x04\x12\x10\n\x08uptime_s\x18\x12 \x01(\x01\x12\x13\n\x0bspec_drafts\x18\x13 \x01(\x04\x12\x19\n\x11spec_draft_tokens\x18\x14 \x01(\x04\x12\x1c\n\x14spec_accepted_tokens\x18\x15 \x01(\x04\"C\n\x13\x45xplainRouteRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.GenerateRequest\"\xe4\x01\n\tNodeScore\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x12\n\nhit_blocks\x18\x03 \x01(\r\x12\x11\n\x04\x63ost\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08\x65xcluded\x18\x05 \x01(\t\x12/\n\x05terms\x18\x06 \x03(\x0b\x32 .pdserve.v1.NodeScore.TermsEntry\x12\x17\n\x0fhost_hit_blocks\x18\x07 \x01(\r\x1a,\n\nTermsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_cost\"\xc2\x01\n\x14\x45xplainRouteResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\t\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x04 \x01(\t\x12\x14\n\x0cprefill_node\x18\x05 \x01(\t\x12\x1c\n\x14local_prefill_reason\x18\x06 \x01(\t\x12$\n\x05nodes\x18\x07 \x03(\x0b\x32\x15.pdserve.v1.NodeScore\"$\n\x11\x46lushCacheRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\",\n\x12\x46lushCacheResponse\x12\x16\n\x0e\x62locks_flushed\x18\x01 \x01(\x04\x32\xad\x03\n\x05\x41\x64min\x12H\n\tListNodes\x12\x1c.pdserve.v1.ListNodesRequest\x1a\x1d.pdserve.v1.ListNodesResponse\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponse\x12>\n\x07Undrain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponse\x12Q\n\x0c\x45xplainRoute\x12\x1f.pdserve.v1.ExplainRouteRequest\x1a .pdserve.v1.ExplainRouteResponse\x12K\n\nFlushCache\x12\x1d.pdserve.v1.FlushCacheRequest\x1a\x1e.pdserve.v1.FlushCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,35 +37,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTNODESREQUEST']._serialized_start=54
   _globals['_LISTNODESREQUEST']._serialized_end=72
   _globals['_NODEINFO']._serialized_start=75
-  _globals['_NODEINFO']._serialized_end=579
-  _globals['_LISTNODESRESPONSE']._serialized_start=581
-  _globals['_LISTNODESRESPONSE']._serialized_end=637
-  _globals['_DRAINREQUEST']._serialized_start=639
-  _globals['_DRAINREQUEST']._serialized_end=670
-  _globals['_DRAINRESPONSE']._serialized_start=672
-  _globals['_DRAINRESPONSE']._serialized_end=723
-  _globals['_STATSREQUEST']._serialized_start=725
-  _globals['_STATSREQUEST']._serialized_end=739
-  _globals['_LATENCYSUMMARY']._serialized_start=741
-  _globals['_LATENCYSUMMARY']._serialized_end=837
-  _globals['_NODECOUNT']._serialized_start=839
-  _globals['_NODECOUNT']._serialized_end=882
-  _globals['_STATUSCOUNT']._serialized_start=884
-  _globals['_STATUSCOUNT']._serialized_end=928
-  _globals['_STATSRESPONSE']._serialized_start=931
-  _globals['_STATSRESPONSE']._serialized_end=1616
-  _globals['_EXPLAINROUTEREQUEST']._serialized_start=1618
-  _globals['_EXPLAINROUTEREQUEST']._serialized_end=1685
-  _globals['_NODESCORE']._serialized_start=1688
-  _globals['_NODESCORE']._serialized_end=1916
-  _globals['_NODESCORE_TERMSENTRY']._serialized_start=1863
-  _globals['_NODESCORE_TERMSENTRY']._serialized_end=1907
-  _globals['_EXPLAINROUTERESPONSE']._serialized_start=1919
-  _globals['_EXPLAINROUTERESPONSE']._serialized_end=2113
-  _globals['_FLUSHCACHEREQUEST']._serialized_start=2115
-  _globals['_FLUSHCACHEREQUEST']._serialized_end=2151
-  _globals['_FLUSHCACHERESPONSE']._serialized_start=2153
-  _globals['_FLUSHCACHERESPONSE']._serialized_end=2197
-  _globals['_ADMIN']._serialized_start=2200
-  _globals['_ADMIN']._serialized_end=2629
+  _globals['_NODEINFO']._serialized_end=625
+  _globals['_LISTNODESRESPONSE']._serialized_start=627
+  _globals['_LISTNODESRESPONSE']._serialized_end=683
+  _globals['_DRAINREQUEST']._serialized_start=685
+  _globals['_DRAINREQUEST']._serialized_end=716
+  _globals['_DRAINRESPONSE']._serialized_start=718
+  _globals['_DRAINRESPONSE']._serialized_end=769
+  _globals['_STATSREQUEST']._serialized_start=771
+  _globals['_STATSREQUEST']._serialized_end=785
+  _globals['_LATENCYSUMMARY']._serialized_start=787
+  _globals['_LATENCYSUMMARY']._serialized_end=883
+  _globals['_NODECOUNT']._serialized_start=885
+  _globals['_NODECOUNT']._serialized_end=928
+  _globals['_STATUSCOUNT']._serialized_start=930
+  _globals['_STATUSCOUNT']._serialized_end=974
+  _globals['_STATSRESPONSE']._serialized_start=977
+  _globals['_STATSRESPONSE']._serialized_end=1662
+  _globals['_EXPLAINROUTEREQUEST']._serialized_start=1664
+  _globals['_EXPLAINROUTEREQUEST']._serialized_end=1731
+  _globals['_NODESCORE']._serialized_start=1734
+  _globals['_NODESCORE']._serialized_end=1962
+  _globals['_NODESCORE_TERMSENTRY']._serialized_start=1909
+  _globals['_NODESCORE_TERMSENTRY']._serialized_end=1953
+  _globals['_EXPLAINROUTERESPONSE']._serialized_start=1965
+  _globals['_EXPLAINROUTERESPONSE']._serialized_end=2159
+  _globals['_FLUSHCACHEREQUEST']._serialized_start=2161
+  _globals['_FLUSHCACHEREQUEST']._serialized_end=2197
+  _globals['_FLUSHCACHERESPONSE']._serialized_start=2199
+  _globals['_FLUSHCACHERESPONSE']._serialized_end=2243
+  _globals['_ADMIN']._serialized_start=2246
+  _globals['_ADMIN']._serialized_end=2675
 # @@protoc_insertion_point(module_scope)

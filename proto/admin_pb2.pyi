@@ -12,7 +12,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "role", "address", "kv_blocks_total", "kv_blocks_free", "running", "waiting", "queued_prefill_tokens", "cached_blocks", "draining", "heartbeat_age_ms", "requests_total", "preemptions", "computed_tokens_total", "generated_tokens_total", "tensor_parallel_size", "num_gpus", "model_family", "host_kv_blocks_total", "host_kv_blocks_free", "host_cached_blocks")
+    __slots__ = ("node_id", "role", "address", "kv_blocks_total", "kv_blocks_free", "running", "waiting", "queued_prefill_tokens", "cached_blocks", "draining", "heartbeat_age_ms", "requests_total", "preemptions", "computed_tokens_total", "generated_tokens_total", "tensor_parallel_size", "num_gpus", "model_family", "host_kv_blocks_total", "host_kv_blocks_free", "host_cached_blocks", "weight_dtype", "kv_cache_dtype")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,8 @@ class NodeInfo(_message.Message):
     HOST_KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     HOST_KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     HOST_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     address: str
@@ -55,7 +57,9 @@ class NodeInfo(_message.Message):
     host_kv_blocks_total: int
     host_kv_blocks_free: int
     host_cached_blocks: int
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., heartbeat_age_ms: _Optional[int] = ..., requests_total: _Optional[int] = ..., preemptions: _Optional[int] = ..., computed_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_gpus: _Optional[int] = ..., model_family: _Optional[str] = ..., host_kv_blocks_total: _Optional[int] = ..., host_kv_blocks_free: _Optional[int] = ..., host_cached_blocks: _Optional[int] = ...) -> None: ...
+    weight_dtype: str
+    kv_cache_dtype: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., heartbeat_age_ms: _Optional[int] = ..., requests_total: _Optional[int] = ..., preemptions: _Optional[int] = ..., computed_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_gpus: _Optional[int] = ..., model_family: _Optional[str] = ..., host_kv_blocks_total: _Optional[int] = ..., host_kv_blocks_free: _Optional[int] = ..., host_cached_blocks: _Optional[int] = ..., weight_dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class ListNodesResponse(_message.Message):
     __slots__ = ("nodes",)

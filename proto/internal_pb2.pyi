@@ -158,18 +158,20 @@ class PrefillBlocks(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., channel: _Optional[_Union[KVChannel, _Mapping]] = ...) -> None: ...
 
 class KVChannel(_message.Message):
-    __slots__ = ("node_id", "store_host", "store_port", "epoch", "tensor_parallel_size")
+    __slots__ = ("node_id", "store_host", "store_port", "epoch", "tensor_parallel_size", "kv_cache_dtype")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     store_host: str
     store_port: int
     epoch: int
     tensor_parallel_size: int
-    def __init__(self, node_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., epoch: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, node_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., epoch: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class PrefillSessionBatch(_message.Message):
     __slots__ = ("events", "protocol_version")

@@ -10,7 +10,9 @@ Cost policy (``RoutingPolicy.COST``, the default):
 
 1. Nodes that are drained, shutting down, silent for longer than
    ``stale_heartbeat_s``, recently failed by this router, or that serve
-   another model or block size are excluded (the explanation says why).
+   another model or block size are excluded (the explanation says why), and
+   so are prefill nodes whose KV cannot feed the chosen decode node's cache
+   (an FP8 cache never feeds one in the model's dtype: engine/kv_cache_dtype.py).
 2. Decode node: the lowest
 
        load_weight * slots in use / slots
@@ -50,6 +52,7 @@ import random
 from dataclasses import dataclass, field
 
 from common.cluster.state import ClusterView, NodeInfo, NodeRole, RouteCandidate
+from engine.kv_cache_dtype import pairing_refusal
 from router.models import BASE_MODEL, ModelChoice, holds_adapter
 
 
@@ -284,10 +287,10 @@ def choose_route(
             (decodes if c.node.role is _DECODE else prefills).append(c)
     if not decodes:
         _raise_no_decode(view, scores)
+    decode = _pick_decode(decodes, request, config, local, rng, turn, scores)
+    prefills = _kv_compatible(prefills, decode.node, scores)
     remote_ok = request.allow_remote_prefill and bool(prefills)
     if config.policy is RoutingPolicy.COST:
-        decode, decode_scores = _cheapest(decodes, request, local, config, rng, decode_cost)
-        scores.extend(decode_scores)
         reason = _local_prefill_reason(decode, request, config, remote_ok)
         prefill = None
         if prefills:
@@ -300,10 +303,8 @@ def choose_route(
                 prefill = cheapest
     else:
         if config.policy is RoutingPolicy.ROUND_ROBIN:
-            decode = decodes[turn % len(decodes)]
             prefill = prefills[turn % len(prefills)] if remote_ok else None
         else:
-            decode = rng.choice(decodes)
             prefill = rng.choice(prefills) if remote_ok else None
         reason = "" if prefill else _no_remote_reason(request)
         scores.extend(_unscored(c) for c in decodes + prefills)
@@ -326,6 +327,32 @@ _NOTHING_SENT = LocalLoad()
 # attribute reads where Enum's own accessors run Python code.
 _DECODE = NodeRole.DECODE
 _cost_then_draw = operator.itemgetter(0, 1)
+
+
+def _pick_decode(decodes, request, config, local, rng, turn, scores) -> RouteCandidate:
+    """The decode node by the policy (its scores added under COST)."""
+    if config.policy is RoutingPolicy.COST:
+        decode, decode_scores = _cheapest(decodes, request, local, config, rng, decode_cost)
+        scores.extend(decode_scores)
+        return decode
+    if config.policy is RoutingPolicy.ROUND_ROBIN:
+        return decodes[turn % len(decodes)]
+    return rng.choice(decodes)
+
+
+def _kv_compatible(
+    prefills: list[RouteCandidate], decode: NodeInfo, scores: list[NodeScore]
+) -> list[RouteCandidate]:
+    """The prefill nodes whose KV may feed ``decode``'s cache; the others get a
+    score line saying why not (an FP8 prefill node never feeds a bf16 decode node)."""
+    kept = []
+    for c in prefills:
+        why = pairing_refusal(c.node.kv_cache_dtype, decode.kv_cache_dtype)
+        if why:
+            scores.append(_unscored(c, f"{why} (decode node {decode.node_id})"))
+        else:
+            kept.append(c)
+    return kept
 
 
 def _unscored(c: RouteCandidate, excluded: str = "") -> NodeScore:

@@ -83,6 +83,11 @@ class NodeInfo:
     # adapter's requests only to nodes that have it, and key its block hashes
     # with the digest (lora_adapters_of).
     lora_adapters: str = ""
+    # What it computes in and what its KV cache stores ("bfloat16", "fp8_e4m3"...;
+    # "": a node that does not say): routers pair prefill and decode nodes by
+    # the KV dtypes (common/kv_transfer/kv_dtypes.py), pdctl nodes shows both.
+    weight_dtype: str = ""
+    kv_cache_dtype: str = ""
     draining: bool = False  # the node itself is shutting down (SIGTERM)
     updated_ms: int = 0  # the node's clock at its last heartbeat
     # The node's clock when its process started: a restart under the same id
@@ -211,6 +216,7 @@ class NodeInfo:
             max_model_len=_int(v[15]) if len(v) > 15 else 0,
             started_ms=_int(v[16]) if len(v) > 16 else 0,
             lora_adapters=v[17] if len(v) > 17 else "",
+            kv_cache_dtype=v[18] if len(v) > 18 else "",
         )
 
 

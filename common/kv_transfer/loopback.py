@@ -100,6 +100,7 @@ class LoopbackLanding:
     digests: dict[int, list[bytes]] = field(default_factory=dict)
     # Reservation id -> its first token (with the prefill node's cached prompt tokens).
     first_tokens: dict[int, FirstToken] = field(default_factory=dict)
+    received_bytes: int = 0  # of KV, as a decode node counts them (DecodeStats)
 
     def expect(self, reservation_id: int, block_ids: list[int], first_block: int) -> None:
         kv = self.runner.kv_cache
@@ -132,6 +133,7 @@ class LoopbackLanding:
 
     def on_chunk(self, peer: str, context, desc: ChunkDesc, data: torch.Tensor, stream) -> None:
         reservation_id, index, _ = context
+        self.received_bytes += data.numel() * data.element_size()
         self.runner.scatter_kv(index, data, desc.layers, desc.heads)
         landed = self.runner.gather_kv(index, desc.layers, desc.heads)
         self.digests[reservation_id].append(checksum(landed))

@@ -20,6 +20,8 @@ class Destination:
     store_port: int
     epoch: int  # the channel incarnation it expects
     tensor_parallel_size: int = 1  # its ranks (each receives its own KV heads)
+    # What its cache stores where not the model's dtype ("fp8_e4m3"; "": the model's).
+    kv_cache_dtype: str = ""
 
 
 @dataclass(slots=True, frozen=True)

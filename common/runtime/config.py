@@ -40,6 +40,7 @@ ENGINE_FLAGS: dict[str, type] = {
     "load_format": str,
     "tensor_parallel_size": int,
     "swap_space": float,
+    "kv_cache_dtype": str,
     "preemption_mode": str,
     "max_loras": int,
     "max_lora_rank": int,

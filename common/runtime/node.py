@@ -33,6 +33,7 @@ from common.runtime.reliability import crash_at_start
 from common.tracing import Tracing
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
+from engine.kv_cache_dtype import storage_name
 from engine.llm_engine import LLMEngine
 from proto import internal_pb2, internal_pb2_grpc
 
@@ -56,6 +57,7 @@ class NodeEngine:
     def info(self, role: NodeRole, port: int, **extra) -> NodeInfo:
         """The node's registration (the heartbeat keeps its load fields current)."""
         tp = self.config.tensor_parallel_size
+        weights = str(self.engine.model_runner.dtype).removeprefix("torch.")
         return NodeInfo(
             node_id=self.node_id,
             role=role,
@@ -69,6 +71,8 @@ class NodeEngine:
             num_gpus=tp if self.engine.model_runner.device.type == "cuda" else 0,
             started_ms=now_ms(),
             lora_adapters=lora_adapters_json(self.adapters.digests()),
+            weight_dtype=weights,
+            kv_cache_dtype=storage_name(self.config.kv_cache_dtype, weights),
             **extra,
         )
 

@@ -78,7 +78,7 @@ class Attention(nn.Module):
         self.fused = fused and offset == 0.0
         # What the backend needs of this layer (vLLM's names), passed only when set
         # so that backends without them keep their signature.
-        self.layer_kwargs: dict[str, float | int] = {}
+        self.layer_kwargs: dict[str, float | int | torch.Tensor] = {}
         window = cfg.layer_window(layer)
         if window is not None:
             self.layer_kwargs["sliding_window"] = window
@@ -87,9 +87,16 @@ class Attention(nn.Module):
         # Shared, not owned: registering them as submodules would duplicate them.
         self._rotary = (rotary,)
         self.backend = backend
-        # Set by the model runner once the KV cache is allocated.
+        # Set by the model runner once the KV cache is allocated. An FP8 cache
+        # adds ``kv_scales`` ([k_scale, v_scale], float32) to layer_kwargs and
+        # turns ``store_in_rope`` off: the fused kernel stores unscaled values,
+        # the backend's store quantizes.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.store_in_rope = self.fused
+        # calculate_kv_scales: set once the engine is built, cleared by the
+        # first step that attends (its K and V give the layer's scales).
+        self.scales_pending = False
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
@@ -123,7 +130,9 @@ class Attention(nn.Module):
                 self.q_norm.weight if self.qk_norm else None,
                 self.k_norm.weight if self.qk_norm else None,
                 self.eps,
-                kv_store=(v, self.k_cache, self.v_cache, slot_mapping),
+                kv_store=(v, self.k_cache, self.v_cache, slot_mapping)
+                if self.store_in_rope
+                else None,
             )
         else:
             if self.qk_norm:
@@ -144,14 +153,23 @@ class Attention(nn.Module):
         ``project``), written into ``out`` when given."""
         backend = self.backend
         kw = self.layer_kwargs
+        if self.scales_pending:
+            self._compute_kv_scales(k, v)
+        stored = self.store_in_rope
         if out is not None and backend.accepts_out:
             return backend.forward(
-                q, k, v, self.k_cache, self.v_cache, meta, kv_stored=self.fused, out=out, **kw
+                q, k, v, self.k_cache, self.v_cache, meta, kv_stored=stored, out=out, **kw
             )
-        result = backend.forward(
-            q, k, v, self.k_cache, self.v_cache, meta, kv_stored=self.fused, **kw
-        )
+        result = backend.forward(q, k, v, self.k_cache, self.v_cache, meta, kv_stored=stored, **kw)
         return result if out is None else out.copy_(result)
+
+    def _compute_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This layer's scales from the first step's K and V (vLLM's
+        calculate_kv_scales), in place: graphs read them through their pointer."""
+        from engine.layers.attention.kv_quant import compute_scales
+
+        self.layer_kwargs["kv_scales"].copy_(compute_scales(k, v))
+        self.scales_pending = False
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))

@@ -45,8 +45,9 @@ from engine.quantization.fp8 import FP8_DTYPE, QuantizedRows, quantize_rows
 
 logger = logging.getLogger(__name__)
 
-# Checkpoint tensors that are derived here rather than loaded.
-_IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
+# Checkpoint tensors that are derived here rather than loaded, or read
+# elsewhere (FP8 KV scales: engine/models/kv_scales.py).
+_IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$|self_attn\.[kv]_scale$")
 
 # (shape, read): read(slices) returns that part of the tensor, reading nothing else.
 TensorSource = tuple[tuple[int, ...], Callable[[tuple[slice, ...]], torch.Tensor]]

@@ -41,6 +41,8 @@ NODE_COLUMNS = [
     ("FAMILY", "model_family"),
     ("TP", "tensor_parallel_size"),
     ("GPUS", "num_gpus"),
+    ("WEIGHTS", "weight_dtype"),
+    ("KV DTYPE", "kv_cache_dtype"),
     ("KV FREE", "kv_blocks_free"),
     ("KV TOTAL", "kv_blocks_total"),
     ("HOST FREE", "host_kv_blocks_free"),  # the host tier (--swap-space); 0 and 0: none

@@ -178,6 +178,8 @@ def node_to_proto(
         tensor_parallel_size=n.tensor_parallel_size,
         num_gpus=n.num_gpus,
         model_family=n.model_family,
+        weight_dtype=n.weight_dtype,
+        kv_cache_dtype=n.kv_cache_dtype,
     )
 
 

@@ -255,3 +255,18 @@ def test_a_node_publishes_both_tiers_and_routing_reads_them_in_one_view(llama_di
     with RedisServer() as server:
         asyncio.run(go(server.url))
     assert_idle(llm)
+
+
+def test_an_fp8_cache_moves_through_the_host_tier_unchanged(llama_dir):
+    """FP8 KV (one byte an element) spilled and loaded back: the same greedy
+    tokens as the FP8 engine keeping or recomputing its KV, a quarter of fp32's
+    bytes per block copied."""
+    want, _ = run_two_turns(make_llm(llama_dir, num_blocks=16, kv_cache_dtype="fp8"))
+    llm = make_llm(llama_dir, num_blocks=16, swap_space=slots(64) / 4, kv_cache_dtype="fp8")
+    got, cached = run_two_turns(llm)
+    stats = llm.llm_engine.stats()
+    assert got == want
+    assert all(c >= 4 * BS for c in cached), cached
+    assert stats.num_host_kv_blocks == 64 and stats.host_tier_hit_blocks >= 8 * 4
+    assert stats.bytes_copied_to_device == stats.host_tier_hit_blocks * BLOCK_BYTES // 4
+    assert_idle(llm)

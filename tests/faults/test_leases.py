@@ -46,14 +46,19 @@ def prompt_ids(demo_model_dir):
     case finds the other's blocks cached on the decode node) and the offline
     engine's output."""
     llm = LLM(str(demo_model_dir), device="cpu", max_model_len=1024)
-    prompts = {name: (f"{verb} {STORY}" * 3) for name, verb in zip(LAST_LAYERS, ("Write", "Tell"))}
+    prompts = {
+        name: (f"{verb} {STORY}" * 3)
+        for name, verb in zip(LAST_LAYERS, ("Write", "Tell"), strict=True)
+    }
     ids = {name: llm.llm_engine.tokenizer.encode(p) for name, p in prompts.items()}
     outs = llm.generate(
         [{"prompt_token_ids": i} for i in ids.values()],
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
         use_tqdm=False,
     )
-    return {name: (ids[name], list(o.outputs[0].token_ids)) for name, o in zip(ids, outs)}
+    return {
+        name: (ids[name], list(o.outputs[0].token_ids)) for name, o in zip(ids, outs, strict=True)
+    }
 
 
 @pytest.fixture(scope="module")

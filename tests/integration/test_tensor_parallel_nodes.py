@@ -106,6 +106,9 @@ def test_each_node_registers_its_tensor_parallel_size_and_pdctl_shows_it(cluster
     assert {r["node_id"]: r["tensor_parallel_size"] for r in listed} == TP
     table = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
     assert "TP" in table.splitlines()[0] and "GPUS" in table.splitlines()[0]
+    # What each computes in and stores KV in (fp32 on a CPU, no --kv-cache-dtype).
+    assert {(r["weight_dtype"], r["kv_cache_dtype"]) for r in listed} == {("float32", "float32")}
+    assert "WEIGHTS" in table.splitlines()[0] and "KV DTYPE" in table.splitlines()[0]
 
 
 @pytest.mark.parametrize(

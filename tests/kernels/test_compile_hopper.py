@@ -82,10 +82,16 @@ def compile_rope_qk(has_norm, store_kv):
     compile_for_hopper(fk._rope_qk_kernel, sig, const, num_warps=4)
 
 
-def compile_decode_attention(num_splits, sliding=False, softcap=False):
+def kv_cache_sig(fp8: bool) -> dict:
+    """The cache pointers and their scales' (an FP8 cache: e4m3, read with its scales)."""
+    cache = "*fp8e4nv" if fp8 else "*bf16"
+    return dict.fromkeys(["k_cache_ptr", "v_cache_ptr"], cache) | {"kv_scales_ptr": "*fp32"}
+
+
+def compile_decode_attention(num_splits, sliding=False, softcap=False, fp8=False):
     from engine.layers.attention import triton_decode as td
 
-    sig = dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr"], "*bf16")
+    sig = {"q_ptr": "*bf16"} | kv_cache_sig(fp8)
     sig |= dict.fromkeys(["block_tables_ptr", "seq_lens_ptr"], "*i32")
     sig |= dict.fromkeys(["part_out_ptr", "part_lse_ptr"], "*fp32") | {"out_ptr": "*bf16"}
     sig |= {"scale": "fp32", "softcap": "fp32", "window": "i32"}
@@ -93,7 +99,7 @@ def compile_decode_attention(num_splits, sliding=False, softcap=False):
     strides += ["stride_cache_block", "stride_cache_slot", "stride_cache_head", "stride_bt"]
     sig |= dict.fromkeys(strides, "i32") | {"num_splits": "i32"}
     const = dict(ONE_SPLIT=num_splits == 1, GROUP=2, BLOCK_G=16, BLOCK_SIZE=16, HEAD_DIM=128)
-    const |= dict(BLOCK_D=128, BLOCK_N=64, SLIDING=sliding, HAS_SOFTCAP=softcap)
+    const |= dict(BLOCK_D=128, BLOCK_N=64, SLIDING=sliding, HAS_SOFTCAP=softcap, KV_FP8=fp8)
     compile_for_hopper(td._decode_split_kernel, sig, const, num_stages=4)
     if num_splits > 1:
         red = dict.fromkeys(["part_out_ptr", "part_lse_ptr"], "*fp32") | {"seq_lens_ptr": "*i32"}
@@ -103,18 +109,31 @@ def compile_decode_attention(num_splits, sliding=False, softcap=False):
         compile_for_hopper(td._decode_reduce_kernel, red, const)
 
 
-def compile_prefill_attention(sliding, softcap):
+def compile_prefill_attention(sliding, softcap, fp8=False):
     from engine.layers.attention import triton_kernels as tk
 
-    sig = dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"], "*bf16")
+    sig = {"q_ptr": "*bf16"} | kv_cache_sig(fp8) | {"out_ptr": "*bf16"}
     sig |= dict.fromkeys(["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"], "*i32")
     sig |= {"scale": "fp32", "softcap": "fp32", "window": "i32"}
     strides = ["stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head"]
     strides += ["stride_cache_block", "stride_cache_slot", "stride_cache_head", "stride_bt"]
     sig |= dict.fromkeys(strides, "i32")
     const = dict(GROUP=4, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=32)
-    const |= dict(SLIDING=sliding, HAS_SOFTCAP=softcap)
+    const |= dict(SLIDING=sliding, HAS_SOFTCAP=softcap, KV_FP8=fp8)
     compile_for_hopper(tk._prefill_kernel, sig, const, num_stages=2)
+
+
+def compile_store_kv(fp8):
+    from engine.layers.attention import triton_kernels as tk
+
+    sig = dict.fromkeys(["k_ptr", "v_ptr"], "*bf16") | {
+        "k_cache_ptr": "*fp8e4nv" if fp8 else "*bf16",
+        "v_cache_ptr": "*fp8e4nv" if fp8 else "*bf16",
+        "slot_ptr": "*i64",
+        "kv_scales_ptr": "*fp32",
+    }
+    sig |= dict.fromkeys(["stride_k_tok", "stride_v_tok", "stride_cache_slot"], "i32")
+    compile_for_hopper(tk._store_kv_kernel, sig, dict(ROW=1024, BLOCK=1024, KV_FP8=fp8))
 
 
 def compile_fused_moe(per_pair, even_k, config):
@@ -148,10 +167,10 @@ def compile_moe_dispatch(top_k, block_e, renormalize):
     compile_for_hopper(md._place_kernel, place, dict(BLOCK=1024))
 
 
-def compile_prefill_split():
+def compile_prefill_split(fp8=False):
     from engine.layers.attention import triton_prefill_split as ts
 
-    sig = dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr"], "*bf16")
+    sig = {"q_ptr": "*bf16"} | kv_cache_sig(fp8)
     sig |= dict.fromkeys(["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"], "*i32")
     sig |= dict.fromkeys(["part_out_ptr", "part_lse_ptr"], "*fp32")
     sig |= {"out_ptr": "*bf16", "scale": "fp32"}
@@ -160,7 +179,7 @@ def compile_prefill_split():
     sig |= dict.fromkeys([*strides, "num_tokens", "num_splits"], "i32")
     const = dict(GROUP=4, TOKS=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=32)
     for one in (True, False):
-        split_const = const | {"ONE_SPLIT": one, "BLOCK_SIZE": 16}
+        split_const = const | {"ONE_SPLIT": one, "BLOCK_SIZE": 16, "KV_FP8": fp8}
         compile_for_hopper(ts._prefill_split_kernel, sig, split_const, num_stages=2)
     red = dict.fromkeys(["part_out_ptr", "part_lse_ptr"], "*fp32") | {"out_ptr": "*bf16"}
     red |= dict.fromkeys(["query_start_loc_ptr", "seq_lens_ptr"], "*i32")
@@ -185,6 +204,12 @@ def child() -> dict:
         report[f"prefill_attention(sliding={sliding}, softcap={softcap})"] = True
     compile_prefill_split()
     report["prefill_split_attention"] = True
+    # An FP8 KV cache: every kernel that reads or writes it.
+    compile_decode_attention(33, fp8=True)
+    compile_prefill_attention(False, False, fp8=True)
+    compile_prefill_split(fp8=True)
+    compile_store_kv(fp8=True)
+    report["fp8_kv"] = True
     for case in MOE_CASES:
         report[f"fused_moe{case}"] = compile_fused_moe(*case)
     compile_moe_dispatch(8, 128, True)
@@ -215,7 +240,7 @@ def test_kernels_compile_for_hopper():
         pytest.skip("no ptxas in this triton")  # pragma: no cover
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == len(SKINNY_CASES) + 10 + len(MOE_CASES)
+    assert len(report) == len(SKINNY_CASES) + 11 + len(MOE_CASES)
     # The tensor-core tile is pipelined by Triton (the FMA tiles prefetch by hand).
     assert report[f"skinny_gemm{SKINNY_CASES[-1]}"] is True
     # So are the fused MoE tiles (the loads of the next K tile overlap the dot).

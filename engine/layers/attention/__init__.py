@@ -54,13 +54,17 @@ def select_backend(
     device: torch.device,
     dtype: torch.dtype,
     model: ModelArchConfig | None = None,
+    fp8_kv: bool = False,
 ) -> type[AttentionBackend]:
     """The backend class to run ``model``: one that lacks a feature its layers need
-    (a sliding window, soft-capped scores) is refused, or skipped by auto."""
+    (a sliding window, soft-capped scores) or the cache needs (``fp8_kv``: an
+    FP8 KV cache) is refused, or skipped by auto."""
     sliding_window = model is not None and model.sliding_window is not None
     soft_cap = model is not None and model.attn_logit_softcapping is not None
 
     def reason_against(cls: type[AttentionBackend]) -> str | None:
+        if fp8_kv and not cls.supports_fp8_kv:
+            return "it does not read an FP8 KV cache"
         return cls.unavailable_reason(device, dtype) or cls.missing_features(
             sliding_window, soft_cap
         )

@@ -74,6 +74,9 @@ class AttentionBackend(ABC):
     accepts_out: ClassVar[bool] = False
     supports_sliding_window: ClassVar[bool] = False
     supports_soft_cap: ClassVar[bool] = False
+    # True when ``forward`` reads and writes an FP8 cache, given ``kv_scales``
+    # ([k_scale, v_scale], float32): entries are stored as value / scale.
+    supports_fp8_kv: ClassVar[bool] = False
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int

@@ -15,6 +15,7 @@ from engine.layers.attention.backend import (
     AttentionBackendName,
     AttentionMetadata,
 )
+from engine.layers.attention.kv_quant import dequantize, is_fp8, quantize, storage_view
 
 
 def write_kv(
@@ -23,11 +24,21 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """Store each new token's K and V at its cache slot."""
+    """Store each new token's K and V at its cache slot (an FP8 cache: quantized
+    by ``kv_scales``, ``[k_scale, v_scale]``)."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    if is_fp8(k_cache.dtype):
+        k, v = quantize(k, kv_scales[0]), quantize(v, kv_scales[1])
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        rows = storage_view(cache).view(-1, num_kv_heads, head_dim)
+        rows.index_copy_(0, slot_mapping, storage_view(new))
+
+
+def readable(cached: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache entries in the model's dtype (dequantized where FP8)."""
+    return dequantize(cached, scale, dtype) if is_fp8(cached.dtype) else cached
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -64,6 +75,7 @@ class TorchAttention(AttentionBackend):
     name = AttentionBackendName.TORCH
     supports_sliding_window = True
     supports_soft_cap = True
+    supports_fp8_kv = True
 
     def forward(
         self,
@@ -76,34 +88,39 @@ class TorchAttention(AttentionBackend):
         kv_stored: bool = False,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not kv_stored:
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        scales = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
         if meta.is_decode_only:
-            return self._decode(q, k_cache, v_cache, meta, sliding_window, logits_soft_cap)
+            return self._decode(
+                q, (k_cache, v_cache), scales, meta, sliding_window, logits_soft_cap
+            )
         out = torch.empty_like(q)
         qsl = meta.query_start_loc_cpu
         for i in range(meta.num_seqs):
             start, end = qsl[i], qsl[i + 1]
             query_len, seq_len = end - start, meta.seq_lens_cpu[i]
-            keys = gather_kv(k_cache, meta.block_tables[i], seq_len)
-            values = gather_kv(v_cache, meta.block_tables[i], seq_len)
+            keys = readable(gather_kv(k_cache, meta.block_tables[i], seq_len), scales[0], q.dtype)
+            values = readable(gather_kv(v_cache, meta.block_tables[i], seq_len), scales[1], q.dtype)
             out[start:end] = self._attend(
                 q[start:end], keys, values, query_len, seq_len, sliding_window, logits_soft_cap
             )
         return out
 
-    def _decode(
-        self, q, k_cache, v_cache, meta: AttentionMetadata, window, soft_cap
-    ) -> torch.Tensor:
+    def _decode(self, q, caches, scales, meta: AttentionMetadata, window, soft_cap) -> torch.Tensor:
         """One query per sequence: gather every context padded to the longest, mask the padding."""
+        k_cache, v_cache = caches
         block_size = k_cache.shape[1]
         num_blocks = -(-meta.max_seq_len // block_size)
         tables = meta.block_tables[:, :num_blocks].clamp_min(0)
         batch, ctx = meta.num_seqs, num_blocks * block_size
         # [batch, blocks, block_size, kv_heads, dim] -> [batch, kv_heads, ctx, dim]
-        keys = k_cache[tables].reshape(batch, ctx, self.num_kv_heads, -1).transpose(1, 2)
-        values = v_cache[tables].reshape(batch, ctx, self.num_kv_heads, -1).transpose(1, 2)
+        keys = readable(k_cache[tables], scales[0], q.dtype)
+        values = readable(v_cache[tables], scales[1], q.dtype)
+        keys = keys.reshape(batch, ctx, self.num_kv_heads, -1).transpose(1, 2)
+        values = values.reshape(batch, ctx, self.num_kv_heads, -1).transpose(1, 2)
         pos = torch.arange(ctx, device=q.device)[None, :]
         valid = pos < meta.seq_lens[:, None]
         if window is not None:

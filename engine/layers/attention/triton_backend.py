@@ -26,6 +26,7 @@ class TritonAttention(AttentionBackend):
     accepts_out = True
     supports_sliding_window = True
     supports_soft_cap = True
+    supports_fp8_kv = True
 
     def __init__(self, num_heads, num_kv_heads, head_dim, scale, block_size) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
@@ -89,10 +90,11 @@ class TritonAttention(AttentionBackend):
         out: torch.Tensor | None = None,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kern = self._kernels
         if not kv_stored:
-            kern.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            kern.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         if out is None:
             out = torch.empty_like(q)
         d, splits, decode_args, prefill_args, prefill_split = self._step_args(meta, q.device)
@@ -107,6 +109,7 @@ class TritonAttention(AttentionBackend):
                 splits,
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
+                kv_scales=kv_scales,
             )
         if prefill_args is not None:
             n, ws = prefill_split
@@ -126,6 +129,7 @@ class TritonAttention(AttentionBackend):
                 workspace=ws,
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
+                kv_scales=kv_scales,
             )
         return out
 

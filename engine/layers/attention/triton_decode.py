@@ -18,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers.attention.kv_quant import is_fp8, scales_or
 from engine.layers.attention.triton_jit import step_jit
-from engine.layers.attention.triton_scores import scaled_scores
+from engine.layers.attention.triton_scores import load_kv, scaled_scores
 
 # The launch configuration (tile, warps, pipeline stages): the best of
 # benchmarks/tune_kernels.py on one GPU (docs/performance.md, "Kernel tuning",
@@ -55,6 +56,7 @@ def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    kv_scales_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
@@ -81,6 +83,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache holds FP8 entries x the layer's scales
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -121,14 +124,14 @@ def _decode_split_kernel(
         slots = blocks.to(tl.int64) * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot
         kv_off = slots[:, None] + kv_head * stride_cache_head + offs_d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        k = load_kv(k_cache_ptr, kv_off, kv_mask, q, kv_scales_ptr, KV_FP8)
         qk = scaled_scores(q, k, qk_scale, softcap, HAS_SOFTCAP)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = load_kv(v_cache_ptr, kv_off, kv_mask, q, kv_scales_ptr + 1, KV_FP8)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -226,18 +229,19 @@ def decode_attention(
     config: dict[str, int] | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """One query token per sequence (q: [num_seqs, num_heads, head_dim])."""
+    """One query per sequence (q: [num_seqs, num_heads, head_dim]); FP8 caches need ``kv_scales``."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    cfg = dict(DECODE_CONFIG)
-    cfg.update(config or {})
+    cfg = {**DECODE_CONFIG, **(config or {})}
     part_out, part_lse = _split_workspace(q, out, num_splits, workspace)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
+        scales_or(kv_scales, k_cache),
         block_tables,
         seq_lens,
         part_out,
@@ -264,6 +268,7 @@ def decode_attention(
         BLOCK_N=cfg["BLOCK_N"],
         SLIDING=sliding_window is not None,
         HAS_SOFTCAP=logits_soft_cap is not None,
+        KV_FP8=is_fp8(k_cache.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -7,7 +7,9 @@ Cache layout (see backend.py): ``k_cache``/``v_cache`` are
 
 Prefill reads every key, the new ones included, from the cache (the store
 kernel runs first), so one code path serves fresh prompts, chunks and prompts
-with a prefix-cache hit. ``_prefill_kernel`` gives each program one query tile
+with a prefix-cache hit. An FP8 cache (``KV_FP8``) is stored divided by the
+layer's scales and read tile by tile, each tile converted and scaled in
+registers (triton_scores.load_kv). ``_prefill_kernel`` gives each program one query tile
 and head and walks the whole context (the longest tiles started first, the
 causal mask only on the diagonal tiles); a short query over a long context (a
 prompt mostly served from the prefix cache) leaves most SMs idle that way, and
@@ -22,9 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers.attention.kv_quant import FP8_MAX as _FP8_MAX
+from engine.layers.attention.kv_quant import is_fp8, scales_or
 from engine.layers.attention.triton_jit import step_jit
 from engine.layers.attention.triton_prefill_split import prefill_split_attention
-from engine.layers.attention.triton_scores import scaled_scores
+from engine.layers.attention.triton_scores import load_kv, scaled_scores
+
+FP8_MAX: tl.constexpr = tl.constexpr(_FP8_MAX)
 
 # Launch configurations (tile sizes, warps, pipeline stages); the defaults are the
 # best of benchmarks/tune_kernels.py on one GPU (docs/performance.md, "Kernel
@@ -40,11 +46,13 @@ def _store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    kv_scales_ptr,  # [k_scale, v_scale] float32 (read when KV_FP8)
     stride_k_tok,
     stride_v_tok,
     stride_cache_slot,
     ROW: tl.constexpr,  # num_kv_heads * head_dim
     BLOCK: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache stores value / scale in FP8, saturated
 ):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok)
@@ -55,8 +63,18 @@ def _store_kv_kernel(
         mask = offs < ROW
         k = tl.load(k_ptr + tok * stride_k_tok + offs, mask=mask)
         v = tl.load(v_ptr + tok * stride_v_tok + offs, mask=mask)
+        if KV_FP8:
+            k = _to_fp8(k, tl.load(kv_scales_ptr), k_cache_ptr)
+            v = _to_fp8(v, tl.load(kv_scales_ptr + 1), v_cache_ptr)
         tl.store(k_cache_ptr + slot * stride_cache_slot + offs, k, mask=mask)
         tl.store(v_cache_ptr + slot * stride_cache_slot + offs, v, mask=mask)
+
+
+@triton.jit
+def _to_fp8(x, scale, cache_ptr):
+    # e4m3fn has no infinity: saturate, or a value past its range becomes NaN.
+    y = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+    return y.to(cache_ptr.dtype.element_ty)
 
 
 def store_kv(
@@ -65,7 +83,10 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
+    """Each new token's K and V at its slot; an FP8 cache gets them divided by
+    ``kv_scales`` ([k_scale, v_scale])."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -77,11 +98,13 @@ def store_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        scales_or(kv_scales, k_cache),
         k2.stride(0),
         v2.stride(0),
         k_cache.stride(1),
         ROW=row,
         BLOCK=min(triton.next_power_of_2(row), 1024),
+        KV_FP8=is_fp8(k_cache.dtype),
     )
 
 
@@ -98,6 +121,7 @@ def _attend_key_tile(
     bt,
     k_cache_ptr,
     v_cache_ptr,
+    kv_scales_ptr,
     kv_head,
     offs_d,
     d_mask,
@@ -112,6 +136,7 @@ def _attend_key_tile(
     MASKED: tl.constexpr,
     SLIDING: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One key tile of ``_prefill_kernel``'s online softmax: (acc, m_i, l_i) after
     keys ``start_n`` .. ``start_n + BLOCK_N``. ``MASKED``: the tile crosses the
@@ -131,7 +156,7 @@ def _attend_key_tile(
         kv_mask = d_mask[None, :]
     slots = blocks.to(tl.int64) * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot
     kv_off = slots[:, None] + kv_head * stride_cache_head + offs_d[None, :]
-    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    k = load_kv(k_cache_ptr, kv_off, kv_mask, q, kv_scales_ptr, KV_FP8)
     qk = scaled_scores(q, k, qk_scale, softcap, HAS_SOFTCAP)
     if MASKED:
         causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -147,7 +172,7 @@ def _attend_key_tile(
     p = tl.math.exp2(qk - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    v = load_kv(v_cache_ptr, kv_off, kv_mask, q, kv_scales_ptr + 1, KV_FP8)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
 
@@ -157,6 +182,7 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    kv_scales_ptr,
     out_ptr,
     block_tables_ptr,
     query_start_loc_ptr,
@@ -180,6 +206,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr,  # keys before each row's window are hidden
     HAS_SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache holds FP8 entries x the layer's scales
 ):
     # Grid (heads, sequences, query tiles), the tiles last and counted down: the
     # GPU starts programs in grid order, so the causal triangle's long tiles (the
@@ -231,25 +258,25 @@ def _prefill_kernel(
         for start_n in range(lo // BLOCK_N * BLOCK_N, end, BLOCK_N):
             acc, m_i, l_i = _attend_key_tile(
                 acc, m_i, l_i, q, q_pos, start_n, lo, end, bt, k_cache_ptr, v_cache_ptr,
-                kv_head, offs_d, d_mask, qk_scale, softcap, window, stride_cache_block,
+                kv_scales_ptr, kv_head, offs_d, d_mask, qk_scale, softcap, window, stride_cache_block,
                 stride_cache_slot, stride_cache_head, BLOCK_SIZE, BLOCK_N, MASKED=True,
-                SLIDING=True, HAS_SOFTCAP=HAS_SOFTCAP,
+                SLIDING=True, HAS_SOFTCAP=HAS_SOFTCAP, KV_FP8=KV_FP8,
             )  # fmt: skip
     else:
         full_end = (prefix_len + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
         for start_n in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_key_tile(
                 acc, m_i, l_i, q, q_pos, start_n, 0, end, bt, k_cache_ptr, v_cache_ptr,
-                kv_head, offs_d, d_mask, qk_scale, softcap, window, stride_cache_block,
+                kv_scales_ptr, kv_head, offs_d, d_mask, qk_scale, softcap, window, stride_cache_block,
                 stride_cache_slot, stride_cache_head, BLOCK_SIZE, BLOCK_N, MASKED=False,
-                SLIDING=False, HAS_SOFTCAP=HAS_SOFTCAP,
+                SLIDING=False, HAS_SOFTCAP=HAS_SOFTCAP, KV_FP8=KV_FP8,
             )  # fmt: skip
         for start_n in range(full_end, end, BLOCK_N):
             acc, m_i, l_i = _attend_key_tile(
                 acc, m_i, l_i, q, q_pos, start_n, 0, end, bt, k_cache_ptr, v_cache_ptr,
-                kv_head, offs_d, d_mask, qk_scale, softcap, window, stride_cache_block,
+                kv_scales_ptr, kv_head, offs_d, d_mask, qk_scale, softcap, window, stride_cache_block,
                 stride_cache_slot, stride_cache_head, BLOCK_SIZE, BLOCK_N, MASKED=True,
-                SLIDING=False, HAS_SOFTCAP=HAS_SOFTCAP,
+                SLIDING=False, HAS_SOFTCAP=HAS_SOFTCAP, KV_FP8=KV_FP8,
             )  # fmt: skip
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
@@ -277,8 +304,10 @@ def prefill_attention(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """Varlen causal prefill over the paged cache, written into ``out``. With
+    """Varlen causal prefill over the paged cache (an FP8 one read with
+    ``kv_scales``), written into ``out``. With
     ``num_splits`` >= 1 the split-context kernels run instead (``config`` and
     ``workspace`` are then theirs: triton_prefill_split.py); they take neither
     a window nor a soft cap."""
@@ -298,6 +327,7 @@ def prefill_attention(
             num_splits,
             workspace,
             config,
+            kv_scales,
         )
         return
     _prefill_one_pass(
@@ -311,11 +341,22 @@ def prefill_attention(
         config,
         sliding_window,
         logits_soft_cap,
+        kv_scales,
     )
 
 
 def _prefill_one_pass(
-    q, k_cache, v_cache, out, step, max_query_len, scale, config, sliding_window, logits_soft_cap
+    q,
+    k_cache,
+    v_cache,
+    out,
+    step,
+    max_query_len,
+    scale,
+    config,
+    sliding_window,
+    logits_soft_cap,
+    kv_scales,
 ):
     """The one-kernel prefill: a program per (head, sequence, query tile)."""
     block_tables, query_start_loc, seq_lens = step
@@ -330,6 +371,7 @@ def _prefill_one_pass(
         q,
         k_cache,
         v_cache,
+        scales_or(kv_scales, k_cache),
         out,
         block_tables,
         query_start_loc,
@@ -353,6 +395,7 @@ def _prefill_one_pass(
         BLOCK_N=cfg["BLOCK_N"],
         SLIDING=sliding_window is not None,
         HAS_SOFTCAP=logits_soft_cap is not None,
+        KV_FP8=is_fp8(k_cache.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -35,7 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers.attention.kv_quant import is_fp8, scales_or
 from engine.layers.attention.triton_jit import step_jit
+from engine.layers.attention.triton_scores import load_kv
 
 # Rows (query tokens x GROUP heads) and keys per tile, warps, stages: the best
 # geometric mean of `benchmarks/tune_kernels.py --part split-prefill --sweep`
@@ -136,6 +138,7 @@ def _prefill_split_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    kv_scales_ptr,
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
@@ -161,6 +164,7 @@ def _prefill_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache holds FP8 entries x the layer's scales
 ):
     pid = tl.program_id(0)
     m_block = pid // num_splits
@@ -205,7 +209,7 @@ def _prefill_split_kernel(
         slots = blocks.to(tl.int64) * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot
         kv_off = slots[:, None] + kv_head * stride_cache_head + offs_d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        k = load_kv(k_cache_ptr, kv_off, kv_mask, q, kv_scales_ptr, KV_FP8)
         qk = tl.dot(q, tl.trans(k)) * qk_scale
         causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         qk = tl.where(causal, qk, float("-inf"))
@@ -215,7 +219,7 @@ def _prefill_split_kernel(
         p = tl.math.exp2(qk - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = load_kv(v_cache_ptr, kv_off, kv_mask, q, kv_scales_ptr + 1, KV_FP8)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -324,6 +328,7 @@ def prefill_split_attention(
     num_splits: int,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: dict[str, int] | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Varlen prefill as ``_prefill_kernel`` computes it, each sequence's keys cut
     into ``num_splits`` chunks (1: the whole context, stored directly); writes
@@ -341,6 +346,7 @@ def prefill_split_attention(
         q,
         k_cache,
         v_cache,
+        scales_or(kv_scales, k_cache),
         block_tables,
         query_start_loc,
         seq_lens,
@@ -360,6 +366,7 @@ def prefill_split_attention(
         num_splits,
         ONE_SPLIT=one,
         BLOCK_SIZE=block_size,
+        KV_FP8=is_fp8(k_cache.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **consts,

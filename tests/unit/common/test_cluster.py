@@ -179,6 +179,8 @@ def busy(node_id: str, **kw) -> NodeInfo:
         transfer_host="10.0.0.1",
         transfer_port=29500,
         tensor_parallel_size=2,
+        weight_dtype="bfloat16",
+        kv_cache_dtype="fp8_e4m3",
         **kw,
     )
 
@@ -223,7 +225,13 @@ def test_a_node_hash_without_the_route_field_is_read_field_by_field(redis_url):
     async def go():
         cluster = Cluster.from_url(redis_url, prefix="t9")
         hashes = hash_prompt_blocks(list(range(160)), "m", 16)
-        info = node("p2", running=5, queued_prefill_tokens=12, tensor_parallel_size=4)
+        info = node(
+            "p2",
+            running=5,
+            queued_prefill_tokens=12,
+            tensor_parallel_size=4,
+            kv_cache_dtype="fp8_e4m3",
+        )
         await cluster.heartbeat(info, stored=hashes[:4], reset_blocks=True)
         await cluster.redis.hdel("t9:node:p2", ROUTE_KEY)
         # Beside a node that has the field: the flat reply holds both shapes.

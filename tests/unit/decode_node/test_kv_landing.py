@@ -24,10 +24,10 @@ pytestmark = pytest.mark.timeout(60)
 PEER = "prefill-0"
 
 
-def _landing(verify: bool) -> KVLanding:
+def _landing(verify: bool, dtype: torch.dtype = torch.float32) -> KVLanding:
     # What KVLanding reads of a model runner: a [2, layers, blocks, block_size,
     # heads, head_dim] cache, its head layout, one rank, the device.
-    kv = torch.zeros(2, 2, 8, 4, 2, 4)
+    kv = torch.zeros(2, 2, 8, 4, 2, 4, dtype=dtype)
     runner = SimpleNamespace(
         kv_cache=kv,
         layout=SimpleNamespace(kv_heads=range(0, 2), num_kv_heads=2),
@@ -193,3 +193,34 @@ def test_verify_compares_what_landed_with_the_end_headers_checksum(verifying):
         assert verifying.stats.checksum_mismatches == 1
 
     asyncio.run(main())
+
+
+def test_an_fp8_cache_is_named_to_prefill_nodes_and_lands_one_byte_an_element():
+    """The blocks' KVChannel says what the cache holds; a chunk is that many
+    bytes (one per element), landed as they came and counted as wire bytes."""
+    landing = _landing(False, torch.float8_e4m3fn)
+    try:
+        assert landing.kv_cache_dtype == "fp8_e4m3"
+        assert _landing_name(torch.float32) == ""  # the model's dtype: nothing to say
+
+        async def main():
+            landing.open("r", _reservation(), PEER, 1, 7)
+            data = torch.arange(2 * 2 * 2 * 4 * 2 * 4, dtype=torch.uint8)  # fp8 bit patterns
+            [sent] = _land(landing, 7, FirstToken(42, 4, None), data)
+            await landing.wait(7, 1)
+            got = landing._runner.kv_cache[:, :, 4:6].contiguous().view(torch.uint8)
+            assert torch.equal(got.flatten(), sent)
+            assert landing.stats.bytes_received == sent.numel() == 256
+            landing.close(7)
+
+        asyncio.run(main())
+    finally:
+        landing.close_receiver()
+
+
+def _landing_name(dtype: torch.dtype) -> str:
+    landing = _landing(False, dtype)
+    try:
+        return landing.kv_cache_dtype
+    finally:
+        landing.close_receiver()

@@ -407,3 +407,31 @@ def test_the_in_flight_prefill_estimate_leaves_out_host_tier_hits():
     assert d.prefill.node_id == "p0"
     dispatch = routing.dispatch(Routed(d, v, r))
     assert dispatch.prefill_tokens == 2048 - 80 * BS  # copied in, not computed
+
+
+# -- KV cache dtypes ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", list(RoutingPolicy))
+def test_an_fp8_prefill_node_never_feeds_a_model_dtype_decode_node(policy):
+    """FP8 KV cannot feed a bf16 cache (engine/kv_cache_dtype.py): that prefill
+    node is excluded, naming why; a bf16 prefill node may feed an FP8 decode node."""
+    bf16, fp8 = "bfloat16", "fp8_e4m3"
+    v = view(
+        cand(node("d0", kv_cache_dtype=bf16)),
+        cand(node("p0", NodeRole.PREFILL, kv_cache_dtype=fp8), hit=100),
+        cand(node("p1", NodeRole.PREFILL, kv_cache_dtype=bf16)),
+    )
+    config = RoutingConfig(policy=policy)
+    for turn in range(4):
+        d = route(v, config=config, seed=turn, turn=turn)
+        assert d.prefill.node_id == "p1"
+        (line,) = [s for s in d.scores if s.node_id == "p0"]
+        assert "FP8 KV cannot feed a bfloat16 cache" in line.excluded
+    alone = view(cand(node("d0", kv_cache_dtype=bf16)), v.candidates[1])
+    assert route(alone, config=config).prefill is None  # the decode node prefills itself
+    to_fp8 = view(
+        cand(node("d1", kv_cache_dtype=fp8)),
+        cand(node("p1", NodeRole.PREFILL, kv_cache_dtype=bf16)),
+    )
+    assert route(to_fp8, config=config).prefill.node_id == "p1"
