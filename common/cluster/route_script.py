@@ -73,6 +73,7 @@ ROUTE_FIELDS = (
     "max_model_len",
     "started_ms",
     "lora_adapters",
+    "lora_resident",
 )
 # The hash field holding PACKED_FIELDS as a JSON array, in that order: every
 # routing field but seen_ms, which the server's clock writes by itself. A reader
