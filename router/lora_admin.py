@@ -95,7 +95,11 @@ class LoRAAdmin:
             raise LoRAUpdateFailed(
                 grpc.StatusCode.NOT_FOUND, f"the LoRA adapter {name!r} cannot be found"
             )
-        adapter = _adapter(name, served_adapters(holders, self._model).get(name, ""), holders)
+        digest = served_adapters(holders, self._model).get(name, "")
+        # Every holder, whatever files it read: all of them unload it.
+        adapter = admin_pb2.LoRAAdapter(
+            name=name, digest=digest, node_ids=[n.node_id for n in holders]
+        )
         results = await self._fan_out(holders, "UnloadLoRA", _unload(name))
         # NOT_FOUND: that node unloaded it meanwhile (another router's call).
         failed = [
