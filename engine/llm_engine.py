@@ -355,9 +355,13 @@ class LLMEngine:
         lora = self.model_runner.lora
         if lora is None or not lora.removing:
             return
+        slots = self.scheduler.lora_slots
+        # A sequence holds its slot only while its request is here; the slot
+        # check is a guard, never a step's failure.
         in_use = {_lora_id(req) for req in self.requests.values()}
+        in_use.update(i for i in lora.removing if slots.users(i))
         for lora_int_id in lora.removing - in_use:
-            lora.release(lora_int_id, self.scheduler.lora_slots)
+            lora.release(lora_int_id, slots)
 
     def _lora_keys(
         self, lora_request: LoRARequest | None, adapter: LoRAAdapter | None = None
