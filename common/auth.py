@@ -45,7 +45,7 @@ OPEN = None  # no token needed
 ANY = ""  # any valid token, whatever its rights
 
 # The admin API's calls that change nothing.
-ADMIN_READ_METHODS = {"ListNodes", "Stats", "ExplainRoute"}
+ADMIN_READ_METHODS = {"ListNodes", "Stats", "ExplainRoute", "ListLoRAAdapters"}
 
 _NAME = re.compile(r"^[A-Za-z0-9_.@:-]+$")
 _DIGEST = re.compile(r"^sha256:([0-9a-fA-F]{64})$")

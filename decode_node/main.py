@@ -106,6 +106,7 @@ async def serve(args: argparse.Namespace) -> int:
             DecodeNodeServicer(worker), s
         ),
         thread=node.thread,
+        adapters=node.adapters,
         info=info,
         counters=worker.stats.counters,
         histograms=worker.stats.histograms,

@@ -51,6 +51,7 @@ from engine.input_processor import InputProcessor, PromptType
 from engine.kv_cache_dtype import FP8_E4M3_NAME
 from engine.kv_writes import KVWriteObserver
 from engine.layers.attention.kv_quant import storage_view
+from engine.lora.adapter import LoRAAdapter
 from engine.lora.request import LoRARequest
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
@@ -335,17 +336,53 @@ class LLMEngine:
             request_id, prompt, params, arrival_time, self._hashers, lora_request, extra_keys
         )
 
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Read and check an adapter now (vLLM's name), not at its first request."""
-        self._lora_keys(lora_request)
+    def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter | None = None) -> bool:
+        """Read and check an adapter now (vLLM's name), not at its first request.
+        ``adapter``: what ``model_runner.lora.read(lora_request)`` gave on
+        another thread, so that a serving engine's thread does no disk IO."""
+        self._lora_keys(lora_request, adapter)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (vLLM's name); False if the engine does not know it.
+
+        Requests already queued or running under it finish on its weights
+        (drain): its host copy and device slot are freed when the last one
+        leaves. A request that names it afterwards reads it again, as one
+        naming any new adapter does. Its KV stays in the prefix cache, keyed by
+        the adapter's digest: only the same files, loaded again, can hit it,
+        and the LRU evicts it like any other block."""
+        lora = self.model_runner.lora
+        if lora is None or not lora.remove(lora_int_id):
+            return False
+        self._release_removed_loras()
         return True
 
     def list_loras(self) -> set[int]:
-        """The ``lora_int_id`` of every adapter this engine has read."""
+        """The ``lora_int_id`` of every adapter requests may name now (read and not removed)."""
         lora = self.model_runner.lora
         return set(lora.known) if lora is not None else set()
 
-    def _lora_keys(self, lora_request: LoRARequest | None) -> ExtraKeys:
+    def lora_requests_in_flight(self, lora_int_id: int) -> int:
+        """Requests of this engine (queued, reserved or running) under an adapter."""
+        return sum(1 for req in self.requests.values() if _lora_id(req) == lora_int_id)
+
+    def _release_removed_loras(self) -> None:
+        """Free the removed adapters that no request uses any more."""
+        lora = self.model_runner.lora
+        if lora is None or not lora.removing:
+            return
+        slots = self.scheduler.lora_slots
+        # A sequence holds its slot only while its request is here; the slot
+        # check is a guard, never a step's failure.
+        in_use = {_lora_id(req) for req in self.requests.values()}
+        in_use.update(i for i in lora.removing if slots.users(i))
+        for lora_int_id in lora.removing - in_use:
+            lora.release(lora_int_id, slots)
+
+    def _lora_keys(
+        self, lora_request: LoRARequest | None, adapter: LoRAAdapter | None = None
+    ) -> ExtraKeys:
         """The block-hash extra keys of a request's adapter, checked (and read
         from disk on first sight); () for the base model."""
         if lora_request is None:
@@ -359,7 +396,7 @@ class LLMEngine:
                 f"request names LoRA adapter {lora_request.lora_name!r} but the engine was "
                 "started without enable_lora=True"
             )
-        return (lora_extra_key(self.model_runner.lora.register(lora_request)),)
+        return (lora_extra_key(self.model_runner.lora.register(lora_request, adapter)),)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Free the requests' KV blocks now (reserved and held ones too); unknown
@@ -382,6 +419,7 @@ class LLMEngine:
             req.aborted = True
             req.finished_time = time.monotonic()
             self._aborted.append(req)
+        self._release_removed_loras()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self._aborted)
@@ -575,6 +613,8 @@ class LLMEngine:
         if out.finished if out is not None else req.finished:
             del self.requests[request_id]
             self._penalised.discard(request_id)
+            if req.seqs[0].lora_request is not None:
+                self._release_removed_loras()
         return [out] if out is not None else []
 
     # --------------------------------------------------------------- misc
@@ -641,3 +681,9 @@ class LLMEngine:
         stored events; the events so far are superseded by this snapshot (a
         node republishing after a Redis outage)."""
         return self.block_manager.cached_snapshot()
+
+
+def _lora_id(req: Request) -> int:
+    """The ``lora_int_id`` a request runs under (0: the base model)."""
+    lora = req.seqs[0].lora_request
+    return lora.lora_int_id if lora is not None else 0

@@ -157,6 +157,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         + (["--no-migration"] if args.no_migration else [])
         + (["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else [])
         + (["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else [])
+        + (["--allow-runtime-lora-updating"] if args.allow_runtime_lora_updating else [])
         + (
             ["--migration-wait", str(args.migration_wait)]
             if args.migration_wait is not None
@@ -183,12 +184,17 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def lora_node_args(args: argparse.Namespace) -> list[str]:
-    """The nodes' LoRA flags from ``pdserve up``'s (none without --lora-modules)."""
-    if not args.lora_modules:
+    """The nodes' LoRA flags from ``pdserve up``'s (none without --enable-lora
+    or --lora-modules)."""
+    if not (args.lora_modules or args.enable_lora):
         if args.max_loras or args.max_lora_rank:
-            raise ValueError("--max-loras and --max-lora-rank go with --lora-modules")
+            raise ValueError(
+                "--max-loras and --max-lora-rank go with --enable-lora or --lora-modules"
+            )
         return []
-    out = ["--enable-lora", "--lora-modules", *args.lora_modules]
+    out = ["--enable-lora"]
+    if args.lora_modules:
+        out += ["--lora-modules", *args.lora_modules]
     if args.max_loras:
         out += ["--max-loras", str(args.max_loras)]
     if args.max_lora_rank:
@@ -339,6 +345,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="PEFT LoRA adapters every node reads and checks at start (LoRA on); requests "
         "name one by its NAME in `model` (docs/usage.md, Serving LoRA adapters)",
+    )
+    up.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="LoRA on without adapters at start: load them at run time (pdctl lora load)",
+    )
+    up.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="the routers' --allow-runtime-lora-updating: vLLM's /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter on the HTTP API (admin token required)",
     )
     up.add_argument(
         "--max-loras", type=positive_int, default=None, help="adapters on a node's device at once"

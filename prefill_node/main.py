@@ -118,6 +118,7 @@ async def serve(args: argparse.Namespace) -> int:
             PrefillNodeServicer(worker), s
         ),
         thread=node.thread,
+        adapters=node.adapters,
         info=node.info(NodeRole.PREFILL, config.port),
         counters=worker.stats.counters,
         close=close,

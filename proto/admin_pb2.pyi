@@ -219,3 +219,47 @@ class FlushCacheResponse(_message.Message):
     BLOCKS_FLUSHED_FIELD_NUMBER: _ClassVar[int]
     blocks_flushed: int
     def __init__(self, blocks_flushed: _Optional[int] = ...) -> None: ...
+
+class ListLoRAAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoRAAdapter(_message.Message):
+    __slots__ = ("name", "digest", "node_ids", "resident_node_ids")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: str
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    resident_node_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., node_ids: _Optional[_Iterable[str]] = ..., resident_node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListLoRAAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoRAAdapterResponse(_message.Message):
+    __slots__ = ("adapter", "requests_in_flight")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoRAAdapter
+    requests_in_flight: int
+    def __init__(self, adapter: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., requests_in_flight: _Optional[int] = ...) -> None: ...

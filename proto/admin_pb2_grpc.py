@@ -64,6 +64,21 @@ class AdminStub:
                 request_serializer=proto_dot_admin__pb2.FlushCacheRequest.SerializeToString,
                 response_deserializer=proto_dot_admin__pb2.FlushCacheResponse.FromString,
                 _registered_method=True)
+        self.ListLoRAAdapters = channel.unary_unary(
+                '/pdserve.v1.Admin/ListLoRAAdapters',
+                request_serializer=proto_dot_admin__pb2.ListLoRAAdaptersRequest.SerializeToString,
+                response_deserializer=proto_dot_admin__pb2.ListLoRAAdaptersResponse.FromString,
+                _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.Admin/LoadLoRAAdapter',
+                request_serializer=proto_dot_admin__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_admin__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.Admin/UnloadLoRAAdapter',
+                request_serializer=proto_dot_admin__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_admin__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -114,6 +129,33 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListLoRAAdapters(self, request, context):
+        """The LoRA adapters the live nodes registered, and which nodes hold each.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLoRAAdapter(self, request, context):
+        """Load a LoRA adapter on every live prefill and decode node (the path must
+        hold the same files on each). All or nothing: when a node fails, the
+        nodes that loaded it unload it again, and the status is the failing
+        node's (NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION...) with every
+        failing node named. ALREADY_EXISTS: a node serves an adapter of that
+        name; FAILED_PRECONDITION also when the nodes read different files.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Unload a LoRA adapter from every node holding it: requests naming it are
+        refused from then on, those in flight finish. NOT_FOUND: no node has it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +188,21 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.FlushCache,
                     request_deserializer=proto_dot_admin__pb2.FlushCacheRequest.FromString,
                     response_serializer=proto_dot_admin__pb2.FlushCacheResponse.SerializeToString,
+            ),
+            'ListLoRAAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoRAAdapters,
+                    request_deserializer=proto_dot_admin__pb2.ListLoRAAdaptersRequest.FromString,
+                    response_serializer=proto_dot_admin__pb2.ListLoRAAdaptersResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=proto_dot_admin__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=proto_dot_admin__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=proto_dot_admin__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=proto_dot_admin__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +367,87 @@ class Admin:
             '/pdserve.v1.Admin/FlushCache',
             proto_dot_admin__pb2.FlushCacheRequest.SerializeToString,
             proto_dot_admin__pb2.FlushCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoRAAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/ListLoRAAdapters',
+            proto_dot_admin__pb2.ListLoRAAdaptersRequest.SerializeToString,
+            proto_dot_admin__pb2.ListLoRAAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/LoadLoRAAdapter',
+            proto_dot_admin__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            proto_dot_admin__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/UnloadLoRAAdapter',
+            proto_dot_admin__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            proto_dot_admin__pb2.LoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,6 +11,32 @@ class NodeFlushRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class NodeLoadLoRARequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class NodeUnloadLoRARequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class NodeLoRAResponse(_message.Message):
+    __slots__ = ("name", "digest", "rank", "requests_in_flight")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: str
+    rank: int
+    requests_in_flight: int
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., rank: _Optional[int] = ..., requests_in_flight: _Optional[int] = ...) -> None: ...
+
 class NodeFlushResponse(_message.Message):
     __slots__ = ("blocks_flushed",)
     BLOCKS_FLUSHED_FIELD_NUMBER: _ClassVar[int]

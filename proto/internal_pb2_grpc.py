@@ -229,6 +229,16 @@ class NodeControlStub:
                 request_serializer=proto_dot_internal__pb2.NodeFlushRequest.SerializeToString,
                 response_deserializer=proto_dot_internal__pb2.NodeFlushResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/pdserve.v1.NodeControl/LoadLoRA',
+                request_serializer=proto_dot_internal__pb2.NodeLoadLoRARequest.SerializeToString,
+                response_deserializer=proto_dot_internal__pb2.NodeLoRAResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/pdserve.v1.NodeControl/UnloadLoRA',
+                request_serializer=proto_dot_internal__pb2.NodeUnloadLoRARequest.SerializeToString,
+                response_deserializer=proto_dot_internal__pb2.NodeLoRAResponse.FromString,
+                _registered_method=True)
 
 
 class NodeControlServicer:
@@ -243,6 +253,28 @@ class NodeControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """Loads a LoRA adapter: its files are read and checked off the engine
+        thread, then the engine files it and the node publishes it in its
+        registration before answering. NOT_FOUND: no adapter files at the path;
+        INVALID_ARGUMENT: an adapter this node cannot apply (rank above
+        max_lora_rank, modules the model lacks, another base model...);
+        ALREADY_EXISTS: the node has an adapter of that name; FAILED_PRECONDITION:
+        the node runs without --enable-lora.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Unloads a LoRA adapter: requests naming it are refused from now on (the
+        registration drops it before answering), those in flight finish on it and
+        its memory is freed after the last. NOT_FOUND: no adapter of that name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +282,16 @@ def add_NodeControlServicer_to_server(servicer, server):
                     servicer.FlushCache,
                     request_deserializer=proto_dot_internal__pb2.NodeFlushRequest.FromString,
                     response_serializer=proto_dot_internal__pb2.NodeFlushResponse.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=proto_dot_internal__pb2.NodeLoadLoRARequest.FromString,
+                    response_serializer=proto_dot_internal__pb2.NodeLoRAResponse.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=proto_dot_internal__pb2.NodeUnloadLoRARequest.FromString,
+                    response_serializer=proto_dot_internal__pb2.NodeLoRAResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -280,6 +322,60 @@ class NodeControl:
             '/pdserve.v1.NodeControl/FlushCache',
             proto_dot_internal__pb2.NodeFlushRequest.SerializeToString,
             proto_dot_internal__pb2.NodeFlushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.NodeControl/LoadLoRA',
+            proto_dot_internal__pb2.NodeLoadLoRARequest.SerializeToString,
+            proto_dot_internal__pb2.NodeLoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.NodeControl/UnloadLoRA',
+            proto_dot_internal__pb2.NodeUnloadLoRARequest.SerializeToString,
+            proto_dot_internal__pb2.NodeLoRAResponse.FromString,
             options,
             channel_credentials,
             insecure,

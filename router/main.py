@@ -175,6 +175,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "[PDSERVE_REASONING_PARSER]",
     )
     p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        default=env("PDSERVE_ALLOW_RUNTIME_LORA_UPDATING") == "1",
+        help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter on the "
+        "OpenAI API (admin token required; docs/openai.md); the admin API's LoRA calls "
+        "work without it [PDSERVE_ALLOW_RUNTIME_LORA_UPDATING=1]",
+    )
+    p.add_argument(
         "--no-access-log",
         action="store_true",
         default=env("PDSERVE_NO_ACCESS_LOG") == "1",
@@ -344,12 +352,14 @@ async def _build(args: argparse.Namespace) -> _Parts:
         reasoning_parser=args.reasoning_parser,
     )
     server, health = await _public_server(args, router, public_auth, tls)
-    admin, admin_health, admin_host = await _admin_server(
-        args, admin_auth, AdminServicer(cluster, routing, frontend, router.channel), tls
-    )
+    admin_servicer = AdminServicer(cluster, routing, frontend, router.channel)
+    admin, admin_health, admin_host = await _admin_server(args, admin_auth, admin_servicer, tls)
     gc_pauses = GcPauses()  # installed once serving
     collectors = [RouterCollector(routing), GcCollector(gc_pauses, {})]
-    http = _http_server(args, router, public_auth, collectors, tls)
+    lora_updates = None
+    if args.allow_runtime_lora_updating:
+        lora_updates = (admin_servicer.lora, admin_auth[0] if admin_auth else None)
+    http = _http_server(args, router, public_auth, collectors, tls, lora_updates)
     return _Parts(
         cluster, routing, router, tracing, server, health, admin, admin_health, admin_host,
         http, collectors, gc_pauses,
@@ -399,7 +409,9 @@ async def _admin_server(args, admin_auth, servicer: AdminServicer, tls: TLSConfi
     return admin, admin_health, admin_host
 
 
-def _http_server(args, router: RouterServicer, public_auth, collectors: list, tls: TLSConfig):
+def _http_server(
+    args, router: RouterServicer, public_auth, collectors: list, tls: TLSConfig, lora_updates
+):
     """The OpenAI API's server (not started), its collector added; None without --http-port."""
     if not args.http_port:
         return None
@@ -413,6 +425,7 @@ def _http_server(args, router: RouterServicer, public_auth, collectors: list, tl
         http_stats,
         args.tool_call_parser,
         args.reasoning_parser,
+        lora_updates,
     )
     return http_app.make_server(
         app, args.host, args.http_port, tls, args.drain_timeout, args.http_keep_alive_s

@@ -20,6 +20,8 @@ Cost policy (``RoutingPolicy.COST``, the default):
      + full_penalty  (when it lacks the free blocks for this prompt)
      - hit_weight  * (device-hit fraction
                       + (1 - host_copy_cost) * host-hit fraction of the prompt)
+     + hit_weight  * min(1, lora_load_tokens / prompt tokens)
+                     (a LoRA request, its adapter in none of the node's device slots)
 
    where "in use" is the larger of what the node reported plus what this
    router sent it since, and what this router alone has in flight there.
@@ -35,9 +37,18 @@ Cost policy (``RoutingPolicy.COST``, the default):
        prompt tokens in neither of its tiers
      + host_copy_cost * prompt tokens in its host tier
      + queue_weight   * prefill tokens queued there
+     + lora_load_tokens   (a LoRA request, its adapter in no device slot there)
 
    (an estimate, in tokens, of the time to the first token: a host-tier hit
    costs a copy-in, priced as a fraction of computing the token).
+
+A node that holds a request's LoRA adapter but not in a device slot
+(NodeInfo.lora_resident) must copy its weights in before the request's first
+step there, and read them from disk when its host cache dropped them; until
+then the request waits. ``lora_load_tokens`` prices that wait as the prompt
+tokens the node could have computed meanwhile, so that among otherwise equal
+nodes the one with the adapter in place wins, while a node much less loaded
+or caching much more of the prompt still wins over it.
 
 Ties are broken at random. ``ROUND_ROBIN`` and ``RANDOM`` ignore caches and
 load (baselines for benchmarks/routing.py); they still skip excluded nodes and
@@ -51,7 +62,13 @@ import operator
 import random
 from dataclasses import dataclass, field
 
-from common.cluster.state import ClusterView, NodeInfo, NodeRole, RouteCandidate
+from common.cluster.state import (
+    ClusterView,
+    NodeInfo,
+    NodeRole,
+    RouteCandidate,
+    lora_resident_of,
+)
 from engine.kv_cache_dtype import pairing_refusal
 from router.models import BASE_MODEL, ModelChoice, holds_adapter
 
@@ -85,6 +102,9 @@ class RoutingConfig:
     # fraction of computing it (0: as good as a device hit, 1: as recomputing);
     # the default's basis is in docs/routing.md.
     host_copy_cost: float = 0.1
+    # Cost of copying a LoRA adapter into a node's device slot (it holds none
+    # of the request's), in prompt tokens computed meanwhile (docs/routing.md).
+    lora_load_tokens: float = 64.0
     # Prefill on the decode node when at most this many prompt tokens are uncached there.
     local_prefill_max_tokens: int = 256
     # ... or when the decode node caches at least this fraction of the prompt.
@@ -115,7 +135,14 @@ class RoutingConfig:
                 raise ValueError(
                     f"routing policy must be one of {allowed}; got {self.policy!r}"
                 ) from None
-        for name in ("load_weight", "kv_weight", "hit_weight", "full_penalty", "queue_weight"):
+        for name in (
+            "load_weight",
+            "kv_weight",
+            "hit_weight",
+            "full_penalty",
+            "queue_weight",
+            "lora_load_tokens",
+        ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.local_prefill_max_tokens < 0:
@@ -240,6 +267,8 @@ def decode_cost(
     }
     if used + needed > node.kv_blocks_total:
         terms["full"] = config.full_penalty
+    if _loads_adapter(node, request):
+        terms["lora_load"] = config.hit_weight * min(1.0, config.lora_load_tokens / prompt)
     return terms
 
 
@@ -258,7 +287,16 @@ def prefill_cost(
     }
     if host:
         terms["host_copy"] = config.host_copy_cost * host
+    if _loads_adapter(node, request):
+        terms["lora_load"] = config.lora_load_tokens
     return terms
+
+
+def _loads_adapter(node: NodeInfo, request: RouteRequest) -> bool:
+    """Whether the request's adapter must be copied into one of the node's
+    device slots first (module docstring)."""
+    name = request.model.lora_name
+    return bool(name) and name not in lora_resident_of(node)
 
 
 def choose_route(

@@ -74,6 +74,7 @@ ROUTE_FIELDS = (
     "started_ms",
     "lora_adapters",
     "kv_cache_dtype",
+    "lora_resident",
 )
 # The hash field holding PACKED_FIELDS as a JSON array, in that order: every
 # routing field but seen_ms, which the server's clock writes by itself. A reader

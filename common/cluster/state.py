@@ -88,6 +88,10 @@ class NodeInfo:
     # the KV dtypes (common/kv_transfer/kv_dtypes.py), pdctl nodes shows both.
     weight_dtype: str = ""
     kv_cache_dtype: str = ""
+    # Of those, the names with weights in a device slot now, as a JSON array
+    # ("" for none): a request for another one first copies it in (and may
+    # read it from disk), which routing prices (router/policy.py).
+    lora_resident: str = ""
     draining: bool = False  # the node itself is shutting down (SIGTERM)
     updated_ms: int = 0  # the node's clock at its last heartbeat
     # The node's clock when its process started: a restart under the same id
@@ -217,6 +221,7 @@ class NodeInfo:
             started_ms=_int(v[16]) if len(v) > 16 else 0,
             lora_adapters=v[17] if len(v) > 17 else "",
             kv_cache_dtype=v[18] if len(v) > 18 else "",
+            lora_resident=v[19] if len(v) > 19 else "",
         )
 
 
@@ -229,6 +234,29 @@ def lora_adapters_of(node: NodeInfo) -> dict[str, str]:
     """A node's adapters, name -> digest; a malformed field reads as none
     (the node then gets no adapter request, rather than a wrong one)."""
     return dict(_adapters(node.lora_adapters)) if node.lora_adapters else {}
+
+
+def lora_resident_json(names: list[str]) -> str:
+    """NodeInfo.lora_resident of a node with these adapters in device slots."""
+    return json.dumps(sorted(names), separators=(",", ":")) if names else ""
+
+
+def lora_resident_of(node: NodeInfo) -> frozenset[str]:
+    """The adapters in a node's device slots (a malformed field reads as none)."""
+    return _resident(node.lora_resident) if node.lora_resident else frozenset()
+
+
+@functools.lru_cache(maxsize=256)
+def _resident(text: str) -> frozenset[str]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return frozenset()
+    return (
+        frozenset(v for v in value if isinstance(v, str))
+        if isinstance(value, list)
+        else frozenset()
+    )
 
 
 @functools.lru_cache(maxsize=256)

@@ -26,7 +26,8 @@ from common.metrics.steps import StepHistograms
 from common.runtime.config import NodeConfig
 from common.runtime.gc_heap import GcPauses, freeze_heap
 from common.runtime.heartbeat import Heartbeat
-from common.runtime.node_lora import NodeAdapters
+from common.runtime.node_lora import AdapterRefused, NodeAdapters
+from common.runtime.node_lora_control import NodeLoRAControl
 from common.runtime.ports import PlannedPort, check_free, listen
 from common.runtime.progress_log import log_progress
 from common.runtime.reliability import crash_at_start
@@ -97,10 +98,7 @@ def start_node_engine(
     adapters = NodeAdapters()
     for lora in node.lora_modules:  # read and checked now: a bad adapter fails the start
         engine.add_lora(lora)
-        adapters.by_name[lora.lora_name] = (
-            lora,
-            engine.model_runner.lora.known[lora.lora_int_id][1],
-        )
+        adapters.add(lora, engine.model_runner.lora.known[lora.lora_int_id][1])
         logger.info("LoRA adapter %r loaded from %s", lora.lora_name, lora.lora_path)
     engine.enable_cache_events()
     thread = EngineThread(engine, name=f"engine-{node_id}").start()
@@ -110,8 +108,21 @@ def start_node_engine(
 class NodeControlServicer(internal_pb2_grpc.NodeControlServicer):
     """Operations on the node itself (thin: the work happens on the engine thread)."""
 
-    def __init__(self, engine: EngineThread) -> None:
+    def __init__(self, engine: EngineThread, lora: NodeLoRAControl) -> None:
         self.engine = engine
+        self.lora = lora
+
+    async def LoadLoRA(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await self.lora.load(request.name, request.path)
+        except AdapterRefused as e:
+            await context.abort(e.code, str(e))
+
+    async def UnloadLoRA(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await self.lora.unload(request.name)
+        except AdapterRefused as e:
+            await context.abort(e.code, str(e))
 
     async def FlushCache(self, request, context: grpc.aio.ServicerContext):
         flushed = await asyncio.wrap_future(self.engine.call(lambda e: e.reset_prefix_cache()))
@@ -129,6 +140,7 @@ async def run_node(
     counters: Callable[[], dict[str, int]],
     close: Callable[[], Awaitable[None]],
     histograms: Callable[[], dict[str, Histogram]] | None = None,
+    adapters: NodeAdapters | None = None,
 ) -> int:
     """Serve one node until SIGINT/SIGTERM, then drain and leave the cluster cleanly.
 
@@ -142,17 +154,15 @@ async def run_node(
     await check_redis(cluster.redis, node.redis_url)  # refused credentials: stop here
     metrics, gc_pauses = _serve_metrics(node, info, thread, counters, histograms)
     services = [service, CONTROL_SERVICE]
-    server, health = await _grpc_server(node, thread, add_servicer, services)
+    lora = NodeLoRAControl(thread, adapters or NodeAdapters(), info)
+    server, health = await _grpc_server(node, thread, add_servicer, services, lora)
     # Before the port opens: a SIGTERM once a router can reach us (the first
     # heartbeat registers us) drains and exits 0, never the default's kill.
     stop = _on_signals()
     await server.start()
-    heartbeat = Heartbeat(
-        cluster, thread, info, interval_s=node.heartbeat_interval_s, counters=counters
-    )
-    heartbeat.watch_idle(asyncio.get_running_loop())
+    heartbeat = await _first_heartbeat(node, cluster, thread, info, lora.counters(counters))
+    lora.publish = heartbeat.beat  # a load or an unload is published before its answer
     metrics.heartbeat = heartbeat
-    await heartbeat.beat()
     beating = asyncio.create_task(heartbeat.run_forever())
     progress = asyncio.create_task(log_progress(thread, info.node_id, node.log_stats_interval_s))
     # Start-up is over (model, graphs, servers): what is alive now lives as long
@@ -180,6 +190,16 @@ async def run_node(
     return 0
 
 
+async def _first_heartbeat(node: NodeConfig, cluster, thread, info, counters) -> Heartbeat:
+    """The node's heartbeat, registered by its first beat."""
+    heartbeat = Heartbeat(
+        cluster, thread, info, interval_s=node.heartbeat_interval_s, counters=counters
+    )
+    heartbeat.watch_idle(asyncio.get_running_loop())
+    await heartbeat.beat()
+    return heartbeat
+
+
 async def _leave(beating: asyncio.Task, heartbeat: Heartbeat, server: grpc.aio.Server) -> None:
     """Out of Redis, then the gRPC server stopped."""
     beating.cancel()
@@ -202,11 +222,11 @@ def _serve_metrics(node: NodeConfig, info: NodeInfo, thread: EngineThread, count
     return metrics, gc_pauses
 
 
-async def _grpc_server(node: NodeConfig, thread: EngineThread, add_servicer, services):
+async def _grpc_server(node: NodeConfig, thread: EngineThread, add_servicer, services, lora):
     """The node's gRPC server (not started), with health NOT_SERVING until told."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     add_servicer(server)
-    internal_pb2_grpc.add_NodeControlServicer_to_server(NodeControlServicer(thread), server)
+    internal_pb2_grpc.add_NodeControlServicer_to_server(NodeControlServicer(thread, lora), server)
     health = await add_health(server, services)
     if node.enable_reflection:
         add_reflection(server, services)

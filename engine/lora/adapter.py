@@ -45,6 +45,10 @@ class LoRAAdapterError(ValueError):
     """An adapter that cannot be applied to this model as PEFT would."""
 
 
+class LoRAAdapterNotFound(LoRAAdapterError):
+    """The adapter's directory or one of its two files does not exist."""
+
+
 @dataclass(slots=True)
 class LoRAAdapter:
     """One adapter on the host: per (layer, module) its A ``[r, in]`` and its
@@ -84,7 +88,7 @@ def read_config(request: LoRARequest, max_lora_rank: int) -> tuple[dict, Path]:
     config_path, weights_path = root / CONFIG_FILE, root / WEIGHTS_FILE
     for path in (config_path, weights_path):
         if not path.is_file():
-            raise LoRAAdapterError(
+            raise LoRAAdapterNotFound(
                 f"LoRA adapter {request.lora_name!r}: {str(path)!r} does not exist (a PEFT "
                 f"adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE})"
             )

@@ -8,6 +8,16 @@ hashes, is checked). Device slots: the scheduler's ``LoRASlots`` says which
 adapter a slot holds; before a step this copies the weights of any adapter
 that is not in its slot yet (the slot was free or idle, so no step in flight
 reads it: on a GPU the copy is ordered after earlier steps on the stream).
+
+Run-time changes: ``read`` checks and reads an adapter with no engine state
+touched (another thread may call it, so the engine thread only files the
+result: ``register(request, adapter)``); ``remove`` forgets an adapter for
+new requests while the ones already queued or running keep its weights, and
+``release`` frees its host copy and device slot once none is left (the
+engine says when: ``LLMEngine.remove_lora``). An id keeps the digest it was
+first read with for the engine's life, so re-adding a removed adapter with
+other files under the same id is refused: tensor-parallel followers keep
+their host copies by id, and their KV by that digest.
 """
 
 from __future__ import annotations
@@ -60,8 +70,14 @@ class LoRAManager:
             model, config.max_loras, config.max_lora_rank, self.dtype
         )
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()
-        # Every adapter this engine was asked for: its request and digest.
+        # The adapters requests may name (add_lora, or a request's first
+        # sight of one, less those removed since): request and digest.
         self.known: dict[int, tuple[LoRARequest, str]] = {}
+        # The digest of every id ever read, removed ones included (module docstring).
+        self.digests: dict[int, str] = {}
+        # Removed adapters that queued or running requests still use: their
+        # host copies stay (the host LRU skips them) until ``release``.
+        self.removing: set[int] = set()
         self.in_slot: list[int | None] = [None] * config.max_loras
         self.num_slot_loads = 0  # copies into device slots (tests, metrics)
         # What CUDA graphs capture: every token's slot read from one buffer as
@@ -73,8 +89,14 @@ class LoRAManager:
             buffer = torch.full((rows,), -1, dtype=torch.int32, device=device)
             self.graph_batch = LoRABatch(buffer, (), use_triton=True)
 
-    def register(self, request: LoRARequest) -> str:
-        """Check a request's adapter (reading it on first sight); its digest."""
+    def read(self, request: LoRARequest) -> LoRAAdapter:
+        """Read and check an adapter from disk, touching no state of this
+        manager (any thread; LoRAAdapterError says what is wrong)."""
+        return load_adapter(request, self.arch, self.max_lora_rank, self.dtype)
+
+    def register(self, request: LoRARequest, adapter: LoRAAdapter | None = None) -> str:
+        """Check a request's adapter (reading it on first sight, unless
+        ``adapter`` is what ``read(request)`` gave); its digest."""
         known = self.known.get(request.lora_int_id)
         if known is not None:
             if known[0] != request:
@@ -84,25 +106,57 @@ class LoRAManager:
                     f"{request.lora_path!r}"
                 )
             return known[1]
-        adapter = self._host_adapter(request)
+        adapter = self._host_adapter(request, adapter)
         self.known[request.lora_int_id] = (request, adapter.digest)
+        self.removing.discard(request.lora_int_id)  # added again while draining
         return adapter.digest
 
-    def _host_adapter(self, request: LoRARequest) -> LoRAAdapter:
-        adapter = self.host.pop(request.lora_int_id, None)
+    def remove(self, lora_int_id: int) -> bool:
+        """Forget an adapter for new requests (False: it was not known); the
+        caller ``release``s it once no request uses it."""
+        if self.known.pop(lora_int_id, None) is None:
+            return False
+        self.removing.add(lora_int_id)
+        return True
+
+    def release(self, lora_int_id: int, slots: LoRASlots) -> None:
+        """Free a removed adapter's host copy and device slot (no request uses it)."""
+        self.removing.discard(lora_int_id)
+        self.host.pop(lora_int_id, None)
+        slot = slots.drop(lora_int_id)
+        if slot is not None and self.in_slot[slot] == lora_int_id:
+            self.in_slot[slot] = None
+
+    def _host_adapter(
+        self, request: LoRARequest, adapter: LoRAAdapter | None = None
+    ) -> LoRAAdapter:
+        lora_int_id = request.lora_int_id
         if adapter is None:
-            adapter = load_adapter(request, self.arch, self.max_lora_rank, self.dtype)
-            known = self.known.get(request.lora_int_id)
-            if known is not None and known[1] != adapter.digest:
-                raise LoRAAdapterError(
-                    f"LoRA adapter {request.lora_name!r} changed on disk since it was first "
-                    "loaded: its requests' cached KV would not match; load it under a new id"
-                )
+            adapter = self.host.get(lora_int_id)
+        if adapter is None:
+            adapter = self.read(request)
             logger.info("LoRA adapter %r read (rank %d)", request.lora_name, adapter.rank)
-        self.host[request.lora_int_id] = adapter
-        while len(self.host) > self.max_cpu_loras:
-            self.host.popitem(last=False)
+        first = self.digests.setdefault(lora_int_id, adapter.digest)
+        if first != adapter.digest:
+            raise LoRAAdapterError(
+                f"LoRA adapter {request.lora_name!r} (lora_int_id {lora_int_id}) differs "
+                "from the files first read under that id: its requests' cached KV would not "
+                "match; load it under a new id"
+            )
+        self.host.pop(lora_int_id, None)
+        self.host[lora_int_id] = adapter  # the most recently used
+        self._evict_host()
         return adapter
+
+    def _evict_host(self) -> None:
+        """Least recently used first; never the one just used, nor a removed
+        adapter that requests still use (the cache may hold more meanwhile)."""
+        over = len(self.host) - self.max_cpu_loras
+        if over <= 0:
+            return
+        *older, _ = self.host
+        for lora_int_id in [i for i in older if i not in self.removing][:over]:
+            del self.host[lora_int_id]
 
     def load_slot(self, slot: int, request: LoRARequest) -> None:
         """Copy an adapter into a device slot unless it is there already."""

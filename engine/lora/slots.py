@@ -8,7 +8,8 @@ taken and another adapter is wanted, the least recently idle adapter loses
 its slot. When all slots are in use the sequence waits (others run).
 
 Life cycle of a slot: FREE (never loaded) -> HELD (users > 0) -> IDLE (users
-== 0, weights still in place) -> HELD again, or reassigned to another adapter.
+== 0, weights still in place) -> HELD again, or reassigned to another adapter,
+or FREE again when its adapter was removed (``drop``).
 The model runner copies an adapter's weights into its slot before the first
 step that reads them (engine/lora/manager.py).
 """
@@ -59,6 +60,18 @@ class LoRASlots:
         self._users[lora_int_id] = users
         if users == 0:
             self._idle[lora_int_id] = None
+
+    def drop(self, lora_int_id: int) -> int | None:
+        """Free the slot of an adapter no sequence uses (it was removed); the
+        slot it held, or None when it held none."""
+        if self._users.get(lora_int_id, 0) > 0:
+            raise RuntimeError(f"adapter {lora_int_id} is in use by running sequences")
+        slot = self._slot_of.pop(lora_int_id, None)
+        self._users.pop(lora_int_id, None)
+        self._idle.pop(lora_int_id, None)
+        if slot is not None:
+            self._free.append(slot)
+        return slot
 
     def users(self, lora_int_id: int) -> int:
         return self._users.get(lora_int_id, 0)

@@ -7,6 +7,7 @@
     pdctl explain PROMPT             where PROMPT would go now, and why
     pdctl flush NODE                 evict NODE's unused cached KV blocks
     pdctl top [--interval S] [--once] live view of nodes and router latency (q quits)
+    pdctl lora list|load NAME PATH|unload NAME   LoRA adapters on every node
 
 Options (or environment): --address HOST:PORT [PDCTL_ADDRESS, default
 127.0.0.1:50052], --token TOKEN [PDCTL_TOKEN], --timeout SECONDS, --json
@@ -278,6 +279,73 @@ def cmd_flush(stub, args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- lora
+# A load reads and checks the adapter's files on every node: more than a call's default.
+LOAD_TIMEOUT_S = 120.0
+
+
+def adapter_dict(a: admin_pb2.LoRAAdapter) -> dict:
+    return {
+        "name": a.name,
+        "digest": a.digest,
+        "node_ids": list(a.node_ids),
+        "resident_node_ids": list(a.resident_node_ids),
+    }
+
+
+def cmd_lora_list(stub, args) -> int:
+    adapters = stub.ListLoRAAdapters(admin_pb2.ListLoRAAdaptersRequest(), **args.call).adapters
+    rows = [adapter_dict(a) for a in adapters]
+    text = table(
+        ["NAME", "DIGEST", "NODES", "IN A DEVICE SLOT"],
+        [
+            [r["name"], r["digest"], ",".join(r["node_ids"]), ",".join(r["resident_node_ids"])]
+            for r in rows
+        ],
+    )
+    emit(args, rows, text if rows else "no LoRA adapters loaded")
+    return 0
+
+
+def cmd_lora_load(stub, args) -> int:
+    call = {**args.call, "timeout": max(args.call["timeout"], LOAD_TIMEOUT_S)}
+    request = admin_pb2.LoadLoRAAdapterRequest(lora_name=args.name, lora_path=args.path)
+    a = stub.LoadLoRAAdapter(request, **call).adapter
+    emit(
+        args,
+        adapter_dict(a),
+        f"LoRA adapter {a.name!r} loaded on {', '.join(a.node_ids)} (digest {a.digest})",
+    )
+    return 0
+
+
+def cmd_lora_unload(stub, args) -> int:
+    request = admin_pb2.UnloadLoRAAdapterRequest(lora_name=args.name)
+    r = stub.UnloadLoRAAdapter(request, **args.call)
+    emit(
+        args,
+        {**adapter_dict(r.adapter), "requests_in_flight": r.requests_in_flight},
+        f"LoRA adapter {r.adapter.name!r} unloaded from {', '.join(r.adapter.node_ids)}; "
+        f"{r.requests_in_flight} requests in flight finish on it",
+    )
+    return 0
+
+
+def add_lora_parser(sub, parents) -> None:
+    lora = sub.add_parser("lora", parents=parents, help="LoRA adapters: list, load, unload")
+    commands = lora.add_subparsers(dest="lora_command", required=True)
+    commands.add_parser(
+        "list", parents=parents, help="adapters and the nodes holding them"
+    ).set_defaults(func=cmd_lora_list)
+    load = commands.add_parser("load", parents=parents, help="load NAME from PATH on every node")
+    load.add_argument("name", help="the adapter's name (requests name it as their model)")
+    load.add_argument("path", help="a PEFT adapter directory, the same on every node")
+    load.set_defaults(func=cmd_lora_load)
+    unload = commands.add_parser("unload", parents=parents, help="unload NAME from every node")
+    unload.add_argument("name")
+    unload.set_defaults(func=cmd_lora_unload)
+
+
 # --------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
@@ -331,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     from router.admin.top import add_top_parser  # rich loads only with the parser
 
     add_top_parser(sub, [common])
+    add_lora_parser(sub, [common])
     return p
 
 

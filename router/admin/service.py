@@ -13,6 +13,7 @@ import grpc
 from common.cluster.state import Cluster, NodeInfo, NodeRole
 from proto import admin_pb2, admin_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.frontend import Frontend
+from router.lora_admin import LoRAAdmin, LoRAUpdateFailed
 from router.models import ModelNotFound
 from router.policy import NoRoute
 from router.routing import Routing
@@ -25,6 +26,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.routing = routing
         self.frontend = frontend
         self.channel = channel  # address -> grpc.aio.Channel (shared with the router)
+        self.lora = LoRAAdmin(cluster, routing, channel)
         self.started = time.monotonic()
 
     async def _nodes(self, context: grpc.aio.ServicerContext) -> list[NodeInfo]:
@@ -149,6 +151,26 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         except grpc.aio.AioRpcError as e:
             await context.abort(e.code(), f"{node.node_id}: {e.details()}")
         return admin_pb2.FlushCacheResponse(blocks_flushed=resp.blocks_flushed)
+
+    async def ListLoRAAdapters(self, request, context):
+        try:
+            return admin_pb2.ListLoRAAdaptersResponse(adapters=await self.lora.list())
+        except LoRAUpdateFailed as e:
+            await context.abort(e.code, str(e))
+
+    async def LoadLoRAAdapter(self, request, context):
+        try:
+            adapter = await self.lora.load(request.lora_name, request.lora_path)
+        except LoRAUpdateFailed as e:
+            await context.abort(e.code, str(e))
+        return admin_pb2.LoRAAdapterResponse(adapter=adapter)
+
+    async def UnloadLoRAAdapter(self, request, context):
+        try:
+            adapter, in_flight = await self.lora.unload(request.lora_name)
+        except LoRAUpdateFailed as e:
+            await context.abort(e.code, str(e))
+        return admin_pb2.LoRAAdapterResponse(adapter=adapter, requests_in_flight=in_flight)
 
 
 def node_to_proto(

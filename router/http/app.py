@@ -31,9 +31,11 @@ from common.tracing import TRACEPARENT_KEY
 from proto import pdserve_pb2
 from router.http.chunks import Assembler, EchoLogprobs
 from router.http.errors import ApiError, invalid_body
+from router.http.lora_updates import add_lora_routes
 from router.http.response_output import ResponsesAssembler
 from router.http.responses import ResponsesRequest, responses_param
 from router.http.schemas import ChatCompletionRequest, CompletionRequest, InvalidField
+from router.lora_admin import LoRAAdmin
 from router.models import ModelNotFound
 from router.service import RequestFailed, RouterServicer
 
@@ -69,6 +71,8 @@ ENDPOINTS = frozenset(
         "/v1/chat/completions",
         "/v1/responses",
         "/v1/models",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
         "/health",
         "/version",
     }
@@ -108,9 +112,13 @@ def build_app(
     stats: HttpStats,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    lora_updates: tuple[LoRAAdmin, object] | None = None,
 ) -> FastAPI:
     """``auth``: the gRPC TokenAuthInterceptor (same tokens file, same rights), or
-    None; the parsers: the router's --tool-call-parser and --reasoning-parser."""
+    None; the parsers: the router's --tool-call-parser and --reasoning-parser;
+    ``lora_updates``: with --allow-runtime-lora-updating, the adapters' admin
+    and the admin API's token check (None: none), for vLLM's run-time LoRA
+    endpoints (router/http/lora_updates.py)."""
     edge = _Edge(servicer, auth, tool_call_parser, reasoning_parser)
     app = FastAPI(title="pdserve", openapi_url=None, docs_url=None, redoc_url=None)
     app.add_middleware(_Count, stats=stats)
@@ -122,6 +130,8 @@ def build_app(
     app.post("/v1/completions", dependencies=authorized)(edge.completions)
     app.post("/v1/chat/completions", dependencies=authorized)(edge.chat)
     app.post("/v1/responses", dependencies=authorized)(edge.responses)
+    if lora_updates is not None:
+        add_lora_routes(app, *lora_updates, _parse)
     return app
 
 

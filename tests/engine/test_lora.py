@@ -228,3 +228,60 @@ def test_tensor_parallel_shards_adapters_like_their_layers(lora_setup):
         _check_mixed_batch(llm, hf_base, adapters)
     finally:
         llm.llm_engine.shutdown()
+
+
+def _run(engine, requests) -> dict[str, list[int]]:
+    """Step the engine until it is idle; each request's final token ids."""
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    assert set(done) == set(requests)
+    return done
+
+
+def test_remove_lora_drains_its_requests_and_a_re_add_is_exact(lora_setup, tmp_path):
+    """remove_lora while requests run under the adapter: they finish on its
+    weights (its files deleted meanwhile), new work waits for no slot it
+    held, and only then are its host copy and slot freed; re-added from the
+    same files it hits its own cached KV, other files under its id are refused."""
+    model_dir, _, adapters = lora_setup
+    (a1, hf1), (a2, hf2) = adapters[0], adapters[1]
+    path = _copy_adapter(a1.lora_path, tmp_path / "a1")
+    lora1 = LoRARequest("a1", 1, path)
+    llm = _llm(model_dir, max_loras=1, max_cpu_loras=1, max_num_seqs=2, kvcache_block_size=8,
+               num_kvcache_blocks=64)  # fmt: skip
+    engine, manager = llm.llm_engine, llm.llm_engine.model_runner.lora
+    assert engine.add_lora(lora1, manager.read(lora1))  # read off the engine thread
+    prompts = _prompts(4, length=24)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    for i in range(3):  # two run, one waits for a sequence slot
+        engine.add_request(f"a1-{i}", prompts[i], params, lora_request=lora1)
+    engine.step()
+    assert engine.remove_lora(1) and engine.list_loras() == set()
+    assert not engine.remove_lora(1) and not engine.remove_lora(99)
+    assert engine.lora_requests_in_flight(1) == 3
+    shutil.rmtree(path)  # in-flight requests never read the files again
+    engine.add_request("a2", prompts[3], params, lora_request=a2)  # waits for the one slot
+    assert set(manager.host) == {1, 2}  # over max_cpu_loras: the drained one is kept
+    done = _run(engine, ["a1-0", "a1-1", "a1-2", "a2"])
+    for i in range(3):
+        assert done[f"a1-{i}"] == _hf_greedy(hf1, prompts[i]), i
+    assert done["a2"] == _hf_greedy(hf2, prompts[3])
+    assert set(manager.host) == {2} and not manager.removing
+    assert 1 not in engine.scheduler.lora_slots.resident
+    assert_idle(llm)
+    with pytest.raises(ValueError, match="does not exist"):
+        engine.add_lora(lora1)
+    _copy_adapter(a1.lora_path, tmp_path / "a1")
+    assert engine.add_lora(lora1) and engine.list_loras() == {1, 2}
+    out = llm.generate([prompts[0]], params, use_tqdm=False, lora_request=lora1)[0]
+    assert out.outputs[0].token_ids == _hf_greedy(hf1, prompts[0])
+    assert out.num_cached_tokens == 16  # its own KV, kept by the adapter's digest
+    other = LoRARequest("a1-other", 1, a2.lora_path)
+    assert engine.remove_lora(1)
+    with pytest.raises(ValueError, match="differs from the files first read under that id"):
+        engine.add_lora(other)
+    assert engine.list_loras() == {2}
+    assert_idle(llm)

@@ -11,7 +11,9 @@ must end with "stop" (the schemas are bounded so that it can).
 The cluster also serves one LoRA adapter (``--lora-modules sql=...``, issue
 56): base-model requests never use it (a batch without adapter rows runs the
 base layers alone), and test_lora_adapter checks it through both encodings,
-locally and disaggregated."""
+locally and disaggregated; test_lora_adapter_loaded_and_unloaded_at_run_time
+loads a second name over vLLM's HTTP endpoints, runs a request under it and
+unloads it."""
 
 from __future__ import annotations
 
@@ -85,7 +87,7 @@ def up(demo_model_dir, sql_adapter, tmp_path_factory):
         + ["--http-port", str(http_port), "--metrics-port", str(free_port_block(4))]
         + ["--max-model-len", "2048"]
         + ["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--log-dir", str(logs)]
-        + ["--lora-modules", f"sql={sql_adapter}"]
+        + ["--lora-modules", f"sql={sql_adapter}", "--allow-runtime-lora-updating"]
     )
     cluster.wait_ready()
     cluster.http_port = http_port
@@ -817,3 +819,66 @@ def test_lora_adapter(client, stub, demo_model_dir, sql_adapter):
         list(stub.Generate(request, timeout=60))
     assert refused.value.code() == grpc.StatusCode.NOT_FOUND
     assert "'nope' does not exist" in refused.value.details()
+
+
+def test_lora_adapter_loaded_and_unloaded_at_run_time(client, up, sql_adapter, tmp_path):
+    """vLLM's /v1/load_lora_adapter through the official client: a bad path is
+    refused on both nodes (404 naming them) and leaves nothing loaded; the
+    sql adapter's files under a new name serve a request exactly as "sql"
+    does; pdctl lists it on both nodes, in the decode node's device slot; after
+    /v1/unload_lora_adapter a request naming it is refused (404)."""
+    from router.admin import pdctl
+
+    def post(path: str, body: dict) -> str:
+        return client.post(path, body=body, cast_to=str)
+
+    with pytest.raises(openai.NotFoundError) as missing:
+        post("/load_lora_adapter", {"lora_name": "sql2", "lora_path": str(tmp_path / "none")})
+    assert "prefill-0" in missing.value.message and "decode-0" in missing.value.message
+    assert "does not exist" in missing.value.message
+    assert "sql2" not in {m.id for m in client.models.list().data}
+    loaded = post("/load_lora_adapter", {"lora_name": "sql2", "lora_path": sql_adapter})
+    assert loaded == "Success: LoRA adapter 'sql2' added successfully."
+    models = {m.id: m for m in client.models.list().data}
+    assert models["sql2"].model_extra["parent"] == MODEL
+    with pytest.raises(openai.BadRequestError, match="already been loaded"):
+        post("/load_lora_adapter", {"lora_name": "sql2", "lora_path": sql_adapter})
+    # Under "sql" (the same files) and then under "sql2", each salted (no prefix
+    # hit): the same text. Short prompts: the decode node prefills them.
+    texts = [
+        client.completions.create(
+            model=m, prompt="Write a SQL query:", max_tokens=6, temperature=0,
+            extra_body={"cache_salt": f"runtime-{m}"},
+        ).choices[0].text
+        for m in ("sql", "sql2")
+    ]  # fmt: skip
+    assert texts[1] == texts[0], "the loaded adapter is the sql adapter's weights"
+    # Both nodes hold it; the decode node in its one device slot since that
+    # request (each heartbeat publishes it: a few reads).
+    deadline = time.monotonic() + 5
+    while True:
+        listed = {a["name"]: a for a in _pdctl_json(pdctl, up, ["lora", "list"])}
+        assert sorted(listed["sql2"]["node_ids"]) == ["decode-0", "prefill-0"]
+        if listed["sql2"]["resident_node_ids"] == ["decode-0"]:
+            break
+        assert time.monotonic() < deadline, listed
+        time.sleep(0.2)
+    assert "decode-0" not in listed["sql"]["resident_node_ids"]  # it left the one slot
+    removed = post("/unload_lora_adapter", {"lora_name": "sql2"})
+    assert removed == "Success: LoRA adapter 'sql2' removed successfully."
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.completions.create(model="sql2", prompt="Hi", max_tokens=2)
+    assert refused.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError, match="cannot be found"):
+        post("/unload_lora_adapter", {"lora_name": "sql2"})
+
+
+def _pdctl_json(pdctl, up, argv: list[str]):
+    """pdctl's --json output of one command against the cluster's admin API."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert pdctl.main(["--address", up.admin, "--json", *argv]) == 0
+    return json.loads(out.getvalue())

@@ -47,5 +47,8 @@ def test_pdserve_up_passes_the_adapters_to_every_node():
         "--enable-lora", "--lora-modules", "a=/x", "--max-lora-rank", "32",
     ]  # fmt: skip
     assert cli.lora_node_args(parse(["up", "--model", "/m"])) == []
-    with pytest.raises(ValueError, match="go with --lora-modules"):
+    with pytest.raises(ValueError, match="go with --enable-lora or --lora-modules"):
         cli.lora_node_args(parse(["up", "--model", "/m", "--max-loras", "2"]))
+    # LoRA on with no adapter at start: they are loaded at run time (pdctl lora load).
+    args = parse(["up", "--model", "/m", "--enable-lora", "--max-loras", "2"])
+    assert cli.lora_node_args(args) == ["--enable-lora", "--max-loras", "2"]

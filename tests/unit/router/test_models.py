@@ -14,6 +14,8 @@ from common.cluster.state import (
     RouteCandidate,
     lora_adapters_json,
     lora_adapters_of,
+    lora_resident_json,
+    lora_resident_of,
 )
 from engine.block_hash import BlockHasher, lora_extra_key
 from router.models import (
@@ -30,7 +32,7 @@ BS = 16
 NOW_MS = 1_000_000
 
 
-def node(node_id, role=NodeRole.DECODE, adapters=None, model_id="m", free=1000):
+def node(node_id, role=NodeRole.DECODE, adapters=None, model_id="m", free=1000, resident=()):
     return NodeInfo(
         node_id=node_id,
         role=role,
@@ -42,6 +44,7 @@ def node(node_id, role=NodeRole.DECODE, adapters=None, model_id="m", free=1000):
         max_num_seqs=64,
         seen_ms=NOW_MS - 100,
         lora_adapters=lora_adapters_json(adapters or {}),
+        lora_resident=lora_resident_json(list(resident)),
     )
 
 
@@ -107,6 +110,46 @@ def test_adapter_without_a_prefill_node_prefills_locally_and_none_refuses():
     assert d.local_prefill_reason == "no prefill node is usable"
     with pytest.raises(NoRoute, match="lacks LoRA adapter 'sql'"):
         route([node("d0"), node("d2", adapters={"sql": "zz"})], ModelChoice("sql", "aa"))
+
+
+def test_a_node_with_the_adapter_in_a_device_slot_costs_no_adapter_load():
+    """Equal nodes but one with the adapter resident: that one wins on both
+    sides, and the other's score carries the load term (tokens on a prefill
+    node; on a decode node the same tokens as a fraction of the prompt)."""
+    sql = {"sql": "aa"}
+    nodes = [
+        node("d0", adapters=sql),
+        node("d1", adapters=sql, resident=["sql"]),
+        node("p0", NodeRole.PREFILL, adapters=sql, resident=["other", "sql"]),
+        node("p1", NodeRole.PREFILL, adapters=sql),
+    ]
+    config = RoutingConfig()
+    for seed in range(4):  # never the tie-break's luck
+        view = ClusterView(NOW_MS, [RouteCandidate(n, 0, False) for n in nodes])
+        request = RouteRequest("m", BS, 2048, model=ModelChoice("sql", "aa"))
+        d = choose_route(view, request, config, None, random.Random(seed))
+        assert (d.decode.node_id, d.prefill.node_id) == ("d1", "p0")
+    terms = {s.node_id: s.terms for s in d.scores}
+    assert terms["p1"]["lora_load"] == config.lora_load_tokens
+    assert terms["d0"]["lora_load"] == pytest.approx(config.lora_load_tokens / 2048)
+    assert "lora_load" not in terms["d1"] and "lora_load" not in terms["p0"]
+    # A much shorter queue still beats a resident adapter: the load is one term.
+    nodes[2].queued_prefill_tokens = 4 * int(config.lora_load_tokens)
+    assert route(nodes, ModelChoice("sql", "aa")).prefill.node_id == "p1"
+    # The base model loads nothing anywhere; a short prompt's load is capped at a miss.
+    assert all("lora_load" not in s.terms for s in route(nodes, BASE_MODEL).scores)
+    short = route(nodes[:1], ModelChoice("sql", "aa"), prompt_tokens=8)
+    assert short.scores[0].terms["lora_load"] == config.hit_weight
+    with pytest.raises(ValueError, match="lora_load_tokens must be >= 0"):
+        RoutingConfig(lora_load_tokens=-1)
+
+
+def test_resident_field_round_trips_and_a_malformed_one_reads_as_none():
+    n = node("d0", adapters={"a": "1", "b": "2"}, resident=["b", "a"])
+    back = NodeInfo.from_route("d0", [n.route_value(), "5"])
+    assert lora_resident_of(back) == {"a", "b"} and back.lora_resident == '["a","b"]'
+    n.lora_resident = "{not json"
+    assert lora_resident_of(n) == frozenset() and lora_resident_of(node("d1")) == frozenset()
 
 
 def test_adapter_hashes_differ_from_base_and_match_the_engine_spec():
