@@ -59,6 +59,7 @@ class NodeEngine:
         """The node's registration (the heartbeat keeps its load fields current)."""
         tp = self.config.tensor_parallel_size
         weights = str(self.engine.model_runner.dtype).removeprefix("torch.")
+        quantization = self.config.quantization  # FP8 weights: pdctl shows "fp8"
         return NodeInfo(
             node_id=self.node_id,
             role=role,
@@ -72,7 +73,7 @@ class NodeEngine:
             num_gpus=tp if self.engine.model_runner.device.type == "cuda" else 0,
             started_ms=now_ms(),
             lora_adapters=lora_adapters_json(self.adapters.digests()),
-            weight_dtype=weights,
+            weight_dtype=quantization.value if quantization else weights,
             kv_cache_dtype=storage_name(self.config.kv_cache_dtype, weights),
             **extra,
         )
