@@ -36,7 +36,9 @@ def up(demo_model_dir, tmp_path_factory):
         ["--model", str(demo_model_dir), "--prefill", "1", "--decode", "1"]
         + ["--port", str(free_port()), "--admin-port", str(free_port())]
         + ["--http-port", str(http_port), "--metrics-port", "0"]
-        + ["--max-model-len", str(MAX_LEN), "--log-dir", str(logs)]
+        + ["--max-model-len", str(MAX_LEN), "--log-dir", str(logs)],
+        # A KV cache of its own size, not one sized from the host's free memory.
+        env={"PDSERVE_NUM_KVCACHE_BLOCKS": "512"},
     )
     cluster.wait_ready()
     cluster.http_port = http_port

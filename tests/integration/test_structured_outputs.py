@@ -87,7 +87,10 @@ def up(demo_model_dir, sql_adapter, tmp_path_factory):
         + ["--http-port", str(http_port), "--metrics-port", str(free_port_block(4))]
         + ["--max-model-len", "2048"]
         + ["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--log-dir", str(logs)]
-        + ["--lora-modules", f"sql={sql_adapter}", "--allow-runtime-lora-updating"]
+        + ["--lora-modules", f"sql={sql_adapter}", "--allow-runtime-lora-updating"],
+        # A KV cache of its own size, not one sized from the host's free memory
+        # (which other work on a test host makes small and the batches preempt).
+        env={"PDSERVE_NUM_KVCACHE_BLOCKS": "1024"},
     )
     cluster.wait_ready()
     cluster.http_port = http_port
