@@ -242,7 +242,7 @@ class EngineConfig:
         self.quantization = resolve_quantization(
             parse_quantization(self.quantization), self.model_config.checkpoint_quant
         )
-        self.kv_cache_dtype = KVCacheDType.parse(self.kv_cache_dtype)
+        self.kv_cache_dtype = _parse_enum("kv_cache_dtype", self.kv_cache_dtype, KVCacheDType)
         self.lora_dtype = _parse_enum("lora_dtype", self.lora_dtype, LoRADType)
         self.structured_outputs_config = StructuredOutputsConfig.parse(
             self.structured_outputs_config, self.guided_decoding_backend

@@ -25,18 +25,6 @@ class KVCacheDType(enum.Enum):
     def is_fp8(self) -> bool:
         return self is not KVCacheDType.AUTO
 
-    @classmethod
-    def parse(cls, value: object) -> KVCacheDType:
-        """The member for ``value`` (a member or its string); ValueError listing the
-        supported values otherwise."""
-        if isinstance(value, cls):
-            return value
-        for member in cls:
-            if value == member.value:
-                return member
-        allowed = ", ".join(repr(m.value) for m in cls)
-        raise ValueError(f"kv_cache_dtype must be one of {allowed}; got {value!r}")
-
 
 def storage_name(kv_dtype: KVCacheDType, model_dtype: str) -> str:
     """What a cache of ``kv_dtype`` holds, by one name per format: the model's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -315,3 +316,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_multi)
         elif item.get_closest_marker("gpu") and num_gpus < 1:
             item.add_marker(skip_gpu)
+
+
+def teacher_forced(llm, ids: list[int]) -> tuple[list[int], list[float]]:
+    """(top-1 token, logprob of the actual next token) at every position of
+    ``ids`` after the first: what agreement and perplexity are measured on."""
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    top, actual = [], []
+    for pos in range(1, len(ids)):
+        lps = out.prompt_logprobs[pos]
+        top.append(next(t for t, lp in lps.items() if lp.rank == 1))
+        actual.append(lps[ids[pos]].logprob)
+    return top, actual
+
+
+def perplexity(logprobs: list[float]) -> float:
+    return math.exp(-sum(logprobs) / len(logprobs))

@@ -10,7 +10,6 @@ in tests/integration.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 
 import pytest
@@ -24,6 +23,7 @@ from engine.layers.attention.kv_quant import quantized_name
 from prefill_node.destinations import PendingDestination
 from prefill_node.kv_stream import KVStreamer
 from proto import internal_pb2
+from tests.conftest import perplexity, teacher_forced
 from tests.engine.conftest import assert_idle
 
 PROMPTS = [
@@ -532,31 +532,19 @@ def fp8_decode(demo_model_dir):
     return LLM(str(demo_model_dir), max_model_len=1024, device="cpu", kv_cache_dtype="fp8_e4m3")
 
 
-def teacher_forced(llm: LLM, ids: list[int]) -> tuple[list[int], float]:
-    """(top-1 token at each position after the first, perplexity of ``ids``)."""
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
-    (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-    top, nll = [], 0.0
-    for pos in range(1, len(ids)):
-        lps = out.prompt_logprobs[pos]
-        top.append(next(t for t, lp in lps.items() if lp.rank == 1))
-        nll -= lps[ids[pos]].logprob
-    return top, math.exp(nll / (len(ids) - 1))
-
-
 def test_fp8_kv_agrees_with_the_model_dtype_teacher_forced(decode_llm, fp8_decode, demo_tokenizer):
     ids = demo_tokenizer.encode(TEXT)
     assert len(ids) > 150
-    ref_top, ref_ppl = teacher_forced(decode_llm, ids)
-    fp8_top, fp8_ppl = teacher_forced(fp8_decode, ids)
+    ref_top, ref_lp = teacher_forced(decode_llm, ids)
+    fp8_top, fp8_lp = teacher_forced(fp8_decode, ids)
+    ref_ppl, fp8_ppl = perplexity(ref_lp), perplexity(fp8_lp)
     agree = sum(a == b for a, b in zip(ref_top, fp8_top, strict=True)) / len(ref_top)
     print(
         f"\nFP8 KV: top-1 agreement {agree:.4f} over {len(ref_top)} positions; "
         f"perplexity {ref_ppl:.4f} (model dtype KV) vs {fp8_ppl:.4f} (FP8 KV)"
     )
-    # 0.9739 measured (4 of 153 positions flip, all near-ties: the perplexity
-    # moves by 3%); issue 52 asked for 0.98, which vLLM's per-tensor e4m3 scheme
-    # does not reach on this 135M model (docs/engine.md, "FP8 KV cache").
+    # Near-ties flip: vLLM's per-tensor e4m3 scheme does no better on this
+    # 135M model (docs/engine.md, "FP8 KV cache").
     assert agree >= 0.96
     assert abs(fp8_ppl / ref_ppl - 1) < 0.05
     # The cache really holds FP8, one byte an element.

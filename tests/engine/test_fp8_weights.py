@@ -15,7 +15,6 @@ inputs name the value or the tensor.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -23,9 +22,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.block_hash import hash_prompt_blocks
 from engine.quantization.fp8 import FP8_DTYPE, Fp8Linear
+from tests.conftest import perplexity, teacher_forced
 
 FP8_MAX = 448.0
 _PROJ = (".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.", ".gate_proj.", ".up_proj.", ".down_proj.")
@@ -42,22 +42,6 @@ TEXT = (
     "Scientific Revolution and the rise of newspapers all depended on this new technology, "
     "because ideas could now travel quickly and reach a large audience at a low cost."
 )
-
-
-def teacher_forced(llm: LLM, ids: list[int]) -> tuple[list[int], list[float]]:
-    """(top-1 token, logprob of the actual next token) at every position after the first."""
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
-    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-    top, actual = [], []
-    for pos in range(1, len(ids)):
-        lps = out.prompt_logprobs[pos]
-        top.append(next(t for t, lp in lps.items() if lp.rank == 1))
-        actual.append(lps[ids[pos]].logprob)
-    return top, actual
-
-
-def perplexity(logprobs: list[float]) -> float:
-    return math.exp(-sum(logprobs) / len(logprobs))
 
 
 def test_demo_model_fp8_agrees_with_fp32_teacher_forced(demo_model_dir, demo_llm, demo_tokenizer):

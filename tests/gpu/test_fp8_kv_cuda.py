@@ -8,14 +8,13 @@ Run on a GPU host: ``python -m pytest tests/gpu/test_fp8_kv_cuda.py -m gpu``.
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
 import torch
 
 from engine.layers.attention.kv_quant import FP8_KV_DTYPE, dequantize, quantize
-from tests.conftest import DEMO_MODEL_DIR
+from tests.conftest import DEMO_MODEL_DIR, perplexity, teacher_forced
 from tests.kernels.test_triton_kernels import random_layout, reference
 
 pytestmark = [
@@ -117,19 +116,6 @@ def test_store_kernel_quantizes_as_the_torch_path():
     assert not torch.isnan(caches[0].float()).any()  # saturated, not NaN
 
 
-def teacher_forced(llm, ids):
-    from engine import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
-    (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-    top, nll = [], 0.0
-    for pos in range(1, len(ids)):
-        lps = out.prompt_logprobs[pos]
-        top.append(next(t for t, lp in lps.items() if lp.rank == 1))
-        nll -= lps[ids[pos]].logprob
-    return top, math.exp(nll / (len(ids) - 1))
-
-
 @pytest.mark.skipif(not (DEMO_MODEL_DIR / "config.json").exists(), reason="run `make model`")
 def test_engine_fp8_kv_agrees_with_bf16_on_cuda():
     from transformers import AutoTokenizer
@@ -149,7 +135,8 @@ def test_engine_fp8_kv_agrees_with_bf16_on_cuda():
         )
         runner = llm.llm_engine.model_runner
         assert runner.kv_cache.dtype == (FP8_KV_DTYPE if kv == "fp8" else torch.bfloat16)
-        top, ppl = teacher_forced(llm, ids)
+        top, lp = teacher_forced(llm, ids)
+        ppl = perplexity(lp)
         # Decode steps (CUDA graphs) too: greedy continuation of a prompt.
         (gen,) = llm.generate(
             [{"prompt_token_ids": ids[:60]}], SamplingParams(temperature=0, max_tokens=32)
