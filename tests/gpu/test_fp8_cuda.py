@@ -18,6 +18,7 @@ from engine.quantization.fp8 import (
     fp8_gemm_reference,
     quantize_rows,
 )
+from tests.conftest import needs_demo_model
 from tests.engine.test_fp8_weights import (
     PROMPT,
     TEXT,
@@ -64,11 +65,12 @@ def test_fp8_linear_on_cuda_with_bias_and_leading_dims():
         x = torch.randn(2, 5, 256, dtype=torch.bfloat16)
     assert layer.weight.dtype == torch.float8_e4m3fn and layer.bias.dtype == torch.bfloat16
     y = layer(x)
-    ref = x.float() @ w.t() + layer.bias.float()
+    ref = x.float() @ w.float().t() + layer.bias.float()
     assert y.shape == (2, 5, 128)
     torch.testing.assert_close(y.float(), ref, rtol=0.1, atol=0.1)
 
 
+@needs_demo_model
 def test_demo_model_fp8_agrees_with_bf16_on_cuda_and_graphs_decode_alike(
     demo_model_dir, demo_tokenizer
 ):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.layers.attention.kv_quant import FP8_KV_DTYPE, dequantize, quantize
-from tests.conftest import DEMO_MODEL_DIR, perplexity, teacher_forced
+from tests.conftest import DEMO_MODEL_DIR, needs_demo_model, perplexity, teacher_forced
 from tests.kernels.test_triton_kernels import random_layout, reference
 
 pytestmark = [
@@ -116,7 +116,7 @@ def test_store_kernel_quantizes_as_the_torch_path():
     assert not torch.isnan(caches[0].float()).any()  # saturated, not NaN
 
 
-@pytest.mark.skipif(not (DEMO_MODEL_DIR / "config.json").exists(), reason="run `make model`")
+@needs_demo_model
 def test_engine_fp8_kv_agrees_with_bf16_on_cuda():
     from transformers import AutoTokenizer
 

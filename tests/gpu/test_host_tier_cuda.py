@@ -68,7 +68,9 @@ def test_a_load_lands_before_it_is_reported_and_holds_no_step_up(tiers):
     tier.hold([slot])
     tier.load([slot], [9])
     with torch.cuda.stream(transfers.stream):
-        torch.cuda._sleep(SPIN)
+        # Longer than the others: the flush's pinned staging buffer may take
+        # a good part of a short spin before the copy is queued behind it.
+        torch.cuda._sleep(SPIN * 8)
     transfers.flush([seq])
     began = time.monotonic()
     x = torch.ones(64, device="cuda")

@@ -14,6 +14,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.layers.sampler import GrammarBitmask, apply_token_bitmask
 from engine.sampling_params import StructuredOutputsParams as S
+from tests.conftest import needs_demo_model
 from tests.engine.conftest import assert_idle
 
 pytestmark = pytest.mark.gpu
@@ -89,6 +90,7 @@ def _run(demo_model_dir, async_scheduling: bool, params, prompts):
     return result
 
 
+@needs_demo_model
 def test_async_scheduling_gives_the_synchronous_tokens(demo_model_dir):
     prompts, params = [], []
     for i, schema in enumerate(SCHEMAS * 4):
