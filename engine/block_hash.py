@@ -16,7 +16,7 @@ so anything that changes a digest bumps ``BLOCK_HASH_VERSION``.
   request's LoRA adapter (``lora=<adapter digest>``, ``lora_extra_key``);
   the engine's weight quantization (``quantization=fp8``,
   ``quantization_extra_key``); an FP8 KV cache (``kv_cache_dtype=fp8_e4m3``,
-  ``kv_cache_dtype_extra_keys``). A request with none hashes exactly as
+  ``kv_cache_dtype_extra_key``). A request with none hashes exactly as
   version 1 did, so base-model blocks of an unquantized engine keep their
   digests.
 
@@ -102,9 +102,11 @@ def quantization_extra_key(method: str) -> str:
 KV_CACHE_DTYPE_KEY_NAME = "kv_cache_dtype"
 
 
-def kv_cache_dtype_extra_keys(quantized_name: str | None) -> ExtraKeys:
-    """The extra keys of a cache storing ``quantized_name`` (None: the model's dtype)."""
-    return () if quantized_name is None else (f"{KV_CACHE_DTYPE_KEY_NAME}={quantized_name}",)
+def kv_cache_dtype_extra_key(stored: str) -> str:
+    """The extra key of every block a cache storing ``stored`` (``fp8_e4m3``)
+    holds; a cache in the model's dtype adds none, so its blocks keep their
+    digests."""
+    return f"{KV_CACHE_DTYPE_KEY_NAME}={stored}"
 
 
 def canonical_extra_keys(extra_keys: Sequence[str] = ()) -> ExtraKeys:

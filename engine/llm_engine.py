@@ -37,7 +37,7 @@ from engine.block_hash import (
     MAX_CACHED_HASHERS,
     ExtraKeys,
     HasherCache,
-    kv_cache_dtype_extra_keys,
+    kv_cache_dtype_extra_key,
     lora_extra_key,
     quantization_extra_key,
 )
@@ -140,9 +140,12 @@ class LLMEngine:
         self._hashers = hashers if config.enable_prefix_caching else None
         # The block identity every request of this engine shares beyond the
         # model: its weight quantization and an FP8 cache's numbers.
-        self.numerics_keys: ExtraKeys = (
-            (quantization_extra_key(config.quantization.value),) if config.quantization else ()
-        ) + kv_cache_dtype_extra_keys(FP8_E4M3_NAME if config.kv_cache_dtype.is_fp8 else None)
+        numerics = []
+        if config.quantization:
+            numerics.append(quantization_extra_key(config.quantization.value))
+        if config.kv_cache_dtype.is_fp8:
+            numerics.append(kv_cache_dtype_extra_key(FP8_E4M3_NAME))
+        self.numerics_keys: ExtraKeys = tuple(numerics)
         # Requests with penalties (a step sampling for one waits for the one before).
         self._penalised: set[str] = set()
         # Async scheduling: the launched step whose samples the host has not read.
