@@ -237,7 +237,8 @@ def tiny_llama_dir(tiny_model) -> Path:
 # GPU tests on the demo model skip on a host without it (a GPU host runs the
 # tests from a checkout, without `make model`); CI prepares it.
 needs_demo_model = pytest.mark.skipif(
-    not (DEMO_MODEL_DIR / "config.json").exists(), reason="no demo model here: run `make model`"
+    not (DEMO_MODEL_DIR / "config.json").is_file(),
+    reason="the demo model is not prepared on this host (make model)",
 )
 
 

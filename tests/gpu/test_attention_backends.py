@@ -15,7 +15,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from tests.conftest import DEMO_MODEL_DIR
+from tests.conftest import DEMO_MODEL_DIR, needs_demo_model
 from tests.engine.test_models import our_logits
 from tests.kernels.test_triton_kernels import random_layout, reference
 
@@ -168,10 +168,7 @@ TEACHER_TEXT = (
 )
 
 
-@pytest.mark.skipif(
-    not (DEMO_MODEL_DIR / "config.json").is_file(),
-    reason="the demo model is not prepared on this host (pdserve model prepare)",
-)
+@needs_demo_model
 def test_demo_model_bf16_agrees_with_transformers():
     """Teacher forcing over a few hundred positions of natural text. The reference is
     HF in fp32 on the same weights; HF's own bf16 run is the yardstick (bf16 rounding

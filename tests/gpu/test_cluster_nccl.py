@@ -22,15 +22,12 @@ from common.cluster.state import Cluster, NodeRole
 from engine import LLM, SamplingParams
 from pdserve.launcher import ClusterSpec, LocalCluster
 from pdserve.redis_server import free_port
-from tests.conftest import DEMO_MODEL_DIR, REMOTE_PREFILL_ONLY
+from tests.conftest import DEMO_MODEL_DIR, REMOTE_PREFILL_ONLY, needs_demo_model
 from tests.integration.test_cluster import PROMPTS, collect
 
 pytestmark = [
     pytest.mark.multi_gpu,
-    pytest.mark.skipif(
-        not (DEMO_MODEL_DIR / "config.json").is_file(),
-        reason="the demo model is not prepared on this host (pdserve model prepare)",
-    ),
+    needs_demo_model,
 ]
 
 
