@@ -24,25 +24,34 @@ def test_at_least_eight_varied_prompts(parity_prompts, hf_greedy):
     assert sum(len(g) == NEW_TOKENS for g in hf_greedy) >= 4  # most run the full 32 tokens
 
 
-def test_batched_greedy_equals_transformers(demo_llm, parity_prompts, hf_greedy):
-    outs = demo_llm.generate(parity_prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
-    for out, ref in zip(outs, hf_greedy, strict=True):
+@pytest.fixture(scope="module")
+def batched(demo_llm, parity_prompts):
+    """Every parity prompt in one generate call."""
+    return demo_llm.generate(parity_prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+
+
+def test_batched_greedy_equals_transformers(demo_llm, batched, hf_greedy):
+    for out, ref in zip(batched, hf_greedy, strict=True):
         assert out.outputs[0].token_ids == ref
     assert_idle(demo_llm)
 
 
 def test_one_at_a_time_greedy_equals_transformers(demo_llm, parity_prompts, hf_greedy):
+    """A batch of one: the shortest and the longest prompt, and one whose
+    reference stops before NEW_TOKENS (an EOS at batch one), when there is one."""
+    by_len = sorted(range(len(parity_prompts)), key=lambda i: len(parity_prompts[i]))
+    stopped = [i for i in by_len if len(hf_greedy[i]) < NEW_TOKENS]
+    picks = sorted({by_len[0], by_len[-1], *stopped[:1]})
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
-    for ids, ref in zip(parity_prompts, hf_greedy, strict=True):
-        (out,) = demo_llm.generate([ids], params)
-        assert out.outputs[0].token_ids == ref
-        finish = "length" if len(ref) == NEW_TOKENS else "stop"
+    for i in picks:
+        (out,) = demo_llm.generate([parity_prompts[i]], params)
+        assert out.outputs[0].token_ids == hf_greedy[i]
+        finish = "length" if len(hf_greedy[i]) == NEW_TOKENS else "stop"
         assert out.outputs[0].finish_reason == finish
 
 
-def test_text_is_the_decoded_tokens(demo_llm, demo_tokenizer, parity_prompts):
-    outs = demo_llm.generate(parity_prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
-    for out in outs:
+def test_text_is_the_decoded_tokens(demo_tokenizer, batched):
+    for out in batched:
         c = out.outputs[0]
         assert c.text == demo_tokenizer.decode(c.token_ids, skip_special_tokens=True)
 

@@ -51,9 +51,11 @@ def test_n_completions_differ_and_are_reproducible(demo_llm, chat_prompt):
 
 
 def test_restrictive_filters_reduce_to_greedy(demo_llm, chat_prompt, greedy_out):
-    for params in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
-        out = gen(demo_llm, chat_prompt, temperature=1.0, max_tokens=40, **params)
-        assert out.token_ids == greedy_out.token_ids, params
+    filters = (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0))
+    params = [SamplingParams(temperature=1.0, max_tokens=40, **f) for f in filters]
+    outs = demo_llm.generate([chat_prompt] * len(params), params)  # one batch, a filter a row
+    for f, out in zip(filters, outs, strict=True):
+        assert out.outputs[0].token_ids == greedy_out.token_ids, f
 
 
 def test_max_tokens_finishes_with_length(demo_llm, chat_prompt, greedy_out):
