@@ -19,6 +19,15 @@ so anything that changes a digest bumps ``BLOCK_HASH_VERSION``.
   ``kv_cache_dtype_extra_key``). A request with none hashes exactly as
   version 1 did, so base-model blocks of an unquantized engine keep their
   digests.
+- An engine's numerics keys come from ``numerics_extra_keys(quantization,
+  kv_cache_dtype)`` alone: the engine applies it to its config, the router to
+  each node's registration (``weight_dtype``, ``kv_cache_dtype``:
+  common/cluster/numerics.py). Every node publishes the hashes its own
+  engine computes, and the router looks each node's hit up in the hashes of
+  that node's numerics, whatever its role: in a bf16 prefill node feeding an
+  FP8 decode node, the prefill node's hit is counted in plain hashes and the
+  decode node's in its FP8 ones (it keys the blocks that land in its cache
+  with its own numerics).
 
 Hashes are hints: whoever finds a hash in its cache still verifies the block's
 tokens before reusing it. Nothing here uses Python's ``hash()``, which is salted
@@ -44,6 +53,8 @@ import re
 import sys
 from array import array
 from collections.abc import Sequence
+
+from engine.kv_cache_dtype import FP8_E4M3_NAME
 
 try:
     import engine._block_hash as _native
@@ -107,6 +118,20 @@ def kv_cache_dtype_extra_key(stored: str) -> str:
     holds; a cache in the model's dtype adds none, so its blocks keep their
     digests."""
     return f"{KV_CACHE_DTYPE_KEY_NAME}={stored}"
+
+
+def numerics_extra_keys(quantization: str | None, kv_cache_dtype: str) -> ExtraKeys:
+    """The extra keys an engine's numerics add to every block it computes: its
+    weight quantization (vLLM's ``quantization`` value; None or "" for none)
+    and what its KV cache stores (``engine/kv_cache_dtype.py``'s
+    ``storage_name``: ``fp8_e4m3`` adds a key, the model's dtype none). The one
+    mapping: the engine keys its own blocks with it, and the router derives
+    each node's keys from the same two values in its registration
+    (common/cluster/numerics.py), so both compute the same digests."""
+    keys = [quantization_extra_key(quantization)] if quantization else []
+    if kv_cache_dtype == FP8_E4M3_NAME:
+        keys.append(kv_cache_dtype_extra_key(kv_cache_dtype))
+    return canonical_extra_keys(keys)
 
 
 def canonical_extra_keys(extra_keys: Sequence[str] = ()) -> ExtraKeys:

@@ -37,9 +37,8 @@ from engine.block_hash import (
     MAX_CACHED_HASHERS,
     ExtraKeys,
     HasherCache,
-    kv_cache_dtype_extra_key,
     lora_extra_key,
-    quantization_extra_key,
+    numerics_extra_keys,
 )
 from engine.block_manager import BlockManager, CacheEvents
 from engine.config import EngineConfig
@@ -48,7 +47,7 @@ from engine.device import GiB
 from engine.engine_stats import EngineStats, collect_stats
 from engine.host_tier import HostTier
 from engine.input_processor import InputProcessor, PromptType
-from engine.kv_cache_dtype import FP8_E4M3_NAME
+from engine.kv_cache_dtype import storage_name
 from engine.kv_writes import KVWriteObserver
 from engine.layers.attention.kv_quant import storage_view
 from engine.lora.adapter import LoRAAdapter
@@ -139,13 +138,11 @@ class LLMEngine:
         hashers = HasherCache(config.served_model_name, config.kvcache_block_size)
         self._hashers = hashers if config.enable_prefix_caching else None
         # The block identity every request of this engine shares beyond the
-        # model: its weight quantization and an FP8 cache's numbers.
-        numerics = []
-        if config.quantization:
-            numerics.append(quantization_extra_key(config.quantization.value))
-        if config.kv_cache_dtype.is_fp8:
-            numerics.append(kv_cache_dtype_extra_key(FP8_E4M3_NAME))
-        self.numerics_keys: ExtraKeys = tuple(numerics)
+        # model: its weight quantization and an FP8 cache's numbers (the mapping
+        # routers apply to each node's registration too).
+        quantization = config.quantization.value if config.quantization else None
+        stored = storage_name(config.kv_cache_dtype, self.model_dtype_name)
+        self.numerics_keys: ExtraKeys = numerics_extra_keys(quantization, stored)
         # Requests with penalties (a step sampling for one waits for the one before).
         self._penalised: set[str] = set()
         # Async scheduling: the launched step whose samples the host has not read.
@@ -548,6 +545,12 @@ class LLMEngine:
                 if req.finished and req.finished_time is None:
                     req.finished_time = time.monotonic()
                 self._touched.add(seq.request_id)
+
+    @property
+    def model_dtype_name(self) -> str:
+        """What the model computes in, by name (``bfloat16``...): what a cache in
+        the model's dtype stores (engine/kv_cache_dtype.py ``storage_name``)."""
+        return str(self.model_runner.dtype).removeprefix("torch.")
 
     @property
     def num_grammar_matchers(self) -> int:

@@ -27,6 +27,7 @@ from engine.tokenizer import load_tokenizer
 from proto import pdserve_pb2
 from router.limits import ServedLength
 from router.models import BASE_MODEL, ModelChoice
+from router.numerics import PromptHashes, ServedNumerics
 
 
 @dataclass(slots=True)
@@ -34,7 +35,7 @@ class ParsedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str
-    block_hashes: list[bytes]
+    block_hashes: PromptHashes  # in each numerics class of the nodes (router/numerics.py)
     # What goes downstream: the request's sampling with max_tokens resolved.
     sampling: pdserve_pb2.SamplingParams
     max_model_len: int  # the context length the request was checked against
@@ -46,7 +47,7 @@ class Early:
     """A prompt's token ids and block hashes, known before its checks (Frontend.early)."""
 
     token_ids: list[int]
-    block_hashes: list[bytes]
+    block_hashes: PromptHashes
 
 
 class Frontend:
@@ -63,6 +64,9 @@ class Frontend:
         self.served = ServedLength(config.max_model_len, self.model_id)
         self.block_size = config.kvcache_block_size
         self._hashers = HasherCache(self.model_id, self.block_size)
+        # The nodes' numerics classes, learnt by every routing read like their
+        # context length: a prompt is hashed once per class (router/numerics.py).
+        self.numerics = ServedNumerics(self.model_id)
 
     def early(
         self, request: pdserve_pb2.GenerateRequest, model: ModelChoice = BASE_MODEL
@@ -82,10 +86,21 @@ class Frontend:
                 ids = self.tokenizer.encode(request.prompt)  # InputProcessor's own call
             else:
                 return None
-            hasher = self._hashers.get(request.cache_salt, model.extra_keys)
-            return Early(ids, hasher.hash_blocks(ids))
+            return Early(ids, self.block_hashes(ids, request.cache_salt, model))
         except Exception:
             return None
+
+    def block_hashes(self, ids: list[int], cache_salt: str, model: ModelChoice) -> PromptHashes:
+        """The prompt's full-block hashes in each numerics class of the nodes:
+        the digests each node's engine computes for it (its numerics keys with
+        the request's adapter's, engine/llm_engine.py)."""
+        lora = model.extra_keys
+        return PromptHashes(
+            {
+                keys: self._hashers.get(cache_salt, keys + lora).hash_blocks(ids)
+                for keys in self.numerics.classes
+            }
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -110,8 +125,7 @@ class Frontend:
         if early is not None and processed.token_ids == early.token_ids:
             hashes = early.block_hashes
         else:
-            hasher = self._hashers.get(request.cache_salt, model.extra_keys)
-            hashes = hasher.hash_blocks(processed.token_ids)
+            hashes = self.block_hashes(processed.token_ids, request.cache_salt, model)
         return ParsedRequest(
             processed.token_ids,
             params,
@@ -175,12 +189,11 @@ class Frontend:
         """A migrated request: the prompt followed by the tokens generated so far
         (hashed anew, so that routing finds the nodes caching any of it)."""
         prompt = [*parsed.prompt_token_ids, *generated]
-        hasher = self._hashers.get(parsed.cache_salt, parsed.model.extra_keys)
         return ParsedRequest(
             prompt,
             parsed.params,
             parsed.cache_salt,
-            hasher.hash_blocks(prompt),
+            self.block_hashes(prompt, parsed.cache_salt, parsed.model),
             parsed.sampling,
             parsed.max_model_len,
             parsed.model,

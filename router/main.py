@@ -339,6 +339,7 @@ async def _build(args: argparse.Namespace) -> _Parts:
         route_config,
         remote_prefill=not args.no_remote_prefill,
         served=frontend.served,
+        numerics=frontend.numerics,
     )
     await routing.read_nodes()  # the nodes' context length, where they registered already
     tracing = Tracing("pdserve-router", args.otlp_endpoint, f"router:{args.port}")

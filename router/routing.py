@@ -29,6 +29,7 @@ from router.frontend import ParsedRequest
 from router.inflight import InflightTracker
 from router.limits import ServedLength
 from router.models import ModelChoice, resolve_model, served_adapters
+from router.numerics import NO_HASHES, PromptHashes, ServedNumerics
 from router.policy import (
     LocalLoad,
     NoRoute,
@@ -61,10 +62,13 @@ class Routing:
         remote_prefill: bool = True,
         rng: random.Random | None = None,
         served: ServedLength | None = None,
+        numerics: ServedNumerics | None = None,
     ) -> None:
         self.cluster = cluster
         # Learns the nodes' context length from every read (router/limits.py).
         self.served = served
+        # Learns the nodes' numerics classes from every read (router/numerics.py).
+        self.numerics = numerics or ServedNumerics(model_id)
         self.model_id = model_id
         self.block_size = block_size
         self.config = config or RoutingConfig()
@@ -104,14 +108,14 @@ class Routing:
             await self.read_nodes()
         return resolve_model(name, self.model_id, self.adapters)
 
-    def start_view(self, block_hashes: list[bytes]) -> Sent | None:
+    def start_view(self, block_hashes: PromptHashes) -> Sent | None:
         """The routing read of these hashes, written now where it can be (Redis up,
         the routing connection open), so that the caller's work overlaps its
         round trip: give it to ``route``. None: ``route`` reads as usual."""
         if self.redis_down:
             return None
         try:
-            return self.cluster.start_view(block_hashes)
+            return self.cluster.start_view(*block_hashes.route_args(self.numerics.tags))
         except Exception:  # whatever failed fails again in route, which handles it
             return None
 
@@ -139,15 +143,19 @@ class Routing:
     def redis_down(self) -> bool:
         return self._probe is not None and not self._probe.done()
 
-    async def view(self, block_hashes: list[bytes], started: Sent | None = None) -> ClusterView:
+    async def view(
+        self, block_hashes: PromptHashes = NO_HASHES, started: Sent | None = None
+    ) -> ClusterView:
         """Redis's view, or while Redis is unreachable the last-known nodes
-        (with no prefix hits: those are unknown) and a background probe."""
+        (with no prefix hits: those are unknown) and a background probe. Each
+        node's hit is searched with its own numerics class's hashes."""
         if not self.redis_down:
             try:
                 if started is not None:
                     view = await self.cluster.finish_view(started)
                 else:
-                    view = await self.cluster.view(block_hashes)
+                    args = block_hashes.route_args(self.numerics.tags)
+                    view = await self.cluster.view(*args)
             except Exception as e:  # down, refusing, timing out: never hang a request on it
                 self.stats.redis_errors += 1
                 if self._last_view is None:
@@ -163,6 +171,7 @@ class Routing:
                 self.adapters = served_adapters((c.node for c in view.candidates), self.model_id)
                 if self.served is not None:
                     self.served.observe(c.node for c in view.candidates)
+                self.numerics.observe(c.node for c in view.candidates)
                 self._notice_restarts(view)
                 return view
         self.stats.stale_routes += 1
@@ -175,7 +184,7 @@ class Routing:
         """One read of the live nodes where no request makes one (start-up,
         ``/v1/models``), for what they registered (router/limits.py)."""
         with contextlib.suppress(NoRoute):
-            await self.view([])
+            await self.view()
 
     def _notice_restarts(self, view: ClusterView) -> None:
         """Forget what a restarted node's old process did (module docstring)."""

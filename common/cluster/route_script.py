@@ -33,6 +33,16 @@ Lua, so the cost follows the number of blocks looked up, and bisection looks
 up the fewest
 (docs/lab/2026-11-25-routing-decision-second-pass.md).
 
+Block hashes differ by the numerics of the node that computed them (its weight
+quantization and KV cache dtype key them: engine/block_hash.py), so a node's
+hit must be searched with the hashes its own engine computes. The caller
+passes one hash list that serves every node (``ARGV[2]``; a homogeneous
+cluster needs no other) and, where the nodes run several numerics, the lists
+of the other classes, each under its numerics tag: the node's ``weight_dtype``
+and ``kv_cache_dtype`` fields joined by NUMERICS_TAG_SEPARATOR. Only then does
+the script read those two fields of each node (one HMGET more per node); a
+node whose tag the caller did not list is searched with ``ARGV[2]``.
+
 The routing fields are also written packed, as one JSON array in the hash's
 ``route`` field (ROUTE_FIELDS order, less ``seen_ms``), and the script reads
 that one field and ``seen_ms`` instead of the 14 fields: each field read from
@@ -53,6 +63,9 @@ from __future__ import annotations
 
 from engine.block_hash import DIGEST_SIZE
 
+# Joins a node's weight_dtype and kv_cache_dtype into its numerics tag
+# (common/cluster/numerics.py), here and in the script; no dtype name holds it.
+NUMERICS_TAG_SEPARATOR = "/"
 # Node fields the routing script returns, in this order (NodeInfo names).
 ROUTE_FIELDS = (
     "role",
@@ -75,6 +88,7 @@ ROUTE_FIELDS = (
     "lora_adapters",
     "kv_cache_dtype",
     "lora_resident",
+    "weight_dtype",
 )
 # The hash field holding PACKED_FIELDS as a JSON array, in that order: every
 # routing field but seen_ms, which the server's clock writes by itself. A reader
@@ -100,6 +114,13 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do drained[id] = 1 end
 local prefix = ARGV[1]
 local hashes = ARGV[2]
 local n = math.floor(#hashes / DIGEST)
+-- ARGV[3], ARGV[4]...: (numerics tag, hashes) pairs for the nodes of another
+-- numerics class; ARGV[2] serves every other node (module docstring).
+local default, by_tag = hashes, nil
+if #ARGV > 2 then
+  by_tag = {}
+  for a = 3, #ARGV - 1, 2 do by_tag[ARGV[a]] = ARGV[a + 1] end
+end
 local function block(i) return string.sub(hashes, (i - 1) * DIGEST + 1, i * DIGEST) end
 -- The last block of the run start + 1, start + 2, ... that the set holds (start: none).
 local function held(key, start)
@@ -123,6 +144,11 @@ for _, id in ipairs(ids) do
   if not values[1] then
     redis.call('SREM', KEYS[1], id)
   else
+    if by_tag then  -- held() reads the hashes of this node's class
+      local num = redis.call('HMGET', node, 'weight_dtype', 'kv_cache_dtype')
+      hashes = by_tag[(num[1] or '') .. 'SEPARATOR' .. (num[2] or '')] or default
+      n = math.floor(#hashes / DIGEST)
+    end
     local hit = held(prefix .. ':blocks:' .. id, 0)
     local host = held(prefix .. ':host_blocks:' .. id, hit) - hit
     -- Flat: a nested table would cost a write() and a TCP segment of its own.
@@ -140,6 +166,7 @@ ROUTE_SCRIPT = (
     ROUTE_SCRIPT.replace("ROUTE_KEY", ROUTE_KEY)
     .replace("FIELDS", ", ".join(f"'{f}'" for f in ROUTE_FIELDS))
     .replace("DIGEST", str(DIGEST_SIZE))
+    .replace("SEPARATOR", NUMERICS_TAG_SEPARATOR)
 )
 
 # Stamps a heartbeat with the Redis server's clock, so that every router reads

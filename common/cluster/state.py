@@ -31,6 +31,7 @@ import enum
 import functools
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
@@ -44,6 +45,9 @@ from common.cluster.route_script import (
 )
 from engine.block_hash import DIGEST_SIZE
 
+# (numerics tag, block hashes) of each numerics class a routing read searches
+# beside its default hashes (common/cluster/route_script.py).
+NumericsHashes = Sequence[tuple[str, list[bytes]]]
 DEFAULT_PREFIX = "pds"
 DEFAULT_TTL_S = 5.0
 
@@ -222,6 +226,7 @@ class NodeInfo:
             lora_adapters=v[17] if len(v) > 17 else "",
             kv_cache_dtype=v[18] if len(v) > 18 else "",
             lora_resident=v[19] if len(v) > 19 else "",
+            weight_dtype=v[20] if len(v) > 20 else "",
         )
 
 
@@ -299,6 +304,15 @@ class ClusterView:
     def age_ms(self, node: NodeInfo) -> int:
         """Milliseconds since the node's last heartbeat, on the server's clock."""
         return max(0, self.now_ms - node.seen_ms)
+
+
+def _packed(block_hashes: list[bytes]) -> bytes:
+    """The leading MAX_ROUTED_BLOCKS hashes as the script reads them: concatenated."""
+    hashes = block_hashes[:MAX_ROUTED_BLOCKS]
+    packed = b"".join(hashes)
+    if len(packed) != DIGEST_SIZE * len(hashes):
+        raise ValueError(f"block hashes must be {DIGEST_SIZE} bytes each")
+    return packed
 
 
 def _int(v: str) -> int:
@@ -391,29 +405,34 @@ class Cluster:
         pipe.srem(self._key("nodes"), node_id)
         await pipe.execute()
 
-    def _route_call(self, block_hashes: list[bytes]) -> tuple[list[str], list[Any]]:
-        hashes = block_hashes[:MAX_ROUTED_BLOCKS]
-        packed = b"".join(hashes)
-        if len(packed) != DIGEST_SIZE * len(hashes):
-            raise ValueError(f"block hashes must be {DIGEST_SIZE} bytes each")
-        return [self._key("nodes"), self._key("draining")], [self.prefix, packed]
+    def _route_call(
+        self, block_hashes: list[bytes], numerics: NumericsHashes = ()
+    ) -> tuple[list[str], list[Any]]:
+        args: list[Any] = [self.prefix, _packed(block_hashes)]
+        for tag, hashes in numerics:
+            args += [tag, _packed(hashes)]
+        return [self._key("nodes"), self._key("draining")], args
 
-    async def view(self, block_hashes: list[bytes]) -> ClusterView:
-        """Every live node with the number of leading request blocks it holds; one round trip."""
-        keys, args = self._route_call(block_hashes)
+    async def view(self, block_hashes: list[bytes], numerics: NumericsHashes = ()) -> ClusterView:
+        """Every live node with the number of leading request blocks it holds; one
+        round trip. ``numerics``: (numerics tag, hashes) of the nodes whose
+        engines hash with other numerics than ``block_hashes``'s
+        (common/cluster/route_script.py)."""
+        keys, args = self._route_call(block_hashes, numerics)
         if self.route_connection is not None:
             raw = await self.route_connection.evalsha(self._route.sha, ROUTE_SCRIPT, keys, args)
         else:
             raw = await self._route(keys=keys, args=args)
         return self._view_of(raw)
 
-    def start_view(self, block_hashes: list[bytes]) -> Sent | None:
+    def start_view(self, block_hashes: list[bytes], numerics: NumericsHashes = ()) -> Sent | None:
         """``view``'s read, written now so that the caller's work overlaps its round
         trip; None when it cannot be (no routing connection open yet: use ``view``).
         ``finish_view`` gives the view; a started read nobody finishes is dropped."""
         if self.route_connection is None:
             return None
-        return self.route_connection.send(self._route.sha, *self._route_call(block_hashes))
+        call = self._route_call(block_hashes, numerics)
+        return self.route_connection.send(self._route.sha, *call)
 
     async def finish_view(self, started: Sent) -> ClusterView:
         return self._view_of(await self.route_connection.finish(started, ROUTE_SCRIPT))

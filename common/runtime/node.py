@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.cluster.numerics import registered_weight_dtype
 from common.cluster.redis_auth import check_redis
 from common.cluster.state import Cluster, NodeInfo, NodeRole, lora_adapters_json, now_ms
 from common.grpc_server import SERVER_OPTIONS, add_health, add_reflection, set_serving
@@ -58,8 +59,7 @@ class NodeEngine:
     def info(self, role: NodeRole, port: int, **extra) -> NodeInfo:
         """The node's registration (the heartbeat keeps its load fields current)."""
         tp = self.config.tensor_parallel_size
-        weights = str(self.engine.model_runner.dtype).removeprefix("torch.")
-        quantization = self.config.quantization  # FP8 weights: pdctl shows "fp8"
+        weights = self.engine.model_dtype_name
         return NodeInfo(
             node_id=self.node_id,
             role=role,
@@ -73,7 +73,7 @@ class NodeEngine:
             num_gpus=tp if self.engine.model_runner.device.type == "cuda" else 0,
             started_ms=now_ms(),
             lora_adapters=lora_adapters_json(self.adapters.digests()),
-            weight_dtype=quantization.value if quantization else weights,
+            weight_dtype=registered_weight_dtype(self.config.quantization, weights),
             kv_cache_dtype=storage_name(self.config.kv_cache_dtype, weights),
             **extra,
         )

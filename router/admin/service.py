@@ -123,7 +123,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return admin_pb2.ExplainRouteResponse(
             policy=self.routing.config.policy.value,
             prompt_tokens=len(parsed.prompt_token_ids),
-            block_hashes=[h.hex() for h in parsed.block_hashes],
+            block_hashes=[h.hex() for h in parsed.block_hashes.primary],
             decode_node=d.decode.node_id,
             prefill_node=d.prefill.node_id if d.prefill else "",
             local_prefill_reason=d.local_prefill_reason,

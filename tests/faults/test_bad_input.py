@@ -158,4 +158,4 @@ def test_the_frontend_accepts_a_runnable_request_or_says_why(frontend, request):
     assert all(0 <= t < v for t in p.stop_token_ids or [])
     assert all(0 <= t < v for t in p.allowed_token_ids or [])
     assert all(0 <= t < v and math.isfinite(b) for t, b in (p.logit_bias or {}).items())
-    assert len(parsed.block_hashes) == len(ids) // frontend.block_size
+    assert len(parsed.block_hashes.primary) == len(ids) // frontend.block_size

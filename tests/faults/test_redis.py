@@ -141,7 +141,7 @@ def test_false_entries_break_neither_serving_nor_correctness(cluster, demo_model
     # The phantom claims the text prompts' blocks (hashed as the router does),
     # so the router prefers it for them and must fail over, not merely might.
     frontend = Frontend(EngineConfig.from_kwargs(str(demo_model_dir), max_model_len=1024))
-    bait = [h for p in prompts for h in frontend.parse(request(p)).block_hashes]
+    bait = [h for p in prompts for h in frontend.parse(request(p)).block_hashes.primary]
     assert bait, "the text prompts must fill at least one block"
     stop = threading.Event()
 

@@ -8,9 +8,10 @@ import random
 
 import pytest
 
+from common.cluster.numerics import node_numerics_tag
 from common.cluster.route_script import ROUTE_FIELDS, ROUTE_KEY
 from common.cluster.state import Cluster, NodeInfo, NodeRole
-from engine.block_hash import hash_prompt_blocks
+from engine.block_hash import hash_prompt_blocks, numerics_extra_keys
 from pdserve.redis_server import RedisServer
 
 
@@ -297,6 +298,38 @@ def test_the_host_tier_is_searched_after_the_device_hit_in_the_same_read(redis_u
         assert await cluster.block_counts(["p0"]) == {"p0": (0, 1)}
         await cluster.deregister("p0")
         assert await cluster.block_counts(["p0"]) == {"p0": (0, 0)}
+        await cluster.close()
+
+    run(go())
+
+
+def test_each_node_is_searched_with_the_hashes_of_its_own_numerics(redis_url):
+    # A bf16 prefill node feeding an FP8-cache decode node: each publishes the
+    # hashes its engine computes, and one read searches each with its class's.
+    async def go():
+        cluster = Cluster.from_url(redis_url, prefix="t12")
+        ids = list(range(160))
+        plain = hash_prompt_blocks(ids, "m", 16)
+        fp8_keys = numerics_extra_keys(None, "fp8_e4m3")
+        fp8 = hash_prompt_blocks(ids, "m", 16, extra_keys=fp8_keys)
+        bf16 = dict(weight_dtype="bfloat16", kv_cache_dtype="bfloat16")
+        await cluster.heartbeat(node("p0", **bf16), stored=plain[:6], reset_blocks=True)
+        fp8_node = node("d0", NodeRole.DECODE, weight_dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
+        await cluster.heartbeat(fp8_node, stored=fp8[:4], reset_blocks=True)
+        await cluster.heartbeat(node("d1", NodeRole.DECODE, **bf16), reset_blocks=True)
+        # The FP8 class is tagged by the node's two registered fields.
+        tag = node_numerics_tag(fp8_node)
+        hits = {c.node.node_id: c.hit_blocks for c in await cluster.candidates(plain)}
+        assert hits == {"p0": 6, "d0": 0, "d1": 0}  # plain hashes never match FP8 blocks
+        view = await cluster.view(plain, [(tag, fp8)])
+        hits = {c.node.node_id: c.hit_blocks for c in view.candidates}
+        assert hits == {"p0": 6, "d0": 4, "d1": 0}
+        # The FP8 list as the primary one: the bf16 nodes under their own tag.
+        view = await cluster.view(fp8, [(node_numerics_tag(node("p0", **bf16)), plain)])
+        assert {c.node.node_id: c.hit_blocks for c in view.candidates}["p0"] == 6
+        # A tag nobody registered changes nothing.
+        view = await cluster.view(plain, [("fp8/fp8_e4m3", fp8)])
+        assert {c.node.node_id: c.hit_blocks for c in view.candidates}["d0"] == 0
         await cluster.close()
 
     run(go())

@@ -16,6 +16,7 @@ import pytest
 from common.cluster.state import ClusterView, NodeInfo, NodeRole, RouteCandidate
 from router.migration import continuation_route
 from router.models import BASE_MODEL
+from router.numerics import NO_HASHES
 from router.policy import NoRoute, RoutingConfig
 from router.routing import Routing
 
@@ -30,7 +31,7 @@ class Views:
     def start_view(self, block_hashes):
         return None
 
-    async def view(self, block_hashes) -> ClusterView:
+    async def view(self, block_hashes, numerics=()) -> ClusterView:
         self.now_ms += 10
         for n in self.nodes:
             n.seen_ms = self.now_ms  # a fresh heartbeat
@@ -53,7 +54,7 @@ def decode(started_ms: int) -> NodeInfo:
 PARSED = SimpleNamespace(
     params=SimpleNamespace(n=1, prompt_logprobs=None),
     prompt_token_ids=[1] * 40,
-    block_hashes=[],
+    block_hashes=NO_HASHES,
     model=BASE_MODEL,
 )
 
