@@ -14,6 +14,12 @@ step reads the experts its B tokens chose (expected ``1 - (1 - k/E)^B`` of
 them, routing uniform as with dummy weights) and a token multiplies by k of E.
 
     python benchmarks/model_step.py both --shapes qwen3-30b-a3b --prefill-shape qwen3-30b-a3b
+
+``--quantization fp8`` (FP8 weights, quantized at load) and ``--kv-cache-dtype
+fp8`` run the steps quantized, and the floor counts the bytes they read: one
+a weight plus its row scales (float32), one a KV element.
+
+    python benchmarks/model_step.py decode --quantization fp8 --kv-cache-dtype fp8
 """
 
 from __future__ import annotations
@@ -33,10 +39,19 @@ from benchmarks.common import (
     measure_matmul_flops,
     save_run,
 )
+from engine.kv_cache_dtype import KVCacheDType
 from engine.models.shapes import write_shape_dir
 
 
-def make_runner(shape: str, tmp: str, args, max_model_len: int, num_blocks: int, max_num_seqs: int):
+def make_runner(
+    shape: str,
+    tmp: str,
+    args,
+    max_model_len: int,
+    num_blocks: int,
+    max_num_seqs: int,
+    device: str = "cuda",
+):
     from engine.config import EngineConfig
     from engine.model_runner import ModelRunner
 
@@ -45,7 +60,9 @@ def make_runner(shape: str, tmp: str, args, max_model_len: int, num_blocks: int,
         model=str(model_dir),
         load_format="dummy",
         skip_tokenizer_init=True,
-        device="cuda",
+        device=device,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.backend,
         fused_ops=not args.no_fused_ops,
         enforce_eager=args.enforce_eager,
@@ -87,11 +104,13 @@ def expert_fraction(cfg, tokens: int) -> float:
 
 def weight_bytes_read(runner, tokens: int = 1) -> int:
     """Parameter bytes one decode step of ``tokens`` tokens reads (an untied input
-    embedding is only gathered; of stacked experts, those the tokens chose)."""
+    embedding is only gathered; of stacked experts, those the tokens chose), in
+    their stored dtype: an FP8 projection's weight and its scales (a buffer)."""
     model = runner.model
     total = 0
     seen = set()
-    for name, p in model.named_parameters():
+    scales = [(n, b) for n, b in model.named_buffers() if n.endswith("weight_scale")]
+    for name, p in [*model.named_parameters(), *scales]:
         if id(p) in seen:
             continue
         seen.add(id(p))
@@ -100,6 +119,12 @@ def weight_bytes_read(runner, tokens: int = 1) -> int:
         share = expert_fraction(model.config, tokens) if p.dim() == 3 else 1.0
         total += int(p.numel() * p.element_size() * share)
     return total
+
+
+def kv_bytes_read(runner, batch: int, context: int) -> int:
+    """KV bytes one decode step reads: every layer's K and V of ``batch``
+    sequences' ``context`` tokens, in the cache's dtype (1 byte an element FP8)."""
+    return batch * context * runner.kv_block_bytes // runner.block_size
 
 
 def active_matmul_params(runner) -> float:
@@ -152,9 +177,7 @@ def decode_shape(args, shape: str, tmp: str, copy_bw: float) -> list[dict[str, A
         step = decode_step(runner, inputs, batch)
         with torch.inference_mode():
             ms = cuda_time_ms(step, warmup=3, iters=20)
-        kv_bytes = (
-            batch * ctx * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
-        )
+        kv_bytes = kv_bytes_read(runner, batch, ctx)
         floor_ms = (wbytes + kv_bytes) / copy_bw * 1e3
         row = {
             "shape": shape,
@@ -162,6 +185,8 @@ def decode_shape(args, shape: str, tmp: str, copy_bw: float) -> list[dict[str, A
             "cuda_graphs": runner.graphs is not None,
             "fused_ops": runner.config.fused_ops,
             "gemv_backend": runner.config.gemv_backend.value,
+            "quantization": args.quantization,
+            "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
             "batch": batch,
             "context": ctx,
             "step_ms": ms,
@@ -173,7 +198,8 @@ def decode_shape(args, shape: str, tmp: str, copy_bw: float) -> list[dict[str, A
         rows.append(row)
         print(
             f"decode {shape} {row['backend']} fused_ops={row['fused_ops']} "
-            f"gemv={row['gemv_backend']} batch {batch:3d} ctx {ctx}: "
+            f"gemv={row['gemv_backend']} quantization={args.quantization} "
+            f"kv={row['kv_cache_dtype']} batch {batch:3d} ctx {ctx}: "
             f"{ms:.3f} ms/step, floor {floor_ms:.3f} ms -> {100 * row['fraction_of_floor']:.0f}% of the HBM floor",
             flush=True,
         )
@@ -238,7 +264,7 @@ def prefill(args, peak) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["decode", "prefill", "both"])
     p.add_argument("--backend", default="auto")
@@ -249,6 +275,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="auto",
         help="decode: one run per gemv_backend in this list (auto, triton, torch)",
     )
+    p.add_argument("--quantization", choices=["fp8"], help="FP8 weights, quantized at load")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=[d.value for d in KVCacheDType],
+        default=KVCacheDType.AUTO.value,
+        help="what the KV cache stores (auto: the model's dtype)",
+    )
     p.add_argument("--shapes", default="qwen3-0.6b,llama-3.1-8b")
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--context", type=int, default=1024)
@@ -256,7 +289,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seqs", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--out-dir", type=Path)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.what != "decode" and (args.quantization or args.kv_cache_dtype != "auto"):
+        raise SystemExit(
+            "--quantization and --kv-cache-dtype are for decode: prefill's MFU is against "
+            "the bf16 matmul rate"
+        )
     results: dict[str, Any] = {}
     if args.what in ("decode", "both"):
         results["copy_bytes_per_s"] = copy_bw = measure_copy_bandwidth()

@@ -10,6 +10,17 @@ benchmarks/results/.
     python benchmarks/offline_throughput.py                      # CPU-sized defaults
     python benchmarks/offline_throughput.py --shape qwen3-0.6b --num-seqs 256 --hf-baseline
     python benchmarks/offline_throughput.py --shape qwen3-0.6b --peer vllm   # vLLM, same run
+    python benchmarks/offline_throughput.py --shape llama-3.1-8b --quantization fp8 \
+        --kv-cache-dtype fp8 --unquantized-baseline --peer vllm   # FP8, bf16 and vLLM FP8
+
+The numerics options (``--quantization``, ``--kv-cache-dtype``) go to every
+engine of the run: pdserve and, with ``--peer vllm``, vLLM (the same names).
+``--unquantized-baseline`` runs pdserve a second time on the same workload
+with neither (weights and KV cache in the model's dtype), after the quantized
+run; each row of the record names its numerics (``dtype``, ``quantization``,
+``kv_cache_dtype``: what the cache stores) and its KV pool (blocks, bytes a
+block, bytes in all: blocks per GiB are the pool's size at equal memory;
+``--kv-cache-memory-bytes`` gives every engine the same pool).
 
 HF's ``generate`` pads a batch to its longest prompt and runs every row to the
 batch's longest output; its "useful" rate counts only the tokens the workload
@@ -31,6 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import save_run
+from engine.kv_cache_dtype import KVCacheDType
 from engine.models.shapes import SHAPES, write_shape_dir
 
 GPU_DEFAULTS = dict(shape="qwen3-0.6b", num_seqs=256, min_len=100, max_len=1024)
@@ -52,6 +64,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", choices=["fp8"], help="FP8 weights, quantized at load")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=[d.value for d in KVCacheDType],
+        default=KVCacheDType.AUTO.value,
+        help="what the KV cache stores (auto: the model's dtype)",
+    )
+    p.add_argument(
+        "--unquantized-baseline",
+        action="store_true",
+        help="also run pdserve with weights and KV cache in the model's dtype on the same "
+        "workload (needs --quantization or an FP8 --kv-cache-dtype)",
+    )
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--gemv-backend", default="auto", choices=["auto", "triton", "torch"])
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -59,6 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--num-kvcache-blocks", type=int, default=-1)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        help="the KV pool's bytes, every engine of the run alike (default: what "
+        "--gpu-memory-utilization leaves)",
+    )
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-fused-ops", action="store_true", help="plain torch RMSNorm/SiLU/RoPE")
     p.add_argument(
@@ -123,6 +153,7 @@ def run_pdserve(model_dir: Path, args, prompts, out_lens, profile_work=None) -> 
         device=args.device,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
         gemv_backend=args.gemv_backend,
         max_model_len=args.max_model_len,
@@ -130,6 +161,7 @@ def run_pdserve(model_dir: Path, args, prompts, out_lens, profile_work=None) -> 
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_kvcache_blocks=args.num_kvcache_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         enforce_eager=args.enforce_eager,
         fused_ops=not args.no_fused_ops,
         piecewise_cuda_graphs=args.piecewise_cuda_graphs,
@@ -170,8 +202,11 @@ def run_pdserve(model_dir: Path, args, prompts, out_lens, profile_work=None) -> 
         "gemv_backend": args.gemv_backend,
         "dtype": str(runner.dtype).removeprefix("torch."),
         "quantization": args.quantization,
+        "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
         "device": str(runner.device),
         "num_kvcache_blocks": runner.num_kvcache_blocks,
+        "kv_block_bytes": runner.kv_block_bytes,
+        "kv_cache_bytes": runner.num_kvcache_blocks * runner.kv_block_bytes,
         "num_preemptions": stats.num_preemptions,
         "async_scheduling": llm.llm_engine.async_scheduling,
     }
@@ -230,10 +265,51 @@ def run_hf(model_dir: Path, args, prompts, out_lens, device: str, dtype) -> dict
     }
 
 
+def free_device_memory() -> None:
+    """Give a finished engine's memory back before the next one sizes its cache."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_unquantized(model_dir: Path, args, prompts, out_lens, ours: dict[str, Any]) -> dict:
+    """``--unquantized-baseline``: pdserve again, weights and KV cache in the
+    model's dtype; its row and the quantized run's ratio over it."""
+    free_device_memory()
+    plain = argparse.Namespace(
+        **{**vars(args), "quantization": None, "kv_cache_dtype": KVCacheDType.AUTO.value}
+    )
+    base = run_pdserve(model_dir, plain, prompts, out_lens)
+    ratio = ours["output_tok_per_s"] / base["output_tok_per_s"]
+    blocks = ours["num_kvcache_blocks"] / base["num_kvcache_blocks"]
+    per_block = base["kv_block_bytes"] / ours["kv_block_bytes"]
+    print(
+        f"pdserve unquantized ({base['dtype']} weights and KV): {base['output_tok_per_s']:.1f} "
+        f"output tok/s -> the quantized run is {ratio:.2f}x; KV blocks "
+        f"{ours['num_kvcache_blocks']} against {base['num_kvcache_blocks']} ({blocks:.2f}x), "
+        f"{per_block:.2f}x at equal memory",
+        flush=True,
+    )
+    return {
+        "pdserve_unquantized": base,
+        "ratio_vs_unquantized": ratio,
+        "kv_blocks_at_equal_memory_vs_unquantized": per_block,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     args = parse_args(argv)
+    if args.unquantized_baseline and not (
+        args.quantization or KVCacheDType(args.kv_cache_dtype).is_fp8
+    ):
+        raise SystemExit(
+            "--unquantized-baseline compares against a quantized run: add --quantization fp8 "
+            "and/or --kv-cache-dtype fp8"
+        )
     on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     resolve_defaults(args, on_gpu)
     if args.profile and not on_gpu:
@@ -262,12 +338,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         ours = run_pdserve(model_dir, args, prompts, out_lens, profile_work)
         print(
-            f"pdserve ({ours['attention_backend']}, {ours['dtype']}, {ours['device']}): "
+            f"pdserve ({ours['attention_backend']}, {ours['dtype']}, "
+            f"quantization {ours['quantization']}, KV {ours['kv_cache_dtype']}, {ours['device']}): "
             f"{ours['output_tokens']} tokens in {ours['elapsed_s']:.2f} s = "
             f"{ours['output_tok_per_s']:.1f} output tok/s",
             flush=True,
         )
         results: dict[str, Any] = {"pdserve": ours}
+        if args.unquantized_baseline:
+            results.update(run_unquantized(model_dir, args, prompts, out_lens, ours))
         if args.hf_baseline:
             dtype = getattr(torch, ours["dtype"])
             hf = run_hf(model_dir, args, prompts, out_lens, ours["device"], dtype)
@@ -282,10 +361,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.peer == "vllm":
             from benchmarks.peers.vllm_peer import run_vllm
 
-            # pdserve's engine is gone: give its memory back before vLLM sizes its cache.
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            free_device_memory()  # pdserve's engine is gone
             peer = run_vllm(model_dir, args, prompts, out_lens, profile_work)
             results["vllm"] = peer
             results["ratio_vs_vllm"] = ours["output_tok_per_s"] / peer["output_tok_per_s"]

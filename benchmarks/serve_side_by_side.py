@@ -16,6 +16,14 @@ the same host state for both). Writes every record, one plot per workload
 and summary.json (the issue's targets) under ``--out``. Each sweep and each
 start has a timeout; the servers are killed on any exit. ``--plot-rounds``
 only draws the rounds of interleaved runs' records, into ``--out`` (a PNG).
+
+``pdserve-fp8`` and ``vllm-fp8`` in ``--systems`` are the same servers with FP8
+weights (quantized at load) and an FP8 KV cache (``FP8_FLAGS``, the same flags
+on a pdserve node and on `vllm serve`); their records' labels say so. Bf16
+against FP8, same run, one system after the other:
+
+    python benchmarks/serve_side_by_side.py --systems pdserve pdserve-fp8 vllm-fp8 \
+        --workloads random --no-grpc
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -46,6 +55,10 @@ WORKLOADS = {
     + ["--shared-prefix-prompts-per-group", "32", "--shared-prefix-system-len", "2048"]
     + ["--shared-prefix-question-len", "128", "--random-output-len", "128"],
 }
+
+# FP8 weights quantized at load and an FP8 KV cache: a pdserve node's flags
+# and `vllm serve`'s, the same names (vLLM's).
+FP8_FLAGS = ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]
 
 # Added to a sweep's prompt seed, apart enough that no seed of one workload
 # (rounds x 10,000 + 1,000 + a rate's index) is another's.
@@ -165,8 +178,11 @@ class Sweep:
 
 
 @contextlib.contextmanager
-def pdserve_up(args, out: Path) -> Iterator[list[Sweep]]:
-    """pdserve, one decode node that prefills locally; its HTTP and gRPC sweeps."""
+def pdserve_up(
+    args, out: Path, name: str = "pdserve", flags: tuple[str, ...] = ()
+) -> Iterator[list[Sweep]]:
+    """pdserve, one decode node that prefills locally (with ``flags`` added to
+    its engine's); its HTTP and gRPC sweeps, labelled ``name``-http and -grpc."""
     from pdserve.launcher import ClusterSpec, LocalCluster
 
     has_http = args.http and (
@@ -179,7 +195,7 @@ def pdserve_up(args, out: Path) -> Iterator[list[Sweep]]:
     )
     http_port = free_port()
     engine = ["--load-format", "dummy", "--skip-tokenizer-init", "--max-model-len", "4096"]
-    engine += args.pdserve_engine_args.split()
+    engine += [*args.pdserve_engine_args.split(), *flags]
     spec = ClusterSpec(
         model=str(args.model_dir),
         num_prefill=0,
@@ -190,9 +206,9 @@ def pdserve_up(args, out: Path) -> Iterator[list[Sweep]]:
         router_args=["--skip-tokenizer-init", "--no-remote-prefill", "--max-model-len", "4096"]
         + (["--http-port", str(http_port)] if has_http else []),
         start_timeout_s=args.start_timeout,
-        log_dir=str(out / "logs-pdserve"),
+        log_dir=str(out / f"logs-{name}"),
     )
-    log("starting pdserve (1 decode node, local prefill)")
+    log(f"starting {name} (1 decode node, local prefill): {' '.join(engine)}")
     with LocalCluster(spec) as cluster:
         (decode,) = [c for c in cluster.components if c.name.startswith("decode")]
         scrape = scrape_args(decode.metrics_url)
@@ -200,18 +216,21 @@ def pdserve_up(args, out: Path) -> Iterator[list[Sweep]]:
         if has_http:
             url = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{http_port}"]
             probe_at = (cluster.router_address, http_port) if args.probe else None
-            sweeps.append(Sweep("pdserve-http", url + scrape, probe_at=probe_at))
+            sweeps.append(Sweep(f"{name}-http", url + scrape, probe_at=probe_at))
         else:
             log("pdserve's router has no --http-port yet: HTTP sweep skipped")
         if args.grpc:
             grpc = ["--backend", "grpc", "--address", cluster.router_address, *scrape]
-            sweeps.append(Sweep("pdserve-grpc", grpc, seed=1000))
+            sweeps.append(Sweep(f"{name}-grpc", grpc, seed=1000))
         yield sweeps
 
 
 @contextlib.contextmanager
-def vllm_up(args, out: Path) -> Iterator[list[Sweep]]:
-    """`vllm serve` on the same config, its process group stopped on any exit."""
+def vllm_up(
+    args, out: Path, name: str = "vllm", flags: tuple[str, ...] = ()
+) -> Iterator[list[Sweep]]:
+    """`vllm serve` on the same config (``flags`` added), its process group
+    stopped on any exit; its sweep labelled ``name``."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -222,9 +241,9 @@ def vllm_up(args, out: Path) -> Iterator[list[Sweep]]:
     ]
     cmd += ["--served-model-name", "dummy", "--load-format", "dummy", "--skip-tokenizer-init"]
     cmd += ["--max-model-len", "4096", "--port", str(port), "--host", "127.0.0.1"]
-    cmd += args.vllm_args.split()
-    (out / "logs-vllm").mkdir(parents=True, exist_ok=True)
-    logf = open(out / "logs-vllm" / "server.log", "w")  # noqa: SIM115 - lives with the process
+    cmd += [*args.vllm_args.split(), *flags]
+    (out / f"logs-{name}").mkdir(parents=True, exist_ok=True)
+    logf = open(out / f"logs-{name}" / "server.log", "w")  # noqa: SIM115 - lives with the process
     log("starting vLLM: " + " ".join(cmd))
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_USE_FLASHINFER_SAMPLER="0")
     proc = subprocess.Popen(
@@ -234,7 +253,7 @@ def vllm_up(args, out: Path) -> Iterator[list[Sweep]]:
         wait_http(f"http://127.0.0.1:{port}/health", args.start_timeout, proc)
         target = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{port}"]
         target += ["--model", "dummy", *scrape_args(f"http://127.0.0.1:{port}/metrics")]
-        yield [Sweep("vllm", target)]
+        yield [Sweep(name, target)]
     finally:
         # The whole process group: the API server and its engine core process.
         with contextlib.suppress(ProcessLookupError):
@@ -246,7 +265,12 @@ def vllm_up(args, out: Path) -> Iterator[list[Sweep]]:
         logf.close()
 
 
-UP = {"pdserve": pdserve_up, "vllm": vllm_up}
+UP = {
+    "pdserve": pdserve_up,
+    "pdserve-fp8": partial(pdserve_up, name="pdserve-fp8", flags=tuple(FP8_FLAGS)),
+    "vllm": vllm_up,
+    "vllm-fp8": partial(vllm_up, name="vllm-fp8", flags=tuple(FP8_FLAGS)),
+}
 
 
 def run_in_turn(args) -> None:
@@ -273,7 +297,7 @@ def run_interleaved(args) -> None:
     ``--vllm-args``' share of the memory (vLLM refuses to start where less is
     free); pdserve's node subtracts what another process holds from its own
     budget (engine/model_runner.py)."""
-    systems = sorted(set(args.systems), key=lambda s: s != "vllm")
+    systems = sorted(set(args.systems), key=lambda s: not s.startswith("vllm"))
     with contextlib.ExitStack() as stack:
         up = {s: stack.enter_context(UP[s](args, args.out)) for s in systems}
         first = sorted(systems, key=lambda s: s != args.first)
@@ -291,7 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "serve-side-by-side")))
     p.add_argument("--shape", default="llama-3.1-8b")
-    p.add_argument("--systems", nargs="+", choices=["pdserve", "vllm"], default=["pdserve", "vllm"])
+    p.add_argument(
+        "--systems",
+        nargs="+",
+        choices=list(UP),
+        default=["pdserve", "vllm"],
+        help="-fp8: FP8 weights and KV cache (FP8_FLAGS)",
+    )
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--random-rates", nargs="+", default=["4", "8", "16", "32", "64"])
     p.add_argument("--shared-prefix-rates", nargs="+", default=["8", "16", "32", "64"])
@@ -330,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--first",
-        choices=["pdserve", "vllm"],
+        choices=list(UP),
         default="pdserve",
         help="with --interleave: the system that opens round 0",
     )

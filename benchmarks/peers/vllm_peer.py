@@ -38,6 +38,14 @@ def engine_kwargs(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         kwargs["dtype"] = args.dtype
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    # The numerics under the names both engines take: FP8 weights quantized at
+    # load, an FP8 KV cache (vLLM's own default scales, 1.0, as ours).
+    if args.quantization is not None:
+        kwargs["quantization"] = args.quantization
+    if args.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     return kwargs
 
 
@@ -92,7 +100,11 @@ def run_vllm(model_dir: Path, args, prompts, out_lens, profile_work=None) -> dic
         p_prompts, p_kwargs = workload(*profile_work, args)
         p_params = [SamplingParams(**kw) for kw in p_kwargs]
         _, profiled = profile_kernels(lambda: llm.generate(p_prompts, p_params, use_tqdm=False))
+    # The KV pool vLLM sized (its engine core reports it back to this process).
+    cache = llm.llm_engine.vllm_config.cache_config
     return {
+        "num_gpu_blocks": cache.num_gpu_blocks,
+        "block_size": cache.block_size,
         "in_process": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
         "profile": profiled,
         "version": vllm.__version__,
