@@ -14,7 +14,8 @@ The adapter-load cost (``load_cost``), what the router's
 ``--lora-load-tokens`` prices: reading one adapter from its files (page
 cache) and copying one host-resident adapter into a device slot, each in ms
 and in prompt tokens, a token being the prefill rate of the same engine on
-fresh prompts under an adapter already in its slot.
+fresh prompts under an adapter already in its slot (the median of three
+batches of 8 prompts of the longest input length).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 PROBE_TOKENS = 8
 LOAD_REPEATS = 8
 PREFILL_PROMPTS = 8
+PREFILL_REPEATS = 3
 
 
 def parse_counts(text: str) -> list[int]:
@@ -121,8 +123,6 @@ def _row_line(name: str, r: dict[str, Any]) -> str:
 def measure_load_cost(llm, requests, args) -> dict[str, Any]:
     """Median ms to read an adapter and to copy one into a slot; the prefill
     ms per token; each load in prompt tokens (module docstring)."""
-    from engine import SamplingParams
-
     lora = llm.llm_engine.model_runner.lora
     sync = _synchronizer(lora.device)
     read_ms = []
@@ -140,18 +140,8 @@ def measure_load_cost(llm, requests, args) -> dict[str, Any]:
         lora.load_slot(0, request)
         sync()
         copy_ms.append(1e3 * (time.perf_counter() - start))
-    rng = random.Random(args.seed + 2)  # prompts no cache holds
-    length = args.max_input_len
-    vocab = min(10000, llm.llm_engine.config.model_config.vocab_size)
-    fresh = [[rng.randrange(vocab) for _ in range(length)] for _ in range(PREFILL_PROMPTS)]
-    one = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1)
-    # Its adapter into its slot first, so that the timed prefill copies nothing.
-    llm.generate([fresh[0][:4]], one, use_tqdm=False, lora_request=requests[0])
-    sync()
-    start = time.perf_counter()
-    llm.generate(fresh, one, use_tqdm=False, lora_request=requests[0])
-    sync()
-    token_ms = 1e3 * (time.perf_counter() - start) / (length * PREFILL_PROMPTS)
+    token_ms_all = _prefill_token_ms(llm, requests[0], args.max_input_len, args.seed, sync)
+    token_ms = statistics.median(token_ms_all)
     read, copy = statistics.median(read_ms), statistics.median(copy_ms)
     cost = {
         "adapter_bytes": sum(a.nbytes + b.nbytes for a, b in adapter.weights.values()),
@@ -160,8 +150,9 @@ def measure_load_cost(llm, requests, args) -> dict[str, Any]:
         "read_ms_all": read_ms,
         "slot_copy_ms_all": copy_ms,
         "prefill_prompts": PREFILL_PROMPTS,
-        "prefill_prompt_tokens": length,
+        "prefill_prompt_tokens": args.max_input_len,
         "prefill_token_ms": token_ms,
+        "prefill_token_ms_all": token_ms_all,
         "slot_copy_tokens": copy / token_ms,
         "read_and_copy_tokens": (read + copy) / token_ms,
     }
@@ -172,6 +163,28 @@ def measure_load_cost(llm, requests, args) -> dict[str, Any]:
         flush=True,
     )
     return cost
+
+
+def _prefill_token_ms(llm, request, length: int, seed: int, sync) -> list[float]:
+    """ms per prompt token of prefilling PREFILL_PROMPTS fresh prompts of
+    ``length`` tokens under ``request``'s adapter (in its slot), each of
+    PREFILL_REPEATS times on new prompts (none in the prefix cache)."""
+    from engine import SamplingParams
+
+    rng = random.Random(seed + 2)
+    vocab = min(10000, llm.llm_engine.config.model_config.vocab_size)
+    one = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1)
+    # The adapter into its slot first, so that no timed prefill copies it.
+    llm.generate([[1, 2, 3, 4]], one, use_tqdm=False, lora_request=request)
+    times = []
+    for _ in range(PREFILL_REPEATS):
+        fresh = [[rng.randrange(vocab) for _ in range(length)] for _ in range(PREFILL_PROMPTS)]
+        sync()
+        start = time.perf_counter()
+        llm.generate(fresh, one, use_tqdm=False, lora_request=request)
+        sync()
+        times.append(1e3 * (time.perf_counter() - start) / (length * PREFILL_PROMPTS))
+    return times
 
 
 def _synchronizer(device):

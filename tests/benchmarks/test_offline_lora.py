@@ -46,6 +46,7 @@ def test_rows_for_0_1_and_n_adapters_and_the_load_cost(tmp_path):
     per_layer = 16 * (64 + 64) + 2 * 16 * (64 + 32) + 16 * (64 + 64) + 3 * 16 * (64 + 128)
     assert cost["adapter_bytes"] == 2 * per_layer * 4
     assert min(cost["read_ms"], cost["slot_copy_ms"], cost["prefill_token_ms"]) > 0
+    assert len(cost["slot_copy_ms_all"]) == 8 and len(cost["prefill_token_ms_all"]) == 3
     assert cost["slot_copy_tokens"] == pytest.approx(
         cost["slot_copy_ms"] / cost["prefill_token_ms"]
     )
