@@ -16,6 +16,9 @@ the same host state for both). Writes every record, one plot per workload
 and summary.json (the issue's targets) under ``--out``. Each sweep and each
 start has a timeout; the servers are killed on any exit. ``--plot-rounds``
 only draws the rounds of interleaved runs' records, into ``--out`` (a PNG).
+``--loras N``: both servers start with N random rank-16 LoRA adapters
+(benchmarks/support/lora_adapters.py) and request i names the (i mod N)-th;
+the base model's figures are a run without it.
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ def bench(
     cmd += ["--model-dir", str(args.model_dir), "--request-rate", *rates, "--slo", SLO]
     cmd += ["--num-warmups", "8", "--seed", str(seed), "--arrival-seed", "0"]
     cmd += ["--result-dir", str(out), "--no-progress"]
-    cmd += ["--timeout", "120"]
+    cmd += ["--timeout", "120", *args.lora_bench_args]
     # Leave time to stop the servers and write the plots before the device's limit.
     timeout = min(args.sweep_timeout, args.deadline - time.monotonic() - 45)
     if timeout < 30:
@@ -179,7 +182,7 @@ def pdserve_up(args, out: Path) -> Iterator[list[Sweep]]:
     )
     http_port = free_port()
     engine = ["--load-format", "dummy", "--skip-tokenizer-init", "--max-model-len", "4096"]
-    engine += args.pdserve_engine_args.split()
+    engine += args.pdserve_engine_args.split() + args.lora_server_args
     spec = ClusterSpec(
         model=str(args.model_dir),
         num_prefill=0,
@@ -222,7 +225,7 @@ def vllm_up(args, out: Path) -> Iterator[list[Sweep]]:
     ]
     cmd += ["--served-model-name", "dummy", "--load-format", "dummy", "--skip-tokenizer-init"]
     cmd += ["--max-model-len", "4096", "--port", str(port), "--host", "127.0.0.1"]
-    cmd += args.vllm_args.split()
+    cmd += args.vllm_args.split() + args.lora_server_args
     (out / "logs-vllm").mkdir(parents=True, exist_ok=True)
     logf = open(out / "logs-vllm" / "server.log", "w")  # noqa: SIM115 - lives with the process
     log("starting vLLM: " + " ".join(cmd))
@@ -247,6 +250,17 @@ def vllm_up(args, out: Path) -> Iterator[list[Sweep]]:
 
 
 UP = {"pdserve": pdserve_up, "vllm": vllm_up}
+
+
+def lora_args(adapter_dirs: list[Path], rank: int) -> tuple[list[str], list[str]]:
+    """(the servers' LoRA options, vLLM's names, which pdserve's nodes take
+    too; the load generator's): every adapter loaded at start, in a device
+    slot of its own, and named by the requests in turn."""
+    n, names = len(adapter_dirs), [f"lora-{k}" for k in range(len(adapter_dirs))]
+    server = ["--enable-lora", "--max-loras", str(n), "--max-cpu-loras", str(n)]
+    server += ["--max-lora-rank", str(rank), "--lora-modules"]
+    server += [f"{name}={d}" for name, d in zip(names, adapter_dirs, strict=True)]
+    return server, ["--lora-modules", *names]
 
 
 def run_in_turn(args) -> None:
@@ -302,6 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-budget", type=float, default=580, help="seconds for everything (device limit 600)"
     )
     p.add_argument("--pdserve-engine-args", default="", help="e.g. '--attention-backend fa4'")
+    p.add_argument(
+        "--loras",
+        type=int,
+        default=0,
+        metavar="N",
+        help="both servers with N random rank-16 LoRA adapters, requests naming them in turn",
+    )
     p.add_argument(
         "--http",
         action=argparse.BooleanOptionalAction,
@@ -367,6 +388,12 @@ def main(argv: list[str] | None = None) -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     args.model_dir = write_shape_dir(args.shape, args.out / "model")
+    args.lora_server_args, args.lora_bench_args = [], []
+    if args.loras:
+        from benchmarks.support.lora_adapters import make_random_adapters
+
+        dirs = make_random_adapters(args.model_dir, args.out / "adapters", args.loras)
+        args.lora_server_args, args.lora_bench_args = lora_args(dirs, rank=16)
     # SIGTERM (a timeout) unwinds through the finally blocks that stop the servers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.interleave:

@@ -90,3 +90,25 @@ def test_vllm_gets_the_same_lora_options():
     assert kwargs["model"] == "/m" and kwargs["load_format"] == "dummy"
     assert (kwargs["enable_lora"], kwargs["max_loras"], kwargs["max_cpu_loras"]) == (True, 32, 32)
     assert kwargs["max_lora_rank"] == 16
+
+
+def test_side_by_side_serving_loads_the_adapters_in_both_servers_and_names_them():
+    import argparse
+
+    from benchmarks import serve_side_by_side as sbs
+    from pdserve.bench.cli import add_serve_arguments
+    from pdserve.cli import build_parser
+
+    dirs = [Path("/a/lora-0"), Path("/a/lora-1")]
+    server, bench = sbs.lora_args(dirs, rank=16)
+    assert server == ["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "2",
+                      "--max-lora-rank", "16", "--lora-modules",
+                      "lora-0=/a/lora-0", "lora-1=/a/lora-1"]  # fmt: skip
+    # pdserve's decode node parses the same options (vLLM's names) ...
+    node = build_parser().parse_args(["decode", "--model", "/m", *server])
+    assert node.enable_lora and node.max_loras == 2 and node.max_lora_rank == 16
+    assert len(node.lora_modules) == 2
+    # ... and the load generator names the adapters.
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert parser.parse_args(bench).lora_modules == ["lora-0", "lora-1"]
