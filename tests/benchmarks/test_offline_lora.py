@@ -8,6 +8,7 @@ pdserve's greedy output under one equals PEFT's and differs from the base's.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 from pathlib import Path
 
@@ -90,6 +91,9 @@ def test_vllm_gets_the_same_lora_options():
     assert kwargs["model"] == "/m" and kwargs["load_format"] == "dummy"
     assert (kwargs["enable_lora"], kwargs["max_loras"], kwargs["max_cpu_loras"]) == (True, 32, 32)
     assert kwargs["max_lora_rank"] == 16
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(SystemExit, match="needs the vllm package"):
+            vllm_lora.run_vllm_loras(Path("/m"), args, [[1, 2]], [2], [Path("/a")])
 
 
 def test_side_by_side_serving_loads_the_adapters_in_both_servers_and_names_them():
