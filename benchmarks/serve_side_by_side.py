@@ -30,6 +30,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -388,21 +389,23 @@ def main(argv: list[str] | None = None) -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     args.model_dir = write_shape_dir(args.shape, args.out / "model")
-    args.lora_server_args, args.lora_bench_args = [], []
-    if args.loras:
-        from benchmarks.support.lora_adapters import make_random_adapters
+    # The adapters outside --out, whose files come back from the GPU host.
+    with tempfile.TemporaryDirectory(prefix="lora-adapters-") as adapters:
+        args.lora_server_args, args.lora_bench_args = [], []
+        if args.loras:
+            from benchmarks.support.lora_adapters import make_random_adapters
 
-        dirs = make_random_adapters(args.model_dir, args.out / "adapters", args.loras)
-        args.lora_server_args, args.lora_bench_args = lora_args(dirs, rank=16)
-    # SIGTERM (a timeout) unwinds through the finally blocks that stop the servers.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if args.interleave:
-        try:
-            run_interleaved(args)
-        except Exception as e:  # the records so far are still summarised
-            log(f"interleaved: {type(e).__name__}: {e}")
-    else:
-        run_in_turn(args)
+            dirs = make_random_adapters(args.model_dir, Path(adapters), args.loras)
+            args.lora_server_args, args.lora_bench_args = lora_args(dirs, rank=16)
+        # SIGTERM (a timeout) unwinds through the finally blocks that stop the servers.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        if args.interleave:
+            try:
+                run_interleaved(args)
+            except Exception as e:  # the records so far are still summarised
+                log(f"interleaved: {type(e).__name__}: {e}")
+        else:
+            run_in_turn(args)
     summarize(args.out, args.workloads, args.compiled)
 
 
