@@ -97,7 +97,8 @@ def run_pdserve_loras(
         llm.reset_prefix_cache()
         loads_before = lora.num_slot_loads
         start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=per_prompt)
+        # As run_pdserve's timed call (its progress bar included), for a like ratio.
+        outs = llm.generate(prompts, params, lora_request=per_prompt)
         elapsed = time.perf_counter() - start
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         if produced != sum(out_lens):
