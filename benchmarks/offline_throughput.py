@@ -42,6 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import save_run
+from benchmarks.offline_lora import parse_counts
 from engine.kv_cache_dtype import KVCacheDType
 from engine.models.shapes import SHAPES, write_shape_dir
 
@@ -104,6 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also run this engine on the same workload after pdserve (one JSON record)",
     )
     p.add_argument(
+        "--loras",
+        type=parse_counts,
+        help="also run the workload under N random LoRA adapters mixed uniformly, for each N "
+        "of this list (1,8,32), and measure loading one (benchmarks/offline_lora.py)",
+    )
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the adapters' rank (--loras)")
+    p.add_argument(
         "--async-scheduling",
         choices=["auto", "on", "off"],
         default="auto",
@@ -143,10 +151,11 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[
     return prompts, outputs
 
 
-def run_pdserve(model_dir: Path, args, prompts, out_lens, profile_work=None) -> dict[str, Any]:
-    from engine import LLM, SamplingParams
+def make_llm(model_dir: Path, args, **extra: Any):
+    """pdserve's engine for ``args`` (``extra``: more engine options, e.g. LoRA's)."""
+    from engine import LLM
 
-    llm = LLM(
+    return LLM(
         str(model_dir),
         load_format="dummy",
         skip_tokenizer_init=True,
@@ -167,7 +176,14 @@ def run_pdserve(model_dir: Path, args, prompts, out_lens, profile_work=None) -> 
         piecewise_cuda_graphs=args.piecewise_cuda_graphs,
         seed=args.seed,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+        **extra,
     )
+
+
+def run_pdserve(model_dir: Path, args, prompts, out_lens, profile_work=None) -> dict[str, Any]:
+    from engine import SamplingParams
+
+    llm = make_llm(model_dir, args)
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
 
     def params_for(lens: list[int]) -> list[SamplingParams]:
@@ -358,7 +374,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{results['ratio_vs_hf']:.2f}x",
                 flush=True,
             )
-        if args.peer == "vllm":
+        if args.loras:
+            from benchmarks.offline_lora import run_loras
+
+            base = ours["output_tok_per_s"]
+            results["lora"] = run_loras(model_dir, args, prompts, out_lens, base, Path(tmp))
+        if args.peer == "vllm" and not args.loras:  # --loras runs vLLM's LoRA rows instead
             from benchmarks.peers.vllm_peer import run_vllm
 
             free_device_memory()  # pdserve's engine is gone

@@ -24,6 +24,10 @@ against FP8, same run, one system after the other:
 
     python benchmarks/serve_side_by_side.py --systems pdserve pdserve-fp8 vllm-fp8 \
         --workloads random --no-grpc
+
+``--loras N``: both servers start with N random rank-16 LoRA adapters
+(benchmarks/support/lora_adapters.py) and request i names the (i mod N)-th;
+the base model's figures are a run without it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -128,7 +133,7 @@ def bench(
     cmd += ["--model-dir", str(args.model_dir), "--request-rate", *rates, "--slo", SLO]
     cmd += ["--num-warmups", "8", "--seed", str(seed), "--arrival-seed", "0"]
     cmd += ["--result-dir", str(out), "--no-progress"]
-    cmd += ["--timeout", "120"]
+    cmd += ["--timeout", "120", *args.lora_bench_args]
     # Leave time to stop the servers and write the plots before the device's limit.
     timeout = min(args.sweep_timeout, args.deadline - time.monotonic() - 45)
     if timeout < 30:
@@ -195,7 +200,7 @@ def pdserve_up(
     )
     http_port = free_port()
     engine = ["--load-format", "dummy", "--skip-tokenizer-init", "--max-model-len", "4096"]
-    engine += [*args.pdserve_engine_args.split(), *flags]
+    engine += [*args.pdserve_engine_args.split(), *flags, *args.lora_server_args]
     spec = ClusterSpec(
         model=str(args.model_dir),
         num_prefill=0,
@@ -241,7 +246,7 @@ def vllm_up(
     ]
     cmd += ["--served-model-name", "dummy", "--load-format", "dummy", "--skip-tokenizer-init"]
     cmd += ["--max-model-len", "4096", "--port", str(port), "--host", "127.0.0.1"]
-    cmd += [*args.vllm_args.split(), *flags]
+    cmd += [*args.vllm_args.split(), *flags, *args.lora_server_args]
     (out / f"logs-{name}").mkdir(parents=True, exist_ok=True)
     logf = open(out / f"logs-{name}" / "server.log", "w")  # noqa: SIM115 - lives with the process
     log("starting vLLM: " + " ".join(cmd))
@@ -271,6 +276,17 @@ UP = {
     "vllm": vllm_up,
     "vllm-fp8": partial(vllm_up, name="vllm-fp8", flags=tuple(FP8_FLAGS)),
 }
+
+
+def lora_args(adapter_dirs: list[Path], rank: int) -> tuple[list[str], list[str]]:
+    """(the servers' LoRA options, vLLM's names, which pdserve's nodes take
+    too; the load generator's): every adapter loaded at start, in a device
+    slot of its own, and named by the requests in turn."""
+    n, names = len(adapter_dirs), [f"lora-{k}" for k in range(len(adapter_dirs))]
+    server = ["--enable-lora", "--max-loras", str(n), "--max-cpu-loras", str(n)]
+    server += ["--max-lora-rank", str(rank), "--lora-modules"]
+    server += [f"{name}={d}" for name, d in zip(names, adapter_dirs, strict=True)]
+    return server, ["--lora-modules", *names]
 
 
 def run_in_turn(args) -> None:
@@ -332,6 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-budget", type=float, default=580, help="seconds for everything (device limit 600)"
     )
     p.add_argument("--pdserve-engine-args", default="", help="e.g. '--attention-backend fa4'")
+    p.add_argument(
+        "--loras",
+        type=int,
+        default=0,
+        metavar="N",
+        help="both servers with N random rank-16 LoRA adapters, requests naming them in turn",
+    )
     p.add_argument(
         "--http",
         action=argparse.BooleanOptionalAction,
@@ -397,15 +420,23 @@ def main(argv: list[str] | None = None) -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     args.model_dir = write_shape_dir(args.shape, args.out / "model")
-    # SIGTERM (a timeout) unwinds through the finally blocks that stop the servers.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if args.interleave:
-        try:
-            run_interleaved(args)
-        except Exception as e:  # the records so far are still summarised
-            log(f"interleaved: {type(e).__name__}: {e}")
-    else:
-        run_in_turn(args)
+    # The adapters outside --out, whose files come back from the GPU host.
+    with tempfile.TemporaryDirectory(prefix="lora-adapters-") as adapters:
+        args.lora_server_args, args.lora_bench_args = [], []
+        if args.loras:
+            from benchmarks.support.lora_adapters import make_random_adapters
+
+            dirs = make_random_adapters(args.model_dir, Path(adapters), args.loras)
+            args.lora_server_args, args.lora_bench_args = lora_args(dirs, rank=16)
+        # SIGTERM (a timeout) unwinds through the finally blocks that stop the servers.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        if args.interleave:
+            try:
+                run_interleaved(args)
+            except Exception as e:  # the records so far are still summarised
+                log(f"interleaved: {type(e).__name__}: {e}")
+        else:
+            run_in_turn(args)
     summarize(args.out, args.workloads, args.compiled)
 
 

@@ -168,8 +168,9 @@ class OpenAIBackend:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if self.opts.model:  # else the server's one model (vLLM, pdserve take no name)
-            body["model"] = self.opts.model
+        model = req.model or self.opts.model
+        if model:  # else the server's one model (vLLM, pdserve take no name)
+            body["model"] = model
         if self.opts.ignore_eos:
             body["ignore_eos"] = True  # vLLM's extra; pdserve's HTTP edge takes it too
         if self.opts.want_token_ids:
@@ -285,6 +286,7 @@ def grpc_request(req: BenchRequest, opts: SamplingOptions):
         max_tokens=req.output_len,
         temperature=opts.temperature,
         ignore_eos=opts.ignore_eos,
+        model=req.model,
     )
     if req.json_schema is not None:
         request.sampling.structured_outputs.json_schema = json.dumps(req.json_schema)

@@ -46,6 +46,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="OpenAI-compatible server")
     g.add_argument("--address", default="127.0.0.1:50051", help="pdserve router (gRPC backend)")
     g.add_argument("--model", default="", help="model name to send (OpenAI); default: none")
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="LoRA adapters the server has loaded: request i names the (i mod N)-th "
+        "(OpenAI model field, gRPC's model); default: --model for every request",
+    )
     g.add_argument("--api-key", default=None, help="bearer token (either backend)")
     g.add_argument("--label", default=None, help="system name in records and plots")
     g.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
@@ -155,6 +163,15 @@ def arrival_seed(args: argparse.Namespace) -> int:
 
 
 def build_dataset(args: argparse.Namespace, seed: int):
+    from pdserve.bench import datasets as ds
+
+    dataset = _build_dataset(args, seed)
+    if args.lora_modules:
+        ds.assign_lora_modules(dataset, args.lora_modules)
+    return dataset
+
+
+def _build_dataset(args: argparse.Namespace, seed: int):
     from pdserve.bench import datasets as ds
 
     vocab = args.vocab_size

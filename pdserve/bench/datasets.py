@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +47,8 @@ class BenchRequest:
     turn: int = 0
     # json-schema: the schema the output must match (OpenAI's response_format).
     json_schema: dict | None = None
+    # The model it names (a LoRA adapter: --lora-modules); empty: --model's.
+    model: str = ""
 
 
 @dataclass(slots=True)
@@ -296,3 +299,15 @@ class Dataset:
         if self.multi_turn is None:
             return len(self.requests)
         return sum(len(m) for m in self.multi_turn.messages)
+
+
+def assign_lora_modules(dataset: Dataset, names: Sequence[str]) -> None:
+    """Request i names ``names[i % len(names)]`` (``--lora-modules``): every
+    adapter equally often, and every stretch of the run mixes them all."""
+    if dataset.multi_turn is not None:
+        raise ValueError(
+            "--lora-modules names one adapter per request; a multi-turn conversation's "
+            "turns would change adapter (and lose their cached prefix) from turn to turn"
+        )
+    for i, req in enumerate(dataset.requests):
+        req.model = names[i % len(names)]
