@@ -12,26 +12,14 @@ import pytest
 
 from benchmarks import structured_outputs as bench
 from benchmarks.peers import vllm_structured
+from tests.conftest import TINY_CONFIGS
 from tests.integration.structured_schemas import SCHEMAS
 
 xgr = pytest.importorskip("xgrammar")
 
 # A tiny Llama whose vocabulary is padded past the tokenizer's, as the
 # Llama-3.1-8B shape's is past the demo tokenizer's.
-TINY = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 49152 + 64,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-}
+TINY = {**TINY_CONFIGS["llama"], "vocab_size": 49152 + 64, "torch_dtype": "float32"}
 
 
 def test_small_run_writes_a_record(tmp_path, demo_model_dir, demo_tokenizer):
