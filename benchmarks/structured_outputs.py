@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -408,7 +409,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     resolve_defaults(args, on_gpu)
-    results: dict[str, Any] = {"schema": NESTED_SCHEMA}
+    # The grammar library both engines use here (vLLM's own, where it is carried).
+    results: dict[str, Any] = {"xgrammar": version("xgrammar"), "schema": NESTED_SCHEMA}
     with tempfile.TemporaryDirectory() as tmp:
         if args.part in (Part.THROUGHPUT, Part.ALL):
             results.update(run_throughput(args, Path(tmp)))

@@ -7,6 +7,7 @@ schema set. vLLM's arguments are checked without vLLM."""
 from __future__ import annotations
 
 import json
+from importlib.metadata import version
 
 import pytest
 
@@ -51,7 +52,7 @@ def test_small_run_writes_a_record(tmp_path, demo_model_dir, demo_tokenizer):
     c = results["compile"]
     assert c["schemas"] == len(SCHEMAS) and c["cold"]["count"] == len(SCHEMAS)
     assert c["cached"]["p99_ms"] < c["cold"]["p50_ms"]  # a cache hit compiles nothing
-    assert record["parameters"]["part"] == "all"
+    assert record["parameters"]["part"] == "all" and results["xgrammar"] == version("xgrammar")
 
 
 def test_vllm_gets_the_same_call_with_its_tokenizer(tmp_path):
