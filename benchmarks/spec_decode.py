@@ -48,6 +48,15 @@ class Part(enum.StrEnum):  # a str: the record's parameters name it as typed
     NGRAM = "ngram"
 
 
+class Speculation(enum.StrEnum):
+    """What a row's run proposed."""
+
+    NONE = "none"  # an engine without speculative_config
+    OPTED_OUT = "opted_out"  # the speculating engine, every request opted out
+    REPLAY = "replay"  # the draft model's proposals replaced by the replay
+    NGRAM = "ngram"
+
+
 GPU_DEFAULTS = dict(
     shape="llama-3.1-8b", draft_shape="llama-3.2-1b", batch_sizes=[1, 8, 32], min_prompts=8
 )
@@ -199,12 +208,16 @@ def open_pdserve(model_dir: Path, args, dummy: bool, speculative_config: dict | 
     return llm
 
 
-def pdserve_generate(llm, ignore_eos: bool = False) -> Generate:
+def pdserve_generate(llm, ignore_eos: bool = False, opt_out: bool = False) -> Generate:
+    """Greedy; ``opt_out``: every request opts out of the engine's speculation."""
     from engine import SamplingParams
 
     def generate(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
         params = [
-            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos) for n in max_tokens
+            SamplingParams(
+                temperature=0.0, max_tokens=n, ignore_eos=ignore_eos, disable_spec_decode=opt_out
+            )
+            for n in max_tokens
         ]
         outs = llm.generate(prompts, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
@@ -247,7 +260,7 @@ def run_mechanics(args, target_dir: Path, draft_dir: Path, vocab_size: int) -> d
         lens = [args.output_len] * len(prompts)
         outs, elapsed = timed_groups(pdserve_generate(base, True), prompts, lens, batch)
         references[batch] = outs
-        rows.append(rate_row("pdserve", batch, outs, elapsed, speculation="none"))
+        rows.append(rate_row("pdserve", batch, outs, elapsed, speculation=Speculation.NONE))
         print(f"batch {batch:>3} none: {rows[-1]['output_tok_per_s']:9.1f} tok/s", flush=True)
     facts = {"none": engine_facts(base)}
     del base
@@ -272,13 +285,22 @@ def _replayed(llm, replay, args, pool, reference, batch: int, k: int) -> list[di
     rows = []
     prompts = pool[: len(reference)]
     lens = [args.output_len] * len(prompts)
+    # This engine's steps are synchronous: its own run without proposals tells
+    # that cost apart from the proposals' (and checks the reference again).
+    outs, elapsed = timed_groups(pdserve_generate(llm, True, True), prompts, lens, batch)
+    rows.append(
+        rate_row(
+            "pdserve", batch, outs, elapsed, speculation=Speculation.OPTED_OUT,
+            num_speculative_tokens=k, outputs_equal_reference=same_share(outs, reference),
+        )
+    )  # fmt: skip
     for rate in args.acceptance:
         replay.start_run(prompts, reference, rate, args.seed)
         before = spec_stats(llm)
         outs, elapsed = timed_groups(pdserve_generate(llm, True), prompts, lens, batch)
         rows.append(
             rate_row(
-                "pdserve", batch, outs, elapsed, speculation="replay", num_speculative_tokens=k,
+                "pdserve", batch, outs, elapsed, speculation=Speculation.REPLAY, num_speculative_tokens=k,
                 acceptance_set=rate, **acceptance(before, spec_stats(llm)),
                 outputs_equal_reference=same_share(outs, reference),
             )
@@ -298,7 +320,7 @@ def _add_speedups(rows: list[dict], engine: str) -> None:
     none = {
         r["batch_size"]: r["output_tok_per_s"]
         for r in rows
-        if r["speculation"] == "none" and r["engine"] == engine
+        if r["speculation"] is Speculation.NONE and r["engine"] == engine
     }
     for r in rows:
         if r["engine"] == engine:
@@ -325,16 +347,17 @@ def run_ngram_engine(family: EngineFamily, args, work) -> list[dict]:
             prompts, lens = [r.prompt_token_ids for r in reqs], [r.max_tokens for r in reqs]
             before = family.stats(llm) if k is not None else None
             outs, elapsed = timed_groups(family.generate(llm), prompts, lens, batch)
-            extra: dict[str, Any] = {"speculation": "none" if k is None else "ngram"}
+            extra: dict[str, Any] = {
+                "speculation": Speculation.NONE if k is None else Speculation.NGRAM
+            }
             if k is None:
                 references[batch] = outs
             else:
                 extra |= {"num_speculative_tokens": k, **acceptance(before, family.stats(llm))}
                 extra["outputs_equal_none"] = same_share(outs, references[batch])
             rows.append(rate_row(family.name, batch, outs, elapsed, **extra))
-            print(
-                f"{family.name} batch {batch:>3} k={k}: {rows[-1]['output_tok_per_s']:9.1f} tok/s"
-            )
+            tok_s = rows[-1]["output_tok_per_s"]
+            print(f"{family.name} batch {batch:>3} k={k}: {tok_s:9.1f} tok/s", flush=True)
         family.close(llm)
         del llm  # before the next engine sizes its cache
         free_memory()

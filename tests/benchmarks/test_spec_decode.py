@@ -34,7 +34,10 @@ def test_replay_acceptance_is_as_set_and_outputs_stay_greedy(tmp_path):
     assert json.loads(path.read_text()) == json.loads(json.dumps(record))
     rows = record["results"]["rows"]
     replay = {r["acceptance_set"]: r for r in rows if "acceptance_set" in r}
-    assert len(replay) == 3 and len(rows) == 4  # and the run without speculation
+    none, opted_out = rows[0], rows[1]
+    assert (none["speculation"], opted_out["speculation"]) == ("none", "opted_out")
+    assert len(replay) == 3 and len(rows) == 5
+    assert opted_out["outputs_equal_reference"] == 1.0
     full, half, zero = replay[1.0], replay[0.5], replay[0.0]
     assert full["acceptance_rate"] == 1.0 and full["mean_acceptance_length"] > 2
     assert zero["acceptance_rate"] == 0.0 and zero["num_draft_tokens"] > 0
