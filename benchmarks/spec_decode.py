@@ -17,7 +17,8 @@ benchmarks/support/edit_workload.py), per batch size and ``k`` against no
 speculation; ``--peer vllm`` runs vLLM's n-gram on the same prompts after.
 
 Every run is greedy with prefix caching off (the runs repeat prompts); a
-batch size B runs its prompts in closed groups of B (one ``generate`` each).
+batch size B runs its prompts in closed groups of B (one ``generate`` each),
+after one short untimed group.
 
     python benchmarks/spec_decode.py --part mechanics              # GPU: 8B + 1B shapes
     python benchmarks/spec_decode.py --part ngram --model models/smollm2-135m-instruct
@@ -58,9 +59,10 @@ class Speculation(enum.StrEnum):
 
 
 GPU_DEFAULTS = dict(
-    shape="llama-3.1-8b", draft_shape="llama-3.2-1b", batch_sizes=[1, 8, 32], min_prompts=8
+    shape="llama-3.1-8b", draft_shape="llama-3.2-1b", batch_sizes=[1, 8, 32], min_prompts=4
 )
 CPU_DEFAULTS = dict(shape="tiny", draft_shape="tiny", batch_sizes=[1, 4], min_prompts=4)
+WARM_UP_TOKENS = 8
 DEFAULT_K = {Part.MECHANICS: [4], Part.NGRAM: [3, 4, 5]}
 
 # Generates token id lists for (prompts, max_tokens) in one call.
@@ -91,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--part", type=Part, choices=list(Part), required=True)
     p.add_argument("--batch-sizes", type=_ints, help="comma-separated (GPU 1,8,32; CPU 1,4)")
-    p.add_argument("--min-prompts", type=int, help="prompts per batch size, at least (GPU 8)")
+    p.add_argument("--min-prompts", type=int, help="prompts per batch size, at least (4)")
     p.add_argument("--num-speculative-tokens", type=_ints, help="k, comma-separated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -133,6 +135,12 @@ def resolve_defaults(args: argparse.Namespace, on_gpu: bool) -> None:
 def prompts_for(batch: int, min_prompts: int) -> int:
     """Whole groups of ``batch``, at least ``min_prompts`` prompts."""
     return max(1, -(-min_prompts // batch)) * batch
+
+
+def warm_up(generate: Generate, prompts: list[list[int]], lens: list[int], batch: int) -> None:
+    """One short group, untimed: the kernels this batch size's steps need
+    compile (Triton's JIT, a verify step's shapes) before the timed runs."""
+    generate(prompts[:batch], [min(WARM_UP_TOKENS, n) for n in lens[:batch]])
 
 
 def timed_groups(
@@ -258,6 +266,7 @@ def run_mechanics(args, target_dir: Path, draft_dir: Path, vocab_size: int) -> d
     for batch in args.batch_sizes:
         prompts = pool[: prompts_for(batch, args.min_prompts)]
         lens = [args.output_len] * len(prompts)
+        warm_up(pdserve_generate(base, True), prompts, lens, batch)
         outs, elapsed = timed_groups(pdserve_generate(base, True), prompts, lens, batch)
         references[batch] = outs
         rows.append(rate_row("pdserve", batch, outs, elapsed, speculation=Speculation.NONE))
@@ -285,8 +294,11 @@ def _replayed(llm, replay, args, pool, reference, batch: int, k: int) -> list[di
     rows = []
     prompts = pool[: len(reference)]
     lens = [args.output_len] * len(prompts)
+    replay.start_run(prompts, reference, 0.5, args.seed)
+    warm_up(pdserve_generate(llm, True), prompts, lens, batch)
     # This engine's steps are synchronous: its own run without proposals tells
     # that cost apart from the proposals' (and checks the reference again).
+    warm_up(pdserve_generate(llm, True, True), prompts, lens, batch)
     outs, elapsed = timed_groups(pdserve_generate(llm, True, True), prompts, lens, batch)
     rows.append(
         rate_row(
@@ -345,6 +357,7 @@ def run_ngram_engine(family: EngineFamily, args, work) -> list[dict]:
         for batch in args.batch_sizes:
             reqs = work[: prompts_for(batch, args.min_prompts)]
             prompts, lens = [r.prompt_token_ids for r in reqs], [r.max_tokens for r in reqs]
+            warm_up(family.generate(llm), prompts, lens, batch)
             before = family.stats(llm) if k is not None else None
             outs, elapsed = timed_groups(family.generate(llm), prompts, lens, batch)
             extra: dict[str, Any] = {
