@@ -96,6 +96,30 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     },
+    # Llama-3.1-8B's draft in the speculative decoding benchmark (same vocabulary).
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    },
     # Mixture of experts: 128 experts of 768, 8 a token (about 3B of 30B
     # parameters active); 61 GB in bf16.
     "qwen3-30b-a3b": {

@@ -17,6 +17,11 @@ renormalised; drawing ``t ~ p`` and keeping ``d`` iff ``t == d`` (else
 emitting ``t``) gives every token exactly the same probability. Under greedy
 sampling ``t`` is the argmax, so the output is token for token the
 non-speculative one.
+
+``Speculator.draft`` (a ``DraftProposer``) is where proposals come from for
+method draft_model: any callable of that type may stand there, which is how
+benchmarks/spec_decode.py replays known tokens around the draft model's
+(dummy weights never agree) without a product flag.
 """
 
 from __future__ import annotations
