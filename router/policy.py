@@ -62,6 +62,7 @@ import operator
 import random
 from dataclasses import dataclass, field
 
+from common.cluster.numerics import node_pairing_refusal
 from common.cluster.state import (
     ClusterView,
     NodeInfo,
@@ -69,7 +70,6 @@ from common.cluster.state import (
     RouteCandidate,
     lora_resident_of,
 )
-from engine.kv_cache_dtype import pairing_refusal
 from router.models import BASE_MODEL, ModelChoice, holds_adapter
 
 
@@ -382,10 +382,11 @@ def _kv_compatible(
     prefills: list[RouteCandidate], decode: NodeInfo, scores: list[NodeScore]
 ) -> list[RouteCandidate]:
     """The prefill nodes whose KV may feed ``decode``'s cache; the others get a
-    score line saying why not (an FP8 prefill node never feeds a bf16 decode node)."""
+    score line saying why not (an FP8 prefill node never feeds a bf16 decode node,
+    nor a node of other weights any)."""
     kept = []
     for c in prefills:
-        why = pairing_refusal(c.node.kv_cache_dtype, decode.kv_cache_dtype)
+        why = node_pairing_refusal(c.node, decode)
         if why:
             scores.append(_unscored(c, f"{why} (decode node {decode.node_id})"))
         else:

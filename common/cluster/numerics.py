@@ -15,6 +15,7 @@ from __future__ import annotations
 from common.cluster.route_script import NUMERICS_TAG_SEPARATOR
 from common.cluster.state import NodeInfo
 from engine.block_hash import ExtraKeys, numerics_extra_keys
+from engine.kv_cache_dtype import pairing_refusal
 from engine.quantization.scheme import SUPPORTED_QUANTIZATION, Quantization
 
 
@@ -43,3 +44,21 @@ def numerics_tag(weight_dtype: str, kv_cache_dtype: str) -> str:
 
 def node_numerics_tag(node: NodeInfo) -> str:
     return numerics_tag(node.weight_dtype, node.kv_cache_dtype)
+
+
+def node_pairing_refusal(prefill: NodeInfo, decode: NodeInfo) -> str:
+    """Why ``prefill`` may not feed ``decode``, or "" when it may.
+
+    The weights must match: the decode node keys the blocks it receives by
+    its own numerics (its block hashes), so blocks a bf16 prefill node
+    computed would pass for FP8-weight blocks on an FP8 decode node, and the
+    reverse. The KV caches follow engine/kv_cache_dtype.py's rule (a model-dtype
+    prefill node may feed an FP8 cache, quantizing on the way)."""
+    weights, theirs = prefill.weight_dtype, decode.weight_dtype
+    if weights and theirs and weights != theirs:
+        return (
+            f"its weights are {weights} and the decode node's {theirs}: a decode node "
+            "takes KV only from a prefill node of the same weights (--quantization and "
+            "--dtype alike)"
+        )
+    return pairing_refusal(prefill.kv_cache_dtype, decode.kv_cache_dtype)

@@ -435,3 +435,21 @@ def test_an_fp8_prefill_node_never_feeds_a_model_dtype_decode_node(policy):
         cand(node("p1", NodeRole.PREFILL, kv_cache_dtype=bf16)),
     )
     assert route(to_fp8, config=config).prefill.node_id == "p1"
+
+
+def test_a_prefill_node_feeds_only_a_decode_node_of_the_same_weights():
+    """The decode node keys received blocks by its own numerics: bf16-weight
+    KV on an FP8-weight decode node would pass for FP8-weight blocks, so such
+    a prefill node is excluded, naming why; one that says nothing is kept."""
+    fp8_decode = cand(node("d0", weight_dtype="fp8", kv_cache_dtype="fp8_e4m3"))
+    v = view(
+        fp8_decode,
+        cand(node("p0", NodeRole.PREFILL, weight_dtype="bfloat16"), hit=100),
+        cand(node("p1", NodeRole.PREFILL, weight_dtype="fp8", kv_cache_dtype="bfloat16")),
+    )
+    d = route(v)
+    assert d.prefill.node_id == "p1"  # and bf16 KV into the FP8 cache is quantized on the way
+    (line,) = [s for s in d.scores if s.node_id == "p0"]
+    assert line.excluded.startswith("its weights are bfloat16 and the decode node's fp8")
+    silent = view(fp8_decode, cand(node("p2", NodeRole.PREFILL), hit=100))
+    assert route(silent).prefill.node_id == "p2"  # a node that does not say is not refused
