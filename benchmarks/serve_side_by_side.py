@@ -400,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RECORD",
         help="no run: draw these interleaved records' rounds into --out (a .png)",
     )
+    # What --loras adds to both servers' and the load generator's command
+    # lines (main fills them once the adapters exist).
+    p.set_defaults(lora_server_args=[], lora_bench_args=[])
     return p
 
 
@@ -422,7 +425,6 @@ def main(argv: list[str] | None = None) -> None:
     args.model_dir = write_shape_dir(args.shape, args.out / "model")
     # The adapters outside --out, whose files come back from the GPU host.
     with tempfile.TemporaryDirectory(prefix="lora-adapters-") as adapters:
-        args.lora_server_args, args.lora_bench_args = [], []
         if args.loras:
             from benchmarks.support.lora_adapters import make_random_adapters
 

@@ -151,6 +151,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--out-dir", type=Path, help="where the JSON record goes (default benchmarks/results)"
     )
+    # The model's own numerics: the offline suite's options that
+    # vllm_peer.engine_kwargs reads, at their defaults.
+    p.set_defaults(quantization=None, kv_cache_dtype="auto", kv_cache_memory_bytes=None)
     args = p.parse_args(argv)
     if args.peer and args.part == Part.COMPILE:
         p.error("--peer runs the throughput part: not with --part compile")
