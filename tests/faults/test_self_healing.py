@@ -164,9 +164,11 @@ def restart_line(up: UpProcess, name: str, pid: int, start: int) -> str:
 
 
 def small_up(demo_model_dir, log_dir, *args: str, env: dict[str, str] | None = None):
-    """A `pdserve up` that is expected to give up by itself: its exit code and output."""
+    """A `pdserve up` that is expected to give up by itself: its exit code and
+    output. No prefill node: the decode node prefills, and one process fewer
+    starts only to be stopped."""
     cluster = UpProcess(
-        ["--model", str(demo_model_dir), "--prefill", "1", "--decode", "1"]
+        ["--model", str(demo_model_dir), "--prefill", "0", "--decode", "1"]
         + ["--port", str(free_port()), "--admin-port", str(free_port()), "--metrics-port", "0"]
         + ["--max-model-len", "1024", "--log-dir", str(log_dir), *args],
         env,
@@ -186,7 +188,7 @@ def test_a_configuration_error_stops_pdserve_up_at_once(demo_model_dir, tmp_path
     code, out = small_up(tmp_path / "no-model", tmp_path)
     assert code == 2, out
     m = re.search(
-        r"^pdserve: error: (router|decode-0|prefill-0) exited with code 2 \(a configuration "
+        r"^pdserve: error: (router|decode-0) exited with code 2 \(a configuration "
         r"error: a bad flag or a port in use\) before it served; see (\S+)$",
         out,
         re.MULTILINE,
