@@ -4,7 +4,8 @@ The demo model (9 heads, 3 KV heads) at ``tensor_parallel_size=3`` is held to
 HF transformers' greedy tokens (batched, with prefix-cache hits and with
 preemption under a small pool) and to TP = 1's logprobs and seeded samples; a
 dummy-weight config with 8 heads and 2 KV heads gives the same greedy tokens
-at TP = 1, 2 and 4 (4: each KV head replicated on two ranks); so do the tiny
+at TP = 1 and 4 (each KV head replicated on two ranks; the
+families below cover TP = 2's one head a rank); so do the tiny
 MoE families and Gemma3 (from HF checkpoints). A rank that dies is named in
 the error; shutdown stops every rank.
 """
@@ -171,12 +172,12 @@ DUMMY_8_HEADS = {
 }
 
 
-def test_dummy_weights_give_the_same_greedy_tokens_at_tp_1_2_4(tmp_path):
+def test_dummy_weights_give_the_same_greedy_tokens_at_tp_1_and_4(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(DUMMY_8_HEADS))
     prompts = [{"prompt_token_ids": list(range(7 * i, 7 * i + 5 + 3 * i))} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tokens = {}
-    for tp in (1, 2, 4):
+    for tp in (1, 4):
         llm = LLM(
             str(tmp_path),
             load_format="dummy",
@@ -190,7 +191,6 @@ def test_dummy_weights_give_the_same_greedy_tokens_at_tp_1_2_4(tmp_path):
             assert_idle(llm)
         finally:
             llm.llm_engine.shutdown()
-    assert tokens[2] == tokens[1]
     assert tokens[4] == tokens[1]
     assert len({tuple(t) for t in tokens[1]}) > 1  # not one degenerate answer
 

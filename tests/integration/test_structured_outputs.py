@@ -1,7 +1,7 @@
 """Structured outputs, tool calls, reasoning and the Responses API through one
 live `pdserve up` (1 prefill, 1 decode node, --tool-call-parser hermes,
 --reasoning-parser qwen3) (issue 51): short prompts prefill on the decode node, long ones (past the
-router's local-prefill threshold) on the prefill node, whose first token is
+router's local-prefill threshold, 64 tokens here) on the prefill node, whose first token is
 sampled under the grammar and replayed into the decode node's matcher.
 
 Requests go in batches (one thread each) so that the engine serves them
@@ -39,8 +39,10 @@ from tests.pdserve_up import UpProcess
 
 pytestmark = pytest.mark.timeout(900)
 
-# Past the router's local-prefill threshold (256 uncached tokens): a prefill node's work.
-LONG_SYSTEM = "You answer with data only, in the format the user asks for. " * 20
+# Past this cluster's local-prefill threshold (LOCAL_PREFILL_MAX_TOKENS uncached
+# tokens): a prefill node's work. A short prompt's chat (about 40 tokens) stays below.
+LOCAL_PREFILL_MAX_TOKENS = 64
+LONG_SYSTEM = "You answer with data only, in the format the user asks for. " * 6
 WEATHER = {
     "type": "function",
     "function": {
@@ -89,8 +91,13 @@ def up(demo_model_dir, sql_adapter, tmp_path_factory):
         + ["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--log-dir", str(logs)]
         + ["--lora-modules", f"sql={sql_adapter}", "--allow-runtime-lora-updating"],
         # A KV cache of its own size, not one sized from the host's free memory
-        # (which other work on a test host makes small and the batches preempt).
-        env={"PDSERVE_NUM_KVCACHE_BLOCKS": "1024"},
+        # (which other work on a test host makes small and the batches preempt);
+        # a low local-prefill threshold, so that a disaggregated prompt is short
+        # (each has a salt of its own: every one is prefilled in full on a CPU).
+        env={
+            "PDSERVE_NUM_KVCACHE_BLOCKS": "1024",
+            "PDSERVE_LOCAL_PREFILL_MAX_TOKENS": str(LOCAL_PREFILL_MAX_TOKENS),
+        },
     )
     cluster.wait_ready()
     cluster.http_port = http_port
@@ -303,7 +310,7 @@ def test_tool_calls_stream_as_delta_tool_calls(client, choice):
         tool_choice=NAMED if choice == "named" else "required",
         extra_body={"cache_salt": f"tools-{choice}"},
         max_tokens=60,
-        seed=5,
+        temperature=0.0,  # the shape of the stream is the point, not a sample
     )
     parts = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
     assert finish == "tool_calls" and parts[0].id and parts[0].function.name == "get_weather"
