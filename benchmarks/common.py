@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -167,3 +168,16 @@ def summary_ms(values: list[float]) -> dict[str, float]:
 
     s = summarize(values)
     return {"count": s.count, "mean_ms": s.mean, "p50_ms": s.p50, "p90_ms": s.p90, "p99_ms": s.p99}
+
+
+def add_numerics_args(p: argparse.ArgumentParser) -> None:
+    """``--quantization`` and ``--kv-cache-dtype``, under the engine's (and vLLM's) names."""
+    from engine.kv_cache_dtype import KVCacheDType
+
+    p.add_argument("--quantization", choices=["fp8"], help="FP8 weights, quantized at load")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=[d.value for d in KVCacheDType],
+        default=KVCacheDType.AUTO.value,
+        help="what the KV cache stores (auto: the model's dtype)",
+    )

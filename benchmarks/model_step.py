@@ -34,12 +34,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (
+    add_numerics_args,
     cuda_time_ms,
     measure_copy_bandwidth,
     measure_matmul_flops,
     save_run,
 )
-from engine.kv_cache_dtype import KVCacheDType
 from engine.models.shapes import write_shape_dir
 
 
@@ -275,13 +275,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="decode: one run per gemv_backend in this list (auto, triton, torch)",
     )
-    p.add_argument("--quantization", choices=["fp8"], help="FP8 weights, quantized at load")
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=[d.value for d in KVCacheDType],
-        default=KVCacheDType.AUTO.value,
-        help="what the KV cache stores (auto: the model's dtype)",
-    )
+    add_numerics_args(p)
     p.add_argument("--shapes", default="qwen3-0.6b,llama-3.1-8b")
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--context", type=int, default=1024)

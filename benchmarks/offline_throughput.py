@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import save_run
+from benchmarks.common import add_numerics_args, save_run
 from benchmarks.offline_lora import parse_counts
 from engine.kv_cache_dtype import KVCacheDType
 from engine.models.shapes import SHAPES, write_shape_dir
@@ -64,13 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", choices=["fp8"], help="FP8 weights, quantized at load")
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=[d.value for d in KVCacheDType],
-        default=KVCacheDType.AUTO.value,
-        help="what the KV cache stores (auto: the model's dtype)",
-    )
+    add_numerics_args(p)
     p.add_argument(
         "--unquantized-baseline",
         action="store_true",
