@@ -48,6 +48,11 @@ DEADLINE_SLACK_S = 0.25
 _DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+def out_of_time(deadline: float | None) -> bool:
+    """Whether a client's deadline (time.monotonic(); None: never) is all but over."""
+    return deadline is not None and deadline - DEADLINE_SLACK_S <= time.monotonic()
+
+
 class RequestFailed(Exception):
     """A request refused or failed, as a gRPC status: each encoding reports it its own way."""
 
@@ -228,6 +233,11 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
             if tried.error is None:
                 return
             failure = tried.error
+            if out_of_time(state.deadline):
+                # The client's deadline ended it (a node's abort at that instant
+                # may arrive first): no other attempt can finish, no node is at fault.
+                state.status = _DEADLINE
+                raise RequestFailed(_DEADLINE, "Deadline Exceeded")
             if tried.received and self.migrate(original, progress, failure, routed, state):
                 parsed = self.frontend.continuation(original, progress.token_ids)
                 failed = routed.decision.decode
@@ -515,8 +525,7 @@ class _Attempt:
             return
         error = reply.exception()
         timed_out = isinstance(error, grpc.aio.AioRpcError) and error.code() is _DEADLINE
-        near = self.deadline is not None and self.deadline - DEADLINE_SLACK_S <= time.monotonic()
-        if timed_out and near:
+        if timed_out and out_of_time(self.deadline):
             return  # the client's own deadline: the decode node ends the request so too
         call.fail(failed_by_prefill(error, self.routed.decision.prefill.node_id))
 
