@@ -14,6 +14,7 @@ pdserve bench serve|plot [...]                   serving benchmark (docs/perform
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -21,6 +22,12 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 
 DESCRIPTION = __doc__.split("\n")[0]
+# The processes `pdserve up` starts, each a subcommand of its own.
+COMPONENTS = {
+    "router": "run the router (public and admin API)",
+    "prefill": "run one prefill node",
+    "decode": "run one decode node",
+}
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -230,7 +237,10 @@ def print_ready(cluster, args: argparse.Namespace, tls) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand's parser. Given the ``command`` that runs, a component
+    other than it keeps a bare subcommand: its module is never imported, so a
+    router or `pdserve up` never loads the nodes' (torch, the engine)."""
     from common.metrics.server import DEFAULT_METRICS_PORT, metrics_port
 
     parser = argparse.ArgumentParser(prog="pdserve", description=DESCRIPTION)
@@ -426,16 +436,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
 
     from common.runtime.event_loop import add_event_loop_argument
-    from decode_node import main as decode_main
-    from prefill_node import main as prefill_main
-    from router import main as router_main
 
-    for name, module, text in (
-        ("router", router_main, "run the router (public and admin API)"),
-        ("prefill", prefill_main, "run one prefill node"),
-        ("decode", decode_main, "run one decode node"),
-    ):
+    for name, text in COMPONENTS.items():
         p = sub.add_parser(name, help=text)
+        if command not in (None, name):
+            continue  # not the one run: its module (the nodes': torch) stays unloaded
+        module = importlib.import_module(f"{'router' if name == 'router' else name + '_node'}.main")
         module.add_arguments(p)
         add_event_loop_argument(p)
         p.set_defaults(func=cmd_component, serve=module.serve)
@@ -456,7 +462,10 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     # `generate` must start fast: the full parser imports the nodes (torch, the engine).
-    parser = generate_only_parser(DESCRIPTION) if is_generate(argv) else build_parser()
+    if is_generate(argv):
+        parser = generate_only_parser(DESCRIPTION)
+    else:
+        parser = build_parser(argv[0] if argv and not argv[0].startswith("-") else None)
     args = parser.parse_args(argv)
     _configure_logging(args.verbose)
     try:

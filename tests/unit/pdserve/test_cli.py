@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from engine.models.prepare import PrepareError
 from pdserve import cli
 
@@ -84,3 +86,20 @@ def test_up_takes_cpu_threads_from_its_variable(monkeypatch):
     assert cli.build_parser().parse_args(["up", "--model", "m"]).cpu_threads == 2
     monkeypatch.delenv("PDSERVE_CPU_THREADS")
     assert cli.build_parser().parse_args(["up", "--model", "m"]).cpu_threads is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "module"),
+    [(["router", "--model", "M"], "router.main"), (["up", "--model", "M"], "pdserve.cli")],
+)
+def test_a_router_or_pdserve_up_parses_its_flags_without_importing_torch(argv, module):
+    # Neither runs the engine: each starts in a fraction of a node's time only
+    # if building its parser leaves the nodes' modules (torch) unloaded.
+    probe = (
+        "import sys; from pdserve.cli import build_parser; "
+        f"a = build_parser({argv[0]!r}).parse_args({argv!r}); "
+        "print(a.command, getattr(a, 'serve', a.func).__module__, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [argv[0], module, "False"]
