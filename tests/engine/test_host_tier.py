@@ -288,34 +288,31 @@ class SecondTurn:
     token_ids: list[int]
 
 
-def disaggregated_turns(prefill: LLM, decode: LLM, before_seconds=None):
-    """``run_two_turns`` (its conversations, in order), each turn prefilled on
-    ``prefill`` and decoded on ``decode``; ``before_seconds(seconds)`` runs
-    between the first and the second turns. Returns the answers, and each
-    second turn's figures."""
+def disaggregated_turn(prefill: LLM, decode: LLM, request_id: str, prompt: list[int]):
+    """One request prefilled on ``prefill`` and decoded on ``decode``: its
+    figures, and the seconds' prompt that continues it."""
     from common.kv_transfer.loopback import LoopbackLanding
     from tests.engine.test_disaggregation import disaggregated
 
+    landing = LoopbackLanding(decode.llm_engine.model_runner)
+    res, out = disaggregated(prefill, decode, request_id, prompt, GREEDY, landing=landing)
+    tokens = list(out.outputs[0].token_ids)
+    return SecondTurn(res.first_block, landing.received_bytes, out.num_cached_tokens, tokens)
+
+
+def disaggregated_turns(prefill: LLM, decode: LLM, before_seconds=None):
+    """``run_two_turns`` (its conversations, in order), each turn prefilled on
+    ``prefill`` and decoded on ``decode``; ``before_seconds(seconds)`` runs
+    between the first and the second turns. Returns the answers, each second
+    turn's figures, and the second turns' prompts."""
     answers, seconds = [], []
     for c, prompt in enumerate(conversations(8)):
-        _, out = disaggregated(prefill, decode, f"first-{c}", prompt, GREEDY)
-        answers.append(list(out.outputs[0].token_ids))
+        answers.append(disaggregated_turn(prefill, decode, f"first-{c}", prompt).token_ids)
         seconds.append(prompt + answers[-1] + [7 + c] * 12)
     if before_seconds is not None:
         before_seconds(seconds)
-    turns = []
-    for c, prompt in enumerate(seconds):
-        landing = LoopbackLanding(decode.llm_engine.model_runner)
-        res, out = disaggregated(prefill, decode, f"second-{c}", prompt, GREEDY, landing=landing)
-        turns.append(
-            SecondTurn(
-                res.first_block,
-                landing.received_bytes,
-                out.num_cached_tokens,
-                list(out.outputs[0].token_ids),
-            )
-        )
-    return answers, turns
+    turns = [disaggregated_turn(prefill, decode, f"second-{c}", p) for c, p in enumerate(seconds)]
+    return answers, turns, seconds
 
 
 def route_of(prefill: LLM, decode: LLM, prompt: list[int]):
@@ -359,9 +356,11 @@ def test_a_decode_nodes_host_tier_shrinks_the_next_turns_transfer(llama_dir, wit
     node's reservation counts the first turn's blocks in its tier (prompt and
     answer) as its own -- copied in there, never sent -- and the prefill node
     loads the first turn's prompt blocks from its tier (usage cached_tokens);
-    routing saw those very hits; the text is the tierless engine's."""
+    routing saw those very hits; the text is the tierless engine's. With the
+    decode node's tiers flushed, the prefill node's tier hit goes on the wire
+    with the rest."""
     want, _, _ = without_tier
-    plain_answers, plain = disaggregated_turns(
+    plain_answers, plain, _ = disaggregated_turns(
         make_llm(llama_dir, num_blocks=16), make_llm(llama_dir, num_blocks=16)
     )
     assert not any(t.first_block or t.cached_tokens for t in plain)
@@ -371,7 +370,7 @@ def test_a_decode_nodes_host_tier_shrinks_the_next_turns_transfer(llama_dir, wit
     for llm in (prefill, decode):
         llm.llm_engine.enable_cache_events()
     routes = []
-    answers, turns = disaggregated_turns(
+    answers, turns, seconds = disaggregated_turns(
         prefill, decode, lambda seconds: routes.append(route_of(prefill, decode, seconds[0]))
     )
     assert answers + [t.token_ids for t in turns] == [list(a) for a in want]
@@ -395,5 +394,13 @@ def test_a_decode_nodes_host_tier_shrinks_the_next_turns_transfer(llama_dir, wit
     assert route.prefill_host_hit_blocks * BS == turns[0].cached_tokens
     scores = {s.node_id: (s.hit_blocks, s.host_hit_blocks) for s in route.scores}
     assert scores == {"d0": (0, turns[0].first_block), "p0": (0, turns[0].cached_tokens // BS)}
+    # The decode node's tiers flushed: the same prompt again is sent whole,
+    # the prefill node's hit (its tier's blocks copied in) with the rest.
+    decode.llm_engine.reset_prefix_cache()
+    hits = prefill.llm_engine.stats().host_tier_hit_blocks
+    again = disaggregated_turn(prefill, decode, "again-0", seconds[0])
+    assert again.first_block == 0 and again.sent_bytes == plain[0].sent_bytes
+    assert prefill.llm_engine.stats().host_tier_hit_blocks > hits
+    assert again.cached_tokens >= 4 * BS and again.token_ids == turns[0].token_ids
     assert_idle(prefill)
     assert_idle(decode)
