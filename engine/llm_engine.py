@@ -82,7 +82,9 @@ class Reservation:
 
     request_id: str
     block_ids: list[int]  # the prompt's whole block table
-    first_block: int  # blocks before this came from this node's own prefix cache
+    # Blocks before this came from this node's own prefix cache (its device
+    # pool, then its host tier: copied in by the time the reservation returns).
+    first_block: int
     num_prompt_tokens: int
 
     @property
@@ -257,8 +259,9 @@ class LLMEngine:
     ) -> Reservation | None:
         """Decode node: claim KV blocks for a prompt that a prefill node will compute.
 
-        Uses this node's own prefix cache first, so the prefill node only sends
-        blocks from ``first_block`` on. Returns None, changing nothing, when the
+        Uses this node's own prefix cache first, both tiers (host-tier hits are
+        copied in before this returns), so the prefill node only sends blocks
+        from ``first_block`` on. Returns None, changing nothing, when the
         node lacks blocks or sequence slots. The request is not scheduled until
         ``commit_request``; ``abort_request`` frees its blocks.
         """
@@ -269,7 +272,9 @@ class LLMEngine:
             raise ValueError("a request prefilled remotely cannot ask for prompt_logprobs")
         seq = req.seqs[0]
         reserved = self.scheduler.reserve(seq)
-        self._flush_tiers(wait=True)  # blocks it evicted spill before the KV lands
+        # Its host-tier hits are copied in, and blocks it evicted spill, before
+        # the KV lands (a transfer writes the blocks on a stream of its own).
+        self._flush_tiers(wait=True)
         if not reserved:
             return None
         self.requests[request_id] = req

@@ -37,6 +37,9 @@ landed (``loads_done``), so only it waits for them.
   (SWAPPED); swapped sequences resume, before any waiting one is admitted,
   by loading them back. A victim whose blocks the tier cannot take is
   preempted by recompute instead (``num_swap_fallbacks``).
+A decode node's reservation (``reserve``) takes host-tier hits after its
+device-cache hit too, but stays RESERVED: the engine waits for their copies
+before the reservation goes to the prefill node, which sends only the rest.
 """
 
 from __future__ import annotations
@@ -206,19 +209,21 @@ class Scheduler:
     def reserve(self, seq: Sequence) -> bool:
         """Claim blocks for the whole prompt without scheduling it (decode node).
 
-        Starts from this node's own verified prefix-cache hit, so only the rest
-        has to arrive; False (nothing changed) when blocks or sequence slots are
-        short.
+        Starts from this node's own verified prefix-cache hit, in the device
+        pool and then in the host tier (whose blocks are copied in: the engine
+        issues the copies before the KV lands), so only the rest has to
+        arrive; False (nothing changed) when blocks or sequence slots are short.
         """
         if self.num_free_slots <= 0 or not self._acquire_lora(seq):
             return False
         bm = self.block_manager
         prefix = bm.find_cached_prefix(seq)
+        hits = self._host_hits(seq, len(prefix))
         num_prefix_tokens = len(prefix) * bm.block_size
-        if not bm.allocate_slots(seq, seq.num_tokens - num_prefix_tokens, prefix):
+        if not self._claim(seq, prefix, hits, seq.num_tokens - num_prefix_tokens):
             self._release_lora(seq)
             return False
-        seq.num_cached_tokens = num_prefix_tokens
+        seq.num_cached_tokens = seq.num_computed_tokens
         self.stats.prefix_cache_queried_tokens += seq.num_tokens
         self.stats.prefix_cache_hit_tokens += num_prefix_tokens
         seq.status = SequenceStatus.RESERVED
@@ -405,21 +410,34 @@ class Scheduler:
     def _start_load(self, seq: Sequence, prefix: list[int], hits: list[int]) -> bool:
         """Claim the device-cache hit and blocks for the host-tier hits, and queue
         their copies (LOADING); False, nothing changed, when blocks are short."""
-        bm, tier = self.block_manager, self.host_tier
-        bs = bm.block_size
-        tier.hold(hits)  # a spill this allocation causes must not evict them
-        if not bm.allocate_slots(seq, len(hits) * bs, prefix):
-            tier.release(hits)
+        bs = self.block_manager.block_size
+        if not self._claim(seq, prefix, hits, len(hits) * bs):
             return False
-        first = len(prefix)
-        tier.load(hits, seq.block_table[first : first + len(hits)])
-        tier.stats.hit_blocks += len(hits)
-        seq.num_computed_tokens += len(hits) * bs
         if seq.num_cached_tokens < 0:  # first admission: report the hit once
             seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             self.stats.prefix_cache_queried_tokens += seq.num_tokens
-            self.stats.prefix_cache_hit_tokens += first * bs
+            self.stats.prefix_cache_hit_tokens += len(prefix) * bs
         self._begin_load(seq)
+        return True
+
+    def _claim(self, seq: Sequence, prefix: list[int], hits: list[int], num_new: int) -> bool:
+        """Claim the device-cache hit ``prefix`` and blocks for ``num_new`` more
+        tokens, the host-tier hits' copies filling the first of them (queued:
+        the engine issues them before anything reads or writes those blocks);
+        ``num_computed_tokens`` moves past both hits. False, nothing changed,
+        when blocks are short."""
+        bm, tier = self.block_manager, self.host_tier
+        if hits:
+            tier.hold(hits)  # a spill this allocation causes must not evict them
+        if not bm.allocate_slots(seq, num_new, prefix):
+            if hits:
+                tier.release(hits)
+            return False
+        if hits:
+            first = len(prefix)
+            tier.load(hits, seq.block_table[first : first + len(hits)])
+            tier.stats.hit_blocks += len(hits)
+            seq.num_computed_tokens += len(hits) * bm.block_size
         return True
 
     def _begin_load(self, seq: Sequence) -> None:

@@ -11,6 +11,8 @@ on the prompt (a wrong block would change them).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -270,3 +272,135 @@ def test_an_fp8_cache_moves_through_the_host_tier_unchanged(llama_dir):
     assert stats.num_host_kv_blocks == 64 and stats.host_tier_hit_blocks >= 8 * 4
     assert stats.bytes_copied_to_device == stats.host_tier_hit_blocks * BLOCK_BYTES // 4
     assert_idle(llm)
+
+
+# -- Disaggregation: both nodes' host tiers --------------------------------------
+# The prefill node's real streamer into a loopback landing on the decode engine
+# (tests/engine/test_disaggregation.py's ``disaggregated``); routing reads both
+# nodes' published tiers from a real redis-server.
+
+
+@dataclass(slots=True)
+class SecondTurn:
+    first_block: int  # the decode node held the blocks before it: never sent
+    sent_bytes: int  # the KV the transfer carried (as the decode node counts it)
+    cached_tokens: int  # usage: the prompt tokens the prefill node did not compute
+    token_ids: list[int]
+
+
+def disaggregated_turn(prefill: LLM, decode: LLM, request_id: str, prompt: list[int]):
+    """One request prefilled on ``prefill`` and decoded on ``decode``: its
+    figures, and the seconds' prompt that continues it."""
+    from common.kv_transfer.loopback import LoopbackLanding
+    from tests.engine.test_disaggregation import disaggregated
+
+    landing = LoopbackLanding(decode.llm_engine.model_runner)
+    res, out = disaggregated(prefill, decode, request_id, prompt, GREEDY, landing=landing)
+    tokens = list(out.outputs[0].token_ids)
+    return SecondTurn(res.first_block, landing.received_bytes, out.num_cached_tokens, tokens)
+
+
+def disaggregated_turns(prefill: LLM, decode: LLM, before_seconds=None):
+    """``run_two_turns`` (its conversations, in order), each turn prefilled on
+    ``prefill`` and decoded on ``decode``; ``before_seconds(seconds)`` runs
+    between the first and the second turns. Returns the answers, each second
+    turn's figures, and the second turns' prompts."""
+    answers, seconds = [], []
+    for c, prompt in enumerate(conversations(8)):
+        answers.append(disaggregated_turn(prefill, decode, f"first-{c}", prompt).token_ids)
+        seconds.append(prompt + answers[-1] + [7 + c] * 12)
+    if before_seconds is not None:
+        before_seconds(seconds)
+    turns = [disaggregated_turn(prefill, decode, f"second-{c}", p) for c, p in enumerate(seconds)]
+    return answers, turns, seconds
+
+
+def route_of(prefill: LLM, decode: LLM, prompt: list[int]):
+    """Where a router sends ``prompt`` once both engines published their tiers
+    (one heartbeat each); remote prefill whatever the decode node caches."""
+    import asyncio
+
+    from common.cluster.state import Cluster, NodeInfo, NodeRole
+    from common.runtime.heartbeat import Heartbeat
+    from engine.block_hash import hash_prompt_blocks
+    from engine.engine_thread import EngineThread
+    from pdserve.redis_server import RedisServer
+    from router.policy import RouteRequest, RoutingConfig, choose_route
+
+    name = decode.llm_engine.config.served_model_name
+
+    async def go(url: str):
+        cluster = Cluster.from_url(url, prefix="tiers")
+        try:
+            nodes = (("p0", NodeRole.PREFILL, prefill), ("d0", NodeRole.DECODE, decode))
+            for node_id, role, llm in nodes:
+                thread = EngineThread(llm.llm_engine).start()
+                try:
+                    info = NodeInfo(node_id, role, "127.0.0.1:1", name, BS)
+                    await Heartbeat(cluster, thread, info).beat()
+                finally:
+                    thread.stop()
+            view = await cluster.view(hash_prompt_blocks(prompt, name, BS))
+        finally:
+            await cluster.close()
+        config = RoutingConfig(local_prefill_max_tokens=0, local_prefill_min_hit=1.0)
+        return choose_route(view, RouteRequest(name, BS, len(prompt)), config)
+
+    with RedisServer() as server:
+        return asyncio.run(go(server.url))
+
+
+def test_a_decode_nodes_host_tier_shrinks_the_next_turns_transfer(llama_dir, without_tier):
+    """Disaggregated, the pools alone keep no conversation's prefix: every
+    second turn's whole KV is sent. With host tiers on both nodes, the decode
+    node's reservation counts the first turn's blocks in its tier (prompt and
+    answer) as its own -- copied in there, never sent -- and the prefill node
+    loads the first turn's prompt blocks from its tier (usage cached_tokens);
+    routing saw those very hits; the text is the tierless engine's. With the
+    decode node's tiers flushed, the prefill node's tier hit goes on the wire
+    with the rest."""
+    want, _, _ = without_tier
+    plain_answers, plain, _ = disaggregated_turns(
+        make_llm(llama_dir, num_blocks=16), make_llm(llama_dir, num_blocks=16)
+    )
+    assert not any(t.first_block or t.cached_tokens for t in plain)
+    assert plain_answers + [t.token_ids for t in plain] == [list(a) for a in want]
+
+    prefill, decode = (make_llm(llama_dir, num_blocks=16, swap_space=slots(64)) for _ in "pd")
+    for llm in (prefill, decode):
+        llm.llm_engine.enable_cache_events()
+    routes = []
+    answers, turns, seconds = disaggregated_turns(
+        prefill, decode, lambda seconds: routes.append(route_of(prefill, decode, seconds[0]))
+    )
+    assert answers + [t.token_ids for t in turns] == [list(a) for a in want]
+    block_bytes = decode.llm_engine.model_runner.kv_block_bytes
+    for t, p in zip(turns, plain, strict=True):
+        # 37 prompt and 8 answer tokens: 5 full blocks held, 4 of them prompt.
+        assert t.first_block >= 5, turns
+        assert t.sent_bytes == p.sent_bytes - t.first_block * block_bytes
+        assert t.cached_tokens >= 4 * BS, turns
+    stats = decode.llm_engine.stats()
+    held = sum(t.first_block for t in turns) * BS
+    assert stats.host_tier_hit_blocks * BS + stats.prefix_cache_hit_tokens == held
+    assert stats.host_tier_hit_blocks >= 8 * 4
+    assert stats.num_blocks_copied_to_device == stats.host_tier_hit_blocks
+    assert prefill.llm_engine.stats().host_tier_hit_blocks >= 8 * 4
+    # What the router (and `pdctl explain`, its score lines) saw of the first
+    # conversation is what the nodes then served from their host tiers.
+    (route,) = routes
+    assert (route.decode.node_id, route.prefill.node_id) == ("d0", "p0")
+    assert (route.decode_hit_blocks, route.decode_host_hit_blocks) == (0, turns[0].first_block)
+    assert route.prefill_host_hit_blocks * BS == turns[0].cached_tokens
+    scores = {s.node_id: (s.hit_blocks, s.host_hit_blocks) for s in route.scores}
+    assert scores == {"d0": (0, turns[0].first_block), "p0": (0, turns[0].cached_tokens // BS)}
+    # The decode node's tiers flushed: the same prompt again is sent whole,
+    # the prefill node's hit (its tier's blocks copied in) with the rest.
+    decode.llm_engine.reset_prefix_cache()
+    hits = prefill.llm_engine.stats().host_tier_hit_blocks
+    again = disaggregated_turn(prefill, decode, "again-0", seconds[0])
+    assert again.first_block == 0 and again.sent_bytes == plain[0].sent_bytes
+    assert prefill.llm_engine.stats().host_tier_hit_blocks > hits
+    assert again.cached_tokens >= 4 * BS and again.token_ids == turns[0].token_ids
+    assert_idle(prefill)
+    assert_idle(decode)

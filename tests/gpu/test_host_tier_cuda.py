@@ -16,7 +16,13 @@ from engine import SamplingParams
 from engine.host_tier import HostTier
 from engine.tier_copies import TierTransfers
 from tests.conftest import TINY_CONFIGS, write_config_dir
-from tests.engine.test_host_tier import make_llm, pressure_prompts, run_two_turns, slots
+from tests.engine.test_host_tier import (
+    conversations,
+    make_llm,
+    pressure_prompts,
+    run_two_turns,
+    slots,
+)
 from tests.unit.engine.helpers import make_seq
 
 pytestmark = pytest.mark.gpu
@@ -121,3 +127,40 @@ def test_engine_outputs_with_the_host_tier_equal_those_without(tmp_path):
         engine.step()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert engine.host_tier.num_free_slots == engine.host_tier.num_slots
+
+
+def reservation_after_eviction(model_dir, device: str) -> None:
+    """Decode node: a reservation whose prefix left the pool for the tier
+    finds those blocks holding the tier's KV when ``reserve_request`` returns
+    (a transfer then writes the rest on a stream of its own, and the first
+    step reads them), even behind a busy copy stream."""
+    llm = make_llm(
+        model_dir, num_blocks=16, device=device, attention_backend="torch", swap_space=slots(64)
+    )
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    firsts = conversations(4)  # 6 blocks each: the last two evict the first's
+    for prompt in firsts:
+        llm.generate([prompt], params, use_tqdm=False)
+    transfers = engine.tier_transfers
+    if transfers.stream is not None:
+        with torch.cuda.stream(transfers.stream):
+            torch.cuda._sleep(SPIN)
+    res = engine.reserve_request("r", firsts[0] + [3] * 8, params)
+    assert res is not None and res.first_block == 4
+    assert engine.host_tier.stats.hit_blocks == 4 and not transfers.busy
+    hashes = engine.requests["r"].seqs[0].block_hashes[:4]
+    kv = transfers.kv_cache
+    for block, block_hash in zip(res.block_ids[:4], hashes, strict=True):
+        slot = engine.host_tier._hash_to_slot[block_hash]
+        assert torch.equal(kv[:, :, block].cpu(), transfers.host[:, :, slot])
+    engine.abort_request("r")
+    engine.step()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.host_tier.num_free_slots == engine.host_tier.num_slots
+
+
+def test_a_reservation_finds_its_host_tier_hits_copied_in_when_it_returns(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    reservation_after_eviction(write_config_dir(tmp_path / "m", TINY_CONFIGS["llama"]), "cuda")

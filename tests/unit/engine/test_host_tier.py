@@ -265,3 +265,41 @@ def test_block_manager_events_carry_both_tiers_and_a_load_makes_a_device_hit_aga
     # Loaded back: a device hit again; the tier keeps its copies.
     assert set(chain) <= set(events.stored) and not events.host_removed
     finish_all(sched)
+
+
+def test_a_reservation_counts_device_then_host_hits_and_queues_their_copies():
+    """Decode node: a reservation starts from the pool's hit and continues in
+    the tier (copies queued to the blocks right after the pool's hit, no
+    LOADING); its own allocation's spills never evict those hits; refused for
+    want of blocks, it leaves both tiers as they were."""
+    sched, tier = make(num_blocks=6, slots=8)
+    bm = sched.block_manager
+    prompt = list(range(100, 121))  # 5 full blocks + 1 token
+    first = make_seq(prompt[:13], BS)  # its 3 full blocks get cached, then evicted
+    sched.add(first)
+    run_step(sched, tier)
+    finish_all(sched)
+    sched.add(make_seq(21, BS))  # takes all 6 blocks: first's 3 spill
+    run_step(sched, tier)
+    finish_all(sched)
+    assert tier.num_cached_slots == 3 and bm.num_cached_blocks == 5
+    too_big = make_seq(prompt + list(range(500, 520)), BS)  # 10 blocks: never fits
+    assert not sched.reserve(too_big)
+    assert not tier.take_copies() and not too_big.block_table
+    assert tier.num_free_slots == 8 and bm.num_free_blocks == 6
+    res = make_seq(prompt, BS)
+    assert sched.reserve(res)
+    assert res.status is SequenceStatus.RESERVED and not sched.take_new_loads()
+    assert res.num_computed_tokens == res.num_cached_tokens == 3 * BS
+    copies = tier.take_copies()
+    # Its 6 blocks evicted the other prompt's 5 cached ones (they spill), never
+    # the 3 hit slots it holds: those load into the table's first 3 blocks.
+    assert len(copies.to_host) == 5
+    assert [d for _, d in copies.to_device] == res.block_table[:3]
+    assert tier.stats.hit_blocks == 3 and sched.stats.prefix_cache_hit_tokens == 0
+    tier.copies_issued(copies)
+    tier.landed(copies)
+    sched.finish(res, FinishReason.ABORT)
+    bm.check_invariants()
+    tier.check_invariants()
+    assert bm.num_free_blocks == 6 and tier.num_free_slots == 8
