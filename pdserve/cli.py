@@ -14,7 +14,6 @@ pdserve bench serve|plot [...]                   serving benchmark (docs/perform
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
@@ -237,6 +236,17 @@ def print_ready(cluster, args: argparse.Namespace, tls) -> None:
     )
 
 
+def _component_module(name: str):
+    """The main module of component ``name`` (imported only when it runs)."""
+    if name == "router":
+        from router import main
+    elif name == "prefill":
+        from prefill_node import main
+    else:
+        from decode_node import main
+    return main
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """Every subcommand's parser. Given the ``command`` that runs, a component
     other than it keeps a bare subcommand: its module is never imported, so a
@@ -441,7 +451,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         if command not in (None, name):
             continue  # not the one run: its module (the nodes': torch) stays unloaded
-        module = importlib.import_module(f"{'router' if name == 'router' else name + '_node'}.main")
+        module = _component_module(name)
         module.add_arguments(p)
         add_event_loop_argument(p)
         p.set_defaults(func=cmd_component, serve=module.serve)
