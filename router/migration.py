@@ -6,7 +6,9 @@ appended to the prompt (the new node reuses any cached prefix of it), with
 ``max_tokens`` and ``min_tokens`` reduced by their number, and with
 ``resume_offset`` telling a seeded request how many draws of its generator
 those tokens already made, so that it samples exactly what the first node
-would have. The router stitches the new stream to the client:
+would have (a speculating node's generator, too, stands at one draw per
+emitted token; docs/engine.md names the one exception, a draft model's
+sampled proposals). The router stitches the new stream to the client:
 
 * text the first node held back (a possible stop string's prefix, half a
   UTF-8 character) was never sent; the router decodes it from the tokens and

@@ -218,6 +218,38 @@ def test_a_remotely_prefilled_request_speculates_on_the_decode_engine(tiny_pair)
     assert_idle(spec)
 
 
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_a_migrated_stream_continues_exactly_on_a_speculating_decode_engine(tiny_pair, sampling):
+    """router/migration.py's continuation (prompt + the tokens so far,
+    resume_offset = their count, max_tokens reduced) prefilled on a plain
+    engine and decoded on a speculating one: the rest of the undisturbed
+    non-speculative stream, token for token, with proposals kept (the lookup
+    sees the tokens generated before the move as part of the prompt)."""
+    plain, spec = tiny_pair
+    total, moved = 40, 9
+    params = SamplingParams(
+        temperature=0, max_tokens=total, ignore_eos=True, detokenize=False, repetition_penalty=1.1
+    )
+    if sampling == "seeded":
+        # Four allowed tokens: sampled text repeats, so lookup proposals get kept.
+        params = params.clone(
+            temperature=1.0,
+            seed=23,
+            top_k=3,
+            frequency_penalty=0.2,
+            allowed_token_ids=[7, 19, 23, 42],
+        )
+    prompt = TINY_PROMPTS[0]["prompt_token_ids"]
+    (whole,) = plain.generate([{"prompt_token_ids": prompt}], params)
+    whole = list(whole.outputs[0].token_ids)
+    rest = params.clone(max_tokens=total - moved, resume_offset=moved)
+    before = spec.llm_engine.stats().spec_decode.num_accepted_tokens
+    _, out = disaggregated(plain, spec, f"moved-{sampling}", prompt + whole[:moved], rest)
+    assert list(out.outputs[0].token_ids) == whole[moved:]
+    assert spec.llm_engine.stats().spec_decode.num_accepted_tokens > before
+    assert_idle(spec)
+
+
 # ------------------------------------------------------------- draft model
 def draft_llm(target_dir, draft_dir, k=3):
     return LLM(

@@ -5,7 +5,8 @@ dies or stalls after its first token to the other decode node.
 
 One `pdserve up --prefill 2 --decode 2` for the module. prefill-1 crashes at
 start-up every time (PDSERVE_FAULT_CRASH_AT_START), so it is given up on
-while the rest serve. A test that breaks the cluster leaves it to
+while the rest serve. The decode nodes speculate (n-gram, --speculative-config):
+migration must stay exact with it. A test that breaks the cluster leaves it to
 ``healthy``, which the next test waits for (every other component serving
 again, as the supervisor's /metrics says, and registered in Redis).
 """
@@ -45,6 +46,7 @@ PROMPTS = [
     "Write a letter to a friend describing your summer holidays.",
     "Describe the water cycle to a ten year old child.",
 ]
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ def up(demo_model_dir, tmp_path_factory):
     args += ["--port", str(free_port()), "--admin-port", str(free_port())]
     args += ["--metrics-port", str(free_port_block(6)), "--max-model-len", "1024"]
     args += ["--max-restarts", str(MAX_RESTARTS), "--restart-window", str(WINDOW_S)]
-    args += ["--log-dir", str(logs)]
+    args += ["--log-dir", str(logs), "--speculative-config", json.dumps(SPEC)]
     env = {
         "PDSERVE_HEARTBEAT_S": "0.1",  # "freed at idle" measurable through Redis
         "PDSERVE_DRAIN_TIMEOUT_S": "5",
@@ -96,6 +98,15 @@ def supervisor(up: UpProcess, family: str) -> dict[str, float]:
 
 def migrations(up: UpProcess) -> dict[str, float]:
     return scrape(up.metrics_url("router"), "pdserve_router_migrations_total")
+
+
+def spec_tokens(up: UpProcess, node: str, kind: str) -> float:
+    """A decode node's speculative decoding counter (kind: draft or accepted)."""
+    with urllib.request.urlopen(up.metrics_url(node), timeout=10) as r:
+        text = r.read().decode()
+    family = f"pdserve_spec_decode_num_{kind}_tokens_total"
+    (value,) = re.findall(rf"^{family}{{[^}}]*}} (\S+)$", text, re.MULTILINE)
+    return float(value)
 
 
 def pdctl_rows(up: UpProcess) -> list[dict]:
@@ -268,7 +279,14 @@ def test_generate_reads_the_prompt_from_stdin(up):
 
 
 # Stream i of the kill test: greedy, seeded (each its own seed), or greedy
-# under a JSON schema, which the new decode node's matcher must replay.
+# under a JSON schema, which the new decode node's matcher must replay. Text
+# that repeats itself, so that the n-gram lookup proposes and tokens are kept.
+KILL_PROMPTS = [
+    "Copy the line again and again: the cat sat on the mat, the cat sat on the mat, the cat",
+    "Keep counting in a loop: one two three four five six seven, one two three four five six",
+    "Repeat the colours: red green blue, red green blue, red green blue, red green blue,",
+    "Say the weekdays over and over: Monday Tuesday Wednesday Thursday Friday, Monday Tuesday",
+]
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}}
 DIGITS |= {"minItems": 12, "maxItems": 12}
 KINDS = ("greedy", "seeded", "json")
@@ -276,41 +294,54 @@ KILL_STREAMS = 12
 KILL_TOKENS = 24
 
 
-def kill_request(i: int) -> pdserve_pb2.GenerateRequest:
-    prompt = f"Stream {i}: " + PROMPTS[i % len(PROMPTS)]
+def kill_request(i: int, speculate: bool) -> pdserve_pb2.GenerateRequest:
+    """``speculate=False``: the request opts out of speculative decoding."""
+    prompt = f"Stream {i}: " + KILL_PROMPTS[i % len(KILL_PROMPTS)]
     kind = KINDS[i % len(KINDS)]
+    opt_out = {} if speculate else {"disable_spec_decode": True}
     if kind == "json":  # 12 digits and their commas: longer than the wait for 10 tokens
         spec = pdserve_pb2.StructuredOutputs(
             json_schema=json.dumps(DIGITS), disable_any_whitespace=True
         )
-        return request(prompt, max_tokens=2 * KILL_TOKENS, structured_outputs=spec)
+        return request(prompt, max_tokens=2 * KILL_TOKENS, structured_outputs=spec, **opt_out)
     sampling = {"temperature": 0.8, "seed": 1000 + i} if kind == "seeded" else {}
-    return request(prompt, max_tokens=KILL_TOKENS, ignore_eos=True, **sampling)
+    return request(prompt, max_tokens=KILL_TOKENS, ignore_eos=True, **sampling, **opt_out)
 
 
 def test_a_decode_node_sigkill_under_12_streams_moves_them_exactly(up):
     """SIGKILL the busier decode node with 12 streams under way (greedy, seeded
     and JSON-schema ones), each with tokens at its client: every stream
-    completes equal to its undisturbed run (a migration, not a retry); the
-    JSON ones still validate. The added latency of a migrated stream is its
-    longest silence after the kill, bounded by a prefill under the same load:
-    twice the slowest undisturbed first token plus 1 s (a failure detected by
-    a timeout or a heartbeat instead would take longer). The victim is back in
-    `pdctl nodes` within 15 s, a new process, in one restart line."""
+    completes equal to its undisturbed run without speculation (the same
+    requests opted out of it; a migration, not a retry); the JSON ones still
+    validate. Both decode nodes speculate and kept proposed tokens of these
+    streams, the victim before the kill, the other after it. The added
+    latency of a migrated stream is its longest silence after the kill,
+    bounded by a prefill under the same load: twice the slowest undisturbed
+    first token plus 1 s (a failure detected by a timeout or a heartbeat
+    instead would take longer). The victim is back in `pdctl nodes` within
+    15 s, a new process, in one restart line."""
     healthy(up)
     wait_idle(up, 30, expect_nodes=len(NODES))
+    decodes = ("decode-0", "decode-1")
+    proposed = {d: spec_tokens(up, d, "draft") for d in decodes}
     begun = time.monotonic()
-    reference = [Stream(up.router, kill_request(i)) for i in range(KILL_STREAMS)]
+    reference = [Stream(up.router, kill_request(i, False)) for i in range(KILL_STREAMS)]
     reference = [s.result() for s in reference]
     assert all(o.code is grpc.StatusCode.OK for o in reference), [o.details for o in reference]
     slowest_ttft = max(o.first_at for o in reference) - begun
-    running = [Stream(up.router, kill_request(i)) for i in range(KILL_STREAMS)]
+    assert {d: spec_tokens(up, d, "draft") for d in decodes} == proposed  # they opted out
+    kept = {d: spec_tokens(up, d, "accepted") for d in decodes}
+    running = [Stream(up.router, kill_request(i, True)) for i in range(KILL_STREAMS)]
     wait_for(lambda: all(len(s.outcome.token_ids) >= 10 for s in running), 300, "10 tokens each")
-    counts = [len(s.outcome.token_ids) for s in running]
     victim = busier_decode_node(up)
+    survivor = next(d for d in decodes if d != victim)
+    assert spec_tokens(up, victim, "accepted") > kept[victim]
+    kept[survivor] = spec_tokens(up, survivor, "accepted")
     before = migrations(up).get("completed", 0)
     restarts = supervisor(up, "restarts_total")[victim]
     mark = len(up.lines)
+    # At the kill: a stream with more tokens than this (or ended) has resumed.
+    counts = [len(s.outcome.token_ids) for s in running]
     pid = up.signal(victim, signal.SIGKILL)
     killed = time.monotonic()
     resumed: dict[int, float] = {}
@@ -327,6 +358,7 @@ def test_a_decode_node_sigkill_under_12_streams_moves_them_exactly(up):
     for i in range(KINDS.index("json"), KILL_STREAMS, len(KINDS)):
         jsonschema.validate(json.loads(outcomes[i].text), DIGITS)
     moved = migrations(up)["completed"] - before
+    assert spec_tokens(up, survivor, "accepted") > kept[survivor]
     worst = max(resumed.values())
     print(
         f"{KILL_STREAMS} streams complete, {moved:.0f} migrated; longest silence after the "

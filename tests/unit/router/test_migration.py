@@ -45,13 +45,16 @@ def test_a_stop_wholly_in_new_text_is_the_nodes_business():
 def test_continuation_sampling_and_usage():
     progress = StreamProgress(prompt_len=5)
     progress.observe(response("Hello", [1, 2, 3]))
-    original = pdserve_pb2.SamplingParams(max_tokens=10, min_tokens=4, truncate_prompt_tokens=5)
+    original = pdserve_pb2.SamplingParams(
+        max_tokens=10, min_tokens=4, truncate_prompt_tokens=5, disable_spec_decode=True
+    )
     assert progress.sampling(original) is original  # not migrated: unchanged
     progress.resume_offset = 3
     progress.seam = Seam(" wor", ["world"], False)
     cont = progress.sampling(original)
     assert (cont.max_tokens, cont.min_tokens) == (7, 1)
     assert not cont.HasField("truncate_prompt_tokens")
+    assert cont.disable_spec_decode  # opted out of speculation on the next node too
     first = response("ld!", [4])
     assert progress.rewrite(first)  # "world" spans the seam: the router ends it
     assert first.deltas[0].text == " "  # up to the stop string
