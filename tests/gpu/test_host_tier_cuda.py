@@ -15,7 +15,6 @@ import torch
 from engine import SamplingParams
 from engine.host_tier import HostTier
 from engine.tier_copies import TierCopier, TierTransfers
-from tests.conftest import TINY_CONFIGS, write_config_dir
 from tests.engine.test_host_tier import (
     conversations,
     make_llm,
@@ -91,11 +90,10 @@ def test_a_load_lands_before_it_is_reported_and_holds_no_step_up(tiers):
     assert tier.num_free_slots == tier.num_slots
 
 
-def test_engine_outputs_with_the_host_tier_equal_those_without(tmp_path):
+def test_engine_outputs_with_the_host_tier_equal_those_without(tiny_llama_dir):
     """The torch attention backend, as on the CPU; async scheduling (CUDA's default)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    tiny_llama_dir = write_config_dir(tmp_path / "m", TINY_CONFIGS["llama"])
     plain = make_llm(tiny_llama_dir, num_blocks=16, device="cuda", attention_backend="torch")
     want, _ = run_two_turns(plain)
     tiered = make_llm(
@@ -160,20 +158,19 @@ def reservation_after_eviction(model_dir, device: str) -> None:
     assert engine.host_tier.num_free_slots == engine.host_tier.num_slots
 
 
-def test_a_reservation_finds_its_host_tier_hits_copied_in_when_it_returns(tmp_path):
+def test_a_reservation_finds_its_host_tier_hits_copied_in_when_it_returns(tiny_llama_dir):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    reservation_after_eviction(write_config_dir(tmp_path / "m", TINY_CONFIGS["llama"]), "cuda")
+    reservation_after_eviction(tiny_llama_dir, "cuda")
 
 
-def test_tp2_engine_outputs_with_the_host_tier_equal_tp1_without_it(tmp_path):
+def test_tp2_engine_outputs_with_the_host_tier_equal_tp1_without_it(tiny_llama_dir):
     """Two GPUs, one KV head each: every rank spills, loads and swaps its heads
     of the same blocks on its own pinned memory and copy stream (async
     scheduling), retiring them in step with rank 0; the greedy tokens equal
     TP = 1's without a tier, and both tiers are free at idle."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    tiny_llama_dir = write_config_dir(tmp_path / "m", TINY_CONFIGS["llama"])
     plain = make_llm(tiny_llama_dir, num_blocks=64, device="cuda", attention_backend="torch")
     want_turns, _ = run_two_turns(plain)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
