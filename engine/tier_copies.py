@@ -223,9 +223,11 @@ class TierTransfers:
         """Issue the copies the tier queued (``loads``: the sequences they fill).
         Before the next step is launched: that step may reuse evicted blocks.
         ``wait``: the caller then waits for every batch (``poll(wait=True)``);
-        the other ranks are told to as well, even with nothing new to copy."""
+        the other ranks are told to as well, even with nothing new to copy
+        (they may still be copying batches rank 0 saw land)."""
         copies = self.tier.take_copies()
-        if not (copies or loads or (wait and self.copier.busy)):
+        others = self.send is not None
+        if not (copies or loads or (wait and (self.copier.busy or others))):
             return
         if self.send is not None:
             self.send(TierPlan(copies, self.copier.num_retired, wait))
