@@ -127,7 +127,8 @@ class EngineConfig:
     # vLLM's name: GiB of host memory holding KV blocks behind the device pool
     # (engine/host_tier.py): evicted prefix-cache blocks spill there and hits
     # are copied back; preemption_mode="swap" parks preempted sequences there.
-    # 0: no host tier.
+    # Per tensor-parallel rank (vLLM's "per GPU"): each holds its heads of every
+    # slot. 0: no host tier.
     swap_space: float = 0
     tensor_parallel_size: int = 1
     # vLLM's name: "fp8" quantizes the projections' weights to FP8 at load
@@ -287,8 +288,6 @@ class EngineConfig:
             raise ValueError(f"swap_space must be a number of GiB >= 0; got {space!r}")
         if self.preemption_mode is PreemptionMode.SWAP and space == 0:
             raise ValueError('preemption_mode="swap" needs a host tier: set swap_space > 0')
-        if space > 0 and self.tensor_parallel_size > 1:
-            raise ValueError("swap_space is not supported with tensor_parallel_size > 1 yet")
         # A sequence loading from the host tier or swapped out would have to
         # keep (or take again) its adapter's device slot: not built yet.
         if space > 0 and self.enable_lora:

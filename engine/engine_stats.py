@@ -62,7 +62,8 @@ def collect_stats(
 ) -> EngineStats:
     """The snapshot now. Queued prefill tokens count the waiting prompts and the
     unfinished chunks of running ones (a decode row has one uncomputed token).
-    ``kv_block_bytes``: one block's bytes (what the host tier's copies move)."""
+    ``kv_block_bytes``: one block's bytes, all tensor-parallel ranks' heads
+    together (what the host tier's copies move)."""
     queued = sum(seq.num_uncomputed_tokens for seq in sched.waiting)
     queued += sum(
         seq.num_uncomputed_tokens for seq in sched.running if seq.num_uncomputed_tokens > 1

@@ -60,6 +60,20 @@ class TierCopies:
 
 
 @dataclass(slots=True)
+class TierPlan:
+    """One batch of copies as every tensor-parallel rank issues it: each rank
+    holds its own heads of every slot, so each runs the same copies on the same
+    block and slot ids (rank 0 decides them; engine/parallel/handoff.py carries
+    them to the others in order with the steps)."""
+
+    copies: TierCopies
+    # Batches rank 0 had retired before this one: another rank retires its own
+    # up to there first (a copy to the device may read a slot they wrote).
+    landed: int
+    wait: bool = False  # rank 0 waits for every batch so far: so must the others
+
+
+@dataclass(slots=True)
 class HostTierStats:
     hit_blocks: int = 0  # prefix blocks served from the host tier
     blocks_to_host: int = 0  # blocks copied device -> host (spills and swap-outs)

@@ -43,13 +43,11 @@ from engine.block_hash import (
 from engine.block_manager import BlockManager, CacheEvents
 from engine.config import EngineConfig
 from engine.detokenizer import TokenizerInfo
-from engine.device import GiB
 from engine.engine_stats import EngineStats, collect_stats
 from engine.host_tier import HostTier
 from engine.input_processor import InputProcessor, PromptType
 from engine.kv_cache_dtype import storage_name
 from engine.kv_writes import KVWriteObserver
-from engine.layers.attention.kv_quant import storage_view
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.request import LoRARequest
 from engine.model_runner import ModelRunner
@@ -190,17 +188,14 @@ class LLMEngine:
     def _host_tier(self, config: EngineConfig) -> HostTier | None:
         """The host tier's slots and the copies into and out of them (None: off)."""
         self.tier_transfers: TierTransfers | None = None
-        if not config.swap_space:
+        copier = self.model_runner.tier_copier
+        if copier is None:
             return None
-        block_bytes = self.model_runner.kv_block_bytes
-        num_slots = int(config.swap_space * GiB) // block_bytes
-        if num_slots < 1:
-            raise ValueError(
-                f"swap_space ({config.swap_space} GiB) holds no KV block ({block_bytes} bytes)"
-            )
-        tier = HostTier(num_slots)
-        # As bytes where FP8 (no FP8 index_copy_ on a CPU): the cache dtype unchanged.
-        self.tier_transfers = TierTransfers(tier, storage_view(self.model_runner.kv_cache))
+        tier = HostTier(copier.num_slots)
+        # With tensor parallelism every other rank issues the same batches.
+        handoff = self.model_runner.handoff
+        send = handoff.send_tier if handoff is not None else None
+        self.tier_transfers = TierTransfers(tier, copier, send)
         return tier
 
     def _flush_tiers(self, wait: bool = False) -> None:
@@ -211,7 +206,7 @@ class LLMEngine:
             return
         loads = self.scheduler.take_new_loads()
         self._stamp_first_scheduled(loads)
-        self.tier_transfers.flush(loads)
+        self.tier_transfers.flush(loads, wait)
         if wait:
             self._poll_tiers(wait=True)
 
@@ -634,7 +629,10 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     def stats(self) -> EngineStats:
-        block_bytes = self.tier_transfers.block_bytes if self.tier_transfers else 0
+        # Every rank copies its heads of each block: the bytes of all of them.
+        block_bytes = 0
+        if self.tier_transfers is not None:
+            block_bytes = self.tier_transfers.copier.block_bytes * self.config.tensor_parallel_size
         return collect_stats(
             self.scheduler,
             self.block_manager,

@@ -18,11 +18,12 @@ from engine.async_step import ForwardedStep, InFlightStep, patch_indices
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, LoadFormat
 from engine.cuda_graphs import DecodeGraphs
 from engine.device import GiB, available_host_memory, default_dtype, resolve_device, resolve_dtype
+from engine.host_tier import TierPlan
 from engine.kernel_warmup import warm_up_kernels
 from engine.kv_blocks import Range, gather_blocks, scatter_blocks
 from engine.kv_writes import KVWriteObserver
 from engine.layers.attention import AttentionBackend, select_backend
-from engine.layers.attention.kv_quant import FP8_KV_DTYPE
+from engine.layers.attention.kv_quant import FP8_KV_DTYPE, storage_view
 from engine.layers.sampler import GrammarBitmask, Sampler, SamplingRow
 from engine.layers.skinny_gemm_plan import plan_model
 from engine.lora.manager import LoRAManager
@@ -53,6 +54,7 @@ from engine.spec_decode.verify_rows import (
     verify_layout,
 )
 from engine.step_inputs import HostStaging, host_inputs, to_model_inputs
+from engine.tier_copies import TierCopier
 from engine.tp_layout import TPLayout
 
 logger = logging.getLogger(__name__)
@@ -150,6 +152,22 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
         if self.draft is not None:  # the same block ids index its own pool
             self.draft.allocate_kv_cache(self.num_kvcache_blocks)
+        self.tier_copier = self._make_host_tier()
+
+    def _make_host_tier(self) -> TierCopier | None:
+        """This rank's host tier (``swap_space`` GiB, per rank like vLLM's per
+        GPU): its heads of every slot. Every rank holds the same slots (the
+        smallest count wins); rank 0's engine keeps their bookkeeping."""
+        space = self.config.swap_space
+        if not space:
+            return None
+        num_slots = self.tp.min_int(int(space * GiB) // self.kv_block_bytes)
+        if num_slots < 1:
+            raise ValueError(
+                f"swap_space ({space} GiB) holds no KV block ({self.kv_block_bytes} bytes)"
+            )
+        # As bytes where FP8 (no FP8 index_copy_ on a CPU): the cache dtype unchanged.
+        return TierCopier(storage_view(self.kv_cache), num_slots)
 
     def _load_model(self) -> DecoderForCausalLM:
         """This rank's part of the model, its weights loaded (or dummy ones)."""
@@ -498,6 +516,7 @@ class ModelRunner:
         # (they read each token's slot from a buffer: engine/lora/manager.py).
         graphs_ok = plan.lora_slots is None or self.lora.in_graphs
         if self.tp.is_driver:
+            plan.tier_landed = self.tier_copier.num_retired if self.tier_copier else 0
             plan.use_graph = (
                 after_layer is None
                 and graphs_ok
@@ -542,6 +561,8 @@ class ModelRunner:
         computes are its share of the all-gather; rank 0 samples). An observer
         this rank's worker extension installed learns of the step from rank 0's
         call before it, so it is asked with no batch."""
+        if self.tier_copier is not None:  # rank 0 saw these loads land: so must this rank
+            self.tier_copier.retire(until=plan.tier_landed)
         after_layer = None
         if self.kv_observer is not None and not plan.use_graph:
             after_layer = self.kv_observer.begin_step(None)
@@ -550,6 +571,15 @@ class ModelRunner:
             logits_of(hidden)
         for lo, hi in plan.prompt_slices:
             self.model.compute_logits(hidden[lo:hi])
+
+    def follow_tier(self, plan: TierPlan) -> None:
+        """Ranks 1..t-1: a batch of host-tier copies rank 0 issues, on this
+        rank's heads of the same blocks and slots, after the batches rank 0
+        had retired are retired here too (their slots may be read now)."""
+        self.tier_copier.retire(until=plan.landed)
+        self.tier_copier.issue(plan.copies)
+        if plan.wait:
+            self.tier_copier.retire(wait=True)
 
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state (its random generator, its sampling row) once it

@@ -28,6 +28,15 @@ scheduler runs only once the engine saw their event complete
 stream, so a block that spills and is loaded into in the same step is read
 before it is overwritten. On a CPU every copy is done when ``flush`` returns.
 
+Tensor parallelism: each rank's cache holds its heads of every block, so each
+rank has a ``TierCopier`` of its own (its heads of every slot, its own pinned
+memory and copy stream) and issues the same batches. Rank 0's
+``TierTransfers`` takes them from the bookkeeping and sends each to the
+others in the step hand-off before issuing it (``TierPlan``); a rank retires
+its batches up to the count rank 0 had retired, named in each plan, before
+it issues the next batch or runs the next step: a load rank 0 saw land, and
+the step that reads it, then find this rank's copy landed too.
+
 Why not engine/copy_engine.py's pitched copies: they move runs of consecutive
 blocks device to device, a driver call per run; evicted blocks and the slots
 they go to are scattered, so a gather into one contiguous buffer and a single
@@ -37,11 +46,12 @@ bus copy cost one launch each whatever the layout.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.host_tier import HostTier, TierCopies
+from engine.host_tier import HostTier, TierCopies, TierPlan
 from engine.sequence import Sequence
 
 
@@ -50,7 +60,9 @@ class CopyBatch:
     """One step's copies in flight."""
 
     copies: TierCopies
-    loads: list[Sequence]  # sequences whose blocks the copies to the device fill
+    # Rank 0's sequences whose blocks the copies to the device fill (none on
+    # the other ranks: rank 0 tells them when to run).
+    loads: list[Sequence]
     done: torch.cuda.Event | None = None  # None: done (a CPU)
     # Copies to the host land here first; ``slots`` get them once done.
     staged: torch.Tensor | None = None
@@ -66,23 +78,29 @@ def _index(ids: list[int], device: torch.device) -> torch.Tensor:
     return idx.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else idx
 
 
-class TierTransfers:
-    """The engine's side of the host tier: each step's copies issued as a batch
-    and tracked until they land."""
+class TierCopier:
+    """One rank's host tier: its memory (this rank's heads of every slot) and
+    the copies in flight, retired in issue order. Every rank holds one and
+    issues the same batches (rank 0's ``TierTransfers`` decides them, the
+    other ranks get them in the step hand-off), so the ranks' batches are
+    numbered alike and "rank 0 retired n batches" means the same copies on
+    every rank."""
 
-    def __init__(self, tier: HostTier, kv_cache: torch.Tensor) -> None:
-        self.tier = tier
+    def __init__(self, kv_cache: torch.Tensor, num_slots: int) -> None:
         self.kv_cache = kv_cache
+        self.num_slots = num_slots
         self.on_cuda = kv_cache.is_cuda
-        shape = (*kv_cache.shape[:2], tier.num_slots, *kv_cache.shape[3:])
+        shape = (*kv_cache.shape[:2], num_slots, *kv_cache.shape[3:])
         # Lazy on a CPU (pages are committed as slots fill); pinned on a GPU
         # host, so copies to and from it never go through pageable memory.
         self.host = torch.empty(shape, dtype=kv_cache.dtype, pin_memory=self.on_cuda)
         self.stream = torch.cuda.Stream(kv_cache.device) if self.on_cuda else None
         self._in_flight: deque[CopyBatch] = deque()
+        self.num_retired = 0  # batches retired since start
 
     @property
     def block_bytes(self) -> int:
+        """One block's bytes on this rank (its heads)."""
         kv = self.kv_cache
         return kv.numel() // kv.shape[2] * kv.element_size()
 
@@ -90,33 +108,34 @@ class TierTransfers:
     def busy(self) -> bool:
         return bool(self._in_flight)
 
-    def flush(self, loads: list[Sequence]) -> None:
-        """Issue the copies the tier queued (``loads``: the sequences they fill).
-        Before the next step is launched: that step may reuse evicted blocks."""
-        copies = self.tier.take_copies()
-        if not copies and not loads:
-            return
-        batch = CopyBatch(copies, loads)
-        if self.on_cuda:
-            self._issue_cuda(batch)
-        else:
-            self._issue_cpu(batch)
-        self.tier.copies_issued(copies)  # the loads have read their slots
+    def issue(self, copies: TierCopies, loads: list[Sequence] = ()) -> None:
+        """Queue one batch: every copy to the host, then every copy to the device."""
+        batch = CopyBatch(copies, list(loads))
+        # Without copies it is done at once (a wait for the other ranks' batches).
+        if copies:
+            (self._issue_cuda if self.on_cuda else self._issue_cpu)(batch)
         self._in_flight.append(batch)
 
-    def poll(self, wait: bool = False) -> list[Sequence]:
-        """Retire the batches that are done (all of them with ``wait``), in
-        issue order; returns the sequences whose loads landed."""
-        loaded: list[Sequence] = []
-        while self._in_flight and (wait or self._in_flight[0].is_done()):
-            batch = self._in_flight.popleft()
+    def retire(self, wait: bool = False, until: int | None = None) -> list[CopyBatch]:
+        """The batches now done, in issue order: those done already, or every
+        one (``wait``), or (``until``) as many as make ``num_retired`` reach it,
+        waiting for them (a rank catching up with what rank 0 retired)."""
+        retired: list[CopyBatch] = []
+        while self._in_flight:
+            batch = self._in_flight[0]
+            if until is not None:
+                if self.num_retired >= until:
+                    break
+            elif not (wait or batch.is_done()):
+                break
+            self._in_flight.popleft()
             if batch.done is not None:
                 batch.done.synchronize()
             if batch.staged is not None:
                 self.host.index_copy_(2, batch.slots, batch.staged)
-            self.tier.landed(batch.copies)
-            loaded.extend(batch.loads)
-        return loaded
+            self.num_retired += 1
+            retired.append(batch)
+        return retired
 
     def _issue_cpu(self, batch: CopyBatch) -> None:
         kv, host = self.kv_cache, self.host
@@ -178,3 +197,48 @@ class TierTransfers:
         use of it is done."""
         t.record_stream(self.stream)
         return t
+
+
+class TierTransfers:
+    """Rank 0's side of the host tier: the bookkeeping's copies issued on every
+    rank as one batch a step, and the sequences they load reported once landed.
+    ``send``: how the other tensor-parallel ranks get each batch (the step
+    hand-off, engine/parallel/handoff.py), before rank 0 issues its own."""
+
+    def __init__(
+        self,
+        tier: HostTier,
+        copier: TierCopier,
+        send: Callable[[TierPlan], None] | None = None,
+    ) -> None:
+        self.tier = tier
+        self.copier = copier
+        self.send = send
+
+    @property
+    def busy(self) -> bool:
+        return self.copier.busy
+
+    def flush(self, loads: list[Sequence], wait: bool = False) -> None:
+        """Issue the copies the tier queued (``loads``: the sequences they fill).
+        Before the next step is launched: that step may reuse evicted blocks.
+        ``wait``: the caller then waits for every batch (``poll(wait=True)``);
+        the other ranks are told to as well, even with nothing new to copy
+        (they may still be copying batches rank 0 saw land)."""
+        copies = self.tier.take_copies()
+        others = self.send is not None
+        if not (copies or loads or (wait and (self.copier.busy or others))):
+            return
+        if self.send is not None:
+            self.send(TierPlan(copies, self.copier.num_retired, wait))
+        self.copier.issue(copies, loads)
+        self.tier.copies_issued(copies)  # the loads have read their slots
+
+    def poll(self, wait: bool = False) -> list[Sequence]:
+        """Retire the batches that are done (all of them with ``wait``), in
+        issue order; returns the sequences whose loads landed."""
+        loaded: list[Sequence] = []
+        for batch in self.copier.retire(wait):
+            self.tier.landed(batch.copies)
+            loaded.extend(batch.loads)
+        return loaded

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.device import resolve_device
+from engine.host_tier import TierPlan
 from engine.model_runner import ModelRunner
 from engine.parallel.group import TPGroup
 from engine.parallel.handoff import Call, Handoff, max_plan_words
@@ -225,6 +226,8 @@ def main(argv: list[str]) -> int:
         while (item := runner.handoff.recv()) is not None:
             if isinstance(item, Call):
                 _run_call(extension, item)
+            elif isinstance(item, TierPlan):
+                runner.follow_tier(item)
             else:
                 runner.follow(item)
     except ChannelClosed as e:

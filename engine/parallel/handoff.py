@@ -15,6 +15,15 @@ logits for the all-gather and drop the result), penalties, seeds, stop
 checks, block bookkeeping. Async-scheduled input ids (the previous step's
 samples, on rank 0's device only) reach the followers by a device broadcast
 of the step's input ids, after the header says ``patched``.
+
+With a host tier each rank holds its own heads of every slot, and rank 0's
+bookkeeping decides the copies: each batch goes to the others as a message
+of its own (``TierPlan``: the block and slot pairs, int64 words again) at
+the point rank 0 issues it, so every rank copies the same ids between the
+same two steps. A batch larger than the channel goes as several messages,
+issued as one batch by the receiver. Each step's plan names how many batches
+rank 0 had retired (``tier_landed``): a follower waits for its own up to
+there before the forward, which may read blocks they loaded.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from enum import IntEnum
 
 import numpy as np
 
+from engine.host_tier import TierCopies, TierPlan
 from engine.lora.request import LoRARequest
 from engine.parallel.group import TPGroup
 from engine.parallel.shm_channel import ShmBroadcast
@@ -36,6 +46,7 @@ class Op(IntEnum):
     STEP = 1
     STOP = 2  # rank 0 is shutting down: followers leave their loop
     CALL = 3  # a method of the followers' worker extension, between two steps
+    TIER = 4  # a batch of host-tier copies (part of one, unless the header says last)
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,11 +81,14 @@ class StepPlan:
     # step), and the adapters to copy into their slots first.
     lora_slots: np.ndarray | None = None
     lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
+    # Host-tier copy batches rank 0 had retired (TierPlan.landed's count).
+    tier_landed: int = 0
 
 
 # op, num_tokens, num_seqs, table_width, patched, use_graph, logits,
-# num_logit_rows, num_prompt_slices, payload words, has LoRA slots, LoRA loads' bytes
-HEADER_WORDS = 12
+# num_logit_rows, num_prompt_slices, payload words, has LoRA slots, LoRA loads' bytes,
+# host-tier batches landed
+HEADER_WORDS = 13
 # Room in a plan for the LoRA copies of one step (JSON: slot, name, id, path).
 LORA_LOAD_BYTES = 8192
 
@@ -125,6 +139,7 @@ def encode(plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
             len(payload),
             plan.lora_slots is not None,
             len(lora_raw),
+            plan.tier_landed,
         ],
         dtype=np.int64,
     )
@@ -133,7 +148,7 @@ def encode(plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
 
 def decode(header: np.ndarray, payload: np.ndarray) -> StepPlan:
     (_, num_tokens, num_seqs, width, patched, use_graph, logits, num_rows, num_slices, _,
-     has_lora, lora_bytes) = (int(x) for x in header)  # fmt: skip
+     has_lora, lora_bytes, tier_landed) = (int(x) for x in header)  # fmt: skip
     cuts = np.cumsum(
         [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width, num_rows,
          2 * num_slices, num_tokens if has_lora else 0]
@@ -157,7 +172,36 @@ def decode(header: np.ndarray, payload: np.ndarray) -> StepPlan:
         logits=Logits(logits),
         logit_rows=rows if logits == Logits.ROWS else None,
         prompt_slices=[tuple(p) for p in slices.reshape(num_slices, 2).tolist()],
+        tier_landed=tier_landed,
     )
+
+
+def encode_tier(plan: TierPlan, capacity_words: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A batch of tier copies as (header, payload) messages of at most
+    ``capacity_words`` each: its pairs (to the host first) split in order, the
+    last message flagged. Header: op, pairs to the host, pairs to the device,
+    landed, wait, last."""
+    pairs = plan.copies.to_host + plan.copies.to_device
+    per_message = max(1, (capacity_words - HEADER_WORDS) // 2)
+    num_to_host = len(plan.copies.to_host)
+    messages = []
+    for lo in range(0, max(len(pairs), 1), per_message):
+        hi = min(lo + per_message, len(pairs))
+        to_host = max(0, min(hi, num_to_host) - lo)
+        header = np.zeros(HEADER_WORDS, dtype=np.int64)
+        header[:6] = (Op.TIER, to_host, hi - lo - to_host, plan.landed, plan.wait, hi == len(pairs))
+        payload = np.asarray(pairs[lo:hi], dtype=np.int64).reshape(-1)
+        messages.append((header, payload))
+    return messages
+
+
+def decode_tier(header: np.ndarray, payload: np.ndarray, into: TierCopies) -> TierPlan | None:
+    """Add one message's pairs to ``into``; the whole plan once the last came."""
+    _, to_host, to_device, landed, wait, last = (int(x) for x in header[:6])
+    pairs = payload[: 2 * (to_host + to_device)].reshape(-1, 2).tolist()
+    into.to_host.extend(tuple(p) for p in pairs[:to_host])
+    into.to_device.extend(tuple(p) for p in pairs[to_host:])
+    return TierPlan(into, landed, bool(wait)) if last else None
 
 
 def max_plan_words(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> int:
@@ -205,6 +249,12 @@ class Handoff:
         header, payload = encode(plan)
         self.channel.write([header, payload], self.alive)
 
+    def send_tier(self, plan: TierPlan) -> None:
+        """Publish a batch of host-tier copies; the followers issue it before
+        the next step's plan, as rank 0 does."""
+        for header, payload in encode_tier(plan, self.channel.capacity):
+            self.channel.write([header, payload], self.alive)
+
     def stop(self) -> None:
         header = np.zeros(HEADER_WORDS, dtype=np.int64)
         header[0] = Op.STOP
@@ -217,10 +267,19 @@ class Handoff:
         header[:3] = (Op.CALL, len(name), len(call.payload))
         self.channel.write([header, _words(name + call.payload)], self.alive)
 
-    def recv(self) -> StepPlan | Call | None:
-        """The next step's plan or call, or None when rank 0 stopped."""
+    def recv(self) -> StepPlan | Call | TierPlan | None:
+        """The next step's plan, call or batch of tier copies, or None when
+        rank 0 stopped."""
         words = self.channel.read(self.group.rank - 1, self.alive)
         header, payload = words[:HEADER_WORDS], words[HEADER_WORDS:]
+        if header[0] == Op.TIER:
+            tier = TierCopies()
+            while (plan := decode_tier(header, payload, tier)) is None:
+                words = self.channel.read(self.group.rank - 1, self.alive)
+                header, payload = words[:HEADER_WORDS], words[HEADER_WORDS:]
+                if header[0] != Op.TIER:
+                    raise RuntimeError("tensor-parallel hand-off: a tier batch cut short")
+            return plan
         if header[0] == Op.STOP:
             return None
         if header[0] == Op.CALL:

@@ -1,7 +1,10 @@
 """The host tier end to end (swap_space, preemption_mode="swap") on a tiny
-Llama with random weights built from its config alone, on the CPU, where the
-"device" pool and the host tier are both CPU memory and run the same
-bookkeeping and batched copies as on a GPU.
+Llama with random weights (HF's initialisation from its config, a fixed seed:
+tests/conftest.py's ``tiny_model``), on the CPU, where the "device" pool and
+the host tier are both CPU memory and run the same bookkeeping and batched
+copies as on a GPU. Not dummy weights: theirs (uniform within 1e-3) leave
+attention's share of the output below float noise, so a block copied wrong
+would not change a token.
 
 The oracle is the same engine without a host tier (itself checked against HF
 transformers in test_models.py / test_hf_parity.py): KV copied out and back must
@@ -17,7 +20,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.device import GiB
-from tests.conftest import TINY_CONFIGS, write_config_dir
+from tests.conftest import hf_greedy_ids
 
 BS = 8
 # One KV block of the tiny Llama in fp32: K and V x 2 layers x 8 tokens x 2 heads x 16.
@@ -31,15 +34,13 @@ def slots(n: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    """The tiny Llama's config.json alone: the engine draws its weights."""
-    return write_config_dir(tmp_path_factory.mktemp("tiny-llama-config"), TINY_CONFIGS["llama"])
+def llama_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 def make_llm(model_dir, num_blocks: int, device: str = "cpu", **kwargs) -> LLM:
     return LLM(
         str(model_dir),
-        load_format="dummy",
         device=device,
         dtype="float32",
         skip_tokenizer_init=True,
@@ -166,6 +167,66 @@ def test_swap_preemption_under_kv_pressure_keeps_outputs(
         assert stats.num_swap_preemptions == 0
         assert stats.num_swap_fallbacks == stats.num_preemptions
     assert_idle(llm)
+
+
+# -- Tensor parallelism: every rank holds its heads of every slot ---------------
+# One TP = 2 engine (one of the tiny Llama's two KV heads a rank) serves both
+# tests: rank 0 keeps the bookkeeping, rank 1 issues the same copies from the
+# step hand-off. A rank that skipped or misplaced a copy would feed its heads
+# another block's KV, and the greedy tokens would part from TP = 1's.
+
+
+@pytest.fixture(scope="module")
+def tp2_tiered(llama_dir):
+    # Each rank's block is half of BLOCK_BYTES: swap_space (per rank) for 64 slots.
+    llm = make_llm(
+        llama_dir,
+        num_blocks=16,
+        swap_space=slots(64) / 2,
+        preemption_mode="swap",
+        tensor_parallel_size=2,
+    )
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+def test_tp2_second_turns_hit_the_host_tier_and_answer_as_tp1_without_it(
+    tp2_tiered, without_tier, tiny_model
+):
+    answers, _, _ = without_tier
+    got, cached = run_two_turns(tp2_tiered)
+    stats = tp2_tiered.llm_engine.stats()
+    assert got == answers
+    hf = tiny_model("llama")[1]  # and HF transformers' tokens for the turns the tier served
+    for c, first in enumerate(conversations(8)):
+        second = first + list(got[c]) + [7 + c] * 12
+        assert list(got[8 + c]) == hf_greedy_ids(hf, second, GREEDY.max_tokens)
+    assert all(c >= 4 * BS for c in cached), cached
+    assert stats.num_host_kv_blocks == 64 and stats.host_tier_hit_blocks >= 8 * 4
+    # Both ranks' halves of each block: one TP = 1 block's bytes.
+    assert stats.bytes_copied_to_device == stats.host_tier_hit_blocks * BLOCK_BYTES
+    assert_idle(tp2_tiered)
+
+
+def test_tp2_swap_preemption_under_kv_pressure_keeps_outputs(tp2_tiered, unpressured):
+    """The 16-block pool cannot hold the four prompts as they grow: every victim
+    goes to both ranks' host tiers and back, and the tokens equal those of a
+    TP = 1 pool large enough to never preempt (which recompute matches too)."""
+    engine = tp2_tiered.llm_engine
+    before = engine.stats().num_preemptions
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs = tp2_tiered.generate(pressure_prompts(), params, use_tqdm=False)
+    stats = engine.stats()
+    assert [o.outputs[0].token_ids for o in outs] == unpressured
+    assert stats.num_preemptions > before
+    assert stats.num_swap_preemptions == stats.num_preemptions and not stats.num_swap_fallbacks
+    # A reservation waits for its copies on every rank (a KV transfer writes next).
+    reservation = engine.reserve_request("r", pressure_prompts()[0] + [9] * BS, GREEDY)
+    assert reservation is not None and reservation.first_block > 0
+    assert not engine.tier_transfers.busy
+    engine.abort_request("r")
+    engine.step()
+    assert_idle(tp2_tiered)
 
 
 def test_a_reservation_spills_what_it_evicts_before_its_kv_lands(llama_dir):

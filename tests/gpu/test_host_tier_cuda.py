@@ -14,8 +14,7 @@ import torch
 
 from engine import SamplingParams
 from engine.host_tier import HostTier
-from engine.tier_copies import TierTransfers
-from tests.conftest import TINY_CONFIGS, write_config_dir
+from engine.tier_copies import TierCopier, TierTransfers
 from tests.engine.test_host_tier import (
     conversations,
     make_llm,
@@ -37,7 +36,7 @@ def tiers():
         pytest.skip("needs CUDA")
     kv = torch.randn(SHAPE, device="cuda")
     tier = HostTier(8)
-    return kv, tier, TierTransfers(tier, kv)
+    return kv, tier, TierTransfers(tier, TierCopier(kv, tier.num_slots))
 
 
 def spill(tier: HostTier, block: int, tag: int) -> int:
@@ -52,15 +51,15 @@ def test_a_spill_reads_the_block_after_queued_writes_and_before_the_next(tiers):
     kv[:, :, 5].fill_(7.0)  # ...that writes block 5 at its end
     slot5 = spill(tier, 5, 1)
     before3 = kv[:, :, 3].clone()
-    with torch.cuda.stream(transfers.stream):
+    with torch.cuda.stream(transfers.copier.stream):
         torch.cuda._sleep(SPIN)  # the copy stream is busy too
     slot3 = spill(tier, 3, 2)
     transfers.flush([])
     kv[:, :, 3].fill_(-1.0)  # the next step reuses block 3
     kv[:, :, 5].fill_(-1.0)
     transfers.poll(wait=True)
-    assert torch.equal(transfers.host[:, :, slot5], torch.full_like(before3, 7.0).cpu())
-    assert torch.equal(transfers.host[:, :, slot3], before3.cpu())
+    assert torch.equal(transfers.copier.host[:, :, slot5], torch.full_like(before3, 7.0).cpu())
+    assert torch.equal(transfers.copier.host[:, :, slot3], before3.cpu())
     tier.check_invariants()
 
 
@@ -73,7 +72,7 @@ def test_a_load_lands_before_it_is_reported_and_holds_no_step_up(tiers):
     seq = make_seq(4)
     tier.hold([slot])
     tier.load([slot], [9])
-    with torch.cuda.stream(transfers.stream):
+    with torch.cuda.stream(transfers.copier.stream):
         # Longer than the others: the flush's pinned staging buffer may take
         # a good part of a short spin before the copy is queued behind it.
         torch.cuda._sleep(SPIN * 8)
@@ -91,11 +90,10 @@ def test_a_load_lands_before_it_is_reported_and_holds_no_step_up(tiers):
     assert tier.num_free_slots == tier.num_slots
 
 
-def test_engine_outputs_with_the_host_tier_equal_those_without(tmp_path):
+def test_engine_outputs_with_the_host_tier_equal_those_without(tiny_llama_dir):
     """The torch attention backend, as on the CPU; async scheduling (CUDA's default)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    tiny_llama_dir = write_config_dir(tmp_path / "m", TINY_CONFIGS["llama"])
     plain = make_llm(tiny_llama_dir, num_blocks=16, device="cuda", attention_backend="torch")
     want, _ = run_two_turns(plain)
     tiered = make_llm(
@@ -143,24 +141,59 @@ def reservation_after_eviction(model_dir, device: str) -> None:
     for prompt in firsts:
         llm.generate([prompt], params, use_tqdm=False)
     transfers = engine.tier_transfers
-    if transfers.stream is not None:
-        with torch.cuda.stream(transfers.stream):
+    if transfers.copier.stream is not None:
+        with torch.cuda.stream(transfers.copier.stream):
             torch.cuda._sleep(SPIN)
     res = engine.reserve_request("r", firsts[0] + [3] * 8, params)
     assert res is not None and res.first_block == 4
     assert engine.host_tier.stats.hit_blocks == 4 and not transfers.busy
     hashes = engine.requests["r"].seqs[0].block_hashes[:4]
-    kv = transfers.kv_cache
+    kv = transfers.copier.kv_cache
     for block, block_hash in zip(res.block_ids[:4], hashes, strict=True):
         slot = engine.host_tier._hash_to_slot[block_hash]
-        assert torch.equal(kv[:, :, block].cpu(), transfers.host[:, :, slot])
+        assert torch.equal(kv[:, :, block].cpu(), transfers.copier.host[:, :, slot])
     engine.abort_request("r")
     engine.step()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert engine.host_tier.num_free_slots == engine.host_tier.num_slots
 
 
-def test_a_reservation_finds_its_host_tier_hits_copied_in_when_it_returns(tmp_path):
+def test_a_reservation_finds_its_host_tier_hits_copied_in_when_it_returns(tiny_llama_dir):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    reservation_after_eviction(write_config_dir(tmp_path / "m", TINY_CONFIGS["llama"]), "cuda")
+    reservation_after_eviction(tiny_llama_dir, "cuda")
+
+
+def test_tp2_engine_outputs_with_the_host_tier_equal_tp1_without_it(tiny_llama_dir):
+    """Two GPUs, one KV head each: every rank spills, loads and swaps its heads
+    of the same blocks on its own pinned memory and copy stream (async
+    scheduling), retiring them in step with rank 0; the greedy tokens equal
+    TP = 1's without a tier, and both tiers are free at idle."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    plain = make_llm(tiny_llama_dir, num_blocks=64, device="cuda", attention_backend="torch")
+    want_turns, _ = run_two_turns(plain)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(pressure_prompts(), params)]
+    tp2 = make_llm(
+        tiny_llama_dir,
+        num_blocks=16,
+        device="cuda",
+        attention_backend="torch",
+        swap_space=slots(64) / 2,  # per rank: each holds half of every block
+        preemption_mode="swap",
+        tensor_parallel_size=2,
+    )
+    try:
+        got_turns, cached = run_two_turns(tp2)
+        assert got_turns == want_turns and all(cached)
+        got = [o.outputs[0].token_ids for o in tp2.generate(pressure_prompts(), params)]
+        engine = tp2.llm_engine
+        assert got == want and engine.stats().num_swap_preemptions > 0
+        assert engine.stats().host_tier_hit_blocks >= 32
+        while engine.has_work():  # the last spills land
+            engine.step()
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert engine.host_tier.num_free_slots == engine.host_tier.num_slots
+    finally:
+        tp2.llm_engine.shutdown()

@@ -93,3 +93,41 @@ def test_a_call_travels_between_steps_as_json_and_in_order():
     finally:
         rank1.close()
         rank0.close()
+
+
+def test_a_tier_batch_larger_than_the_channel_arrives_as_one_between_the_steps():
+    """Handoff's TIER messages: a batch of host-tier copies split over several
+    messages (a small channel) is received whole, pairs in order, with rank
+    0's landed count and wait flag, and the step plan after it names the
+    batches rank 0 had retired."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from engine.host_tier import TierCopies, TierPlan
+    from engine.parallel.handoff import HEADER_WORDS, Handoff, StepPlan
+    from engine.step_inputs import host_inputs
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    capacity = HEADER_WORDS + 2 * 3  # three pairs a message
+    rank0 = Handoff(SimpleNamespace(rank=0, size=2, is_driver=True, store=store), 256)
+    rank1 = Handoff(SimpleNamespace(rank=1, size=2, is_driver=False, store=store), 256)
+    full, rank0.channel.capacity = rank0.channel.capacity, capacity
+    big = TierCopies([(b, 100 + b) for b in range(7)], [(200 + s, s) for s in range(4)])
+    try:
+        got = []
+        reader = threading.Thread(target=lambda: got.extend(rank1.recv() for _ in range(4)))
+        reader.start()
+        rank0.send_tier(TierPlan(big, landed=5))
+        rank0.send_tier(TierPlan(TierCopies(), landed=6, wait=True))  # nothing new: a wait
+        rank0.channel.capacity = full
+        rank0.send(StepPlan(host_inputs([[5, 6, 7]], [0], [3], [[2]], 16), tier_landed=7))
+        rank0.stop()
+        reader.join(10)
+        assert got[0] == TierPlan(big, landed=5, wait=False)
+        assert got[1] == TierPlan(TierCopies(), landed=6, wait=True)
+        assert got[2].tier_landed == 7 and got[2].host.input_ids.tolist() == [5, 6, 7]
+        assert got[3] is None
+    finally:
+        rank1.close()
+        rank0.close()
