@@ -164,6 +164,7 @@ def test_a_reservation_finds_its_host_tier_hits_copied_in_when_it_returns(tiny_l
     reservation_after_eviction(tiny_llama_dir, "cuda")
 
 
+@pytest.mark.multi_gpu
 def test_tp2_engine_outputs_with_the_host_tier_equal_tp1_without_it(tiny_llama_dir):
     """Two GPUs, one KV head each: every rank spills, loads and swaps its heads
     of the same blocks on its own pinned memory and copy stream (async
