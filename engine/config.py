@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -130,6 +131,12 @@ class EngineConfig:
     # Per tensor-parallel rank (vLLM's "per GPU"): each holds its heads of every
     # slot. 0: no host tier.
     swap_space: float = 0
+    # vLLM's name: GiB of the model's weights kept in host memory (per
+    # tensor-parallel rank): whole decoder layers from the first, each copied
+    # to the device just before it runs (engine/weight_offload.py), so a model
+    # somewhat larger than the device fits and the KV pool gets the room. CUDA
+    # graphs stay on: they capture the copies from pinned memory. 0: none.
+    cpu_offload_gb: float = 0
     tensor_parallel_size: int = 1
     # vLLM's name: "fp8" quantizes the projections' weights to FP8 at load
     # (W8A8: activations per token at run time; engine/quantization/). None:
@@ -185,6 +192,7 @@ class EngineConfig:
         _require_int("max_num_seqs", self.max_num_seqs, 1)
         _require_int("max_logprobs", self.max_logprobs, 0)
         self._check_swap()
+        self._check_offload()
         for name in (
             "enforce_eager",
             "fused_ops",
@@ -292,6 +300,11 @@ class EngineConfig:
         # keep (or take again) its adapter's device slot: not built yet.
         if space > 0 and self.enable_lora:
             raise ValueError("swap_space is not supported with enable_lora yet")
+
+    def _check_offload(self) -> None:
+        gib = self.cpu_offload_gb
+        if not isinstance(gib, int | float) or isinstance(gib, bool) or not 0 <= gib < math.inf:
+            raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0; got {gib!r}")
 
     def _check_speculation(self) -> None:
         """What speculative decoding cannot be combined with (yet), refused at start."""

@@ -45,6 +45,8 @@ class EngineStats:
     bytes_copied_to_device: int = 0
     num_swap_preemptions: int = 0
     num_swap_fallbacks: int = 0
+    # Weights kept in host memory and streamed per layer (cpu_offload_gb; per rank).
+    offloaded_weight_bytes: int = 0
     # Speculative decoding's counters since start (None: not configured).
     spec_decode: SpecDecodeStats | None = None
     # Structured outputs: compile times, grammar cache hits/misses, matchers alive.

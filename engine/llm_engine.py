@@ -633,7 +633,7 @@ class LLMEngine:
         block_bytes = 0
         if self.tier_transfers is not None:
             block_bytes = self.tier_transfers.copier.block_bytes * self.config.tensor_parallel_size
-        return collect_stats(
+        stats = collect_stats(
             self.scheduler,
             self.block_manager,
             self.num_computed_tokens,
@@ -642,6 +642,9 @@ class LLMEngine:
             self.speculator.stats.copy() if self.speculator is not None else None,
             self.structured.stats(),
         )
+        offload = self.model_runner.offload
+        stats.offloaded_weight_bytes = offload.offloaded_bytes if offload is not None else 0
+        return stats
 
     # ------------------------------------------------------- for the nodes
     def _raise_if_a_rank_died(self, error: Exception) -> None:

@@ -56,6 +56,7 @@ from engine.spec_decode.verify_rows import (
 from engine.step_inputs import HostStaging, host_inputs, to_model_inputs
 from engine.tier_copies import TierCopier
 from engine.tp_layout import TPLayout
+from engine.weight_offload import WeightOffloader
 
 logger = logging.getLogger(__name__)
 
@@ -176,16 +177,25 @@ class ModelRunner:
         on_gpu = self.device.type == "cuda" and _triton_available()  # fused ops, fused MoE
         if config.quantization is not None:
             check_fp8_device(self.device)
+        # cpu_offload_gb: the first layers that fit it live in host memory
+        # (engine/weight_offload.py); the KV pool is sized after, so it gets the room.
+        self.offload = (
+            WeightOffloader(int(config.cpu_offload_gb * GiB), self.device)
+            if config.cpu_offload_gb
+            else None
+        )
         with torch.device(self.device), default_dtype(self.dtype):
             model = DecoderForCausalLM(
                 config.model_config, self.attention_backend, config.max_model_len,
                 config.fused_ops and on_gpu, self.tp, triton_moe=on_gpu,
-                quantization=config.quantization,
+                quantization=config.quantization, offload=self.offload,
             )  # fmt: skip
         if config.load_format is LoadFormat.DUMMY:
             init_dummy_weights(model, config.seed)
         else:
             load_weights(model, config.model)
+        if self.offload is not None:
+            self.offload.attach()
         return model.eval()
 
     def _load_draft(self) -> DraftModel | None:

@@ -116,6 +116,7 @@ class PiecewiseGraphs:
             x = model.embed_tokens(self.input_ids[:n])
             # fp32 residual stream, as DecoderLayer.forward keeps it.
             residual = x.to(torch.float32)
+            model.load_layer(0)
             x = model.layers[0].input_layernorm(x)
         else:
             layer = model.layers[i - 1]
@@ -125,6 +126,9 @@ class PiecewiseGraphs:
                 x, _ = model.norm(x, residual)
                 self.hidden[:n].copy_(x)
                 return
+            # Offloaded weights (cpu_offload_gb): layer i's may replace layer
+            # i - 1's in a shared buffer, so only once that layer is done.
+            model.load_layer(i)
             x, residual = model.layers[i].input_layernorm(x, residual)
         self.residual[:n].copy_(residual)
         q, k, v = model.layers[i].self_attn.project(self.positions[:n], x, self.slot_mapping[:n])

@@ -156,6 +156,12 @@ class NodeCollector(Collector):
         yield from self._engine(labels)
         yield from self._host_tier(labels)
         stats = self.engine.stats
+        yield gauge(
+            "pdserve_offloaded_weight_bytes",
+            "Weight bytes kept in host memory and copied in per layer (--cpu-offload-gb).",
+            labels,
+            stats.offloaded_weight_bytes,
+        )
         if stats.spec_decode is not None:
             yield from _spec_decode(labels, stats.spec_decode)
         yield from _grammar(labels, stats.grammar)

@@ -40,6 +40,7 @@ ENGINE_FLAGS: dict[str, type] = {
     "load_format": str,
     "tensor_parallel_size": int,
     "swap_space": float,
+    "cpu_offload_gb": float,
     "kv_cache_dtype": str,
     "preemption_mode": str,
     "max_loras": int,

@@ -39,6 +39,7 @@ from engine.parallel.group import TPGroup
 from engine.quantization.fp8 import linear_class
 from engine.quantization.scheme import Quantization
 from engine.tp_layout import TPLayout
+from engine.weight_offload import WeightOffloader
 
 
 class Attention(nn.Module):
@@ -307,9 +308,11 @@ class DecoderForCausalLM(nn.Module):
         tp: TPGroup | None = None,
         triton_moe: bool = False,  # experts by the fused Triton kernel (else the torch loop)
         quantization: Quantization | None = None,  # FP8 projections (experts stay unquantized)
+        offload: WeightOffloader | None = None,  # cpu_offload_gb: layers streamed from the host
     ) -> None:
         super().__init__()
         self.config = cfg
+        self.offload = offload
         self.tp = tp if tp is not None else TPGroup.single(torch.device("cpu"))
         self.layout = TPLayout.for_model(cfg, self.tp.rank, self.tp.size)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
@@ -320,17 +323,23 @@ class DecoderForCausalLM(nn.Module):
             else None
         )
         self.embed_tokens = VocabParallelEmbedding(cfg, self.tp, self.layout)
+        # Each layer offered to the offloader as soon as it is built, so the
+        # device never holds the offloaded layers all at once.
+        place = offload.adopt if offload is not None else lambda _, layer: layer
         self.layers = nn.ModuleList(
-            DecoderLayer(
-                cfg,
-                self._rotary_of(i),
-                backend,
-                self.tp,
-                self.layout,
-                fused_ops,
-                layer=i,
-                triton_moe=triton_moe,
-                linear=linear_class(quantization),
+            place(
+                i,
+                DecoderLayer(
+                    cfg,
+                    self._rotary_of(i),
+                    backend,
+                    self.tp,
+                    self.layout,
+                    fused_ops,
+                    layer=i,
+                    triton_moe=triton_moe,
+                    linear=linear_class(quantization),
+                ),
             )
             for i in range(cfg.num_hidden_layers)
         )
@@ -359,6 +368,11 @@ class DecoderForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.layers]
 
+    def load_layer(self, i: int) -> None:
+        """Before layer i runs: its weights onto the device if they are offloaded."""
+        if self.offload is not None:
+            self.offload.load(i)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -372,6 +386,7 @@ class DecoderForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
+            self.load_layer(i)
             x, residual = layer(positions, x, residual, meta)
             if after_layer is not None:
                 after_layer(i)

@@ -178,6 +178,7 @@ def engine_stats(**overrides) -> EngineStats:
         bytes_copied_to_device=59,
         num_swap_preemptions=61,
         num_swap_fallbacks=67,
+        offloaded_weight_bytes=89,
         spec_decode=SpecDecodeStats(29, 71, 37, [29, 8]),
         # Compiles: 2 within 5 ms, 1 more within 1 s (cumulative), 83 s in all.
         grammar=GrammarStats(
@@ -228,6 +229,7 @@ def test_node_exports_engine_snapshot_and_block_states():
     assert value(s, "pdserve_grammar_cache_hits_total") == 71
     assert value(s, "pdserve_grammar_cache_misses_total") == 73
     assert value(s, "pdserve_grammar_matchers") == 79
+    assert value(s, "pdserve_offloaded_weight_bytes") == 89
     compile_s = "pdserve_grammar_compile_duration_seconds"
     assert value(s, f"{compile_s}_bucket", le="0.005") == 2
     assert value(s, f"{compile_s}_bucket", le="+Inf") == value(s, f"{compile_s}_count") == 3
