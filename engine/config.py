@@ -86,6 +86,12 @@ def _require_int(name: str, value: Any, low: int | None = None, high: int | None
         raise ValueError(f"{name} must be <= {high}; got {value}")
 
 
+def _require_gib(name: str, value: Any) -> None:
+    """A finite number of GiB >= 0."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < math.inf:
+        raise ValueError(f"{name} must be a number of GiB >= 0; got {value!r}")
+
+
 def _require_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False; got {value!r}")
@@ -192,7 +198,7 @@ class EngineConfig:
         _require_int("max_num_seqs", self.max_num_seqs, 1)
         _require_int("max_logprobs", self.max_logprobs, 0)
         self._check_swap()
-        self._check_offload()
+        _require_gib("cpu_offload_gb", self.cpu_offload_gb)
         for name in (
             "enforce_eager",
             "fused_ops",
@@ -292,19 +298,13 @@ class EngineConfig:
     def _check_swap(self) -> None:
         """The host tier's size, and what needs one."""
         space = self.swap_space
-        if not isinstance(space, int | float) or isinstance(space, bool) or not space >= 0:
-            raise ValueError(f"swap_space must be a number of GiB >= 0; got {space!r}")
+        _require_gib("swap_space", space)
         if self.preemption_mode is PreemptionMode.SWAP and space == 0:
             raise ValueError('preemption_mode="swap" needs a host tier: set swap_space > 0')
         # A sequence loading from the host tier or swapped out would have to
         # keep (or take again) its adapter's device slot: not built yet.
         if space > 0 and self.enable_lora:
             raise ValueError("swap_space is not supported with enable_lora yet")
-
-    def _check_offload(self) -> None:
-        gib = self.cpu_offload_gb
-        if not isinstance(gib, int | float) or isinstance(gib, bool) or not 0 <= gib < math.inf:
-            raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0; got {gib!r}")
 
     def _check_speculation(self) -> None:
         """What speculative decoding cannot be combined with (yet), refused at start."""

@@ -274,14 +274,9 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
     def _finished(self, state: _Request) -> None:
         """The request's end in the stats, the access log and its span."""
         trace, usage, now = state.trace, state.usage, time.monotonic()
-        remaining = None if state.deadline is None else state.deadline - now
-        if (
-            state.status is grpc.StatusCode.CANCELLED
-            and remaining is not None
-            and remaining < DEADLINE_SLACK_S
-        ):
+        if state.status is grpc.StatusCode.CANCELLED and out_of_time(state.deadline):
             # The client's deadline ended it, not the client: count it as such.
-            state.status = grpc.StatusCode.DEADLINE_EXCEEDED
+            state.status = _DEADLINE
         stats = self.routing.stats
         if state.progress.migrations:
             ok = state.status is grpc.StatusCode.OK
