@@ -39,6 +39,8 @@ class UpProcess:
             text=True,
             env=environ,
         )
+        self.started = time.monotonic()
+        self.ready_s = 0.0  # from the launch to the banner, once wait_ready has seen it
         self.lines: list[str] = []
         self._changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
@@ -88,6 +90,7 @@ class UpProcess:
         except AssertionError:
             self.kill()
             raise
+        self.ready_s = time.monotonic() - self.started
         found = self.matches(ROUTER_LINE)
         if len(found) < routers:
             self.kill()

@@ -366,9 +366,12 @@ def test_a_decode_node_sigkill_under_12_streams_moves_them_exactly(up):
     )
     assert moved >= 1  # streams were on the victim, and moved
     assert worst <= 2 * slowest_ttft + 1.0
+    # On a host this test shares with the survivor's 12 streams (CI: 2 cores)
+    # a restart is bounded by what a cold start of the whole cluster took.
+    back_within_s = max(BACK_WITHIN_S, 2 * up.ready_s)
     wait_for(
         lambda: victim in pdctl_nodes(up),
-        BACK_WITHIN_S - (time.monotonic() - killed),
+        back_within_s - (time.monotonic() - killed),
         f"{victim} back in pdctl nodes",
         interval_s=0.5,
     )
