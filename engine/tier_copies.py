@@ -37,6 +37,14 @@ its batches up to the count rank 0 had retired, named in each plan, before
 it issues the next batch or runs the next step: a load rank 0 saw land, and
 the step that reads it, then find this rank's copy landed too.
 
+Pinned staging memory is the copier's own (``StagingPool``), taken by a batch
+and given back when it retires. Allocating page-locked memory is one of
+CUDA's implicit synchronization points: the host waits for every stream, so
+a batch that allocated its staging buffer would hold the engine thread until
+the step in flight and every queued copy had finished. The pool allocates
+only when a batch outgrows every free buffer, doubling, so a run of a given
+shape stops allocating after its first batches.
+
 Why not engine/copy_engine.py's pitched copies: they move runs of consecutive
 blocks device to device, a driver call per run; evicted blocks and the slots
 they go to are scattered, so a gather into one contiguous buffer and a single
@@ -68,14 +76,79 @@ class CopyBatch:
     staged: torch.Tensor | None = None
     slots: torch.Tensor | None = None
     keep: list[torch.Tensor] = field(default_factory=list)  # alive until done
+    staging: torch.Tensor | None = None  # the pool's buffer, given back on retire
 
     def is_done(self) -> bool:
         return self.done is None or self.done.query()
 
 
 def _index(ids: list[int], device: torch.device) -> torch.Tensor:
-    idx = torch.tensor(ids, dtype=torch.int64)
-    return idx.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else idx
+    return torch.tensor(ids, dtype=torch.int64, device=device)
+
+
+# Views carved from a staging buffer start at multiples of this many bytes
+# (any dtype's alignment).
+_ALIGN = 64
+# Blocks each way that the pool's first buffers hold.
+_FIRST_BLOCKS = 4
+
+
+class StagingPool:
+    """Pinned byte buffers that copy batches take and give back (see the module
+    docstring: why a batch must not allocate pinned memory itself)."""
+
+    def __init__(self, first_bytes: int, count: int = 2, pin: bool = True) -> None:
+        self.pin = pin  # False only where no GPU can pin (the pool's own tests)
+        self._free = [self._allocate(first_bytes) for _ in range(count)]
+        self.largest = first_bytes
+        self.num_allocations = count
+
+    def _allocate(self, num_bytes: int) -> torch.Tensor:
+        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self.pin)
+
+    def take(self, num_bytes: int) -> torch.Tensor:
+        """The smallest free buffer of at least ``num_bytes``; a new one (twice
+        the largest so far, or more) when none fits."""
+        fits = [i for i, b in enumerate(self._free) if b.numel() >= num_bytes]
+        if fits:
+            return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        self.largest = max(num_bytes, 2 * self.largest)
+        self.num_allocations += 1
+        return self._allocate(self.largest)
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free.append(buf)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+
+class _Carver:
+    """Consecutive aligned views of one staging buffer."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.at = 0
+
+    @staticmethod
+    def size(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+        total = 0
+        for shape, dtype in shapes:
+            total = -(-total // _ALIGN) * _ALIGN + _nbytes(shape, dtype)
+        return total
+
+    def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        start = -(-self.at // _ALIGN) * _ALIGN
+        self.at = start + _nbytes(shape, dtype)
+        return self.buf[start : self.at].view(dtype).view(shape)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
 
 
 class TierCopier:
@@ -95,6 +168,10 @@ class TierCopier:
         # host, so copies to and from it never go through pageable memory.
         self.host = torch.empty(shape, dtype=kv_cache.dtype, pin_memory=self.on_cuda)
         self.stream = torch.cuda.Stream(kv_cache.device) if self.on_cuda else None
+        # Allocated now, before serving: see StagingPool.
+        self.staging = (
+            StagingPool(2 * _FIRST_BLOCKS * self.block_bytes + 4 * _ALIGN) if self.on_cuda else None
+        )
         self._in_flight: deque[CopyBatch] = deque()
         self.num_retired = 0  # batches retired since start
 
@@ -133,6 +210,9 @@ class TierCopier:
                 batch.done.synchronize()
             if batch.staged is not None:
                 self.host.index_copy_(2, batch.slots, batch.staged)
+            if batch.staging is not None:
+                self.staging.give(batch.staging)
+                batch.staging = batch.staged = None
             self.num_retired += 1
             retired.append(batch)
         return retired
@@ -153,24 +233,30 @@ class TierCopier:
     def _issue_cuda(self, batch: CopyBatch) -> None:
         kv, stream = self.kv_cache, self.stream
         compute = torch.cuda.current_stream(kv.device)
+        outs, ins = batch.copies.to_host, batch.copies.to_device
         # Index tensors and buffers first, on the compute stream (the memory
         # the engine's budget knows): the copy stream's wait below orders it
         # after their uploads and after every write already queued.
+        i64 = torch.int64
+        shapes = [((len(outs),), i64), (self._shape(len(outs)), kv.dtype)] if outs else []
+        shapes += [((len(ins),), i64), (self._shape(len(ins)), kv.dtype)] if ins else []
+        batch.staging = self.staging.take(_Carver.size(shapes))
+        carve = _Carver(batch.staging)
         out_idx = in_idx = None
-        if batch.copies.to_host:
-            blocks, slots = zip(*batch.copies.to_host, strict=True)
-            out_idx = self._for_copy_stream(_index(list(blocks), kv.device))
-            out = self._for_copy_stream(kv.new_empty(self._shape(len(blocks))))
-            batch.staged = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-            batch.slots = torch.tensor(slots, dtype=torch.int64)
+        if outs:
+            blocks, slots = zip(*outs, strict=True)
+            out_idx = self._upload(carve, blocks)
+            batch.staged = carve.view(self._shape(len(blocks)), kv.dtype)
+            out = self._for_copy_stream(kv.new_empty(batch.staged.shape))
+            batch.slots = torch.tensor(slots, dtype=i64)
             batch.keep.append(out)
-        if batch.copies.to_device:
-            slots, blocks = zip(*batch.copies.to_device, strict=True)
-            src = torch.empty(self._shape(len(slots)), dtype=kv.dtype, pin_memory=True)
-            torch.index_select(self.host, 2, torch.tensor(slots, dtype=torch.int64), out=src)
-            in_idx = self._for_copy_stream(_index(list(blocks), kv.device))
+        if ins:
+            slots, blocks = zip(*ins, strict=True)
+            in_idx = self._upload(carve, blocks)
+            src = carve.view(self._shape(len(slots)), kv.dtype)
+            torch.index_select(self.host, 2, torch.tensor(slots, dtype=i64), out=src)
             landed = self._for_copy_stream(kv.new_empty(src.shape))
-            batch.keep += [src, landed]
+            batch.keep.append(landed)
         stream.wait_stream(compute)
         gathered = None
         with torch.cuda.stream(stream):
@@ -186,6 +272,13 @@ class TierCopier:
             batch.done.record(stream)
         if gathered is not None:
             compute.wait_event(gathered)  # evicted blocks are free to rewrite after it
+
+    def _upload(self, carve: _Carver, ids: tuple[int, ...]) -> torch.Tensor:
+        """Block ids on the device, through the batch's pinned staging."""
+        host = carve.view((len(ids),), torch.int64)
+        host.copy_(torch.tensor(ids, dtype=torch.int64))
+        dev = host.to(self.kv_cache.device, non_blocking=True)
+        return self._for_copy_stream(dev)
 
     def _shape(self, num_blocks: int) -> tuple[int, ...]:
         kv = self.kv_cache

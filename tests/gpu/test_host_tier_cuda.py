@@ -72,11 +72,13 @@ def test_a_load_lands_before_it_is_reported_and_holds_no_step_up(tiers):
     seq = make_seq(4)
     tier.hold([slot])
     tier.load([slot], [9])
+    allocations = transfers.copier.staging.num_allocations
     with torch.cuda.stream(transfers.copier.stream):
-        # Longer than the others: the flush's pinned staging buffer may take
-        # a good part of a short spin before the copy is queued behind it.
         torch.cuda._sleep(SPIN * 8)
+    # A pinned allocation here would wait for the spin (CUDA's implicit
+    # synchronization): the load's staging comes from the copier's pool.
     transfers.flush([seq])
+    assert transfers.copier.staging.num_allocations == allocations
     began = time.monotonic()
     x = torch.ones(64, device="cuda")
     (x * 2).sum().item()  # a step on the compute stream: not behind the load
