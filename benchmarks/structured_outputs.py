@@ -60,6 +60,8 @@ TOKENIZER_FILES = (
 GPU_DEFAULTS = dict(shape="llama-3.1-8b", batch_sizes=[1, 64, 256], input_len=128, max_tokens=512)
 CPU_DEFAULTS = dict(shape="smollm2-135m", batch_sizes=[1, 4], input_len=16, max_tokens=16)
 WARM_UP_TOKENS = 8
+# Tokens a profiled run (--trace-dir) decodes: a few steps past the prefill.
+TRACE_TOKENS = 16
 # Random prompt ids avoid the low ids, where tokenizers keep their special tokens.
 FIRST_PROMPT_ID = 100
 
@@ -143,6 +145,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--compile-rounds", type=int, default=3, help="cold compiles of each schema")
+    p.add_argument(
+        "--trace-dir",
+        type=Path,
+        help="also profile a short run of each batch size, constrained and not (torch.profiler): "
+        "a Chrome trace and the top operators by host and by device time per run go here",
+    )
     p.add_argument(
         "--peer",
         choices=["vllm"],
@@ -228,11 +236,17 @@ def param_kwargs(
     return kw
 
 
-def run_rows(generate, work: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-    """Time one run; ``generate(prompts)`` returns the engine's outputs."""
+def run_rows(generate, work: dict[str, Any], max_tokens: int, step_log=None) -> dict[str, Any]:
+    """Time one run; ``generate(prompts)`` returns the engine's outputs.
+    ``step_log``: pdserve's engine StepLog, for the device's idle time per step
+    (how long it waited for the host's work: engine/async_step.py)."""
+    if step_log is not None:
+        step_log.take()
     start = time.perf_counter()
     outs = generate(work["prompts"])
     elapsed = time.perf_counter() - start
+    steps = step_log.take() if step_log is not None else []
+    idle = [s.idle_s for s in steps if s.idle_s is not None]
     produced = [len(o.outputs[0].token_ids) for o in outs]
     reasons = Counter(str(o.outputs[0].finish_reason) for o in outs)
     return {
@@ -243,6 +257,10 @@ def run_rows(generate, work: dict[str, Any], max_tokens: int) -> dict[str, Any]:
         "finish_reasons": dict(sorted(reasons.items())),
         "elapsed_s": elapsed,
         "output_tok_per_s": sum(produced) / elapsed,
+        "steps": len(steps) or None,
+        "ms_per_step": elapsed * 1e3 / len(steps) if steps else None,
+        # The device's wait for the host's work before each step, where measured.
+        "device_idle_ms_per_step": sum(idle) * 1e3 / len(idle) if idle else None,
         # One row's tokens, so the record shows what the grammar let through.
         "first_row_token_ids": list(outs[0].outputs[0].token_ids),
     }
@@ -261,6 +279,13 @@ def pair_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 / free["output_tok_per_s"],
                 "unconstrained_tokens": free["output_tokens"],
                 "constrained_tokens": bound["output_tokens"],
+                # Per step, where the engine counts steps (pdserve): wall time
+                # and the device's wait for the host.
+                "ms_per_step": [free.get("ms_per_step"), bound.get("ms_per_step")],
+                "device_idle_ms_per_step": [
+                    free.get("device_idle_ms_per_step"),
+                    bound.get("device_idle_ms_per_step"),
+                ],
             }
         )
     return rows
@@ -292,15 +317,19 @@ def run_pdserve(model_dir: Path, args: argparse.Namespace, work: list[dict]) -> 
     warm = [[FIRST_PROMPT_ID] * 4]
     for constrained in (False, True):  # the second compiles the schema, cached after
         llm.generate(warm, params(constrained, WARM_UP_TOKENS), use_tqdm=False)
+    runner, engine = llm.llm_engine.model_runner, llm.llm_engine
     runs = [
         run_rows(
             lambda p, c=w["constrained"]: llm.generate(p, params(c), use_tqdm=False),
             w,
             args.max_tokens,
+            engine.step_log,
         )
         for w in work
     ]
-    runner, engine = llm.llm_engine.model_runner, llm.llm_engine
+    if args.trace_dir is not None:
+        for w in work:
+            trace_run(llm, w, params(w["constrained"], TRACE_TOKENS), args.trace_dir)
     grammar = engine.structured.stats()
     result = {
         "runs": runs,
@@ -314,6 +343,34 @@ def run_pdserve(model_dir: Path, args: argparse.Namespace, work: list[dict]) -> 
         "vocab_size": engine.config.model_config.vocab_size,
     }
     return result
+
+
+def trace_run(llm, work: dict[str, Any], params, out_dir: Path) -> None:
+    """One short run of ``work``'s prompts under torch.profiler: its Chrome
+    trace and its top operators by host and by device time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = f"batch{work['batch']}-{'json_schema' if work['constrained'] else 'unconstrained'}"
+    with profile(activities=activities) as prof:
+        llm.generate(work["prompts"], params, use_tqdm=False)
+    prof.export_chrome_trace(str(out_dir / f"{name}.json"))
+    averages = prof.key_averages()
+    tables = [averages.table(sort_by="self_cpu_time_total", row_limit=30)]
+    if torch.cuda.is_available():
+        # The column's name differs across torch releases.
+        for key in ("self_device_time_total", "self_cuda_time_total"):
+            try:
+                tables.append(averages.table(sort_by=key, row_limit=30))
+                break
+            except (AttributeError, KeyError, ValueError):
+                continue
+    (out_dir / f"{name}.txt").write_text("\n\n".join(tables))
+    print(f"trace: {out_dir / name}.json", flush=True)
 
 
 # ------------------------------------------------------------------ compile
@@ -372,6 +429,14 @@ def _print_pairs(name: str, result: dict[str, Any]) -> None:
             f"-> {row['constrained_vs_unconstrained']:.2f}x",
             flush=True,
         )
+        step_ms, idle_ms = row["ms_per_step"], row["device_idle_ms_per_step"]
+        if step_ms[0] is not None:
+            idle = " / ".join("-" if v is None else f"{v:.2f}" for v in idle_ms)
+            print(
+                f"  ms per step {step_ms[0]:.2f} / {step_ms[1]:.2f}; the device idle before "
+                f"each step, ms: {idle} (unconstrained / json_schema)",
+                flush=True,
+            )
 
 
 def run_throughput(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:

@@ -28,6 +28,8 @@ def test_small_run_writes_a_record(tmp_path, demo_model_dir, demo_tokenizer):
     config.write_text(json.dumps(TINY))
     argv = ["--config", str(config), "--tokenizer", str(demo_model_dir), "--device", "cpu"]
     argv += ["--batch-sizes", "1", "3", "--input-len", "8", "--max-tokens", "12"]
+    traces = tmp_path / "traces"
+    argv += ["--trace-dir", str(traces)]
     record = bench.main([*argv, "--compile-rounds", "1", "--out-dir", str(tmp_path)])
     (path,) = tmp_path.glob("structured_outputs-*.json")
     assert json.loads(path.read_text()) == json.loads(json.dumps(record))
@@ -37,6 +39,12 @@ def test_small_run_writes_a_record(tmp_path, demo_model_dir, demo_tokenizer):
     for row in ours["by_batch"]:
         assert row["unconstrained_tokens"] == row["constrained_tokens"] == 12 * row["batch"]
     assert all(r["rows_short_of_max_tokens"] == 0 for r in ours["runs"])
+    # Every token but a row's first comes from a decode step the engine counted.
+    assert all(r["steps"] >= 12 and r["ms_per_step"] > 0 for r in ours["runs"])
+    for batch in (1, 3):
+        for kind in ("unconstrained", "json_schema"):
+            assert (traces / f"batch{batch}-{kind}.json").stat().st_size > 0
+            assert "aten::" in (traces / f"batch{batch}-{kind}.txt").read_text()
     assert ours["grammar_compiles"] == 1  # in the warm-up; the timed runs hit the cache
     assert results["tokenizer_vocab"] == len(demo_tokenizer) < ours["vocab_size"]
 
