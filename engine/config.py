@@ -301,10 +301,6 @@ class EngineConfig:
         _require_gib("swap_space", space)
         if self.preemption_mode is PreemptionMode.SWAP and space == 0:
             raise ValueError('preemption_mode="swap" needs a host tier: set swap_space > 0')
-        # A sequence loading from the host tier or swapped out would have to
-        # keep (or take again) its adapter's device slot: not built yet.
-        if space > 0 and self.enable_lora:
-            raise ValueError("swap_space is not supported with enable_lora yet")
 
     def _check_speculation(self) -> None:
         """What speculative decoding cannot be combined with (yet), refused at start."""
@@ -320,12 +316,9 @@ class EngineConfig:
             )
         if self.tensor_parallel_size > 1:
             raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
-        # Not built yet: a verify row's several positions in the LoRA step
-        # plan, and a swapped or loading sequence's proposals.
+        # Not built yet: a verify row's several positions in the LoRA step plan.
         if self.enable_lora:
             raise ValueError("speculative_config is not supported with enable_lora yet")
-        if self.swap_space:
-            raise ValueError("speculative_config is not supported with swap_space yet")
         if spec.method is SpeculativeMethod.DRAFT_MODEL:
             if self.model_config.freeing_window is not None:
                 # Its blocks behind the window are freed; the draft's catch-up

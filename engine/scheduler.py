@@ -157,7 +157,7 @@ class Scheduler:
             if reason is FinishReason.ABORT:
                 self.release_held(seq)
             return
-        if seq.status in (SequenceStatus.RUNNING, SequenceStatus.RESERVED):
+        if seq.status in (SequenceStatus.RUNNING, SequenceStatus.RESERVED, SequenceStatus.LOADING):
             self._release_lora(seq)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
@@ -331,12 +331,16 @@ class Scheduler:
         self.block_manager.cache_full_blocks(seq)
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
+        # Its proposal is made again once it runs. Its draft KV is dropped
+        # either way, not swapped: the host tier holds the target's KV only,
+        # and the draft catches up over the whole sequence at its next
+        # proposal, as it does for any new sequence or prefix hit.
+        seq.spec_token_ids = []
+        seq.num_draft_computed_tokens = 0
         if self.preemption_mode is PreemptionMode.SWAP and self._swap_out(seq):
             return
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        seq.spec_token_ids = []
-        seq.num_draft_computed_tokens = 0  # its blocks are gone (a prefix hit has no draft KV)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         logger.warning(
@@ -381,14 +385,20 @@ class Scheduler:
         """Start loading swapped sequences back, the last victim first (victims
         are taken newest request first, so that is the oldest request, as
         with recompute's queue front); False while one must wait (its
-        swap-out still copying, or too few blocks or sequence slots): no
-        waiting sequence is admitted before it."""
+        swap-out still copying, or too few blocks, sequence slots or, with
+        LoRA, no device slot for its adapter): no waiting sequence is
+        admitted before it. A swapped sequence holds no adapter slot (others
+        may need it); it takes one again here, as admission does, and keeps
+        it while it loads."""
         bm = self.block_manager
         while self.swapped:
             seq = self.swapped[0]
             if self.num_free_slots <= 0 or not self.host_tier.all_landed(seq.swapped_slots):
                 return False
+            if not self._acquire_lora(seq):
+                return False
             if not bm.allocate_slots(seq, 0):  # blocks for its computed tokens
+                self._release_lora(seq)
                 return False
             self.swapped.popleft()
             # The sequence's references to its slots pass to the load.

@@ -169,6 +169,32 @@ def test_swap_preemption_under_kv_pressure_keeps_outputs(
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_with_swap_preemption_keeps_outputs(llama_dir, unpressured, method):
+    """Speculating under the same pressure: victims swap out and back, their
+    proposals dropped (made again once they run) and, with a draft model,
+    their draft KV recomputed (the host tier holds the target's only). Greedy
+    tokens equal the non-speculative unpressured run's; the model drafting
+    for itself keeps every proposal, which a draft reading stale KV in its
+    swapped-in blocks would not."""
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec |= {"prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    else:
+        spec["model"] = str(llama_dir)
+    llm = make_llm(llama_dir, num_blocks=17, swap_space=slots(64), preemption_mode="swap",
+                   speculative_config=spec)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs = llm.generate(pressure_prompts(), params, use_tqdm=False)
+    stats = llm.llm_engine.stats()
+    assert [o.outputs[0].token_ids for o in outs] == unpressured
+    assert stats.num_swap_preemptions > 0 and stats.num_swap_fallbacks == 0
+    assert stats.spec_decode.num_accepted_tokens > 0
+    if method == "draft_model":
+        assert stats.spec_decode.acceptance_rate == 1.0
+    assert_idle(llm)
+
+
 # -- Tensor parallelism: every rank holds its heads of every slot ---------------
 # One TP = 2 engine (one of the tiny Llama's two KV heads a rank) serves both
 # tests: rank 0 keeps the bookkeeping, rank 1 issues the same copies from the
@@ -252,8 +278,6 @@ def test_swap_needs_a_host_tier(llama_dir):
         make_llm(llama_dir, num_blocks=16, preemption_mode="swap")
     with pytest.raises(ValueError, match="swap_space"):
         make_llm(llama_dir, num_blocks=16, swap_space=-1)
-    with pytest.raises(ValueError, match="swap_space is not supported with enable_lora"):
-        make_llm(llama_dir, num_blocks=16, swap_space=0.01, enable_lora=True)
 
 
 def test_a_node_publishes_both_tiers_and_routing_reads_them_in_one_view(llama_dir):

@@ -93,8 +93,9 @@ def _hf_logprobs(model, prompt: list[int], out: list[int]) -> list[float]:
 
 def _llm(model_dir, **kwargs) -> LLM:
     kwargs.setdefault("max_lora_rank", 8)
-    return LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=256,
-               skip_tokenizer_init=True, enable_lora=True, **kwargs)  # fmt: skip
+    kwargs.setdefault("max_model_len", 256)
+    return LLM(str(model_dir), device="cpu", dtype="float32", skip_tokenizer_init=True,
+               enable_lora=True, **kwargs)  # fmt: skip
 
 
 def _check_mixed_batch(llm, hf_base, adapters) -> None:
@@ -285,3 +286,105 @@ def test_remove_lora_drains_its_requests_and_a_re_add_is_exact(lora_setup, tmp_p
         engine.add_lora(other)
     assert engine.list_loras() == {2}
     assert_idle(llm)
+
+
+# -- The host tier (swap_space): adapters across a swap and a host-tier hit -----
+# One KV block of the tiny Llama in fp32 at block size 8: K and V x 2 layers x
+# 8 tokens x 2 heads x 16.
+_BLOCK_BYTES = 2 * 2 * 8 * 2 * 16 * 4
+
+
+def _tiered(model_dir, num_blocks: int, **kwargs) -> LLM:
+    from engine.device import GiB
+
+    return _llm(model_dir, kvcache_block_size=8, num_kvcache_blocks=num_blocks,
+                max_model_len=8 * num_blocks, swap_space=64 * _BLOCK_BYTES / GiB,
+                **kwargs)  # fmt: skip
+
+
+def _assert_tier_idle(llm) -> None:
+    """Both tiers free and every adapter slot unused (the adapters may stay)."""
+    assert_idle(llm)
+    engine = llm.llm_engine
+    engine.host_tier.check_invariants()
+    assert engine.host_tier.num_free_slots == engine.host_tier.num_slots
+    slots = engine.scheduler.lora_slots
+    assert all(slots.users(i) == 0 for i in (1, 2, 3))
+    assert len(slots.resident) <= slots.max_loras
+
+
+def _slot_users_match(scheduler) -> bool:
+    """Each adapter's slot has as many users as it has sequences running or
+    loading; swapped and waiting ones hold none."""
+    want: dict[int, int] = {}
+    for seq in [*scheduler.running, *scheduler.loading.values()]:
+        if seq.lora_request is not None:
+            want[seq.lora_request.lora_int_id] = want.get(seq.lora_request.lora_int_id, 0) + 1
+    return all(scheduler.lora_slots.users(i) == want.get(i, 0) for i in (1, 2, 3))
+
+
+def test_swap_preemption_with_adapters_mixed_equals_hf_peft(lora_setup):
+    """Three adapters and the base through two device slots in a 14-block pool:
+    the first four 20-token prompts fill 12 blocks, and as they grow the
+    newest are swapped to the host tier, giving their adapter's slot up;
+    each takes a slot again before it loads back (slot users are checked
+    after every step). Every output is HF + PEFT's for its prompt alone."""
+    model_dir, hf_base, adapters = lora_setup
+    llm = _tiered(model_dir, 14, max_loras=2, preemption_mode="swap")
+    engine, scheduler = llm.llm_engine, llm.llm_engine.scheduler
+    (a1, hf1), (a2, hf2), (a3, hf3) = adapters
+    # The adapters' sequences are the newest of the first four: the victims.
+    runs = [(None, hf_base), (a1, hf1), (a2, hf2), (a1, hf1), (a3, hf3), (None, hf_base),
+            (a2, hf2), (a3, hf3)]  # fmt: skip
+    prompts = _prompts(len(runs))
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    for i, (prompt, (lora, _)) in enumerate(zip(prompts, runs, strict=True)):
+        engine.add_request(str(i), prompt, params, lora_request=lora)
+    done: dict[str, list[int]] = {}
+    swapped_adapters: set[int] = set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        swapped_adapters |= {
+            s.lora_request.lora_int_id for s in scheduler.swapped if s.lora_request
+        }
+        assert _slot_users_match(scheduler)
+    for i, (prompt, (_, oracle)) in enumerate(zip(prompts, runs, strict=True)):
+        assert done[str(i)] == _hf_greedy(oracle, prompt), i
+    stats = engine.stats()
+    assert swapped_adapters and stats.num_swap_fallbacks == 0
+    assert stats.num_swap_preemptions == stats.num_preemptions > 0
+    _assert_tier_idle(llm)
+
+
+def test_a_host_tier_hit_never_crosses_adapters(lora_setup):
+    """A second turn under adapter 1 whose first turn left the device pool for
+    the host tier: adapter 2 and the base model, sending the very same
+    tokens, get no hit there (block hashes carry the adapter's digest);
+    adapter 1 loads its prefix back. Every output is HF + PEFT's."""
+    model_dir, hf_base, adapters = lora_setup
+    (a1, hf1), (a2, hf2) = adapters[0], adapters[1]
+    llm = _tiered(model_dir, 11, max_loras=2)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    first = _prompts(1, length=40)[0]
+    out = llm.generate([first], params, use_tqdm=False, lora_request=a1)[0]
+    assert out.outputs[0].token_ids == _hf_greedy(hf1, first)
+    second = first + list(out.outputs[0].token_ids) + [7] * 12
+    # Two prompts of 10 blocks each, one after the other: every block of the
+    # first turn leaves the 11-block pool (spilled to the host tier).
+    for filler in _prompts(3, length=80)[1:]:
+        llm.generate([filler], params.clone(max_tokens=1), use_tqdm=False)
+    assert engine.host_tier.num_cached_slots >= 5  # the first turn's full blocks
+    for lora, oracle in ((a2, hf2), (None, hf_base), (a1, hf1)):
+        hits = engine.stats().host_tier_hit_blocks
+        out = llm.generate([second], params, use_tqdm=False, lora_request=lora)[0]
+        assert out.outputs[0].token_ids == _hf_greedy(oracle, second)
+        if lora is a1:
+            assert out.num_cached_tokens >= 5 * 8
+            assert engine.stats().host_tier_hit_blocks >= hits + 5
+        else:
+            assert out.num_cached_tokens == 0
+            assert engine.stats().host_tier_hit_blocks == hits
+    _assert_tier_idle(llm)

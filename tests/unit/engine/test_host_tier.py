@@ -7,6 +7,8 @@ import pytest
 from engine.block_manager import BlockManager
 from engine.config import PreemptionMode
 from engine.host_tier import HostTier
+from engine.lora.request import LoRARequest
+from engine.lora.slots import LoRASlots
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, SequenceStatus
 from tests.unit.engine.helpers import make_seq
@@ -214,6 +216,45 @@ def test_a_sequence_aborted_while_loading_frees_its_blocks_when_the_copies_land(
     assert b.status is SequenceStatus.LOADING
     sched.finish(b, FinishReason.ABORT)
     assert b.block_table  # the copies still write them
+    loads = sched.take_new_loads()
+    tier.copies_issued(copies := tier.take_copies())
+    tier.landed(copies)
+    sched.loads_done(loads)
+    assert not sched.has_unfinished() and sched.block_manager.num_free_blocks == 6
+    assert tier.num_free_slots == 8
+
+
+def test_a_swapped_lora_sequence_gives_its_slot_up_and_takes_it_again_to_load():
+    """Swapped out, a sequence holds no adapter slot and no proposal (nor
+    draft KV); it loads back only once it holds its adapter's slot again,
+    waiting while another adapter's sequence uses the only one (never
+    evicting it), and an abort while it loads gives the slot back."""
+    a_lora = LoRARequest("a", 1, "/adapters/a")
+    tier = HostTier(8)
+    lora_slots = LoRASlots(1)
+    sched = Scheduler(BlockManager(6, BS, host_tier=tier), 8, 64, 256,
+                      preemption_mode=PreemptionMode.SWAP, lora_slots=lora_slots)  # fmt: skip
+    a, b = make_seq(12, BS), make_seq(12, BS)
+    a.lora_request = b.lora_request = a_lora
+    sched.add(a)
+    sched.add(b)
+    run_step(sched, tier)
+    assert lora_slots.users(1) == 2
+    b.spec_token_ids, b.num_draft_computed_tokens = [5, 6], 12  # a proposal, its draft KV
+    run_step(sched, tier)  # a's 13th token needs a block: b swaps out
+    assert b.status is SequenceStatus.SWAPPED and lora_slots.users(1) == 1
+    assert b.spec_token_ids == [] and b.num_draft_computed_tokens == 0
+    sched.finish(a, FinishReason.STOP)
+    assert lora_slots.acquire(3) == 0  # adapter 3's sequence takes the idle slot
+    _, copies = run_step(sched, tier)
+    assert b.status is SequenceStatus.SWAPPED and not copies.to_device  # waits for a slot
+    assert lora_slots.resident == {3: 0} and lora_slots.users(3) == 1
+    lora_slots.release(3)
+    sched.schedule()
+    assert b.status is SequenceStatus.LOADING and lora_slots.resident == {1: 0}
+    assert lora_slots.users(1) == 1
+    sched.finish(b, FinishReason.ABORT)
+    assert lora_slots.users(1) == 0
     loads = sched.take_new_loads()
     tier.copies_issued(copies := tier.take_copies())
     tier.landed(copies)

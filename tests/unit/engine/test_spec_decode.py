@@ -271,8 +271,10 @@ def test_what_speculation_cannot_be_combined_with_is_refused(tmp_path):
         engine_config(tmp_path, speculative_config=ngram, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="not supported with enable_lora"):
         engine_config(tmp_path, speculative_config=ngram, enable_lora=True)
-    with pytest.raises(ValueError, match="not supported with swap_space"):
-        engine_config(tmp_path, speculative_config=ngram, swap_space=0.01)
+    # With a host tier (and swap preemption) it is served: tests/engine/test_host_tier.py.
+    tiered = engine_config(tmp_path, speculative_config=ngram, swap_space=0.01,
+                           preemption_mode="swap")  # fmt: skip
+    assert tiered.swap_space == 0.01 and tiered.speculative_config is not None
     draft = {"method": "draft_model", "model": str(tmp_path / "llama"), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="every layer slides"):
         engine_config(tmp_path, "mistral", speculative_config=draft)
