@@ -318,8 +318,6 @@ class EngineConfig:
                 "speculative_config needs synchronous steps: async_scheduling=True cannot be "
                 "combined with it (leave async_scheduling unset or False)"
             )
-        if self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
         # Not built yet: a verify row's several positions in the LoRA step
         # plan, and a swapped or loading sequence's proposals.
         if self.enable_lora:
@@ -339,6 +337,11 @@ class EngineConfig:
                 raise ValueError(
                     f"speculative_config.model's vocabulary ({draft.vocab_size} tokens) does not "
                     f"match the target model's ({self.model_config.vocab_size})"
+                )
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "speculative_config method 'draft_model' is not supported with "
+                    "tensor_parallel_size > 1 yet; use 'ngram'"
                 )
 
     def _resolve_lengths(self) -> None:

@@ -209,11 +209,13 @@ def max_plan_words(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> i
     slices = max_seqs + max_tokens // 1024 + 1  # prompt-logprob slices of <= 1024 rows
     return (
         HEADER_WORDS
-        + 4 * max_tokens
+        + 3 * max_tokens  # input ids, positions, slot mapping
         + 2 * max_seqs
         + 1
         + max_seqs * max_blocks_per_seq
-        + max_seqs
+        # Logit rows: one per sampled sequence, or a verify step's every
+        # position of its proposals: at most one per token either way.
+        + max_tokens
         + 2 * slices
         + max_tokens  # LoRA slots
         + LORA_LOAD_BYTES // 8

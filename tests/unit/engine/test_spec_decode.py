@@ -267,13 +267,15 @@ def test_what_speculation_cannot_be_combined_with_is_refused(tmp_path):
     assert "speculative_config" in config.to_json()
     with pytest.raises(ValueError, match="async_scheduling=True cannot be combined"):
         engine_config(tmp_path, speculative_config=ngram, async_scheduling=True)
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
-        engine_config(tmp_path, speculative_config=ngram, tensor_parallel_size=2)
+    # Under tensor parallelism: n-gram; a draft model not yet.
+    assert engine_config(tmp_path, speculative_config=ngram, tensor_parallel_size=2)
+    draft = {"method": "draft_model", "model": str(tmp_path / "llama"), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="'draft_model' is not supported with tensor_parallel"):
+        engine_config(tmp_path, speculative_config=draft, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="not supported with enable_lora"):
         engine_config(tmp_path, speculative_config=ngram, enable_lora=True)
     with pytest.raises(ValueError, match="not supported with swap_space"):
         engine_config(tmp_path, speculative_config=ngram, swap_space=0.01)
-    draft = {"method": "draft_model", "model": str(tmp_path / "llama"), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="every layer slides"):
         engine_config(tmp_path, "mistral", speculative_config=draft)
 
