@@ -4,10 +4,15 @@ A tiny random Llama whose 12 heads and 6 KV heads split over 2 and 3 ranks:
 n-gram proposals at TP = 2 give TP = 1's greedy tokens (without speculation,
 and HF transformers') and seeded samples (with and without speculation), with
 proposals kept; at TP = 3 under a pool small enough to preempt, still
-transformers' tokens.
+transformers' tokens. A draft model sharded over the target's two ranks (each
+rank runs its part of every draft forward, planned by rank 0), its catch-up
+over the prompts cut to the step budget, gives TP = 1's greedy tokens and,
+with its sampled proposals, TP = 1's seeded samples.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 
@@ -130,3 +135,47 @@ def test_tp3_ngram_under_preemption_equals_tp1_and_transformers(model, plain):
         assert_idle(small)
     finally:
         small.llm_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def perturbed(model, tmp_path_factory):
+    """The model with noise on its MLPs: a draft that mostly agrees."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("perturbed-12-heads")
+    shutil.copytree(model[0], out, dirs_exist_ok=True)
+    tensors = load_file(str(out / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    for name, t in tensors.items():
+        if "mlp" in name:
+            t += 0.5 * t.std() * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def test_tp2_draft_model_equals_tp1_greedy_and_seeded(model, perturbed, plain):
+    draft = {"method": "draft_model", "model": str(perturbed), "num_speculative_tokens": 3}
+    # The draft's first forward for a sequence catches up over its whole
+    # prompt: 460 tokens here, more than the hand-off channel of a 16-token
+    # step budget holds, so it runs as several forwards of the budget.
+    prompts = PROMPTS + [{"prompt_token_ids": [(7 * i) % 97 for i in range(460)]}]
+    budget = dict(max_num_batched_tokens=16, max_num_seqs=4)
+    one = make_llm(model[0], spec=draft, **budget)
+    two = make_llm(model[0], tp=2, spec=draft, **budget)
+    try:
+        greedy = GREEDY.clone(logprobs=None)
+        want = tokens(plain.generate(prompts, greedy, use_tqdm=False))
+        assert tokens(two.generate(prompts, greedy, use_tqdm=False)) == want
+        stats = two.llm_engine.stats().spec_decode
+        assert 0.0 < stats.acceptance_rate < 1.0  # some kept, some rejected
+        seeded = [
+            SamplingParams(temperature=1.0, seed=5 + i, max_tokens=16, ignore_eos=True)
+            for i in range(len(PROMPTS))
+        ]
+        got = tokens(two.generate(PROMPTS, seeded, use_tqdm=False))
+        assert got == tokens(one.generate(PROMPTS, seeded, use_tqdm=False))
+        assert len({tuple(t) for t in got}) > 1
+        assert_idle(two)
+    finally:
+        two.llm_engine.shutdown()

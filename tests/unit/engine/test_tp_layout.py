@@ -11,6 +11,7 @@ from engine.lora.request import LoRARequest
 from engine.parallel.handoff import (
     LORA_LOAD_BYTES,
     Logits,
+    Op,
     StepPlan,
     decode,
     encode,
@@ -118,7 +119,7 @@ def test_a_decode_plan_without_extras_round_trips():
     assert got.prompt_slices == [] and got.host.input_ids.tolist() == [2, 5]
 
 
-def test_a_verify_plan_fits_the_channel_and_round_trips():
+def test_a_verify_and_a_draft_plan_fit_the_channel_and_round_trip():
     # Two sequences verifying three proposed tokens each: every position gives
     # logits, more rows than sequences; the channel is sized by tokens.
     host = host_inputs([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], [1, 1], [4, 4], [[0], [1]], 16)
@@ -133,3 +134,10 @@ def test_a_verify_plan_fits_the_channel_and_round_trips():
     assert len(header) + len(payload) <= max_plan_words(8, 2, 1)
     header, payload = encode(verify)
     assert decode(header, payload).logit_rows.tolist() == rows.tolist()
+    # A draft model's forward travels as its own op, the same words otherwise.
+    draft = StepPlan(host, logits=Logits.ROWS, logit_rows=np.array([3, 7]), draft=True)
+    header, payload = encode(draft)
+    assert header[0] == Op.DRAFT
+    got = decode(header, payload)
+    assert got.draft and not decode(*encode(verify)).draft
+    assert got.logit_rows.tolist() == [3, 7]
