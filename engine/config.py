@@ -67,6 +67,19 @@ _DTYPE_ALIASES = {
 }
 
 
+def _check_draft_split(draft: ModelArchConfig, size: int) -> None:
+    """The draft runs sharded over the target's ranks (vLLM's default draft
+    tensor-parallel size is the target's): it must split over as many."""
+    try:
+        TPLayout.for_model(draft, 0, size)
+    except ValueError as e:
+        raise ValueError(
+            f"speculative_config.model cannot run at tensor_parallel_size {size} ({e}); the "
+            "draft model runs with the target's tensor_parallel_size, so it must split over "
+            "as many ranks (or use method 'ngram')"
+        ) from e
+
+
 def _parse_enum(name: str, value: Any, enum_cls: type[enum.Enum]) -> Any:
     if isinstance(value, enum_cls):
         return value
@@ -314,8 +327,6 @@ class EngineConfig:
                 "speculative_config needs synchronous steps: async_scheduling=True cannot be "
                 "combined with it (leave async_scheduling unset or False)"
             )
-        if self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
         # Not built yet: a verify row's several positions in the LoRA step plan.
         if self.enable_lora:
             raise ValueError("speculative_config is not supported with enable_lora yet")
@@ -333,6 +344,7 @@ class EngineConfig:
                     f"speculative_config.model's vocabulary ({draft.vocab_size} tokens) does not "
                     f"match the target model's ({self.model_config.vocab_size})"
                 )
+            _check_draft_split(draft, self.tensor_parallel_size)
 
     def _resolve_lengths(self) -> None:
         limit = self.model_config.max_position_embeddings

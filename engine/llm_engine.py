@@ -457,7 +457,11 @@ class LLMEngine:
             self._in_flight = prev
             return outputs
         began = time.monotonic()
-        batch = self._schedule()
+        try:
+            batch = self._schedule()  # a draft model's forwards run on every rank
+        except Exception as e:
+            self._raise_if_a_rank_died(e)
+            raise
         scheduled_s = time.monotonic() - began
         # Penalties read the output ids on the host: such a step waits for the last.
         if prev is not None and (

@@ -212,6 +212,8 @@ class ModelRunner:
             config.attention_backend,
             config.seed if config.load_format is LoadFormat.DUMMY else None,
             config.seed,
+            config.max_num_batched_tokens,
+            self.tp,
         )
 
     def _decode_graphs(self) -> DecodeGraphs | None:
@@ -571,6 +573,9 @@ class ModelRunner:
         computes are its share of the all-gather; rank 0 samples). An observer
         this rank's worker extension installed learns of the step from rank 0's
         call before it, so it is asked with no batch."""
+        if plan.draft:  # a proposal's forward, between the target's steps
+            self.draft.follow(plan)
+            return
         if self.tier_copier is not None:  # rank 0 saw these loads land: so must this rank
             self.tier_copier.retire(until=plan.tier_landed)
         after_layer = None

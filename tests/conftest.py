@@ -184,12 +184,19 @@ TINY_CONFIGS = {
 MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
-def build_tiny_hf_model(kind: str, out_dir: Path, seed: int = 0, max_shard_size: str | None = None):
-    """A random HF model of a tiny shape, saved as safetensors; returns the HF model."""
+def build_tiny_hf_model(
+    kind: str,
+    out_dir: Path,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    overrides: dict | None = None,
+):
+    """A random HF model of a tiny shape (``overrides`` changing some of its
+    fields), saved as safetensors; returns the HF model."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    raw = dict(TINY_CONFIGS[kind])
+    raw = dict(TINY_CONFIGS[kind], **(overrides or {}))
     model_type = raw.pop("model_type")
     raw.pop("architectures")
     config = AutoConfig.for_model(model_type, **raw)

@@ -12,9 +12,13 @@ objects: a follower rebuilds the same ``HostInputs`` from the words.
 
 What stays on rank 0: sampling (the followers compute their share of the
 logits for the all-gather and drop the result), penalties, seeds, stop
-checks, block bookkeeping. Async-scheduled input ids (the previous step's
-samples, on rank 0's device only) reach the followers by a device broadcast
-of the step's input ids, after the header says ``patched``.
+checks, block bookkeeping, speculative decoding's acceptance (a verify
+step's plan is a step's: its inputs hold the proposed tokens, its logit rows
+every verified position; rejected positions' KV is never read again, so
+nothing is rolled back on the followers). A draft model's forward is planned
+the same way and sent as ``Op.DRAFT``. Async-scheduled input ids (the
+previous step's samples, on rank 0's device only) reach the followers by a
+device broadcast of the step's input ids, after the header says ``patched``.
 
 With a host tier each rank holds its own heads of every slot, and rank 0's
 bookkeeping decides the copies: each batch goes to the others as a message
@@ -47,6 +51,7 @@ class Op(IntEnum):
     STOP = 2  # rank 0 is shutting down: followers leave their loop
     CALL = 3  # a method of the followers' worker extension, between two steps
     TIER = 4  # a batch of host-tier copies (part of one, unless the header says last)
+    DRAFT = 5  # a STEP's plan for the draft model's forward (speculative decoding)
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,6 +88,9 @@ class StepPlan:
     lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
     # Host-tier copy batches rank 0 had retired (TierPlan.landed's count).
     tier_landed: int = 0
+    # The draft model's forward (engine/spec_decode/draft_model.py), not the
+    # target's: sent as Op.DRAFT, the same words otherwise.
+    draft: bool = False
 
 
 # op, num_tokens, num_seqs, table_width, patched, use_graph, logits,
@@ -127,7 +135,7 @@ def encode(plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
     )
     header = np.array(
         [
-            Op.STEP,
+            Op.DRAFT if plan.draft else Op.STEP,
             h.num_tokens,
             h.num_seqs,
             h.block_tables.shape[1],
@@ -147,7 +155,7 @@ def encode(plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
 
 
 def decode(header: np.ndarray, payload: np.ndarray) -> StepPlan:
-    (_, num_tokens, num_seqs, width, patched, use_graph, logits, num_rows, num_slices, _,
+    (op, num_tokens, num_seqs, width, patched, use_graph, logits, num_rows, num_slices, _,
      has_lora, lora_bytes, tier_landed) = (int(x) for x in header)  # fmt: skip
     cuts = np.cumsum(
         [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width, num_rows,
@@ -173,6 +181,7 @@ def decode(header: np.ndarray, payload: np.ndarray) -> StepPlan:
         logit_rows=rows if logits == Logits.ROWS else None,
         prompt_slices=[tuple(p) for p in slices.reshape(num_slices, 2).tolist()],
         tier_landed=tier_landed,
+        draft=op == Op.DRAFT,
     )
 
 
@@ -209,11 +218,13 @@ def max_plan_words(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> i
     slices = max_seqs + max_tokens // 1024 + 1  # prompt-logprob slices of <= 1024 rows
     return (
         HEADER_WORDS
-        + 4 * max_tokens
+        + 3 * max_tokens  # input ids, positions, slot mapping
         + 2 * max_seqs
         + 1
         + max_seqs * max_blocks_per_seq
-        + max_seqs
+        # Logit rows: one per sampled sequence, or a verify step's every
+        # position of its proposals: at most one per token either way.
+        + max_tokens
         + 2 * slices
         + max_tokens  # LoRA slots
         + LORA_LOAD_BYTES // 8
@@ -286,7 +297,7 @@ class Handoff:
             name_len, payload_len = int(header[1]), int(header[2])
             raw = payload.tobytes()
             return Call(raw[:name_len].decode(), raw[name_len : name_len + payload_len])
-        if header[0] != Op.STEP:
+        if header[0] not in (Op.STEP, Op.DRAFT):
             raise RuntimeError(f"tensor-parallel hand-off out of step: header {header.tolist()}")
         return decode(header, payload)
 

@@ -15,6 +15,12 @@ distribution (its logits at the request's temperature, within its
 allowed_token_ids), kept in ``proposal_probs`` for the verify step's
 rejection sampling (engine/spec_decode/rejection.py); a seeded request draws
 from a generator seeded by its seed and length, so it stays reproducible.
+Under tensor parallelism the draft is sharded over the target's ranks like
+the target; rank 0 proposes, and each forward's plan goes to the other ranks
+first (engine/parallel/handoff.py, ``Op.DRAFT``), which run their shard of it
+(``follow``). A forward runs at most the engine's step budget of tokens: a
+catch-up over several prompts (a decode node's remote prefills) is cut into
+pieces, which also bounds the channel's message.
 A shared prefix-cache block's draft KV is recomputed by every sequence that
 starts on it (a new sequence's draft starts at position 0): its target KV may
 have landed from a prefill node, which computes no draft KV.
@@ -32,9 +38,11 @@ from engine.models.config import ModelArchConfig
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.loader import init_dummy_weights, load_weights
 from engine.parallel.group import TPGroup
+from engine.parallel.handoff import Logits, StepPlan
 from engine.sequence import Sequence
 from engine.spec_decode.rejection import DraftProbs
-from engine.step_inputs import HostStaging, host_inputs, to_model_inputs
+from engine.step_inputs import HostInputs, HostStaging, host_inputs, to_model_inputs
+from engine.tp_layout import TPLayout
 
 # Sets the draft's random stream apart from the target sampler's.
 _DRAFT_STREAM = 0x5EED_D4AF
@@ -51,21 +59,27 @@ class DraftModel:
         backend: AttentionBackendName,
         dummy_weights_seed: int | None = None,
         seed: int = 0,
+        max_tokens: int = 8192,
+        tp: TPGroup | None = None,
     ) -> None:
-        """``seed``: the engine's, for unseeded requests' draws."""
+        """``seed``: the engine's, for unseeded requests' draws; ``max_tokens``:
+        the most tokens one forward runs (the engine's step budget); ``tp``:
+        the target's ranks, over which the draft is sharded the same way."""
         self.cfg = cfg = ModelArchConfig.from_dir(model_dir)
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.max_tokens = max_tokens
+        self.tp = tp if tp is not None else TPGroup.single(device)
+        self.layout = TPLayout.for_model(cfg, self.tp.rank, self.tp.size)
         backend_cls = select_backend(backend, device, dtype, cfg)
         self.attention_backend = backend_cls(
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.softmax_scale,
-            block_size,
+            self.layout.num_local_heads, self.layout.num_local_kv_heads, cfg.head_dim,
+            cfg.softmax_scale, block_size,
         )  # fmt: skip
         with torch.device(device), default_dtype(dtype):
             model = DecoderForCausalLM(
-                cfg, self.attention_backend, max_model_len, False, TPGroup.single(device),
-                triton_moe=False,
+                cfg, self.attention_backend, max_model_len, False, self.tp, triton_moe=False
             )  # fmt: skip
         if dummy_weights_seed is not None:  # the target has dummy weights: so has its draft
             init_dummy_weights(model, dummy_weights_seed)
@@ -91,7 +105,7 @@ class DraftModel:
             2
             * cfg.num_hidden_layers
             * self.block_size
-            * cfg.num_key_value_heads
+            * self.layout.num_local_kv_heads
             * (cfg.head_dim * elem)
         )
 
@@ -99,8 +113,8 @@ class DraftModel:
         cfg = self.cfg
         alloc = torch.zeros if self.device.type == "cuda" else torch.empty
         kv = alloc(
-            2, cfg.num_hidden_layers, num_blocks, self.block_size, cfg.num_key_value_heads,
-            cfg.head_dim, dtype=self.dtype, device=self.device,
+            2, cfg.num_hidden_layers, num_blocks, self.block_size,
+            self.layout.num_local_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device,
         )  # fmt: skip
         for i, attn in enumerate(self.model.attention_layers):
             attn.k_cache = kv[0, i]
@@ -139,11 +153,43 @@ class DraftModel:
     def _next_logits(
         self, token_lists: list[list[int]], starts: list[int], counts: list[int], tables
     ) -> torch.Tensor:
-        host = host_inputs(token_lists, starts, counts, tables, self.block_size)
-        last = host.query_start_loc[1:] - 1
-        inputs, (rows,) = to_model_inputs(host, self.staging, [last.astype(np.int64)])
+        """Each sequence's logits after its ``counts[i]`` tokens from
+        ``starts[i]``, in forwards of at most ``max_tokens`` tokens: a
+        catch-up over whole prompts may hold more than a step does (and than
+        the hand-off channel to the other ranks is sized for)."""
+        last_of: dict[int, torch.Tensor] = {}
+        for pieces in pack_pieces(counts, self.max_tokens):
+            host = host_inputs(
+                [token_lists[i] for i, _, _ in pieces],
+                [starts[i] + offset for i, offset, _ in pieces],
+                [n for _, _, n in pieces],
+                [tables[i] for i, _, _ in pieces],
+                self.block_size,
+            )
+            logits = self._forward(host)
+            for row, (i, offset, n) in enumerate(pieces):
+                if offset + n == counts[i]:  # the sequence's last piece
+                    last_of[i] = logits[row]
+        return torch.stack([last_of[i] for i in range(len(counts))]).float()
+
+    def _forward(self, host: HostInputs) -> torch.Tensor:
+        """The logits at each sequence's last token of ``host``. Rank 0 of a
+        tensor-parallel engine first sends the forward's plan to the others,
+        which run their shard of it (``follow``)."""
+        last = (host.query_start_loc[1:] - 1).astype(np.int64)
+        if self.tp.size > 1:
+            self.tp.handoff.send(StepPlan(host, logits=Logits.ROWS, logit_rows=last, draft=True))
+        inputs, (rows,) = to_model_inputs(host, self.staging, [last])
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        return self.model.compute_logits(hidden[rows]).float()
+        return self.model.compute_logits(hidden[rows])
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan) -> None:
+        """Ranks 1..t-1: rank 0's draft forward, for its collectives (the
+        logits computed are this rank's share of the all-gather)."""
+        inputs, (rows,) = to_model_inputs(plan.host, self.staging, [plan.logit_rows])
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        self.model.compute_logits(hidden[rows])
 
     def _choose(
         self,
@@ -210,3 +256,25 @@ class DraftModel:
         mixed = (seq.params.seed * 1_000_003 + len(seq.token_ids)) ^ _DRAFT_STREAM
         gen.manual_seed(mixed & 0xFFFF_FFFF_FFFF)
         return gen
+
+
+def pack_pieces(counts: list[int], budget: int) -> list[list[tuple[int, int, int]]]:
+    """Sequence ``i``'s ``counts[i]`` tokens as ``(i, offset, count)`` pieces,
+    in order, packed into forwards of at most ``budget`` tokens (a sequence
+    longer than the room left is split, like a chunked prefill)."""
+    forwards: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    room = budget
+    for i, n in enumerate(counts):
+        done = 0
+        while done < n:
+            take = min(n - done, room)
+            current.append((i, done, take))
+            done += take
+            room -= take
+            if room == 0:
+                forwards.append(current)
+                current, room = [], budget
+    if current:
+        forwards.append(current)
+    return forwards

@@ -261,21 +261,34 @@ def engine_config(tmp_path, kind="llama", **kwargs):
 
 
 def test_what_speculation_cannot_be_combined_with_is_refused(tmp_path):
+    from tests.conftest import TINY_CONFIGS, write_config_dir
+
     ngram = {"method": "ngram", "num_speculative_tokens": 2}
     config = engine_config(tmp_path, speculative_config=ngram)
     assert config.speculative_config.method is SpeculativeMethod.NGRAM
     assert "speculative_config" in config.to_json()
     with pytest.raises(ValueError, match="async_scheduling=True cannot be combined"):
         engine_config(tmp_path, speculative_config=ngram, async_scheduling=True)
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
-        engine_config(tmp_path, speculative_config=ngram, tensor_parallel_size=2)
+    # Under tensor parallelism: n-gram, and a draft that splits over the same ranks.
+    assert engine_config(tmp_path, speculative_config=ngram, tensor_parallel_size=2)
+    draft = {"method": "draft_model", "model": str(tmp_path / "llama"), "num_speculative_tokens": 2}
+    assert engine_config(tmp_path, speculative_config=draft, tensor_parallel_size=2)
+    one_head = write_config_dir(
+        tmp_path / "one-head",
+        dict(TINY_CONFIGS["llama"], num_attention_heads=1, num_key_value_heads=1),
+    )
+    with pytest.raises(ValueError, match="runs with the target's tensor_parallel_size"):
+        engine_config(
+            tmp_path,
+            speculative_config=dict(draft, model=str(one_head)),
+            tensor_parallel_size=2,
+        )
     with pytest.raises(ValueError, match="not supported with enable_lora"):
         engine_config(tmp_path, speculative_config=ngram, enable_lora=True)
     # With a host tier (and swap preemption) it is served: tests/engine/test_host_tier.py.
     tiered = engine_config(tmp_path, speculative_config=ngram, swap_space=0.01,
                            preemption_mode="swap")  # fmt: skip
     assert tiered.swap_space == 0.01 and tiered.speculative_config is not None
-    draft = {"method": "draft_model", "model": str(tmp_path / "llama"), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="every layer slides"):
         engine_config(tmp_path, "mistral", speculative_config=draft)
 
@@ -287,3 +300,14 @@ def test_verifying_rows_follow_the_plain_decodes():
     batch = sched.schedule()
     assert batch.seqs == [seqs[1], seqs[2], seqs[0]]
     assert batch.num_new_tokens == [1, 1, 3]
+
+
+def test_a_draft_catch_up_is_cut_into_forwards_of_the_step_budget():
+    from engine.spec_decode.draft_model import pack_pieces
+
+    # One forward while it fits (the usual case).
+    assert pack_pieces([3, 1, 2], 8) == [[(0, 0, 3), (1, 0, 1), (2, 0, 2)]]
+    # Whole prompts beyond the budget: split in order, a long one over several.
+    got = pack_pieces([5, 12, 1], 8)
+    assert got == [[(0, 0, 5), (1, 0, 3)], [(1, 3, 8)], [(1, 11, 1), (2, 0, 1)]]
+    assert all(sum(n for _, _, n in f) <= 8 for f in got)

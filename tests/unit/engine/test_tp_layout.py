@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
-from engine.parallel.handoff import Logits, StepPlan, decode, encode
+from engine.lora.request import LoRARequest
+from engine.parallel.handoff import (
+    LORA_LOAD_BYTES,
+    Logits,
+    Op,
+    StepPlan,
+    decode,
+    encode,
+    max_plan_words,
+)
 from engine.step_inputs import host_inputs
 from engine.tp_layout import TPLayout, check_tensor_parallel_size
 
@@ -106,3 +117,27 @@ def test_a_decode_plan_without_extras_round_trips():
     got = decode(*encode(StepPlan(host, use_graph=True, logits=Logits.ALL)))
     assert got.logits is Logits.ALL and got.logit_rows is None and got.use_graph
     assert got.prompt_slices == [] and got.host.input_ids.tolist() == [2, 5]
+
+
+def test_a_verify_and_a_draft_plan_fit_the_channel_and_round_trip():
+    # Two sequences verifying three proposed tokens each: every position gives
+    # logits, more rows than sequences; the channel is sized by tokens.
+    host = host_inputs([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], [1, 1], [4, 4], [[0], [1]], 16)
+    rows = np.arange(8, dtype=np.int64)
+    verify = StepPlan(host, logits=Logits.ROWS, logit_rows=rows)
+    # Every other part at its bound too: prompt slices, LoRA slots and loads.
+    full = StepPlan(host, logits=Logits.ROWS, logit_rows=rows, prompt_slices=[(0, 1)] * 3)
+    full.lora_slots = np.zeros(8, dtype=np.int32)
+    empty = len(json.dumps([[0, "a", 1, ""]]))
+    full.lora_loads = [(0, LoRARequest("a", 1, "p" * (LORA_LOAD_BYTES - empty)))]
+    header, payload = encode(full)
+    assert len(header) + len(payload) <= max_plan_words(8, 2, 1)
+    header, payload = encode(verify)
+    assert decode(header, payload).logit_rows.tolist() == rows.tolist()
+    # A draft model's forward travels as its own op, the same words otherwise.
+    draft = StepPlan(host, logits=Logits.ROWS, logit_rows=np.array([3, 7]), draft=True)
+    header, payload = encode(draft)
+    assert header[0] == Op.DRAFT
+    got = decode(header, payload)
+    assert got.draft and not decode(*encode(verify)).draft
+    assert got.logit_rows.tolist() == [3, 7]
