@@ -320,10 +320,10 @@ class EngineConfig:
             )
         if self.tensor_parallel_size > 1:
             raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
-        # Not built yet: a verify row's several positions in the LoRA step
-        # plan, and a swapped or loading sequence's proposals.
-        if self.enable_lora:
-            raise ValueError("speculative_config is not supported with enable_lora yet")
+        # With enable_lora a verify row's 1 + k positions all carry the
+        # sequence's adapter (LoRAManager.plan_step); a draft model proposes
+        # without it (docs/engine.md). Not built yet: a swapped or loading
+        # sequence's proposals.
         if self.swap_space:
             raise ValueError("speculative_config is not supported with swap_space yet")
         if spec.method is SpeculativeMethod.DRAFT_MODEL:

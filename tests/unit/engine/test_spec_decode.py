@@ -269,11 +269,12 @@ def test_what_speculation_cannot_be_combined_with_is_refused(tmp_path):
         engine_config(tmp_path, speculative_config=ngram, async_scheduling=True)
     with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
         engine_config(tmp_path, speculative_config=ngram, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="not supported with enable_lora"):
-        engine_config(tmp_path, speculative_config=ngram, enable_lora=True)
+    # LoRA combines with either method (the draft proposes without the adapter).
+    assert engine_config(tmp_path, speculative_config=ngram, enable_lora=True).enable_lora
     with pytest.raises(ValueError, match="not supported with swap_space"):
         engine_config(tmp_path, speculative_config=ngram, swap_space=0.01)
     draft = {"method": "draft_model", "model": str(tmp_path / "llama"), "num_speculative_tokens": 2}
+    assert engine_config(tmp_path, speculative_config=draft, enable_lora=True).enable_lora
     with pytest.raises(ValueError, match="every layer slides"):
         engine_config(tmp_path, "mistral", speculative_config=draft)
 
