@@ -327,9 +327,9 @@ class EngineConfig:
                 "speculative_config needs synchronous steps: async_scheduling=True cannot be "
                 "combined with it (leave async_scheduling unset or False)"
             )
-        # Not built yet: a verify row's several positions in the LoRA step plan.
-        if self.enable_lora:
-            raise ValueError("speculative_config is not supported with enable_lora yet")
+        # With enable_lora a verify row's 1 + k positions all carry the
+        # sequence's adapter (LoRAManager.plan_step); a draft model proposes
+        # without it (docs/engine.md).
         if spec.method is SpeculativeMethod.DRAFT_MODEL:
             if self.model_config.freeing_window is not None:
                 # Its blocks behind the window are freed; the draft's catch-up

@@ -526,6 +526,9 @@ class ModelRunner:
         inputs, extra_dev = to_model_inputs(plan.host, self.staging, extra)
         # The graphs hold the LoRA products only where the Triton kernels run
         # (they read each token's slot from a buffer: engine/lora/manager.py).
+        # A verify step (several query positions per sequence) never replays a
+        # decode graph, which is captured for one position per row; piecewise
+        # graphs are row-wise and read one slot per token, 1 + k per verify row.
         graphs_ok = plan.lora_slots is None or self.lora.in_graphs
         if self.tp.is_driver:
             plan.tier_landed = self.tier_copier.num_retired if self.tier_copier else 0

@@ -347,7 +347,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--speculative-config",
         default=None,
         help="the decode nodes' speculative decoding, vLLM's JSON form (docs/engine.md), "
-        'e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+        'e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; every decode node alike '
+        "(a mixed cluster: start the decode nodes with `pdserve decode`, each with its own)",
     )
     up.add_argument(
         "--cpu-threads",

@@ -181,7 +181,12 @@ class LoRAManager:
     ) -> None:
         """Fill the plan's per-token slots (int32, -1: none; None when no
         sequence has an adapter) and the (slot, adapter) copies the step needs
-        first (``begin_step``, on every rank)."""
+        first (``begin_step``, on every rank).
+
+        ``num_new``: each sequence's query positions in the step. A verifying
+        sequence's count is ``1 + k`` (its last token and its proposal: the
+        scheduler's ``num_new_tokens``), so all of them carry its adapter and
+        every position the verify samples is the adapted model's."""
         if all(r is None for r in requests):
             return
         seq_slots = np.full(len(requests), -1, dtype=np.int32)

@@ -283,8 +283,9 @@ def test_what_speculation_cannot_be_combined_with_is_refused(tmp_path):
             speculative_config=dict(draft, model=str(one_head)),
             tensor_parallel_size=2,
         )
-    with pytest.raises(ValueError, match="not supported with enable_lora"):
-        engine_config(tmp_path, speculative_config=ngram, enable_lora=True)
+    # LoRA combines with either method (the draft proposes without the adapter).
+    assert engine_config(tmp_path, speculative_config=ngram, enable_lora=True).enable_lora
+    assert engine_config(tmp_path, speculative_config=draft, enable_lora=True).enable_lora
     # With a host tier (and swap preemption) it is served: tests/engine/test_host_tier.py.
     tiered = engine_config(tmp_path, speculative_config=ngram, swap_space=0.01,
                            preemption_mode="swap")  # fmt: skip
