@@ -45,3 +45,21 @@ def assert_idle(llm) -> None:
     bm = engine.block_manager
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def perturbed_copy(model_dir, out):
+    """A copy of ``model_dir`` in ``out`` with noise on its MLPs: a draft model
+    that mostly agrees with the original (fixed seed)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out, dirs_exist_ok=True)
+    tensors = load_file(str(out / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    for name, t in tensors.items():
+        if "mlp" in name:
+            t += 0.5 * t.std() * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out

@@ -17,7 +17,7 @@ from itertools import pairwise
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.conftest import assert_idle
+from tests.engine.conftest import assert_idle, perturbed_copy
 from tests.engine.test_disaggregation import disaggregated
 
 # Text the model is asked to repeat: prompt lookup finds its continuation.
@@ -267,20 +267,7 @@ def draft_llm(target_dir, draft_dir, k=3):
 @pytest.fixture(scope="module")
 def perturbed_dir(tiny_llama_dir, tmp_path_factory):
     """The tiny model with noise on its MLPs: a draft that mostly agrees."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    out = tmp_path_factory.mktemp("perturbed")
-    shutil.copytree(tiny_llama_dir, out, dirs_exist_ok=True)
-    tensors = load_file(str(out / "model.safetensors"))
-    gen = torch.Generator().manual_seed(0)
-    for name, t in tensors.items():
-        if "mlp" in name:
-            t += 0.5 * t.std() * torch.randn(t.shape, generator=gen, dtype=t.dtype)
-    save_file(tensors, str(out / "model.safetensors"))
-    return out
+    return perturbed_copy(tiny_llama_dir, tmp_path_factory.mktemp("perturbed"))
 
 
 def test_draft_model_greedy_equals_non_speculative(tiny_pair, tiny_llama_dir, perturbed_dir):

@@ -12,13 +12,11 @@ with its sampled proposals, TP = 1's seeded samples.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from engine import LLM, SamplingParams
 from tests.conftest import build_tiny_hf_model, hf_greedy_ids
-from tests.engine.conftest import assert_idle
+from tests.engine.conftest import assert_idle, perturbed_copy
 
 # Splits over 2 ranks (3 KV heads each) and 3 (2 each); the vocabulary over
 # 3 leaves the last shard padded.
@@ -140,18 +138,7 @@ def test_tp3_ngram_under_preemption_equals_tp1_and_transformers(model, plain):
 @pytest.fixture(scope="module")
 def perturbed(model, tmp_path_factory):
     """The model with noise on its MLPs: a draft that mostly agrees."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    out = tmp_path_factory.mktemp("perturbed-12-heads")
-    shutil.copytree(model[0], out, dirs_exist_ok=True)
-    tensors = load_file(str(out / "model.safetensors"))
-    gen = torch.Generator().manual_seed(0)
-    for name, t in tensors.items():
-        if "mlp" in name:
-            t += 0.5 * t.std() * torch.randn(t.shape, generator=gen, dtype=t.dtype)
-    save_file(tensors, str(out / "model.safetensors"))
-    return out
+    return perturbed_copy(model[0], tmp_path_factory.mktemp("perturbed-12-heads"))
 
 
 def test_tp2_draft_model_equals_tp1_greedy_and_seeded(model, perturbed, plain):

@@ -121,6 +121,14 @@ def run_step(sched: Scheduler, tier: HostTier):
     return batch, copies
 
 
+def land_copies(sched: Scheduler, tier: HostTier) -> None:
+    """The copies queued so far land; the loads among them are done."""
+    loads = sched.take_new_loads()
+    tier.copies_issued(copies := tier.take_copies())
+    tier.landed(copies)
+    sched.loads_done(loads)
+
+
 def finish_all(sched: Scheduler) -> None:
     for seq in list(sched.running):
         sched.finish(seq, FinishReason.STOP)
@@ -216,10 +224,7 @@ def test_a_sequence_aborted_while_loading_frees_its_blocks_when_the_copies_land(
     assert b.status is SequenceStatus.LOADING
     sched.finish(b, FinishReason.ABORT)
     assert b.block_table  # the copies still write them
-    loads = sched.take_new_loads()
-    tier.copies_issued(copies := tier.take_copies())
-    tier.landed(copies)
-    sched.loads_done(loads)
+    land_copies(sched, tier)
     assert not sched.has_unfinished() and sched.block_manager.num_free_blocks == 6
     assert tier.num_free_slots == 8
 
@@ -255,10 +260,7 @@ def test_a_swapped_lora_sequence_gives_its_slot_up_and_takes_it_again_to_load():
     assert lora_slots.users(1) == 1
     sched.finish(b, FinishReason.ABORT)
     assert lora_slots.users(1) == 0
-    loads = sched.take_new_loads()
-    tier.copies_issued(copies := tier.take_copies())
-    tier.landed(copies)
-    sched.loads_done(loads)
+    land_copies(sched, tier)
     assert not sched.has_unfinished() and sched.block_manager.num_free_blocks == 6
     assert tier.num_free_slots == 8
 
