@@ -146,7 +146,8 @@ def test_the_engine_thread_blocks_while_reservations_hold_the_room(tiny, prefill
             thread.call(lambda e, i=i: e.reserve_request(f"r{i}", prompts[i], GREEDY)).result(10)
             for i in range(2)
         ]
-        thread.add("local", got.put, lambda e: e.add_request("local", prompts[2], GREEDY))
+        added = thread.add("local", got.put, lambda e: e.add_request("local", prompts[2], GREEDY))
+        added.result(10)
         deadline = time.monotonic() + 10
         while not (thread.idle and d.scheduler.stats.num_steps):
             assert time.monotonic() < deadline and thread.alive
