@@ -147,6 +147,8 @@ class LLMEngine:
         self._penalised: set[str] = set()
         # Async scheduling: the launched step whose samples the host has not read.
         self._in_flight: InFlightStep | None = None
+        # Scheduler.num_changes when a step found it must wait for room (``_idle_step``).
+        self._room_wait: int | None = None
         self._plan_steps(config, on_cuda)
         self.step_log = StepLog()  # tokens and the device's wait for host work, per step
 
@@ -425,14 +427,23 @@ class LLMEngine:
         return bool(self.requests or self._aborted)
 
     def has_work(self) -> bool:
-        """Whether ``step`` would do anything (reserved requests wait for their KV)."""
+        """Whether ``step`` would do anything (reserved requests wait for their
+        KV; so do requests that need the room reservations hold)."""
         return bool(
             self._aborted
             or self._touched
             or self._in_flight is not None
-            or self.scheduler.has_unfinished()
-            or (self.tier_transfers is not None and self.tier_transfers.busy)
+            or (self.scheduler.has_unfinished() and not self._waiting_for_room())
+            or self._copies_in_flight()
         )
+
+    def _waiting_for_room(self) -> bool:
+        """What is pending needs room that reservations or held blocks hold,
+        and nothing changed since a step found so (``Scheduler.waits_for_room``)."""
+        return self._room_wait == self.scheduler.num_changes
+
+    def _copies_in_flight(self) -> bool:
+        return self.tier_transfers is not None and self.tier_transfers.busy
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -453,7 +464,7 @@ class LLMEngine:
         self._fail_grammars()  # and start the matchers of compiled ones
         outputs = self.take_outputs()  # now, not after another forward pass
         prev, self._in_flight = self._in_flight, None
-        if outputs or not (self.scheduler.has_unfinished() or prev):
+        if outputs or not (self.scheduler.has_unfinished() or prev) or self._waiting_for_room():
             self._in_flight = prev
             return outputs
         began = time.monotonic()
@@ -473,12 +484,8 @@ class LLMEngine:
                 return outputs  # the next step schedules what this one's tokens allow
             prev = None
         if not batch.seqs:
-            if self.scheduler.loading:  # nothing else to run: wait for the copies
-                self._poll_tiers(wait=True)
-                return outputs
-            if batch.preempted or self.structured.idle_wait():
-                return outputs  # memory was reclaimed, or grammars compile
-            raise RuntimeError("the scheduler could not schedule any pending sequence")
+            return self._idle_step(batch, outputs)
+        self._room_wait = None
         # The launch's host time leaves out a wait for `prev` above (penalties).
         began = time.monotonic() - scheduled_s
         try:
@@ -504,6 +511,31 @@ class LLMEngine:
         else:
             outputs.extend(self._finish_step(step))
         return outputs
+
+    def _idle_step(
+        self, batch: ScheduledBatch, outputs: list[RequestOutput]
+    ) -> list[RequestOutput]:
+        """A step that scheduled nothing and has nothing in flight: wait for
+        what can end it, or fail where nothing can."""
+        # Loads, or swap-outs a swapped sequence must see land before it resumes.
+        if self.scheduler.loading or self._copies_in_flight():
+            self._poll_tiers(wait=True)
+            return outputs
+        if batch.preempted or self.structured.idle_wait():
+            return outputs  # memory was reclaimed, or grammars compile
+        if self.scheduler.waits_for_room():
+            # Reservations land or end (commit, abort: a lease ran out), held
+            # blocks are released: commands, not steps. Until the scheduler
+            # changes another step would find the same, so none runs
+            # (``has_work`` is False: the engine thread blocks on its commands).
+            self._room_wait = self.scheduler.num_changes
+            return outputs
+        sched, bm = self.scheduler, self.block_manager
+        raise RuntimeError(
+            "the scheduler could not schedule any pending sequence "
+            f"({len(sched.waiting)} waiting, {len(sched.swapped)} swapped, "
+            f"{len(sched.running)} running; {bm.num_free_blocks} of {bm.num_blocks} blocks free)"
+        )
 
     def _schedule(self) -> ScheduledBatch:
         """The next step's batch (with proposals to verify, and the host tier's

@@ -135,9 +135,15 @@ class Scheduler:
         self._new_loads: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.stats = SchedulerStats()
+        # Moves whenever a sequence joins, leaves or changes set from outside
+        # a step (add, reserve, commit, finish, release, loads landing): an
+        # engine waiting for room that reservations hold (``waits_for_room``)
+        # has nothing new to schedule until it does.
+        self.num_changes = 0
 
     # ------------------------------------------------------------ membership
     def add(self, seq: Sequence) -> None:
+        self.num_changes += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -148,11 +154,28 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading or self.swapped)
 
+    def waits_for_room(self) -> bool:
+        """Whether a step that scheduled nothing (no preemption, no load, no
+        grammar compiling) did so because reservations (decode node) or blocks
+        held for a transfer (prefill node) hold the room -- KV blocks, sequence
+        slots, adapter slots -- that the swapped or waiting sequences need.
+        Nothing runs or loads then, so once they leave the whole pool is free,
+        and every sequence fits an empty pool (the engine refuses a pool
+        smaller than max_model_len, and a prompt not shorter than it). They
+        leave through the node's commands (a commit, an abort when a lease
+        ends, a release), each a change (``num_changes``)."""
+        return bool(
+            (self.reserved or self.held)
+            and (self.waiting or self.swapped)
+            and not (self.running or self.loading)
+        )
+
     def finish(
         self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None
     ) -> None:
         """Mark a sequence finished and free its blocks at once (or hold them, for a
         prefill node's transfer, unless it was aborted)."""
+        self.num_changes += 1
         if seq.is_finished:
             if reason is FinishReason.ABORT:
                 self.release_held(seq)
@@ -198,6 +221,7 @@ class Scheduler:
 
     def release_held(self, seq: Sequence) -> None:
         if self.held.pop(seq.request_id, None) is not None:
+            self.num_changes += 1
             self.block_manager.free(seq)
 
     @property
@@ -228,6 +252,7 @@ class Scheduler:
         self.stats.prefix_cache_hit_tokens += num_prefix_tokens
         seq.status = SequenceStatus.RESERVED
         self.reserved[seq.seq_id] = seq
+        self.num_changes += 1
         return True
 
     def commit(self, seq: Sequence) -> None:
@@ -238,6 +263,7 @@ class Scheduler:
         blocks is host work on the request's time to first token
         (docs/lab/2026-11-27-inline-commands-decode-node.md)."""
         del self.reserved[seq.seq_id]
+        self.num_changes += 1
         seq.num_computed_tokens = seq.num_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -465,6 +491,7 @@ class Scheduler:
         """Their copies from the host tier have landed: they join the running
         batch, and the loaded blocks the device prefix cache; one finished
         meanwhile frees its blocks now."""
+        self.num_changes += 1
         for seq in seqs:
             del self.loading[seq.seq_id]
             if seq.status is SequenceStatus.FINISHED:

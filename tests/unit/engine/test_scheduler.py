@@ -313,3 +313,34 @@ def test_held_sequences_and_preemption_with_window_freeing():
     sched.block_manager.check_invariants()
     step(sched)  # recomputed whole, and freed again
     assert other.num_window_freed_blocks == 4
+
+
+def test_a_queue_behind_reservations_waits_for_room_and_changes_mark_its_end():
+    """Reserved blocks fill the pool and nothing runs: the waiting sequence
+    waits for room (``waits_for_room``), and what can end the wait (a commit,
+    an abort) moves ``num_changes``; a step does not."""
+    sched = make(num_blocks=8)
+    remote, local = make_seq(24, BS), make_seq(12, BS)  # 6 blocks, 3 blocks
+    assert not sched.waits_for_room()
+    assert sched.reserve(remote)
+    sched.add(local)
+    assert len(step(sched)) == 0 and list(sched.waiting) == [local]
+    assert sched.waits_for_room()
+    changes = sched.num_changes
+    step(sched)
+    assert sched.num_changes == changes  # nothing changed: the wait goes on
+    sched.finish(remote, FinishReason.ABORT)  # its lease ran out
+    assert sched.num_changes > changes and not sched.waits_for_room()
+    assert scheduled(step(sched)) == {local.seq_id: 12}
+    assert not sched.waits_for_room()  # it runs
+
+
+def test_a_waiting_queue_with_no_reservation_never_waits_for_room():
+    """Blocks short with nothing reserved or held: not a wait for room (the
+    engine reports that state as its failure)."""
+    sched = make(num_blocks=4)
+    leak = make_seq(12, BS, hashed=False)
+    assert sched.block_manager.allocate_slots(leak, 12)  # 3 blocks nobody frees
+    sched.add(make_seq(8, BS))
+    assert len(step(sched)) == 0
+    assert not sched.waits_for_room()
