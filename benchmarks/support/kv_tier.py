@@ -27,9 +27,9 @@ BLOCK_SIZE = 16  # tokens a KV block holds, set on every system alike
 
 # The GPU run's conversations (MultiTurnSpec's fields; ``--multi-turn`` changes
 # them): the longest (1024 + 6 x (320 + 128) tokens) fits max_model_len 4096;
-# 64 users keep four systems' sweeps of two rates within one device command.
+# 48 users keep four systems' sweeps of two rates within one device command.
 GPU_CONVERSATIONS = MultiTurnSpec(
-    users=64,
+    users=48,
     turns=6,
     systems=4,
     system_tokens=1024,
