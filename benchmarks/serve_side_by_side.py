@@ -25,6 +25,24 @@ against FP8, same run, one system after the other:
     python benchmarks/serve_side_by_side.py --systems pdserve pdserve-fp8 vllm-fp8 \
         --workloads random --no-grpc
 
+The host KV tier against none (``--workloads multi-turn``): every system's
+KV pool made small on purpose, the same number of blocks on each (pdserve's
+``--num-kvcache-blocks``, vLLM's ``--num-gpu-blocks-override``), so that the
+conversations' KV is ``--working-set-ratio`` pools (benchmarks/support/kv_tier.py
+computes it from the dataset and the shape's KV bytes a token);
+``pdserve-host-tier`` is pdserve with ``--swap-space`` holding it all,
+``vllm-offload`` vLLM with its OffloadingConnector of the same bytes. Before
+the servers start, the host's plain copy rate into the GPU (a pinned copy,
+CUDA events); after each pdserve system's sweeps, its node's host-tier
+counters. The summary sets TTFT p50 / p90 and goodput with the tier against
+without at each rate, and the tier's copy-in rate against the plain copy's:
+
+    python benchmarks/serve_side_by_side.py --workloads multi-turn \
+        --systems pdserve-host-tier pdserve vllm-offload vllm
+
+pdserve's multi-turn sweeps go over gRPC (the router's HTTP API does not
+return the replies' token ids that a next turn is made of).
+
 ``--loras N``: both servers start with N random rank-16 LoRA adapters
 (benchmarks/support/lora_adapters.py) and request i names the (i mod N)-th;
 the base model's figures are a run without it.
@@ -43,7 +61,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
@@ -51,9 +69,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import triton_cache_entries
 from benchmarks.serve_summary import plot_rounds, summarize
+from benchmarks.support.kv_tier import (
+    BLOCK_SIZE,
+    GiB,
+    WorkingSet,
+    bench_args,
+    copy_rate,
+    parse_spec,
+    tier_counters,
+    write_json,
+)
 from pdserve.redis_server import free_port
 
 SLO = "ttft:500,tpot:50"
+MAX_MODEL_LEN = 4096  # every server's
+MAX_LEN = ["--max-model-len", str(MAX_MODEL_LEN)]
 WORKLOADS = {
     "random": ["--dataset", "random", "--random-input-len", "1024", "--random-output-len", "128"],
     "shared-prefix": ["--dataset", "shared-prefix", "--shared-prefix-groups", "8"]
@@ -65,9 +95,13 @@ WORKLOADS = {
 # and `vllm serve`'s, the same names (vLLM's).
 FP8_FLAGS = ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]
 
+# multi-turn: conversations outgrowing a KV pool made small on purpose
+# (benchmarks/support/kv_tier.py); its flags come from ``--multi-turn``.
+MULTI_TURN = "multi-turn"
+
 # Added to a sweep's prompt seed, apart enough that no seed of one workload
 # (rounds x 10,000 + 1,000 + a rate's index) is another's.
-WORKLOAD_SEEDS = {"random": 0, "shared-prefix": 5_000_000}
+WORKLOAD_SEEDS = {"random": 0, "shared-prefix": 5_000_000, MULTI_TURN: 10_000_000}
 # A round's prompt seeds are round x ROUND_SEEDS, past any sweep's own (1,000).
 ROUND_SEEDS = 10_000
 
@@ -129,7 +163,7 @@ def bench(
     seed += WORKLOAD_SEEDS[workload]
     rates = args.rates[workload]
     cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--label", label, *target]
-    cmd += [*WORKLOADS[workload], "--num-prompts", str(args.num_prompts), "--ignore-eos"]
+    cmd += [*args.workload_args[workload], "--num-prompts", str(args.num_prompts), "--ignore-eos"]
     cmd += ["--model-dir", str(args.model_dir), "--request-rate", *rates, "--slo", SLO]
     cmd += ["--num-warmups", "8", "--seed", str(seed), "--arrival-seed", "0"]
     cmd += ["--result-dir", str(out), "--no-progress"]
@@ -182,25 +216,40 @@ class Sweep:
     probe_at: tuple[str, int] | None = None
 
 
+def pdserve_http(args, name: str) -> bool:
+    """Whether pdserve gets an HTTP sweep: ``--http``, a router that serves
+    HTTP, and not multi-turn, whose turns need each reply's token ids, which
+    the router's HTTP API does not return (return_token_ids): gRPC only then."""
+    if not args.http:
+        return False
+    if MULTI_TURN in args.workloads:
+        log(f"{name}: {MULTI_TURN} over gRPC only (the router's HTTP API has no return_token_ids)")
+        return False
+    help_text = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "router", "--help"], capture_output=True, text=True
+    ).stdout
+    if "--http-port" not in help_text:
+        log("pdserve's router has no --http-port yet: HTTP sweep skipped")
+    return "--http-port" in help_text
+
+
 @contextlib.contextmanager
 def pdserve_up(
-    args, out: Path, name: str = "pdserve", flags: tuple[str, ...] = ()
+    args, out: Path, name: str = "pdserve", flags: tuple[str, ...] = (), host_tier: bool = False
 ) -> Iterator[list[Sweep]]:
     """pdserve, one decode node that prefills locally (with ``flags`` added to
-    its engine's); its HTTP and gRPC sweeps, labelled ``name``-http and -grpc."""
+    its engine's, and ``host_tier``: a host KV tier of ``args.host_tier_gib``);
+    its HTTP and gRPC sweeps, labelled ``name``-http and -grpc. Once swept, the
+    node's host-tier counters go to ``host-tier-NAME.json`` (all 0 without a
+    tier): what the summary reads the tier's hits and copy-in rate from."""
     from pdserve.launcher import ClusterSpec, LocalCluster
 
-    has_http = args.http and (
-        "--http-port"
-        in subprocess.run(
-            [sys.executable, "-m", "pdserve.cli", "router", "--help"],
-            capture_output=True,
-            text=True,
-        ).stdout
-    )
+    multi_turn = MULTI_TURN in args.workloads
+    has_http = pdserve_http(args, name)
     http_port = free_port()
-    engine = ["--load-format", "dummy", "--skip-tokenizer-init", "--max-model-len", "4096"]
+    engine = ["--load-format", "dummy", "--skip-tokenizer-init", *MAX_LEN]
     engine += [*args.pdserve_engine_args.split(), *flags, *args.lora_server_args]
+    engine += [*args.pool_args["pdserve"], *(tier_args(args) if host_tier else [])]
     spec = ClusterSpec(
         model=str(args.model_dir),
         num_prefill=0,
@@ -208,7 +257,7 @@ def pdserve_up(
         port=free_port(),
         admin_port=free_port(),
         engine_args=engine,
-        router_args=["--skip-tokenizer-init", "--no-remote-prefill", "--max-model-len", "4096"]
+        router_args=["--skip-tokenizer-init", "--no-remote-prefill", *MAX_LEN]
         + (["--http-port", str(http_port)] if has_http else []),
         start_timeout_s=args.start_timeout,
         log_dir=str(out / f"logs-{name}"),
@@ -222,31 +271,25 @@ def pdserve_up(
             url = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{http_port}"]
             probe_at = (cluster.router_address, http_port) if args.probe else None
             sweeps.append(Sweep(f"{name}-http", url + scrape, probe_at=probe_at))
-        else:
-            log("pdserve's router has no --http-port yet: HTTP sweep skipped")
-        if args.grpc:
+        if args.grpc or multi_turn:
             grpc = ["--backend", "grpc", "--address", cluster.router_address, *scrape]
             sweeps.append(Sweep(f"{name}-grpc", grpc, seed=1000))
         yield sweeps
+        if decode.metrics_url is not None:
+            counters = tier_counters(decode.metrics_url)
+            write_json(out / f"host-tier-{name}.json", counters)
+            log(f"{name}: host tier {counters}")
 
 
 @contextlib.contextmanager
 def vllm_up(
-    args, out: Path, name: str = "vllm", flags: tuple[str, ...] = ()
+    args, out: Path, name: str = "vllm", flags: tuple[str, ...] = (), offload: bool = False
 ) -> Iterator[list[Sweep]]:
-    """`vllm serve` on the same config (``flags`` added), its process group
-    stopped on any exit; its sweep labelled ``name``."""
+    """`vllm serve` on the same config (``flags`` added, and ``offload``: its
+    CPU KV offloading, ``vllm_offload_args``), its process group stopped on
+    any exit; its sweep labelled ``name``."""
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(args.model_dir),
-    ]
-    cmd += ["--served-model-name", "dummy", "--load-format", "dummy", "--skip-tokenizer-init"]
-    cmd += ["--max-model-len", "4096", "--port", str(port), "--host", "127.0.0.1"]
-    cmd += [*args.vllm_args.split(), *flags, *args.lora_server_args]
+    cmd = vllm_command(args, port, [*flags, *(vllm_offload_args(args) if offload else [])])
     (out / f"logs-{name}").mkdir(parents=True, exist_ok=True)
     logf = open(out / f"logs-{name}" / "server.log", "w")  # noqa: SIM115 - lives with the process
     log("starting vLLM: " + " ".join(cmd))
@@ -270,11 +313,45 @@ def vllm_up(
         logf.close()
 
 
+def vllm_command(args, port: int, flags: list[str]) -> list[str]:
+    """`vllm serve`'s command line on the shape's config, ``flags`` added."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(args.model_dir),
+    ]
+    cmd += ["--served-model-name", "dummy", "--load-format", "dummy", "--skip-tokenizer-init"]
+    cmd += ["--max-model-len", str(MAX_MODEL_LEN), "--port", str(port), "--host", "127.0.0.1"]
+    cmd += [*args.vllm_args.split(), *args.pool_args["vllm"], *flags, *args.lora_server_args]
+    return cmd
+
+
+def tier_args(args) -> list[str]:
+    """pdserve's host KV tier: ``--host-tier-gib``, else what holds the
+    multi-turn working set."""
+    if args.host_tier_gib is None:
+        raise ValueError("a host-tier system needs --host-tier-gib or the multi-turn workload")
+    return ["--swap-space", str(args.host_tier_gib)]
+
+
+def vllm_offload_args(args) -> list[str]:
+    """vLLM's CPU KV offloading of the same size as pdserve's host tier: its
+    OffloadingConnector (CPU tier, LRU), in blocks of the pool's size."""
+    gib = tier_args(args)[1]
+    extra = {"cpu_bytes_to_use": int(float(gib) * GiB), "block_size": BLOCK_SIZE}
+    config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+    return ["--kv-transfer-config", json.dumps({**config, "kv_connector_extra_config": extra})]
+
+
 UP = {
     "pdserve": pdserve_up,
     "pdserve-fp8": partial(pdserve_up, name="pdserve-fp8", flags=tuple(FP8_FLAGS)),
     "vllm": vllm_up,
     "vllm-fp8": partial(vllm_up, name="vllm-fp8", flags=tuple(FP8_FLAGS)),
+    "pdserve-host-tier": partial(pdserve_up, name="pdserve-host-tier", host_tier=True),
+    "vllm-offload": partial(vllm_up, name="vllm-offload", offload=True),
 }
 
 
@@ -287,6 +364,35 @@ def lora_args(adapter_dirs: list[Path], rank: int) -> tuple[list[str], list[str]
     server += ["--max-lora-rank", str(rank), "--lora-modules"]
     server += [f"{name}={d}" for name, d in zip(names, adapter_dirs, strict=True)]
     return server, ["--lora-modules", *names]
+
+
+def size_multi_turn(args) -> None:
+    """The multi-turn workload's flags, and every system's KV pool made
+    ``--working-set-ratio`` times smaller than its conversations' KV (the same
+    blocks of BLOCK_SIZE tokens on each); the sizes to ``working-set.json``."""
+    if len(args.workloads) > 1:
+        raise ValueError(
+            f"{MULTI_TURN} makes every KV pool small on purpose: run it on its own "
+            f"(--workloads {MULTI_TURN}), not with {args.workloads}"
+        )
+    spec = parse_spec(args.multi_turn)
+    config = json.loads((args.model_dir / "config.json").read_text())
+    ws = WorkingSet.size(spec, config, args.working_set_ratio, MAX_MODEL_LEN)
+    args.workload_args[MULTI_TURN] = bench_args(spec)
+    blocks, size = str(ws.pool_blocks), str(BLOCK_SIZE)
+    args.pool_args = {
+        "pdserve": ["--num-kvcache-blocks", blocks, "--kvcache-block-size", size],
+        "vllm": ["--num-gpu-blocks-override", blocks, "--block-size", size],
+    }
+    if args.host_tier_gib is None:
+        args.host_tier_gib = ws.host_tier_gib
+    record = {"conversations": asdict(spec), **asdict(ws), "host_tier_gib_used": args.host_tier_gib}
+    write_json(args.out / "working-set.json", record)
+    log(
+        f"{MULTI_TURN}: working set {ws.tokens} tokens ({ws.bytes / GiB:.2f} GiB) over a pool "
+        f"of {ws.pool_blocks} blocks ({ws.pool_tokens} tokens): {ws.ratio}x; host tier "
+        f"{args.host_tier_gib} GiB"
+    )
 
 
 def run_in_turn(args) -> None:
@@ -338,9 +444,37 @@ def build_parser() -> argparse.ArgumentParser:
         default=["pdserve", "vllm"],
         help="-fp8: FP8 weights and KV cache (FP8_FLAGS)",
     )
-    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=[*WORKLOADS, MULTI_TURN],
+        default=list(WORKLOADS),
+        help=f"{MULTI_TURN}: on its own (it sizes every system's KV pool to its conversations)",
+    )
     p.add_argument("--random-rates", nargs="+", default=["4", "8", "16", "32", "64"])
     p.add_argument("--shared-prefix-rates", nargs="+", default=["8", "16", "32", "64"])
+    p.add_argument("--multi-turn-rates", nargs="+", default=["2", "6"])
+    p.add_argument(
+        "--multi-turn",
+        nargs="*",
+        default=[],
+        metavar="FIELD=N",
+        help="the conversations (MultiTurnSpec's fields) over kv_tier.GPU_CONVERSATIONS, "
+        "e.g. users=8 turns=3",
+    )
+    p.add_argument(
+        "--working-set-ratio",
+        type=float,
+        default=3.5,
+        help=f"{MULTI_TURN}: the conversations' KV over the pool every system gets",
+    )
+    p.add_argument(
+        "--host-tier-gib",
+        type=float,
+        default=None,
+        help="pdserve-host-tier's --swap-space and vllm-offload's CPU bytes (default: "
+        f"what holds the {MULTI_TURN} working set)",
+    )
     p.add_argument("--num-prompts", type=int, default=96, help="per rate (random)")
     p.add_argument("--start-timeout", type=float, default=300)
     p.add_argument("--sweep-timeout", type=float, default=400)
@@ -403,7 +537,30 @@ def build_parser() -> argparse.ArgumentParser:
     # What --loras adds to both servers' and the load generator's command
     # lines (main fills them once the adapters exist).
     p.set_defaults(lora_server_args=[], lora_bench_args=[])
+    # Each workload's flags, and the KV pool's on each server (the engines'
+    # own sizes; multi-turn sets them, prepare()).
+    p.set_defaults(workload_args=WORKLOADS, pool_args={"pdserve": [], "vllm": []})
     return p
+
+
+def prepare(args) -> None:
+    """What a run's servers and sweeps take from its arguments: the shape's
+    config under ``--out``, each workload's rates and flags, vLLM's memory
+    share, and (multi-turn) every system's KV pool and host tier."""
+    from engine.models.shapes import write_shape_dir
+
+    args.deadline = time.monotonic() + args.time_budget
+    if args.vllm_args is None:
+        share = 0.42 if args.interleave else 0.9
+        args.vllm_args = f"--gpu-memory-utilization {share} --max-num-seqs 256"
+    args.compiled = {}
+    args.rates = {"random": args.random_rates, "shared-prefix": args.shared_prefix_rates}
+    args.rates[MULTI_TURN] = args.multi_turn_rates
+    args.workload_args = dict(WORKLOADS)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.model_dir = write_shape_dir(args.shape, args.out / "model")
+    if MULTI_TURN in args.workloads:
+        size_multi_turn(args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -413,16 +570,12 @@ def main(argv: list[str] | None = None) -> None:
 
         print(plot_rounds([load_record(r) for r in args.plot_rounds], args.out))
         return
-    args.deadline = time.monotonic() + args.time_budget
-    if args.vllm_args is None:
-        share = 0.42 if args.interleave else 0.9
-        args.vllm_args = f"--gpu-memory-utilization {share} --max-num-seqs 256"
-    args.compiled = {}
-    args.rates = {"random": args.random_rates, "shared-prefix": args.shared_prefix_rates}
-    from engine.models.shapes import write_shape_dir
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.model_dir = write_shape_dir(args.shape, args.out / "model")
+    prepare(args)
+    if MULTI_TURN in args.workloads:
+        # Before any server holds the GPU: what the tier's copy-in rate is set against.
+        rate = copy_rate()
+        write_json(args.out / "copy-rate.json", rate)
+        log(f"host copy rate: {rate['bytes_per_s'] / 1e9:.2f} GB/s ({rate['how']})")
     # The adapters outside --out, whose files come back from the GPU host.
     with tempfile.TemporaryDirectory(prefix="lora-adapters-") as adapters:
         if args.loras:

@@ -126,7 +126,105 @@ def _rate_key(rate: str) -> float:
 TARGET_FIGURES = {
     "shared-prefix": ("TTFT p50 (ms), lower is better", lambda x: x["ttft_ms"]["p50"]),
     "random": ("goodput (req/s), higher is better", lambda x: x["goodput"] or 0.0),
+    "multi-turn": ("TTFT p50 (ms), lower is better", lambda x: x["ttft_ms"]["p50"]),
 }
+
+# The host KV tier's targets: TTFT p50 against the same server without a tier
+# at the same rate, and the tier's copy-in rate against the host's plain copy.
+TTFT_SPEEDUP_TARGET = 2.0
+COPY_IN_TARGET = 0.7
+# A label with one of these is a system with a host KV tier; without it, the
+# same system without one (pdserve-host-tier-http / pdserve-http, vllm-offload / vllm).
+TIERED = ("-host-tier", "-offload")
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    ok = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (num, den))
+    return num / den if ok and den > 0 else None
+
+
+def multi_turn_summary(per: dict[str, list[dict]], out: Path) -> dict:
+    """Per system and rate TTFT p50 / p90 and goodput; each tiered system
+    against the same one without a tier at each rate; the working set over
+    the pool; the tier's copy-in rate against the host's copy rate."""
+    figures = {
+        label: {
+            str(x["request_rate"]): {
+                "ttft_p50_ms": x["ttft_ms"]["p50"],
+                "ttft_p90_ms": x["ttft_ms"]["p90"],
+                "goodput": x["goodput"],
+                "completed": x["completed"],
+                "failed": x["failed"],
+            }
+            for x in rates
+        }
+        for label, rates in per.items()
+    }
+    paired = {}
+    for label, by_rate in figures.items():
+        for mark in TIERED:
+            base = label.replace(mark, "", 1)
+            if mark in label and base in figures:
+                paired[f"{label} vs {base}"] = {
+                    rate: _against(f, figures[base][rate])
+                    for rate, f in by_rate.items()
+                    if rate in figures[base]
+                }
+    return {
+        "multi_turn": figures,
+        "multi_turn_tier_vs_without": paired,
+        "multi_turn_working_set": _read_json(out / "working-set.json"),
+        "host_tier_copy_in": copy_in_summary(out),
+        "host_tier_targets": {
+            "ttft_p50_speedup_at_least": TTFT_SPEEDUP_TARGET,
+            "copy_in_over_copy_rate_at_least": COPY_IN_TARGET,
+        },
+    }
+
+
+def _against(tier: dict, base: dict) -> dict:
+    """A tiered system's rate against the same rate without the tier."""
+    p50 = _ratio(base["ttft_p50_ms"], tier["ttft_p50_ms"])
+    return {
+        "ttft_p50_speedup": p50,
+        "ttft_p90_speedup": _ratio(base["ttft_p90_ms"], tier["ttft_p90_ms"]),
+        "goodput_with": tier["goodput"],
+        "goodput_without": base["goodput"],
+        "meets_ttft_target": p50 is not None and p50 >= TTFT_SPEEDUP_TARGET,
+    }
+
+
+def copy_in_summary(out: Path) -> dict:
+    """Each pdserve system's host-tier counters (``host-tier-NAME.json``, read
+    once its sweeps ended) and its copy-in rate over ``copy-rate.json``'s."""
+    rate = _read_json(out / "copy-rate.json")
+    host = rate["bytes_per_s"] if rate else None
+    systems = {}
+    for path in sorted(out.glob("host-tier-*.json")):
+        counters = json.loads(path.read_text())
+        ratio = _ratio(counters["copy_in_bytes_per_s"], host)
+        systems[path.stem.removeprefix("host-tier-")] = {
+            **counters,
+            "copy_in_over_copy_rate": ratio,
+            "meets_copy_in_target": ratio is not None and ratio >= COPY_IN_TARGET,
+        }
+    return {"copy_rate": rate, "systems": systems}
+
+
+def systems_without_records(out: Path, labels: set[str]) -> list[str]:
+    """Systems started (a ``logs-NAME`` folder) that left no record: a server
+    that failed to start or answer (its log says why)."""
+    missing = []
+    for logs in sorted(out.glob("logs-*")):
+        name = logs.name.removeprefix("logs-")
+        own = {name, f"{name}-http", f"{name}-grpc"}
+        if not any((m[1] if (m := ROUND.match(label)) else label) in own for label in labels):
+            missing.append(name)
+    return missing
 
 
 def summarize(out: Path, workloads: list[str], compiled: dict[str, list[str]]) -> dict:
@@ -153,6 +251,8 @@ def summarize(out: Path, workloads: list[str], compiled: dict[str, list[str]]) -
             summary["random_max_goodput"] = {
                 k: max(figure(x) for x in v) for k, v in per.items() if k not in partial
             }
+        elif workload == "multi-turn":
+            summary.update(multi_turn_summary(per, out))
         else:
             summary["shared_prefix_ttft_p50_ms"] = {
                 k: {str(x["request_rate"]): figure(x) for x in v} for k, v in per.items()
@@ -165,6 +265,7 @@ def summarize(out: Path, workloads: list[str], compiled: dict[str, list[str]]) -
     # Each record names the device its server ran on; the summary lists them all.
     devices = {r.get("environment", {}).get("server_device") or "unknown" for r in every}
     summary["server_devices"] = sorted(devices)
+    summary["systems_without_records"] = systems_without_records(out, {r["label"] for r in every})
     plot_rounds(every, out / "plot-rounds.png")
     summary["triton_compiled_during_sweeps"] = compiled
     if (out / "logs-pdserve").is_dir():

@@ -43,6 +43,9 @@ class EngineStats:
     num_blocks_copied_to_device: int = 0
     bytes_copied_to_host: int = 0
     bytes_copied_to_device: int = 0
+    # Rank 0's seconds on the bus for the copies to the device (its bytes over
+    # these: the tier's copy-in rate; with tensor parallelism, one rank's).
+    seconds_copying_to_device: float = 0.0
     num_swap_preemptions: int = 0
     num_swap_fallbacks: int = 0
     # Weights kept in host memory and streamed per layer (cpu_offload_gb; per rank).
@@ -102,4 +105,5 @@ def collect_stats(
         stats.num_blocks_copied_to_device = t.blocks_to_device
         stats.bytes_copied_to_host = t.blocks_to_host * kv_block_bytes
         stats.bytes_copied_to_device = t.blocks_to_device * kv_block_bytes
+        stats.seconds_copying_to_device = t.seconds_to_device
     return stats

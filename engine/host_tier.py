@@ -78,6 +78,8 @@ class HostTierStats:
     hit_blocks: int = 0  # prefix blocks served from the host tier
     blocks_to_host: int = 0  # blocks copied device -> host (spills and swap-outs)
     blocks_to_device: int = 0  # blocks copied host -> device (hits and swap-ins)
+    # Rank 0's bus time for those copies (engine/tier_copies.py times them).
+    seconds_to_device: float = 0.0
     spills_skipped: int = 0  # evicted blocks not kept: no slot could be freed
 
 

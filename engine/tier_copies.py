@@ -53,6 +53,7 @@ bus copy cost one launch each whatever the layout.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,6 +78,11 @@ class CopyBatch:
     slots: torch.Tensor | None = None
     keep: list[torch.Tensor] = field(default_factory=list)  # alive until done
     staging: torch.Tensor | None = None  # the pool's buffer, given back on retire
+    # The bus copy to the device, timed (a GPU: events on the copy stream
+    # around it, read once done; a CPU: the synchronous copy's wall time), so
+    # the tier's copy-in rate can be set against the host's plain copy rate.
+    copy_in: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    copy_in_s: float = 0.0
 
     def is_done(self) -> bool:
         return self.done is None or self.done.query()
@@ -208,6 +214,9 @@ class TierCopier:
             self._in_flight.popleft()
             if batch.done is not None:
                 batch.done.synchronize()
+            if batch.copy_in is not None:
+                start, end = batch.copy_in
+                batch.copy_in_s = start.elapsed_time(end) / 1e3
             if batch.staged is not None:
                 self.host.index_copy_(2, batch.slots, batch.staged)
             if batch.staging is not None:
@@ -226,9 +235,11 @@ class TierCopier:
             )
         if batch.copies.to_device:
             slots, blocks = zip(*batch.copies.to_device, strict=True)
+            start = time.perf_counter()
             kv.index_copy_(
                 2, _index(blocks, kv.device), host.index_select(2, _index(slots, host.device))
             )
+            batch.copy_in_s = time.perf_counter() - start
 
     def _issue_cuda(self, batch: CopyBatch) -> None:
         kv, stream = self.kv_cache, self.stream
@@ -266,7 +277,13 @@ class TierCopier:
                 gathered.record(stream)
                 batch.staged.copy_(out, non_blocking=True)
             if in_idx is not None:
+                batch.copy_in = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                batch.copy_in[0].record(stream)
                 landed.copy_(src, non_blocking=True)
+                batch.copy_in[1].record(stream)
                 kv.index_copy_(2, in_idx, landed)
             batch.done = torch.cuda.Event()
             batch.done.record(stream)
@@ -333,5 +350,6 @@ class TierTransfers:
         loaded: list[Sequence] = []
         for batch in self.copier.retire(wait):
             self.tier.landed(batch.copies)
+            self.tier.stats.seconds_to_device += batch.copy_in_s
             loaded.extend(batch.loads)
         return loaded

@@ -205,6 +205,13 @@ class NodeCollector(Collector):
             {"to_host": s.bytes_copied_to_host, "to_device": s.bytes_copied_to_device},
         )
         yield counter(
+            "pdserve_kv_tier_copy_in_seconds_total",
+            "Seconds the copies to the device spent on the bus (rank 0's; timed on the "
+            "copy stream): the to_device bytes over these are the tier's copy-in rate.",
+            labels,
+            s.seconds_copying_to_device,
+        )
+        yield counter(
             "pdserve_swap_preemptions_total",
             "Sequences preempted by swap (blocks to the host tier and back).",
             labels,

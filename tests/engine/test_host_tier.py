@@ -110,6 +110,8 @@ def test_second_turns_load_their_evicted_prefix_from_the_host_tier(llama_dir, wi
     assert stats.num_computed_tokens <= before.num_computed_tokens - 8 * 4 * BS
     assert stats.num_blocks_copied_to_device == stats.host_tier_hit_blocks
     assert stats.bytes_copied_to_device == stats.host_tier_hit_blocks * BLOCK_BYTES
+    # Every copy in was timed (a CPU: its wall time), and took some.
+    assert 0 < stats.seconds_copying_to_device < 60
     assert stats.num_blocks_copied_to_host > 0 and stats.num_host_kv_blocks == 64
     assert_idle(llm)
 

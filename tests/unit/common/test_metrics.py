@@ -176,6 +176,7 @@ def engine_stats(**overrides) -> EngineStats:
         num_blocks_copied_to_device=43,
         bytes_copied_to_host=53,
         bytes_copied_to_device=59,
+        seconds_copying_to_device=0.25,
         num_swap_preemptions=61,
         num_swap_fallbacks=67,
         offloaded_weight_bytes=89,
@@ -246,6 +247,7 @@ def test_node_exports_the_host_tier():
     assert value(s, "pdserve_kv_tier_copied_blocks_total", direction="to_device") == 43
     assert value(s, "pdserve_kv_tier_copied_bytes_total", direction="to_host") == 53
     assert value(s, "pdserve_kv_tier_copied_bytes_total", direction="to_device") == 59
+    assert value(s, "pdserve_kv_tier_copy_in_seconds_total") == 0.25
     assert value(s, "pdserve_swap_preemptions_total") == 61
     assert value(s, "pdserve_swap_fallbacks_total") == 67
 
