@@ -78,9 +78,10 @@ class CopyBatch:
     slots: torch.Tensor | None = None
     keep: list[torch.Tensor] = field(default_factory=list)  # alive until done
     staging: torch.Tensor | None = None  # the pool's buffer, given back on retire
-    # The bus copy to the device, timed (a GPU: events on the copy stream
-    # around it, read once done; a CPU: the synchronous copy's wall time), so
-    # the tier's copy-in rate can be set against the host's plain copy rate.
+    # The copy to the device, timed: the host's gather out of the slots plus
+    # the bus copy (a GPU: events on the copy stream around it, read once
+    # done; a CPU: the synchronous copy's wall time), so the tier's copy-in
+    # rate can be set against the host's plain copy rate.
     copy_in: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     copy_in_s: float = 0.0
 
@@ -216,7 +217,7 @@ class TierCopier:
                 batch.done.synchronize()
             if batch.copy_in is not None:
                 start, end = batch.copy_in
-                batch.copy_in_s = start.elapsed_time(end) / 1e3
+                batch.copy_in_s += start.elapsed_time(end) / 1e3
             if batch.staged is not None:
                 self.host.index_copy_(2, batch.slots, batch.staged)
             if batch.staging is not None:
@@ -265,7 +266,10 @@ class TierCopier:
             slots, blocks = zip(*ins, strict=True)
             in_idx = self._upload(carve, blocks)
             src = carve.view(self._shape(len(slots)), kv.dtype)
+            gather_began = time.perf_counter()
             torch.index_select(self.host, 2, torch.tensor(slots, dtype=i64), out=src)
+            # The host's gather is part of what a load costs, beside the bus copy.
+            batch.copy_in_s = time.perf_counter() - gather_began
             landed = self._for_copy_stream(kv.new_empty(src.shape))
             batch.keep.append(landed)
         stream.wait_stream(compute)
