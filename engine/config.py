@@ -344,7 +344,15 @@ class EngineConfig:
                     f"speculative_config.model's vocabulary ({draft.vocab_size} tokens) does not "
                     f"match the target model's ({self.model_config.vocab_size})"
                 )
-            _check_draft_split(draft, self.tensor_parallel_size)
+            tp = self.tensor_parallel_size
+            if spec.draft_tensor_parallel_size not in (None, tp):
+                raise ValueError(
+                    f"speculative_config.draft_tensor_parallel_size "
+                    f"{spec.draft_tensor_parallel_size} is not supported: the draft model is "
+                    f"sharded over the target's ranks (tensor_parallel_size {tp}); leave it unset "
+                    f"or give {tp}"
+                )
+            _check_draft_split(draft, tp)
 
     def _resolve_lengths(self) -> None:
         limit = self.model_config.max_position_embeddings

@@ -32,6 +32,7 @@ _OLD_NAMES = {
     "ngram_prompt_lookup_max": "prompt_lookup_max",
     "ngram_prompt_lookup_min": "prompt_lookup_min",
     "speculative_disable_by_batch_size": "disable_by_batch_size",
+    "speculative_draft_tensor_parallel_size": "draft_tensor_parallel_size",
 }
 # vLLM's older spelling of the n-gram method, given as the model.
 _NGRAM_MODEL = "[ngram]"
@@ -57,6 +58,10 @@ class SpeculativeConfig:
     # No proposals in a step where this many sequences or more are running:
     # at large batch a step is compute-bound and rejected positions cost.
     disable_by_batch_size: int | None = None
+    # vLLM's: the draft model's tensor-parallel size. pdserve shards the draft
+    # over the target's ranks, so only the target's size is accepted
+    # (EngineConfig checks it against tensor_parallel_size).
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, SpeculativeMethod):
@@ -81,6 +86,10 @@ class SpeculativeConfig:
     def _check_ngram(self) -> None:
         if self.model is not None:
             raise ValueError("speculative_config.model is for method 'draft_model', not 'ngram'")
+        if self.draft_tensor_parallel_size is not None:
+            raise ValueError(
+                "speculative_config.draft_tensor_parallel_size is for method 'draft_model'"
+            )
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = DEFAULT_PROMPT_LOOKUP
@@ -97,6 +106,8 @@ class SpeculativeConfig:
         self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
 
     def _check_draft_model(self) -> None:
+        if self.draft_tensor_parallel_size is not None:
+            _check_int("draft_tensor_parallel_size", self.draft_tensor_parallel_size, 1)
         if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
             raise ValueError("speculative_config.prompt_lookup_* are for method 'ngram'")
         if not self.model:

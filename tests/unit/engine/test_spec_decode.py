@@ -273,6 +273,18 @@ def test_what_speculation_cannot_be_combined_with_is_refused(tmp_path):
     assert engine_config(tmp_path, speculative_config=ngram, tensor_parallel_size=2)
     draft = {"method": "draft_model", "model": str(tmp_path / "llama"), "num_speculative_tokens": 2}
     assert engine_config(tmp_path, speculative_config=draft, tensor_parallel_size=2)
+    # vLLM's draft_tensor_parallel_size (and its older name): the target's size only.
+    same = dict(draft, draft_tensor_parallel_size=2)
+    config = engine_config(tmp_path, speculative_config=same, tensor_parallel_size=2)
+    assert config.speculative_config.draft_tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size 1 is not supported"):
+        engine_config(
+            tmp_path,
+            speculative_config=dict(draft, speculative_draft_tensor_parallel_size=1),
+            tensor_parallel_size=2,
+        )
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size is for method 'draft_model'"):
+        engine_config(tmp_path, speculative_config=dict(ngram, draft_tensor_parallel_size=1))
     one_head = write_config_dir(
         tmp_path / "one-head",
         dict(TINY_CONFIGS["llama"], num_attention_heads=1, num_key_value_heads=1),
