@@ -300,6 +300,13 @@ def test_completions_return_token_ids_as_vllm(up, client, model, demo_tokenizer,
     assert got == want
     assert demo_tokenizer.decode(got, skip_special_tokens=True) == text
     assert prompt_ids == demo_tokenizer.encode(prompt)
+    # A stop token ends the reply and stays in its ids, not in its text (as vLLM).
+    stop = want[3]
+    cut = client.completions.create(
+        **kwargs, extra_body={"return_token_ids": True, "stop_token_ids": [stop]}
+    ).choices[0]
+    assert cut.finish_reason == "stop" and cut.token_ids == want[: want.index(stop) + 1]
+    assert demo_tokenizer.decode(cut.token_ids[:-1], skip_special_tokens=True) == cut.text
     for extra in ({"return_token_ids": False}, {}):
         plain = client.completions.create(**kwargs, stream=stream, extra_body=extra)
         for out in plain if stream else [plain]:
