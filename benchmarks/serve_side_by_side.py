@@ -40,8 +40,8 @@ without at each rate, and the tier's copy-in rate against the plain copy's:
     python benchmarks/serve_side_by_side.py --workloads multi-turn \
         --systems pdserve-host-tier pdserve vllm-offload vllm
 
-pdserve's multi-turn sweeps go over gRPC (the router's HTTP API does not
-return the replies' token ids that a next turn is made of).
+pdserve's multi-turn sweeps go over HTTP, as vLLM's: each turn is made of the
+last reply's token ids, which both return (vLLM's return_token_ids).
 
 ``--loras N``: both servers start with N random rank-16 LoRA adapters
 (benchmarks/support/lora_adapters.py) and request i names the (i mod N)-th;
@@ -217,13 +217,8 @@ class Sweep:
 
 
 def pdserve_http(args, name: str) -> bool:
-    """Whether pdserve gets an HTTP sweep: ``--http``, a router that serves
-    HTTP, and not multi-turn, whose turns need each reply's token ids, which
-    the router's HTTP API does not return (return_token_ids): gRPC only then."""
+    """Whether pdserve gets an HTTP sweep: ``--http`` and a router that serves HTTP."""
     if not args.http:
-        return False
-    if MULTI_TURN in args.workloads:
-        log(f"{name}: {MULTI_TURN} over gRPC only (the router's HTTP API has no return_token_ids)")
         return False
     help_text = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "router", "--help"], capture_output=True, text=True
@@ -244,7 +239,6 @@ def pdserve_up(
     tier): what the summary reads the tier's hits and copy-in rate from."""
     from pdserve.launcher import ClusterSpec, LocalCluster
 
-    multi_turn = MULTI_TURN in args.workloads
     has_http = pdserve_http(args, name)
     http_port = free_port()
     engine = ["--load-format", "dummy", "--skip-tokenizer-init", *MAX_LEN]
@@ -271,7 +265,7 @@ def pdserve_up(
             url = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{http_port}"]
             probe_at = (cluster.router_address, http_port) if args.probe else None
             sweeps.append(Sweep(f"{name}-http", url + scrape, probe_at=probe_at))
-        if args.grpc or multi_turn:
+        if args.grpc:
             grpc = ["--backend", "grpc", "--address", cluster.router_address, *scrape]
             sweeps.append(Sweep(f"{name}-grpc", grpc, seed=1000))
         yield sweeps

@@ -42,8 +42,8 @@ and given back when it retires. Allocating page-locked memory is one of
 CUDA's implicit synchronization points: the host waits for every stream, so
 a batch that allocated its staging buffer would hold the engine thread until
 the step in flight and every queued copy had finished. The pool allocates
-only when no free buffer fits: doubling when a batch outgrows every buffer so
-far, so a run of a given shape stops allocating after its first batches.
+only when a batch outgrows every free buffer, doubling, so a run of a given
+shape stops allocating after its first batches.
 
 Why not engine/copy_engine.py's pitched copies: they move runs of consecutive
 blocks device to device, a driver call per run; evicted blocks and the slots
@@ -107,7 +107,6 @@ class StagingPool:
     def __init__(self, first_bytes: int, count: int = 2, pin: bool = True) -> None:
         self.pin = pin  # False only where no GPU can pin (the pool's own tests)
         self._free = [self._allocate(first_bytes) for _ in range(count)]
-        self.first_bytes = first_bytes
         self.largest = first_bytes
         self.num_allocations = count
 
@@ -115,20 +114,14 @@ class StagingPool:
         return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self.pin)
 
     def take(self, num_bytes: int) -> torch.Tensor:
-        """The smallest free buffer of at least ``num_bytes``; when none fits, a
-        new one: twice the largest so far (or more) for a batch larger than
-        any before, else one of its own size (at least the first buffers')."""
+        """The smallest free buffer of at least ``num_bytes``; a new one (twice
+        the largest so far, or more) when none fits."""
         fits = [i for i, b in enumerate(self._free) if b.numel() >= num_bytes]
         if fits:
             return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        self.largest = max(num_bytes, 2 * self.largest)
         self.num_allocations += 1
-        if num_bytes > self.largest:
-            self.largest = max(num_bytes, 2 * self.largest)
-            return self._allocate(self.largest)
-        # Buffers big enough exist but are in flight (batches queue behind a
-        # long copy on the one copy stream): doubling here would double the
-        # page-locked memory with every batch behind it.
-        return self._allocate(max(num_bytes, self.first_bytes))
+        return self._allocate(self.largest)
 
     def give(self, buf: torch.Tensor) -> None:
         self._free.append(buf)

@@ -143,11 +143,18 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
             await context.abort(e.code, e.details)
 
     async def generate(
-        self, request: pdserve_pb2.GenerateRequest, timeout_s: float | None, traceparent: str = ""
+        self,
+        request: pdserve_pb2.GenerateRequest,
+        timeout_s: float | None,
+        traceparent: str = "",
+        prompt_ids: list[int] | None = None,
     ):
         """The one request path of both encodings (gRPC Generate, the OpenAI HTTP API):
         validate, route, relay, retry. Yields the responses; raises RequestFailed.
-        ``traceparent``: the client's W3C trace context, if it sent one."""
+        ``traceparent``: the client's W3C trace context, if it sent one;
+        ``prompt_ids``: an empty list, filled with the prompt's token ids (as
+        the nodes compute it: templated, truncated) before the first response
+        (the HTTP API's return_token_ids; GenerateResponse does not carry them)."""
         trace = RequestTrace(time.monotonic())
         span = self.tracing.start("request", traceparent, trace.start)
         client_id = request.request_id or uuid.uuid4().hex
@@ -162,6 +169,10 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         state = _Request(client_id, trace, deadline, progress, parsed, span)
         try:
             async for response in self._attempts(request, state, early, started):
+                if prompt_ids is not None and not prompt_ids:
+                    # The checks may parse the request again (a new context
+                    # length): the prompt the nodes got is known by now.
+                    prompt_ids.extend(state.original.prompt_token_ids)
                 yield response
         finally:
             self._finished(state)

@@ -226,6 +226,7 @@ class _Edge:
         constraint = _to_generate(body.constraint)
         echo = [_prompt_text(self.frontend, g) for g in generate] if body.echo else None
         echo_logprobs = _echo_logprobs(self.frontend, generate) if body.echo_logprobs else None
+        prompt_ids = [[] for _ in generate] if body.return_token_ids else None
         assembler = Assembler(
             self.frontend,
             "cmpl",
@@ -237,16 +238,19 @@ class _Edge:
             echo_logprobs=echo_logprobs,
             echo_only=body.echo_only,
             prompt_logprobs=body.prompt_logprobs is not None,
+            prompt_ids=prompt_ids,
         )
         return await self.run(
-            request, body, generate, assembler, constraint.param if constraint else None
+            request, body, generate, assembler, constraint.param if constraint else None, prompt_ids
         )
 
     async def chat(self, request: Request):
         body = await _parse(request, ChatCompletionRequest)
         model = await self.check_model(body.model)
         generate, assembler, plan = self.chat_request(body, model)
-        return await self.run(request, body, [generate], assembler, plan.constraint_param)
+        return await self.run(
+            request, body, [generate], assembler, plan.constraint_param, assembler.prompt_ids
+        )
 
     def chat_request(self, body: ChatCompletionRequest, model: str):
         """The request's GenerateRequest (for the base model or the adapter
@@ -263,6 +267,7 @@ class _Edge:
             top_logprobs=body.top_logprobs or 0,
             prompt_logprobs=body.prompt_logprobs is not None,
             output=plan,
+            prompt_ids=[[]] if body.return_token_ids else None,
         )
         return generate, assembler, plan
 
@@ -287,11 +292,18 @@ class _Edge:
         generate: list,
         assembler: Assembler,
         constraint_param: str | None = None,
+        prompt_ids: list[list[int]] | None = None,
     ):
+        """``prompt_ids``: return_token_ids' lists, one per prompt, that the
+        request path fills before the first message (so before any byte is sent)."""
         timeout = _timeout_of(request)
         # The client's W3C trace context: the request's span is its child (common/tracing.py).
         traceparent = request.headers.get(TRACEPARENT_KEY, "")
-        streams = [self.servicer.generate(g, timeout, traceparent) for g in generate]
+        sinks = prompt_ids or [None] * len(generate)
+        streams = [
+            self.servicer.generate(g, timeout, traceparent, sink)
+            for g, sink in zip(generate, sinks, strict=True)
+        ]
         try:
             # The first message of each before any byte is sent: a refusal
             # (400, 429, 503...) gets its HTTP status, even when streaming.

@@ -10,6 +10,12 @@ legacy ``logprobs``: the prompt's first token has no context, so its
 ``token_logprobs`` and ``top_logprobs`` entries are null (as vLLM and OpenAI);
 ``text_offset`` runs on through the generated tokens. vLLM's ``prompt_logprobs``
 extra gets them in vLLM's own shape.
+
+vLLM's ``return_token_ids`` extra puts the token ids where vLLM does: each
+choice's ``token_ids`` (streamed: that chunk's new ids, so every choice chunk
+has the key), and the prompt's ids as ``prompt_token_ids`` -- completions: on
+the choice (streamed: its first chunk only); chat: on the response (streamed:
+the role chunks only).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class _Choice:
     offset: int = 0  # completions' text_offset of the next token
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] = field(default_factory=list)  # with return_token_ids
 
 
 @dataclass(slots=True)
@@ -69,6 +76,7 @@ class Assembler:
         echo_only: bool = False,
         prompt_logprobs: bool = False,
         output: OutputPlan | None = None,
+        prompt_ids: list[list[int]] | None = None,
     ) -> None:
         self.tokenizer = frontend.tokenizer
         self.id = f"{prefix}-{uuid.uuid4().hex}"
@@ -93,6 +101,10 @@ class Assembler:
         self.outputs = (
             [output.new_choice() for _ in self.choices] if output and output.active else None
         )
+        # vLLM's return_token_ids: by prompt, its token ids (filled by the
+        # router's request path before its first message); None: not asked.
+        self.prompt_ids = prompt_ids
+        self._ids_sent: set[int] = set()  # completions' choices whose prompt ids went out
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
         self._head: str | None = None  # a stream chunk's encoded start (``_events``)
 
@@ -177,10 +189,21 @@ class Assembler:
             choice.offset = entries[-1][3] + len(entries[-1][0])
             text = self.echo[index]
             logprobs = self._shape(entries)
-            chunks.append(
-                {"index": number, "text": text, "logprobs": logprobs, "finish_reason": None}
-            )
+            chunk = {"index": number, "text": text, "logprobs": logprobs, "finish_reason": None}
+            chunks.append(self._with_ids(chunk, ()))
         return chunks
+
+    def _with_ids(self, chunk: dict, token_ids) -> dict:
+        """A choice chunk with vLLM's return_token_ids fields, when asked: its
+        new token ids; a completion's first chunk, its prompt's ids too."""
+        if self.prompt_ids is None:
+            return chunk
+        chunk["token_ids"] = list(token_ids)
+        number = chunk["index"]
+        if not self.chat and number not in self._ids_sent:
+            self._ids_sent.add(number)
+            chunk["prompt_token_ids"] = self.prompt_ids[number // self.n]
+        return chunk
 
     def _final(self, index: int, final: pdserve_pb2.Final) -> list[int]:
         """Records how prompt ``index``'s completions ended; their choice numbers."""
@@ -215,6 +238,8 @@ class Assembler:
             choice = self.choices[index * self.n + delta.index]
             choice.text.append(delta.text)
             self._logprobs(choice, delta, record=True)
+            if self.prompt_ids is not None:
+                choice.token_ids.extend(delta.token_ids)
         if response.HasField("final"):
             self._final(index, response.final)
 
@@ -238,17 +263,22 @@ class Assembler:
                 body = {"text": text, "logprobs": logprobs}
                 if self.prompt_logprobs is not None:
                     body["prompt_logprobs"] = self.prompt_logprobs.get(number // self.n)
-            choices.append(
-                {
-                    "index": number,
-                    **body,
-                    "finish_reason": finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
+                if self.prompt_ids is not None:
+                    body["prompt_token_ids"] = self.prompt_ids[number // self.n]
+            choice = {
+                "index": number,
+                **body,
+                "finish_reason": finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if self.prompt_ids is not None:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
         out = self._envelope(choices) | {"usage": self.usage()}
         if self.chat and self.prompt_logprobs is not None:
             out["prompt_logprobs"] = self.prompt_logprobs.get(0)  # vLLM's place for chat
+        if self.chat and self.prompt_ids is not None:
+            out["prompt_token_ids"] = self.prompt_ids[0]  # vLLM's place for chat
         return out
 
     # -- streamed ----------------------------------------------------------------
@@ -302,12 +332,15 @@ class Assembler:
         if self.echo is None or self.echo_logprobs is not None:
             return []  # with logprobs, the echo waits for the prompt's logprobs
         return [
-            {
-                "index": i,
-                "text": self.echo[i // self.n],
-                "logprobs": None,
-                "finish_reason": None,
-            }
+            self._with_ids(
+                {
+                    "index": i,
+                    "text": self.echo[i // self.n],
+                    "logprobs": None,
+                    "finish_reason": None,
+                },
+                (),
+            )
             for i in range(len(self.choices))
         ]
 
@@ -320,19 +353,20 @@ class Assembler:
             if not delta.text and not delta.token_ids and logprobs is None:
                 continue  # nothing was generated in this message for this choice
             if self.outputs is not None:
-                out.extend(self._parsed(number, delta.text, logprobs))
+                out.extend(self._parsed(number, delta, logprobs))
                 continue
             # A step's tokens always make a chunk, even with no text yet (half a
             # UTF-8 character held back, or no tokenizer at all): clients and load
             # generators time tokens by chunks, as they do against vLLM.
-            if encoded and logprobs is None:
+            if encoded and logprobs is None and self.prompt_ids is None:
                 # A token's chunk, the one per step: encoded without a dict (same bytes).
                 text = _string(delta.text)
                 body = f'"delta":{{"content":{text}}}' if self.chat else f'"text":{text}'
                 out.append(f'{{"index":{number},{body},"logprobs":null,"finish_reason":null}}')
                 continue
             body = {"delta": {"content": delta.text}} if self.chat else {"text": delta.text}
-            out.append({"index": number, **body, "logprobs": logprobs, "finish_reason": None})
+            chunk = {"index": number, **body, "logprobs": logprobs, "finish_reason": None}
+            out.append(self._with_ids(chunk, delta.token_ids))
         if response.HasField("final"):
             for number in self._final(index, response.final):
                 c = self.choices[number]
@@ -342,41 +376,57 @@ class Assembler:
                     parsed = self.outputs[number]
                     out.extend(self._parsed_chunks(number, parsed.finish(), None))
                     finish_reason = parsed.finish_reason(finish_reason)
-                out.append(
-                    {
-                        "index": number,
-                        **body,
-                        "logprobs": None,
-                        "finish_reason": finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                )
+                chunk = {
+                    "index": number,
+                    **body,
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                out.append(self._with_ids(chunk, ()))
         return out
 
-    def _parsed(self, number: int, text: str, logprobs) -> list[dict]:
+    def _parsed(self, number: int, delta: pdserve_pb2.Delta, logprobs) -> list[dict]:
         """A chat delta's text as parsed deltas (content, reasoning, tool calls)."""
-        return self._parsed_chunks(number, self.outputs[number].feed(text), logprobs)
+        deltas = self.outputs[number].feed(delta.text)
+        return self._parsed_chunks(number, deltas, logprobs, delta.token_ids)
 
-    @staticmethod
-    def _parsed_chunks(number: int, deltas: list[dict], logprobs) -> list[dict]:
-        if not deltas and logprobs is not None:
-            deltas = [{}]  # the tokens' logprobs still go out (their text is held back)
+    def _parsed_chunks(self, number: int, deltas: list[dict], logprobs, token_ids=()) -> list[dict]:
+        wanted_ids = self.prompt_ids is not None and len(token_ids) > 0
+        if not deltas and (logprobs is not None or wanted_ids):
+            # The tokens' logprobs or ids still go out (their text is held back).
+            deltas = [{}]
         return [
-            {
-                "index": number,
-                "delta": d,
-                "logprobs": logprobs if i == 0 else None,
-                "finish_reason": None,
-            }
+            self._with_ids(
+                {
+                    "index": number,
+                    "delta": d,
+                    "logprobs": logprobs if i == 0 else None,
+                    "finish_reason": None,
+                },
+                token_ids if i == 0 else (),
+            )
             for i, d in enumerate(deltas)
         ]
 
     def start_chunks(self) -> list[dict]:
         """What comes before any token: chat's role, completions' echoed prompt."""
-        return [self._chunk(c) for c in self._start_choices()]
+        return [self._start_chunk(c) for c in self._start_choices()]
+
+    def _start_chunk(self, choice: dict) -> dict:
+        chunk = self._chunk(choice)
+        if self.chat and self.prompt_ids is not None:
+            chunk["prompt_token_ids"] = self.prompt_ids[0]  # vLLM's: on each role chunk
+        return chunk
 
     def start_events(self) -> bytes:
-        return self._events(self._start_choices())
+        choices = self._start_choices()
+        if self.chat and self.prompt_ids is not None:
+            # The prompt's ids sit beside the choices, past the shared head (``_events``).
+            return b"".join(
+                format_sse_event(data_str=_compact(self._start_chunk(c))) for c in choices
+            )
+        return self._events(choices)
 
     def chunks(self, index: int, response: pdserve_pb2.GenerateResponse) -> list[dict]:
         return [self._chunk(c) for c in self._choices(index, response)]

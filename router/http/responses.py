@@ -43,6 +43,8 @@ NOT_SUPPORTED = {
     "prompt": "stored prompt templates are not supported",
     "max_tool_calls": "max_tool_calls is not supported",
     "context_management": "context_management is not supported",
+    # vLLM's chat and completions extra: the Responses shape has no place for the ids.
+    "return_token_ids": "return_token_ids is not supported on /v1/responses",
 }
 # What ``include`` may name: the one output a text model has to add.
 OUTPUT_LOGPROBS = "message.output_text.logprobs"

@@ -52,7 +52,6 @@ NOT_SUPPORTED = {
     "logits_processors": "logits_processors are not supported",
     "logprob_token_ids": "logprob_token_ids is not supported",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
-    "return_token_ids": "return_token_ids is not supported",
     "prompt_embeds": "prompt_embeds are not supported",
     "continue_final_message": "continue_final_message is not supported",
     "chat_template": "a request's own chat_template is not supported",
@@ -134,6 +133,8 @@ class _Sampling(_Body):
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
     request_id: str | None = None  # vLLM's: the request's id in the router's logs
+    # vLLM's: the prompt's and each choice's token ids in the response (router/http/chunks.py).
+    return_token_ids: bool | None = None
     # pdserve's tenant isolation of the prefix cache (GenerateRequest.cache_salt).
     cache_salt: str | None = None
     # pdserve's per-request opt-out of speculative decoding

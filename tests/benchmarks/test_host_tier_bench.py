@@ -1,5 +1,5 @@
 """serve_side_by_side.py's host KV tier measurement: the multi-turn workload
-through pdserve with a host tier and without one, live on the tiny shape
+through pdserve's HTTP API with a host tier and without one, live on the tiny shape
 (real nodes, a real router, the real load generator), and vLLM's side by its
 command line (vLLM is not installed here)."""
 
@@ -34,16 +34,17 @@ def test_multi_turn_hits_the_host_tier_and_the_summary_sets_it_against_none(tmp_
     assert (ws["tokens"], ws["pool_blocks"], ws["pool_tokens"]) == (12704, 256, 4096)
     assert ws["ratio"] == pytest.approx(12704 / 4096, abs=1e-3)
     assert ws["bytes"] == 12704 * 512  # the tiny shape's K and V: 512 bytes a token
-    # Multi-turn goes over gRPC (the router's HTTP API returns no token ids).
+    # Multi-turn goes over HTTP, as vLLM's: each turn is built from the last
+    # reply's token ids (return_token_ids); --no-grpc leaves the gRPC sweep out.
     runs = summary["multi_turn"]
-    assert sorted(runs) == ["pdserve-grpc", "pdserve-host-tier-grpc"]
+    assert sorted(runs) == ["pdserve-host-tier-http", "pdserve-http"]
     for label, by_rate in runs.items():
         (fig,) = by_rate.values()
         assert (fig["completed"], fig["failed"]) == (24, 0), label  # every turn answered
         assert 0 < fig["ttft_p50_ms"] <= fig["ttft_p90_ms"]
         assert fig["goodput"] > 0
     (pair,) = summary["multi_turn_tier_vs_without"][
-        "pdserve-host-tier-grpc vs pdserve-grpc"
+        "pdserve-host-tier-http vs pdserve-http"
     ].values()
     assert pair["ttft_p50_speedup"] > 0 and pair["ttft_p90_speedup"] > 0
     assert pair["meets_ttft_target"] == (pair["ttft_p50_speedup"] >= 2)
@@ -72,7 +73,7 @@ def test_multi_turn_hits_the_host_tier_and_the_summary_sets_it_against_none(tmp_
 def _run_tiny(out) -> None:
     sbs.main(
         ["--shape", "tiny", "--systems", "pdserve-host-tier", "pdserve", "--workloads"]
-        + ["multi-turn", "--multi-turn", *TINY, "--multi-turn-rates", "inf"]
+        + ["multi-turn", "--multi-turn", *TINY, "--multi-turn-rates", "inf", "--no-grpc"]
         + ["--out", str(out), "--time-budget", "200", "--start-timeout", "90"]
     )
 

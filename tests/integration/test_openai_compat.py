@@ -258,6 +258,130 @@ def test_prompt_logprobs_over_grpc_and_vllms_extra(up, client, model, ids, engin
     )
 
 
+# -- vLLM's return_token_ids: the prompt's and the reply's token ids ------------------------
+
+
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+def grpc_ids(up, **request) -> list[int]:
+    """The reply's token ids over gRPC: the oracle the HTTP edge must equal."""
+    with grpc.insecure_channel(up.router) as channel:
+        stub = pdserve_pb2_grpc.RouterStub(channel)
+        responses = list(stub.Generate(build_request(**request), timeout=300))
+    return [t for r in responses for d in r.deltas for t in d.token_ids]
+
+
+def no_token_ids(choice, response) -> None:
+    """As vLLM without return_token_ids: neither field."""
+    for obj in (choice, response):
+        assert not {"token_ids", "prompt_token_ids"} & set(obj.model_extra or {}), obj
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completions_return_token_ids_as_vllm(up, client, model, demo_tokenizer, stream):
+    prompt = "The capital of France is"
+    want = grpc_ids(up, prompt=prompt, max_tokens=12, temperature=0.0)
+    assert len(want) == 12
+    kwargs = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    asked = client.completions.create(
+        **kwargs, stream=stream, extra_body={"return_token_ids": True}
+    )
+    if stream:
+        chunks = [c.choices[0] for c in asked]
+        got = [t for c in chunks for t in c.token_ids]  # every chunk has the key (vLLM's)
+        text = "".join(c.text for c in chunks)
+        prompt_ids = chunks[0].prompt_token_ids
+        assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
+    else:
+        got, text = asked.choices[0].token_ids, asked.choices[0].text
+        prompt_ids = asked.choices[0].prompt_token_ids  # on the choice, for completions
+        assert "prompt_token_ids" not in asked.model_extra
+    assert got == want
+    assert demo_tokenizer.decode(got, skip_special_tokens=True) == text
+    assert prompt_ids == demo_tokenizer.encode(prompt)
+    # A stop token ends the reply and stays in its ids, not in its text (as vLLM).
+    stop = want[3]
+    cut = client.completions.create(
+        **kwargs, extra_body={"return_token_ids": True, "stop_token_ids": [stop]}
+    ).choices[0]
+    assert cut.finish_reason == "stop" and cut.token_ids == want[: want.index(stop) + 1]
+    assert demo_tokenizer.decode(cut.token_ids[:-1], skip_special_tokens=True) == cut.text
+    for extra in ({"return_token_ids": False}, {}):
+        plain = client.completions.create(**kwargs, stream=stream, extra_body=extra)
+        for out in plain if stream else [plain]:
+            no_token_ids(out.choices[0], out)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_returns_token_ids_as_vllm(up, client, model, demo_tokenizer, stream):
+    want = grpc_ids(up, chat=CHAT, max_tokens=16, temperature=0.0)
+    templated = demo_tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    kwargs = {"model": model, "messages": CHAT, "max_tokens": 16, "temperature": 0}
+    asked = client.chat.completions.create(
+        **kwargs, stream=stream, extra_body={"return_token_ids": True}
+    )
+    if stream:
+        chunks = list(asked)
+        # The role chunk carries the prompt's ids, beside its choices; no other does.
+        assert chunks[0].choices[0].delta.role == "assistant"
+        prompt_ids = chunks[0].prompt_token_ids
+        assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
+        # Each later chunk's choice (not its delta) carries that chunk's new ids.
+        choices = [c.choices[0] for c in chunks[1:]]
+        got = [t for c in choices for t in c.token_ids]
+        text = "".join(c.delta.content or "" for c in choices)
+    else:
+        prompt_ids = asked.prompt_token_ids  # on the response, for chat
+        got, text = asked.choices[0].token_ids, asked.choices[0].message.content
+    assert got == want
+    assert demo_tokenizer.decode(got, skip_special_tokens=True) == text
+    assert prompt_ids == demo_tokenizer.encode(templated, add_special_tokens=False)
+    for extra in ({"return_token_ids": False}, {}):
+        plain = client.chat.completions.create(**kwargs, stream=stream, extra_body=extra)
+        for out in plain if stream else [plain]:
+            for choice in out.choices:
+                no_token_ids(choice, out)
+
+
+def test_return_token_ids_with_n_and_a_batch_of_prompts(client, model, demo_tokenizer):
+    prompts = ["Once upon a time", "The sky is"]
+    out = client.completions.create(
+        model=model, prompt=prompts, n=2, max_tokens=6, temperature=1.0, seed=7,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    for c in out.choices:
+        assert c.prompt_token_ids == demo_tokenizer.encode(prompts[c.index // 2])
+        assert len(c.token_ids) == 6
+        assert demo_tokenizer.decode(c.token_ids, skip_special_tokens=True) == c.text
+    streamed: dict[int, list[int]] = {}
+    texts: dict[int, str] = {}
+    firsts: dict[int, list[int]] = {}
+    for chunk in client.chat.completions.create(
+        model=model, messages=CHAT, n=2, max_tokens=8, temperature=1.0, seed=7, stream=True,
+        extra_body={"return_token_ids": True},
+    ):  # fmt: skip
+        c = chunk.choices[0]
+        if c.delta.role:
+            firsts[c.index] = chunk.prompt_token_ids
+            continue
+        streamed.setdefault(c.index, []).extend(c.token_ids)
+        texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    templated = demo_tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    prompt_ids = demo_tokenizer.encode(templated, add_special_tokens=False)
+    assert firsts == {0: prompt_ids, 1: prompt_ids}
+    assert sorted(streamed) == [0, 1]
+    for i, ids in streamed.items():
+        assert demo_tokenizer.decode(ids, skip_special_tokens=True) == texts[i]
+
+
+def test_responses_refuse_return_token_ids(up, model):
+    body = {"model": model, "input": "Hi", "return_token_ids": True}
+    status, reply = post(up, "/v1/responses", body)
+    assert status == 400 and reply["error"]["param"] == "return_token_ids", reply
+
+
 # -- item 7: OpenAI's error shapes ----------------------------------------------------------------
 
 

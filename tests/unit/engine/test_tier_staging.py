@@ -48,20 +48,3 @@ def test_carved_views_are_aligned_disjoint_and_fit_the_size_asked():
         v.fill_(i + 1)  # each view writes only its own bytes
     for i, v in enumerate(views):
         assert bool((v == i + 1).all())
-
-
-def test_batches_in_flight_behind_a_large_one_do_not_double_the_pool_each():
-    """The copy stream runs batches in order: small batches issued while a
-    large swap-out copies stay in flight behind it, and each finds every
-    buffer taken. Each gets a buffer of its own size, not twice the largest
-    so far (that doubled with every such batch: page-locked memory growing
-    exponentially with the batches in flight)."""
-    first = 1000
-    pool = StagingPool(first, count=2, pin=False)
-    swap_out = pool.take(50_000)  # outgrows every buffer: the pool grows
-    assert swap_out.numel() == 50_000
-    in_flight = [pool.take(300) for _ in range(6)]  # all taken after the first two
-    assert all(b.numel() == first for b in in_flight)
-    assert pool.num_allocations == 2 + 1 + 4
-    pool.give(swap_out)
-    assert pool.take(60_000).numel() == 100_000  # growth past the largest still doubles

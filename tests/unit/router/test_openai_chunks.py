@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from proto import pdserve_pb2
+from router.http.chat_output import OutputPlan
 from router.http.chunks import Assembler, EchoLogprobs
 
 
@@ -139,3 +140,87 @@ def test_a_stream_ends_with_the_usage_chunk_when_asked_then_done():
     assert asm.end_events(True) == _old_event(asm.usage_chunk()) + done
     error = {"error": {"message": "gone", "type": "t", "param": None, "code": None}}
     assert asm.error_events(error) == _old_event(error) + done
+
+
+# -- vLLM's return_token_ids ------------------------------------------------------------------
+
+
+def _steps() -> tuple[pdserve_pb2.GenerateResponse, pdserve_pb2.GenerateResponse]:
+    step = pdserve_pb2.GenerateResponse()
+    step.deltas.add(index=0, text="<thi", token_ids=[5, 6])  # text a parser may hold back
+    step.deltas.add(index=1, text="b", token_ids=[7])
+    last = pdserve_pb2.GenerateResponse()
+    last.deltas.add(index=0, text="c", token_ids=[8])
+    for i in (0, 1):
+        last.final.completions.add(index=i, finish_reason=pdserve_pb2.FINISH_REASON_STOP)
+    return step, last
+
+
+def test_completions_stream_each_chunks_ids_and_the_prompts_ids_first():
+    asm = Assembler(
+        SimpleNamespace(tokenizer=None), "cmpl", "m", 2, 1, chat=False, prompt_ids=[[1, 2, 3]]
+    )
+    assert asm.start_chunks() == []  # no echo: nothing before the first token
+    chunks = [c["choices"][0] for r in _steps() for c in asm.chunks(0, r)]
+    firsts = [c for c in chunks if "prompt_token_ids" in c]
+    assert [c["index"] for c in firsts] == [0, 1]  # once per choice, on its first chunk
+    assert all(c["prompt_token_ids"] == [1, 2, 3] for c in firsts)
+    for index, want in ((0, [5, 6, 8]), (1, [7])):
+        mine = [c for c in chunks if c["index"] == index]
+        assert [t for c in mine for t in c["token_ids"]] == want  # every chunk has the key
+    # The events are the chunks' bytes (the per-token fast path is not taken).
+    twin = Assembler(
+        SimpleNamespace(tokenizer=None), "cmpl", "m", 2, 1, chat=False, prompt_ids=[[1, 2, 3]]
+    )
+    twin.id, twin.created = asm.id, asm.created
+    events = b"".join(twin.events(0, r) for r in _steps())
+    assert events == b"".join(_old_event(asm._chunk(c)) for c in chunks)
+
+
+def test_chat_ids_beside_the_role_chunk_and_on_each_choice():
+    asm = Assembler(
+        SimpleNamespace(tokenizer=None), "chatcmpl", "m", 2, 1, chat=True, prompt_ids=[[9, 9]]
+    )
+    start = asm.start_chunks()
+    assert [c["prompt_token_ids"] for c in start] == [[9, 9], [9, 9]]
+    assert all("token_ids" not in c["choices"][0] for c in start)
+    assert asm.start_events() == b"".join(_old_event(c) for c in start)
+    chunks = [c for r in _steps() for c in asm.chunks(0, r)]
+    assert all("prompt_token_ids" not in c for c in chunks)
+    first = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == 0]
+    assert [t for c in first for t in c["token_ids"]] == [5, 6, 8]
+    whole = Assembler(
+        SimpleNamespace(tokenizer=None), "chatcmpl", "m", 2, 1, chat=True, prompt_ids=[[9, 9]]
+    )
+    for r in _steps():
+        whole.add(0, r)
+    out = whole.whole()
+    assert out["prompt_token_ids"] == [9, 9]
+    assert [c["token_ids"] for c in out["choices"]] == [[5, 6, 8], [7]]
+    assert "prompt_token_ids" not in out["choices"][0]
+
+
+def test_held_back_text_still_sends_its_token_ids():
+    # A reasoning parser holds "<thi" back (it may open <think>): vLLM still
+    # sends the step's ids, in a chunk with an empty delta.
+    asm = Assembler(
+        SimpleNamespace(tokenizer=None), "chatcmpl", "m", 2, 1, chat=True,
+        output=OutputPlan(reasoning=True), prompt_ids=[[9]],
+    )  # fmt: skip
+    step, _ = _steps()
+    (held, other) = [c["choices"][0] for c in asm.chunks(0, step)]
+    assert held == {
+        "index": 0, "delta": {}, "logprobs": None, "finish_reason": None, "token_ids": [5, 6]
+    }  # fmt: skip
+    assert other["token_ids"] == [7]
+
+
+def test_without_return_token_ids_no_such_fields():
+    for chat in (False, True):
+        asm = Assembler(SimpleNamespace(tokenizer=None), "x", "m", 2, 1, chat=chat)
+        chunks = [*asm.start_chunks(), *(c for r in _steps() for c in asm.chunks(0, r))]
+        for r in _steps():
+            asm.add(0, r)
+        for obj in [*chunks, asm.whole()]:
+            text = json.dumps(obj)
+            assert "token_ids" not in text, text

@@ -37,7 +37,7 @@ class FakeServicer:
     async def model(self, name: str):
         return resolve_model(name, "m", self.routing.adapters)
 
-    async def generate(self, request, timeout, traceparent=""):
+    async def generate(self, request, timeout, traceparent="", prompt_ids=None):
         self.models.append(request.model)
         if self.refusal is not None:
             raise self.refusal
