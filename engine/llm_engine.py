@@ -143,8 +143,7 @@ class LLMEngine:
         quantization = config.quantization.value if config.quantization else None
         stored = storage_name(config.kv_cache_dtype, self.model_dtype_name)
         self.numerics_keys: ExtraKeys = numerics_extra_keys(quantization, stored)
-        # Requests whose sampling reads their output ids on the host (penalties,
-        # bad words of several tokens): a step sampling for one waits for the one before.
+        # Their sampling reads output ids on the host: a step for one waits for the last.
         self._reads_output: set[str] = set()
         # Async scheduling: the launched step whose samples the host has not read.
         self._in_flight: InFlightStep | None = None
