@@ -287,9 +287,11 @@ def request_template(chat: pdserve_pb2.ChatMessages, extra: dict, trusted: bool)
     if template is None:
         return None
     if not trusted:
+        # The message's first word is the field to name (the HTTP edge's param).
+        what = "chat_template" if chat.chat_template else "chat_template_kwargs holds a template"
         raise ValueError(
-            "chat_template is passed with the request, but --trust-request-chat-template "
-            "is not set: refused the request with an untrusted chat template"
+            f"{what} passed with the request, but --trust-request-chat-template is not set: "
+            "refused the request with an untrusted chat template"
         )
     if not isinstance(template, str) or not template:
         raise ValueError("chat_template must be a non-empty string (a Jinja template)")
