@@ -77,6 +77,8 @@ def sampling_params_from_proto(
         kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     if msg.allowed_token_ids:
         kwargs["allowed_token_ids"] = list(msg.allowed_token_ids)
+    if msg.bad_words:
+        kwargs["bad_words"] = list(msg.bad_words)
     if msg.logit_bias:
         kwargs["logit_bias"] = dict(msg.logit_bias)
     if msg.HasField("structured_outputs"):

@@ -214,6 +214,11 @@ class InputProcessor:
             self._check_ids("allowed_token_ids", p.allowed_token_ids)
         if p.logit_bias:
             self._check_ids("logit_bias", list(p.logit_bias))
+        if p.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer (skip_tokenizer_init=True)")
+            p.update_from_tokenizer(self.tokenizer)
+            self._check_ids("bad_words", [t for w in p.bad_words_token_ids for t in w])
         limit = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(p, name)

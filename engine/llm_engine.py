@@ -143,8 +143,8 @@ class LLMEngine:
         quantization = config.quantization.value if config.quantization else None
         stored = storage_name(config.kv_cache_dtype, self.model_dtype_name)
         self.numerics_keys: ExtraKeys = numerics_extra_keys(quantization, stored)
-        # Requests with penalties (a step sampling for one waits for the one before).
-        self._penalised: set[str] = set()
+        # Their sampling reads output ids on the host: a step for one waits for the last.
+        self._reads_output: set[str] = set()
         # Async scheduling: the launched step whose samples the host has not read.
         self._in_flight: InFlightStep | None = None
         # Scheduler.num_changes when a step found it must wait for room (``_idle_step``).
@@ -240,8 +240,8 @@ class LLMEngine:
         for seq in req.seqs:
             seq.hold_kv = hold_kv
         self.requests[request_id] = req
-        if req.params.needs_penalties:
-            self._penalised.add(request_id)
+        if req.params.reads_output_ids:
+            self._reads_output.add(request_id)
         for seq in req.seqs:
             self.scheduler.add(seq)
         self.structured.add(req)  # its sequences wait for their grammar
@@ -275,8 +275,8 @@ class LLMEngine:
         if not reserved:
             return None
         self.requests[request_id] = req
-        if req.params.needs_penalties:
-            self._penalised.add(request_id)
+        if req.params.reads_output_ids:
+            self._reads_output.add(request_id)
         self.structured.add(req)  # compiles while the prompt is prefilled elsewhere
         bs = self.config.kvcache_block_size
         return Reservation(
@@ -409,7 +409,7 @@ class LLMEngine:
             self.release_held(request_id)
             self._touched.discard(request_id)
             req = self.requests.pop(request_id, None)
-            self._penalised.discard(request_id)
+            self._reads_output.discard(request_id)
             if req is None:
                 continue
             for seq in req.seqs:
@@ -474,10 +474,10 @@ class LLMEngine:
             self._raise_if_a_rank_died(e)
             raise
         scheduled_s = time.monotonic() - began
-        # Penalties read the output ids on the host: such a step waits for the last.
+        # Penalties and bad words read the output ids on the host: such a step waits for the last.
         if prev is not None and (
             not batch.seqs
-            or (self._penalised and any(s.params.needs_penalties for s in batch.seqs))
+            or (self._reads_output and any(s.params.reads_output_ids for s in batch.seqs))
         ):
             outputs.extend(self._finish_step(prev))
             if not batch.seqs:
@@ -654,7 +654,7 @@ class LLMEngine:
         out = self.output_processor.make_output(req)
         if out.finished if out is not None else req.finished:
             del self.requests[request_id]
-            self._penalised.discard(request_id)
+            self._reads_output.discard(request_id)
             if req.seqs[0].lora_request is not None:
                 self._release_removed_loras()
         return [out] if out is not None else []

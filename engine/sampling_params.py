@@ -158,6 +158,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # Words never generated: their token ids come from the engine's tokenizer
+    # (update_from_tokenizer, when the engine admits the request).
+    bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -176,6 +179,7 @@ class SamplingParams:
     disable_spec_decode: bool = False
     # Normalised forms, filled in by __post_init__.
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._validate_types()
@@ -256,6 +260,7 @@ class SamplingParams:
             )
         self._validate_stop()
         self._validate_token_lists()
+        self._validate_bad_words()
 
     def _validate_stop(self) -> None:
         stop = self.stop
@@ -288,6 +293,17 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be non-negative token ids, got {k!r}")
                 if not _is_number(b) or not math.isfinite(b):
                     raise ValueError(f"logit_bias values must be finite numbers, got {b!r} for {k}")
+
+    def _validate_bad_words(self) -> None:
+        words = self.bad_words
+        if words is None:
+            return
+        if not isinstance(words, list | tuple) or not all(isinstance(w, str) for w in words):
+            raise ValueError(f"bad_words must be a list of strings, got {words!r}")
+        # A blank word has no tokens to ban (vLLM fails on one with an IndexError).
+        if any(not w.strip() for w in words):
+            raise ValueError("bad_words must not contain an empty or blank word")
+        self.bad_words = list(words)
 
     def _normalise(self) -> None:
         if self.top_k == -1:
@@ -337,6 +353,30 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return self._stop_list
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """The bad words' token sequences (update_from_tokenizer); empty before it."""
+        return self._bad_words_token_ids
+
+    @property
+    def reads_output_ids(self) -> bool:
+        """Whether sampling reads the output's ids on the host: penalties, and
+        bad words of several tokens (their last token is banned only after the others)."""
+        return self.needs_penalties or any(len(w) > 1 for w in self._bad_words_token_ids)
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """vLLM's tokenization of bad words: each word (its leading spaces
+        stripped) as it starts the text, then after a space, the latter kept only
+        where it gives a different first token and as many tokens (a word in
+        mid-text)."""
+        self._bad_words_token_ids = []
+        for word in self.bad_words or ():
+            for prefix in ("", " "):
+                ids = tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+                last = self._bad_words_token_ids[-1] if prefix else None
+                if last is None or (ids[0] != last[0] and len(ids) == len(last)):
+                    self._bad_words_token_ids.append(list(ids))
 
     @property
     def needs_penalties(self) -> bool:

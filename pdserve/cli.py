@@ -164,6 +164,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         + (["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else [])
         + (["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else [])
         + (["--allow-runtime-lora-updating"] if args.allow_runtime_lora_updating else [])
+        + (["--trust-request-chat-template"] if args.trust_request_chat_template else [])
         + (
             ["--migration-wait", str(args.migration_wait)]
             if args.migration_wait is not None
@@ -427,6 +428,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         choices=("qwen3", "deepseek_r1"),
         default=None,
         help="the routers' --reasoning-parser: a thinking model's reasoning_content",
+    )
+    up.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="the routers' --trust-request-chat-template: honour a request's own "
+        "chat_template (refused without it, as vLLM's)",
     )
     up.add_argument(
         "--metrics-port",

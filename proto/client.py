@@ -27,7 +27,7 @@ import grpc
 
 from proto import pdserve_pb2, pdserve_pb2_grpc
 
-_REPEATED = {"stop", "stop_token_ids", "allowed_token_ids"}
+_REPEATED = {"stop", "stop_token_ids", "allowed_token_ids", "bad_words"}
 
 
 def build_request(

@@ -51,8 +51,11 @@ class Early:
 
 
 class Frontend:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, trust_request_chat_template: bool = False) -> None:
+        """``trust_request_chat_template``: the router's --trust-request-chat-template
+        (a request's own chat template is refused without it, as vLLM's is)."""
         self.config = config
+        self.trust_request_chat_template = trust_request_chat_template
         # Without a tokenizer (skip_tokenizer_init) only token-id prompts are accepted.
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer)
         eos = set(config.model_config.eos_token_ids)
@@ -173,10 +176,18 @@ class Frontend:
             raise ValueError("this router has no tokenizer: send token_ids")
         messages = [chat_message(m) for m in chat.messages]
         add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        if chat.continue_final_message and add_prompt:
+            raise ValueError(CONTINUE_WITH_GENERATION_PROMPT)
         extra = template_kwargs(chat)
+        template = request_template(chat, extra, self.trust_request_chat_template)
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_prompt, tokenize=False, **extra
+                messages,
+                add_generation_prompt=add_prompt,
+                continue_final_message=chat.continue_final_message,
+                chat_template=template,
+                tokenize=False,
+                **extra,
             )
         except Exception as e:  # a template that rejects the roles, etc.
             raise ValueError(f"chat template failed: {e}") from e
@@ -249,12 +260,42 @@ def template_kwargs(chat: pdserve_pb2.ChatMessages) -> dict:
             raise ValueError(f"chat.chat_template_kwargs is not valid JSON: {e}") from None
         if not isinstance(extra, dict):
             raise ValueError("chat.chat_template_kwargs must be a JSON object")
-        for name in ("messages", "tools", "add_generation_prompt", "tokenize"):
+        names = ("messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize")
+        for name in names:
             if name in extra:
                 raise ValueError(f"chat.chat_template_kwargs cannot set {name}")
     if chat.tools:
         extra["tools"] = [_tool(i, t) for i, t in enumerate(chat.tools)]
     return extra
+
+
+# vLLM's words (its ChatCompletionRequest's check); unset, add_generation_prompt is true.
+CONTINUE_WITH_GENERATION_PROMPT = (
+    "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+)
+
+
+def request_template(chat: pdserve_pb2.ChatMessages, extra: dict, trusted: bool) -> str | None:
+    """The request's own chat template (chat.chat_template, or vLLM's other
+    way, chat_template_kwargs' chat_template; taken out of ``extra``), or None:
+    the model's. Refused unless ``trusted`` (--trust-request-chat-template):
+    a template is code the router runs, and it decides every prompt's tokens."""
+    given = extra.pop("chat_template", None)
+    if given is not None and chat.chat_template:
+        raise ValueError("chat_template is set twice: in chat_template_kwargs too")
+    template = chat.chat_template or given
+    if template is None:
+        return None
+    if not trusted:
+        # The message's first word is the field to name (the HTTP edge's param).
+        what = "chat_template" if chat.chat_template else "chat_template_kwargs holds a template"
+        raise ValueError(
+            f"{what} passed with the request, but --trust-request-chat-template is not set: "
+            "refused the request with an untrusted chat template"
+        )
+    if not isinstance(template, str) or not template:
+        raise ValueError("chat_template must be a non-empty string (a Jinja template)")
+    return template
 
 
 def _tool(i: int, tool: pdserve_pb2.Tool) -> dict:

@@ -175,6 +175,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "[PDSERVE_REASONING_PARSER]",
     )
     p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        default=env("PDSERVE_TRUST_REQUEST_CHAT_TEMPLATE") == "1",
+        help="honour a request's own chat template (the HTTP API's chat_template, "
+        "chat_template_kwargs' chat_template, gRPC's ChatMessages.chat_template), as "
+        "vLLM's flag of this name; unset: such a request is refused (a template is code the "
+        "router runs) [PDSERVE_TRUST_REQUEST_CHAT_TEMPLATE=1]",
+    )
+    p.add_argument(
         "--allow-runtime-lora-updating",
         action="store_true",
         default=env("PDSERVE_ALLOW_RUNTIME_LORA_UPDATING") == "1",
@@ -329,7 +338,7 @@ async def _build(args: argparse.Namespace) -> _Parts:
     check_free(args.host, router_ports(args))
     config = _engine_config(args)
     route_config = routing_config(args)  # ValueError names a bad knob
-    frontend = Frontend(config)
+    frontend = Frontend(config, args.trust_request_chat_template)
     cluster = Cluster.from_url(args.redis_url, redis_connection)
     await check_redis(cluster.redis, args.redis_url)
     routing = Routing(

@@ -2,7 +2,7 @@
 
 Order for each row: a structured-output row's grammar bitmask (before
 everything, so its logprobs are those of tokens the grammar allows, as vLLM's
-are); allowed_token_ids, logit_bias and min_tokens masks; then
+are); allowed_token_ids, bad_words, logit_bias and min_tokens masks; then
 repetition (prompt + output), frequency and presence (output) penalties; then
 greedy argmax, or temperature -> min_p -> top_k -> top_p -> sample.
 
@@ -50,6 +50,12 @@ class SamplingRow:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    @property
+    def num_output_ids(self) -> int:
+        """Output ids the sequence has, a migrated request's earlier ones too
+        (the last resume_offset ids of its prompt)."""
+        return self.num_output_tokens + self.params.resume_offset
+
 
 @dataclass(slots=True)
 class BatchPlan:
@@ -61,7 +67,7 @@ class BatchPlan:
     want_logprobs: list[int | None]
     logprob_rows: list[int]
     logprob_index: torch.Tensor | None
-    mask_rows: list[int]  # allowed ids, logit bias or min_tokens
+    mask_rows: list[int]  # allowed ids, bad words, logit bias or min_tokens
     penalty_rows: list[int]
     all_greedy: bool
     any_greedy: bool
@@ -136,6 +142,20 @@ def top_logprobs(
         logprobs.topk(k, dim=1) if k > 0 else (logprobs[:, :0], chosen[:, None][:, :0])
     )
     return chosen_lp, rank, top_ids, top_lp
+
+
+def bad_word_bans(words: list[list[int]], token_ids: list[int], num_output: int) -> list[int]:
+    """vLLM's bad-words rule: the last token of each word whose other tokens
+    end the output so far (a one-token word: always). Only output counts,
+    never the prompt."""
+    banned = []
+    for word in words:
+        k = len(word) - 1
+        if k > num_output:
+            continue
+        if k == 0 or token_ids[len(token_ids) - k :] == word[:-1]:
+            banned.append(word[-1])
+    return banned
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: GrammarBitmask) -> None:
@@ -231,7 +251,8 @@ class Sampler:
             want_logprobs.append(p.logprobs)
             if p.logprobs is not None:
                 logprob_rows.append(i)
-            if p.allowed_token_ids is not None or p.logit_bias or r.min_tokens_stop_ids:
+            masked = p.allowed_token_ids is not None or p.bad_words_token_ids
+            if masked or p.logit_bias or r.min_tokens_stop_ids:
                 mask_rows.append(i)
             if p.needs_penalties:
                 penalty_rows.append(i)
@@ -294,6 +315,10 @@ class Sampler:
                 kept = logits[i, allowed].clone()
                 logits[i].fill_(float("-inf"))
                 logits[i, allowed] = kept
+            if p.bad_words_token_ids:
+                banned = bad_word_bans(p.bad_words_token_ids, row.token_ids, row.num_output_ids)
+                if banned:
+                    logits[i, _host_tensor(banned, torch.int64, logits.device)] = float("-inf")
             if bias_ids is not None:
                 logits[i].index_add_(0, bias_ids, bias_values)
             if stop_ids is not None and row.num_output_tokens < p.min_tokens:

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from proto import pdserve_pb2
+from router.frontend import CONTINUE_WITH_GENERATION_PROMPT
 from router.http.chat_output import OutputPlan
 from router.http.structured import (
     Constraint,
@@ -48,13 +49,10 @@ NOT_SUPPORTED = {
     "verbosity": "verbosity is not supported",
     "structural_tag": "structural_tag is not supported here: use structured_outputs",
     "use_beam_search": "beam search is not supported",
-    "bad_words": "bad_words is not supported",
     "logits_processors": "logits_processors are not supported",
     "logprob_token_ids": "logprob_token_ids is not supported",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
     "prompt_embeds": "prompt_embeds are not supported",
-    "continue_final_message": "continue_final_message is not supported",
-    "chat_template": "a request's own chat_template is not supported",
     "documents": "documents are not supported",
     "mm_processor_kwargs": "multimodal inputs are not supported by this model",
     "kv_transfer_params": "kv_transfer_params are not supported (pdserve moves KV itself)",
@@ -130,6 +128,7 @@ class _Sampling(_Body):
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None  # tokenized by the nodes, as vLLM's engine does
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
     request_id: str | None = None  # vLLM's: the request's id in the router's logs
@@ -185,6 +184,8 @@ class _Sampling(_Body):
             s.logprobs = logprobs
         if self.allowed_token_ids:
             s.allowed_token_ids.extend(self.allowed_token_ids)
+        if self.bad_words:
+            s.bad_words.extend(self.bad_words)
         if self.stop is not None:
             s.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop)
         if self.stop_token_ids:
@@ -386,6 +387,11 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict | None = None
+    # vLLM's: continue the last message (a prefilled answer) instead of opening a new one.
+    continue_final_message: bool = False
+    # vLLM's: the request's own Jinja template; the router refuses it without
+    # --trust-request-chat-template (router/frontend.py).
+    chat_template: str | None = None
 
     def to_generate(
         self, tool_parser: str | None = None, reasoning: bool = False
@@ -402,6 +408,8 @@ class ChatCompletionRequest(_Sampling):
             )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidField("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidField("continue_final_message", CONTINUE_WITH_GENERATION_PROMPT)
         # Unset: up to the context left, as OpenAI and vLLM do (resolved by the
         # router, router/frontend.py).
         given = [v for v in (self.max_completion_tokens, self.max_tokens) if v is not None]
@@ -417,6 +425,8 @@ class ChatCompletionRequest(_Sampling):
             chat.tools.extend(plan.messages)
         if self.chat_template_kwargs:
             chat.chat_template_kwargs = json.dumps(self.chat_template_kwargs)
+        chat.continue_final_message = self.continue_final_message
+        chat.chat_template = self.chat_template or ""
         return request, OutputPlan(
             reasoning, plan, tool_parser, constraint.param if constraint else None
         )

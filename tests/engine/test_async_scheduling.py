@@ -55,6 +55,18 @@ def test_greedy_seeded_n_and_logprobs_match_sync(demo_llm, async_llm):
     assert_idle(async_llm)
 
 
+def test_bad_words_of_several_tokens_match_sync(demo_llm, async_llm):
+    # A two-token bad word's ban reads the last sampled id: an async step waits for it.
+    base = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = [base, base.clone(bad_words=["answer is"]), base.clone(bad_words=["Paris"])]
+    sync = demo_llm.generate([PROMPTS[0]] * 3, params)
+    got = async_llm.generate([PROMPTS[0]] * 3, params)
+    assert ids_and_reasons(got) == ids_and_reasons(sync)
+    assert " answer is" in got[0].outputs[0].text  # the greedy text the bans change
+    assert " answer is" not in got[1].outputs[0].text and "Paris" not in got[2].outputs[0].text
+    assert_idle(async_llm)
+
+
 def test_stops_never_overshoot(demo_llm, async_llm):
     base = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     (ref,) = demo_llm.generate([PROMPTS[3]], base)

@@ -466,3 +466,105 @@ def test_nodes_show_no_running_request_once_the_answer_came(up, client, model):
             time.sleep(0.01)
         assert seen == []
         time.sleep(0.3)
+
+
+# -- vLLM's continue_final_message, chat_template and bad_words ---------------------------
+
+
+QUESTION = {"role": "user", "content": "What is the capital of France?"}
+PREFILLED = [QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+
+
+@pytest.fixture(scope="module")
+def engine_greedy(demo_model_dir):
+    """The offline engine's greedy text for token ids: the oracle."""
+    from engine import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM(str(demo_model_dir), max_model_len=MAX_LEN, device="cpu")
+
+    def run(prompt: list[int], max_tokens: int, **params) -> str:
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)
+        return out.outputs[0].text
+
+    return run
+
+
+def test_continue_final_message_continues_the_assistants_text(
+    client, model, demo_tokenizer, engine_greedy
+):
+    out = client.chat.completions.create(
+        model=model,
+        messages=PREFILLED,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    # transformers' rendering, the assistant's message left open (vLLM's own call).
+    text = demo_tokenizer.apply_chat_template(
+        PREFILLED, continue_final_message=True, tokenize=False
+    )
+    assert text.endswith("assistant\nThe capital of France is")
+    prompt = demo_tokenizer.encode(text, add_special_tokens=False)
+    assert out.usage.prompt_tokens == len(prompt)
+    reply = out.choices[0].message.content
+    assert reply == engine_greedy(prompt, 8)
+    assert "Paris" in reply and "capital" not in reply  # it goes on; it does not start over
+
+
+def test_continue_final_message_with_a_generation_prompt_is_vllms_400(client, model):
+    for extra in ({"add_generation_prompt": True}, {}):  # unset, it is true
+        error = error_of(
+            lambda extra=extra: client.chat.completions.create(
+                model=model,
+                messages=PREFILLED,
+                max_tokens=4,
+                extra_body={"continue_final_message": True, **extra},
+            )
+        )
+        assert error.status_code == 400 and error.body["param"] == "continue_final_message"
+        assert error.body["message"] == (
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+
+
+def test_a_requests_chat_template_is_refused_without_the_routers_trust(client, model):
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    # The field, and vLLM's other way to pass one: chat_template_kwargs' chat_template.
+    for extra, param in (
+        ({"chat_template": template}, "chat_template"),
+        ({"chat_template_kwargs": {"chat_template": template}}, "chat_template_kwargs"),
+    ):
+        error = error_of(
+            lambda extra=extra: client.chat.completions.create(
+                model=model, messages=[QUESTION], max_tokens=4, extra_body=extra
+            )
+        )
+        assert error.status_code == 400 and error.body["param"] == param
+        assert "--trust-request-chat-template is not set" in error.body["message"]
+
+
+def test_bad_words_are_never_written_on_both_endpoints(
+    client, model, demo_tokenizer, engine_greedy
+):
+    prompt = "The capital of France is"
+    kwargs = {"model": model, "max_tokens": 8, "temperature": 0}
+    free = client.completions.create(prompt=prompt, **kwargs).choices[0].text
+    assert " Paris" in free  # greedily, the model writes it
+    banned = client.completions.create(prompt=prompt, extra_body={"bad_words": ["Paris"]}, **kwargs)
+    text = banned.choices[0].text
+    assert "Paris" not in text
+    assert text == engine_greedy(demo_tokenizer.encode(prompt), 8, bad_words=["Paris"])
+    # Two tokens (" answer", " is"): the second is banned only right after the first.
+    free = client.completions.create(prompt=prompt, **{**kwargs, "max_tokens": 12})
+    assert " answer is" in free.choices[0].text
+    two = client.completions.create(
+        prompt=prompt, extra_body={"bad_words": ["answer is"]}, **{**kwargs, "max_tokens": 12}
+    )
+    assert " answer" in two.choices[0].text and " answer is" not in two.choices[0].text
+
+    chat = {"messages": [QUESTION], **kwargs}
+    assert "Paris" in client.chat.completions.create(**chat).choices[0].message.content
+    reply = client.chat.completions.create(**chat, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in reply.choices[0].message.content

@@ -192,3 +192,45 @@ def test_a_mixed_batch_samples_each_row_by_its_own_parameters(sampler):
     assert out.token_ids == [2, 2, 6, 2]
     assert out.logprobs[:3] == [None, None, None]
     assert out.logprobs[3].top_ids == [2, 3]
+
+
+class WordTokenizer:
+    """Each word to its ids, as a tokenizer would encode it (vLLM's calls only)."""
+
+    def __init__(self, table: dict[str, list[int]]) -> None:
+        self.table = table
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        assert add_special_tokens is False  # vLLM encodes bad words without them
+        return self.table[text]
+
+
+def bad_words_params(*words, **kw) -> SamplingParams:
+    p = SamplingParams(temperature=0, bad_words=list(words), **kw)
+    # "top" and " top": one token each, two ids; "up top" and " up top": two tokens each.
+    p.update_from_tokenizer(
+        WordTokenizer({"top": [3], " top": [1], "up top": [4, 2], " up top": [6, 2]})
+    )
+    return p
+
+
+def test_a_one_token_bad_word_is_never_sampled_in_either_form(sampler):
+    p = bad_words_params("top")
+    assert p.bad_words_token_ids == [[3], [1]]
+    assert sample(sampler, [row(p)]) == [2]  # BASE's argmax is no bad word
+    # Here the best is 3, then 1: both banned, so 4 (0.5) wins.
+    assert sample(sampler, [row(p)], logits(0, 1, 0, 3, 0.5, 0, 0, 0)) == [4]
+
+
+def test_a_bad_words_last_token_is_banned_only_after_its_other_tokens_in_the_output(sampler):
+    p = bad_words_params("up top")
+    assert p.bad_words_token_ids == [[4, 2], [6, 2]]
+    assert sample(sampler, [row(p)]) == [2]  # nothing before it: 2 is free
+    assert sample(sampler, [row(p, output=[0, 4])]) == [3]  # "up" then 2: banned
+    assert sample(sampler, [row(p, output=[6])]) == [3]  # the spaced form too
+    assert sample(sampler, [row(p, output=[4, 0])]) == [2]  # not right before
+    # The prompt is not output (vLLM's rule): a prompt ending in 4 bans nothing...
+    assert sample(sampler, [row(p, prompt=[9, 4])]) == [2]
+    # ...unless a migrated request generated it (the prompt's last resume_offset ids).
+    moved = bad_words_params("up top", resume_offset=1)
+    assert sample(sampler, [row(moved, prompt=[9, 4])]) == [3]

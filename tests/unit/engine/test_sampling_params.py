@@ -89,3 +89,34 @@ def test_clone_revalidates_and_copies():
     assert p.output_kind is RequestOutputKind.CUMULATIVE
     with pytest.raises(ValueError, match="top_p"):
         p.clone(top_p=2.0)
+
+
+def test_bad_words_are_tokenized_as_vllm_does(demo_tokenizer):
+    p = SamplingParams(bad_words=["Paris", "  Paris", "little girl", "bustling"])
+    p.update_from_tokenizer(demo_tokenizer)
+
+    def ids(text: str) -> list[int]:
+        return demo_tokenizer.encode(text, add_special_tokens=False)
+
+    assert len(ids(" bustling")) != len(ids("bustling"))  # the case the rule drops
+    assert p.bad_words_token_ids == [
+        ids("Paris"),
+        ids(" Paris"),
+        ids("Paris"),  # leading spaces stripped first
+        ids(" Paris"),
+        ids("little girl"),
+        ids(" little girl"),
+        # The spaced form has another number of tokens: vLLM keeps the plain one only.
+        ids("bustling"),
+    ]
+    assert p.reads_output_ids  # "little girl" has two tokens: the output ids decide
+    one_token = SamplingParams(bad_words=["Paris"])
+    one_token.update_from_tokenizer(demo_tokenizer)
+    assert not one_token.reads_output_ids  # a fixed mask
+    assert p.clone().bad_words == p.bad_words
+
+
+@pytest.mark.parametrize("words", [["ok", ""], ["  "], "Paris", [3]])
+def test_blank_or_malformed_bad_words_are_refused(words):
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=words)

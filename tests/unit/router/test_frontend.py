@@ -7,6 +7,8 @@ without that head start, and refuse the same requests with the same message.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from common.cluster.state import NodeInfo, NodeRole
@@ -117,3 +119,52 @@ def test_the_nodes_registered_length_is_the_one_checked(demo_model_dir):
     assert frontend.max_model_len == 256
     frontend.served.observe([])  # every node gone: the last length learnt
     assert frontend.max_model_len == 256
+
+
+# -- chat: continue_final_message and a request's own chat_template ------------------------
+
+
+CONTINUED = [
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "The capital of France is"},
+]
+TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+
+
+def chat_request(messages=CONTINUED, **chat) -> pdserve_pb2.GenerateRequest:
+    return request(chat=pdserve_pb2.ChatMessages(messages=messages, **chat))
+
+
+def test_continue_final_message_renders_as_transformers_does(frontend, demo_tokenizer):
+    parsed = frontend.parse(chat_request(add_generation_prompt=False, continue_final_message=True))
+    text = demo_tokenizer.apply_chat_template(
+        CONTINUED, continue_final_message=True, tokenize=False
+    )
+    assert text.endswith("<|im_start|>assistant\nThe capital of France is")  # left open
+    assert parsed.prompt_token_ids == demo_tokenizer.encode(text, add_special_tokens=False)
+    for flags in ({}, {"add_generation_prompt": True}):  # unset, add_generation_prompt is true
+        with pytest.raises(ValueError, match="Cannot set both `continue_final_message`"):
+            frontend.parse(chat_request(**flags, continue_final_message=True))
+
+
+def test_a_requests_chat_template_needs_the_routers_trust(demo_model_dir, frontend):
+    cases = [  # the field, and vLLM's other way: chat_template_kwargs' chat_template
+        chat_request(chat_template=TEMPLATE),
+        chat_request(chat_template_kwargs=json.dumps({"chat_template": TEMPLATE})),
+    ]
+    for req in cases:
+        with pytest.raises(ValueError, match="--trust-request-chat-template is not set"):
+            frontend.parse(req)
+    trusting = Frontend(
+        EngineConfig.from_kwargs(str(demo_model_dir), max_model_len=1024),
+        trust_request_chat_template=True,
+    )
+    want = "[user] What is the capital of France?\n[assistant] The capital of France is\n"
+    for req in cases:
+        parsed = trusting.parse(req)
+        assert trusting.tokenizer.decode(parsed.prompt_token_ids) == want
+    both = chat_request(
+        chat_template=TEMPLATE, chat_template_kwargs=json.dumps({"chat_template": TEMPLATE})
+    )
+    with pytest.raises(ValueError, match="chat_template is set twice"):
+        trusting.parse(both)

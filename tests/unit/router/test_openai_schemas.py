@@ -198,3 +198,41 @@ def test_tools_reach_the_template_and_tool_messages_are_kept():
     with pytest.raises(InvalidField) as e:
         chat(tools=[tool], tool_choice="required", guided_regex="a").to_generate()
     assert e.value.param == "tool_choice" and "guided_regex" in str(e.value)
+
+
+# -- vLLM's continue_final_message, chat_template and bad_words ---------------------------
+
+
+def test_bad_words_reach_the_wire_on_both_endpoints():
+    for body in (completion(bad_words=["Paris", "big city"]), chat(bad_words=["Paris"])):
+        request = body.to_generate()[0]
+        assert list(request.sampling.bad_words) == body.bad_words
+    assert not chat(bad_words=[]).to_generate()[0].sampling.bad_words
+
+
+def test_continue_final_message_and_chat_template_reach_the_wire():
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    body = chat(
+        messages=messages,
+        continue_final_message=True,
+        add_generation_prompt=False,
+        chat_template="{{ messages[0].content }}",
+    )
+    request, _ = body.to_generate()
+    assert request.chat.continue_final_message and not request.chat.add_generation_prompt
+    assert request.chat.chat_template == "{{ messages[0].content }}"
+    plain, _ = chat().to_generate()
+    assert not plain.chat.continue_final_message and plain.chat.chat_template == ""
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, None])
+def test_continue_final_message_with_a_generation_prompt_is_vllms_400(add_generation_prompt):
+    body = {"continue_final_message": True}
+    if add_generation_prompt is not None:  # unset, it is true: the same refusal
+        body["add_generation_prompt"] = add_generation_prompt
+    with pytest.raises(InvalidField) as e:
+        chat(**body).to_generate()
+    assert e.value.param == "continue_final_message"
+    assert str(e.value) == (
+        "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+    )
