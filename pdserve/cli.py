@@ -251,7 +251,8 @@ def _component_module(name: str):
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """Every subcommand's parser. Given the ``command`` that runs, a component
     other than it keeps a bare subcommand: its module is never imported, so a
-    router or `pdserve up` never loads the nodes' (torch, the engine)."""
+    router or `pdserve up` never loads the nodes' (torch, the engine); None
+    builds every component's flags (docs/flags.md's generator)."""
     from common.metrics.server import DEFAULT_METRICS_PORT, metrics_port
 
     parser = argparse.ArgumentParser(prog="pdserve", description=DESCRIPTION)
@@ -483,7 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     if is_generate(argv):
         parser = generate_only_parser(DESCRIPTION)
     else:
-        parser = build_parser(argv[0] if argv and not argv[0].startswith("-") else None)
+        # The subcommand that runs ("" for none: --version, --help), so that only
+        # its component's module is imported.
+        parser = build_parser(next((a for a in argv if not a.startswith("-")), ""))
     args = parser.parse_args(argv)
     _configure_logging(args.verbose)
     try:

@@ -103,3 +103,17 @@ def test_a_router_or_pdserve_up_parses_its_flags_without_importing_torch(argv, m
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [argv[0], module, "False"]
+
+
+def test_version_and_help_load_no_component():
+    # `pdserve --version` / `--help` name no subcommand: no component's module
+    # (the nodes': torch) is imported for them.
+    probe = (
+        "import sys, contextlib, io; from pdserve import cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    cli.main(['-v', '--version'])\n"
+        "print('torch' in sys.modules, 'router.main' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]
