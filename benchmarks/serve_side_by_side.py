@@ -79,6 +79,7 @@ from benchmarks.support.kv_tier import (
     tier_counters,
     write_json,
 )
+from engine.models.config import ModelArchConfig
 from pdserve.redis_server import free_port
 
 SLO = "ttft:500,tpot:50"
@@ -370,8 +371,8 @@ def size_multi_turn(args) -> None:
             f"(--workloads {MULTI_TURN}), not with {args.workloads}"
         )
     spec = parse_spec(args.multi_turn)
-    config = json.loads((args.model_dir / "config.json").read_text())
-    ws = WorkingSet.size(spec, config, args.working_set_ratio, MAX_MODEL_LEN)
+    arch = ModelArchConfig.from_dir(args.model_dir)
+    ws = WorkingSet.size(spec, arch, args.working_set_ratio, MAX_MODEL_LEN)
     args.workload_args[MULTI_TURN] = bench_args(spec)
     blocks, size = str(ws.pool_blocks), str(BLOCK_SIZE)
     args.pool_args = {

@@ -20,6 +20,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from engine.models.config import ModelArchConfig
 from pdserve.bench.datasets import MultiTurnSpec
 
 GiB = 1 << 30
@@ -71,14 +72,11 @@ def bench_args(spec: MultiTurnSpec) -> list[str]:
     ]
 
 
-def kv_bytes_per_token(config: dict) -> int:
+def kv_bytes_per_token(arch: ModelArchConfig) -> int:
     """K and V of every layer for one token, in the config's dtype (the pool's
     without an FP8 KV cache)."""
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    kv_heads = config.get("num_key_value_heads", heads)
-    elem = {"float32": 4, "float16": 2, "bfloat16": 2}[config.get("torch_dtype", "bfloat16")]
-    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * elem
+    elem = {"float32": 4, "float16": 2, "bfloat16": 2}[arch.torch_dtype or "bfloat16"]
+    return arch.kv_bytes_per_token(elem)
 
 
 @dataclass(slots=True)
@@ -95,7 +93,7 @@ class WorkingSet:
 
     @classmethod
     def size(
-        cls, spec: MultiTurnSpec, config: dict, ratio: float, max_model_len: int
+        cls, spec: MultiTurnSpec, arch: ModelArchConfig, ratio: float, max_model_len: int
     ) -> WorkingSet:
         mean_user = (spec.min_user_tokens + spec.max_user_tokens) / 2
         per_user = spec.turns * (mean_user + spec.output_tokens)
@@ -107,7 +105,7 @@ class WorkingSet:
             )
         # At least one full-length sequence: both servers refuse a smaller pool.
         blocks = max(math.ceil(tokens / ratio / BLOCK_SIZE), -(-max_model_len // BLOCK_SIZE))
-        per_token = kv_bytes_per_token(config)
+        per_token = kv_bytes_per_token(arch)
         return cls(
             tokens=tokens,
             bytes=tokens * per_token,

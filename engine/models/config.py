@@ -112,10 +112,10 @@ class ModelArchConfig:
             return self.local_rope
         return self.rope
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV bytes per token at 2 bytes per element (bf16/fp16), all layers, K and V."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 2
+    def kv_bytes_per_token(self, element_bytes: int = 2) -> int:
+        """KV bytes per token, all layers, K and V, at ``element_bytes`` an
+        element (2: bf16/fp16)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element_bytes
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelArchConfig:

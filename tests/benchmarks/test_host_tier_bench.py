@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks import serve_side_by_side as sbs
 from benchmarks.support.kv_tier import GiB, kv_bytes_per_token, parse_spec
+from engine.models.config import ModelArchConfig
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,8 +85,8 @@ def test_vllm_gets_the_same_pool_and_an_offloading_tier_of_the_same_size(tmp_pat
         + ["--out", str(tmp_path)]
     )
     sbs.prepare(args)  # the default: Llama-3.1-8B's shape, the GPU run's conversations
-    config = json.loads((args.model_dir / "config.json").read_text())
-    assert kv_bytes_per_token(config) == 2 * 32 * 8 * 128 * 2
+    arch = ModelArchConfig.from_dir(args.model_dir)
+    assert kv_bytes_per_token(arch) == 2 * 32 * 8 * 128 * 2
     ws = json.loads((tmp_path / "working-set.json").read_text())
     assert 3 <= ws["ratio"] <= 4 and ws["longest_tokens"] <= sbs.MAX_MODEL_LEN
     assert ws["host_tier_gib_used"] * GiB >= ws["bytes"]
