@@ -53,6 +53,7 @@ bus copy cost one launch each whatever the layout.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -140,22 +141,21 @@ class _Carver:
 
     @staticmethod
     def size(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+        """The bytes views of ``shapes``, carved in that order, take."""
         total = 0
         for shape, dtype in shapes:
-            total = -(-total // _ALIGN) * _ALIGN + _nbytes(shape, dtype)
+            _, total = _span(total, shape, dtype)
         return total
 
     def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        start = -(-self.at // _ALIGN) * _ALIGN
-        self.at = start + _nbytes(shape, dtype)
+        start, self.at = _span(self.at, shape, dtype)
         return self.buf[start : self.at].view(dtype).view(shape)
 
 
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n
+def _span(at: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
+    """Where a view of ``shape`` carved after ``at`` bytes starts (aligned) and ends."""
+    start = -(-at // _ALIGN) * _ALIGN
+    return start, start + math.prod(shape) * dtype.itemsize
 
 
 class TierCopier:
